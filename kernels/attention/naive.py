@@ -1,0 +1,68 @@
+"""Plain-PyTorch paged attention over a token-level KV pool; also the CPU path.
+
+The pool holds one row per token slot: k_cache, v_cache [N, KV, hd]. ``req_to_token`` [R, max_context] maps
+(request row, position) to a slot. New tokens are written with ``store_kv`` before attention, so both
+``extend_attention`` and ``decode_attention`` read every key and value (prefix and new) from the pool.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    k_cache[loc] = k.to(k_cache.dtype)
+    v_cache[loc] = v.to(v_cache.dtype)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[..., S] slots -> [..., H, S, hd] with KV heads repeated for GQA."""
+    kv = cache[slots].transpose(-3, -2)  # [..., KV, S, hd]
+    return kv.repeat_interleave(num_heads // cache.shape[1], dim=-3)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """New tokens ([T, H, hd], packed by request) attend causally to their request's prefix and to themselves."""
+    num_heads = q.shape[1]
+    out = torch.empty_like(q)
+    start = 0
+    for row, prefix, extend in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
+        slots = req_to_token[row, : prefix + extend].long()
+        keys, values = _gather(k_cache, slots, num_heads), _gather(v_cache, slots, num_heads)
+        query = q[start : start + extend].transpose(0, 1)  # [H, E, hd]
+        mask = torch.ones(extend, prefix + extend, dtype=torch.bool, device=q.device).tril(prefix)
+        o = F.scaled_dot_product_attention(query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale)
+        out[start : start + extend] = o.transpose(0, 1)
+        start += extend
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per request ([B, H, hd]) over its first ``seq_lens`` cached tokens, batched with padding."""
+    max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    slots = req_to_token[req_pool_indices.long(), :max_len].long()  # [B, S]
+    keys, values = _gather(k_cache, slots, q.shape[1]), _gather(v_cache, slots, q.shape[1])
+    mask = torch.arange(max_len, device=q.device) < seq_lens.unsqueeze(1)  # [B, S]
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
+    )
+    return o.squeeze(2)

@@ -1,0 +1,52 @@
+"""Plain-PyTorch causal depthwise conv1d over packed variable-length batches with a slot-indexed state pool.
+
+Layouts: ``x`` [T, D] packed tokens; ``weight`` [D, K]; ``conv_states`` [S, D, K-1] (the last K-1 inputs of each
+request, oldest first, zeros for a new request); ``state_indices`` [B] slot of each request.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Prefill: each request continues from its pooled state; its last K-1 inputs are written back to the pool."""
+    out = torch.empty_like(x)
+    w = weight.float().unsqueeze(1)
+    bounds = cu_seqlens.tolist()
+    for i, slot in enumerate(state_indices.tolist()):
+        start, end = bounds[i], bounds[i + 1]
+        window = torch.cat([conv_states[slot].float(), x[start:end].t().float()], dim=1)  # [D, K-1+L]
+        y = F.conv1d(window.unsqueeze(0), w, groups=window.shape[0])[0]  # [D, L]
+        out[start:end] = _activate(y, activation).t().to(x.dtype)
+        conv_states[slot] = window[:, window.shape[1] - conv_states.shape[2] :].to(conv_states.dtype)
+    return out
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Decode: one token per request ([B, D]); each request's pooled state is shifted by one in place."""
+    window = torch.cat([conv_states[state_indices].float(), x.float().unsqueeze(-1)], dim=-1)  # [B, D, K]
+    y = (window * weight.float()).sum(-1)
+    conv_states[state_indices] = window[..., 1:].to(conv_states.dtype)
+    return _activate(y, activation).to(x.dtype)
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return y
+    if activation in ("silu", "swish"):
+        return F.silu(y)
+    raise ValueError(f"unsupported activation {activation!r}")

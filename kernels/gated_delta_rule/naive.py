@@ -1,0 +1,119 @@
+"""Plain-PyTorch gated delta rule (Gated DeltaNet); also the CPU path.
+
+Layouts: q, k [T, HK, dk]; v [T, HV, dv]; g, beta [T, HV] (fp32); packed requests delimited by ``cu_seqlens``.
+Recurrent state per request: [HV, dk, dv] in fp32, held in ``ssm_states`` [S, HV, dk, dv] at ``state_indices``.
+Value head h reads key head h // (HV // HK). Per step:
+``S = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T (scale q)``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_gdn_gating(
+    A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``, both fp32, shaped like ``a``."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.float().sigmoid()
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, scale: float, use_qk_l2norm: bool):
+    q, k = q.float(), k.float()
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    groups = num_v_heads // k.shape[-2]
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=-2), k.repeat_interleave(groups, dim=-2)
+    return q * scale, k
+
+
+def _check_heads(k: torch.Tensor, v: torch.Tensor) -> None:
+    if v.shape[-2] % k.shape[-2]:
+        raise ValueError(f"value heads ({v.shape[-2]}) must be a multiple of key heads ({k.shape[-2]})")
+
+
+def _chunk_one_sequence(q, k, v, g, beta, state, chunk_size):
+    """One request, heads first: q, k [H, L, dk], v [H, L, dv], g, beta [H, L], state [H, dk, dv] (fp32)."""
+    H, L, dk = k.shape
+    pad = (-L) % chunk_size
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    n = (L + pad) // chunk_size
+    q, k, v = (t.reshape(H, n, chunk_size, -1) for t in (q, k, v))
+    g_cum = g.reshape(H, n, chunk_size).cumsum(-1)
+    beta = beta.reshape(H, n, chunk_size, 1)
+    lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    decay = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+    k_beta = k * beta
+    # (I + strictly_lower(k_beta k^T * decay)) is the UT system that folds the in-chunk delta updates together.
+    ut = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(ut, v * beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(ut, k_beta * g_cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * g_cum.exp().unsqueeze(-1)
+    k_to_end = k * (g_cum[..., -1:] - g_cum).exp().unsqueeze(-1)
+    chunk_decay = g_cum[..., -1].exp()
+    out = torch.empty_like(v)
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ state
+        out[:, i] = q_decayed[:, i] @ state + attn[:, i] @ v_new
+        state = state * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ v_new
+    return out.reshape(H, n * chunk_size, -1)[:, :L], state
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Prefill over packed requests; each starts from its pooled state and its final state is written back."""
+    _check_heads(k, v)
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    qf, kf = _prepare_qk(q, k, v.shape[-2], scale, use_qk_l2norm)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    bounds = cu_seqlens.tolist()
+    for i, slot in enumerate(state_indices.tolist()):
+        s, e = bounds[i], bounds[i + 1]
+        heads_first = [t[s:e].transpose(0, 1) for t in (qf, kf, v.float(), g.float(), beta.float())]
+        o, state = _chunk_one_sequence(*heads_first, ssm_states[slot].float(), chunk_size)
+        out[s:e] = o.transpose(0, 1).to(v.dtype)
+        ssm_states[slot] = state.to(ssm_states.dtype)
+    return out
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Decode: one token per request (q, k [B, HK, dk]; v [B, HV, dv]); pooled states updated in place."""
+    _check_heads(k, v)
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    qf, kf = _prepare_qk(q, k, v.shape[-2], scale, use_qk_l2norm)
+    state = ssm_states[state_indices].float() * g.float().exp()[..., None, None]
+    predicted = torch.einsum("bhkv,bhk->bhv", state, kf)
+    delta = beta.float().unsqueeze(-1) * (v.float() - predicted)
+    state = state + kf.unsqueeze(-1) * delta.unsqueeze(-2)
+    ssm_states[state_indices] = state.to(ssm_states.dtype)
+    return torch.einsum("bhkv,bhk->bhv", state, qf).to(v.dtype)

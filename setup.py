@@ -1,0 +1,36 @@
+"""sglang_lite: a compact serving library for the Qwen3.5 model family.
+
+The Triton kernels live in the top-level `kernels/` folder of the repository and are installed as
+`sglang_lite.kernels` (a bare top-level `kernels` package already exists on PyPI, so we never install one).
+"""
+from setuptools import find_packages, setup
+
+kernel_packages = ["sglang_lite.kernels"] + [f"sglang_lite.kernels.{p}" for p in find_packages("kernels")]
+
+setup(
+    name="sglang_lite",
+    version="0.1.0",
+    description="Compact Qwen3.5 serving: model classes, Triton kernels, engine, server and router",
+    python_requires=">=3.10",
+    packages=find_packages(include=["sglang_lite", "sglang_lite.*"]) + kernel_packages,
+    package_dir={"sglang_lite.kernels": "kernels"},
+    package_data={"sglang_lite": ["assets/*/*"]},
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.0",
+        "safetensors",
+        "transformers>=5.2",
+        "tokenizers",
+        "einops",
+        "numpy",
+        "tqdm",
+        "fastapi",
+        "uvicorn",
+        "httpx",
+        "aiohttp",
+        "pyzmq",
+        "msgpack",
+        "matplotlib",
+    ],
+    extras_require={"test": ["pytest", "pytest-timeout", "openai"]},
+)
