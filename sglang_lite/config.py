@@ -1,0 +1,161 @@
+"""The model configuration: a Hugging Face Qwen3.5 config normalised once into a frozen dataclass."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}
+WRAPPER_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    is_moe: bool
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    # gated full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    # Gated DeltaNet
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # MLP: dense, or sparse MoE with a gated shared expert
+    intermediate_size: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        assert not bad, f"unknown layer types {bad}"
+        assert self.linear_num_value_heads % self.linear_num_key_heads == 0, "linear value heads % key heads != 0"
+        assert self.num_attention_heads % self.num_key_value_heads == 0, "attention heads % kv heads != 0"
+        assert 0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0, f"bad rotary_dim {self.rotary_dim}"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @classmethod
+    def from_hf(cls, source: str | os.PathLike | dict[str, Any] | Any) -> ModelConfig:
+        """From a checkpoint folder, a config.json path, a config dict or a transformers PretrainedConfig."""
+        return cls.from_dict(_read_hf_dict(source))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        text, outer = _text_section(raw)
+        rope = _rope_parameters(text)
+        head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+        return cls(
+            is_moe=TEXT_MODEL_TYPES[text["model_type"]],
+            vocab_size=text["vocab_size"],
+            hidden_size=text["hidden_size"],
+            layer_types=_layer_types(text),
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))),
+            max_position_embeddings=text.get("max_position_embeddings", 32768),
+            num_attention_heads=text["num_attention_heads"],
+            num_key_value_heads=text.get("num_key_value_heads", text["num_attention_heads"]),
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 0.25)),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            linear_num_key_heads=text["linear_num_key_heads"],
+            linear_num_value_heads=text["linear_num_value_heads"],
+            linear_key_head_dim=text["linear_key_head_dim"],
+            linear_value_head_dim=text["linear_value_head_dim"],
+            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
+            intermediate_size=text.get("intermediate_size", 0) or 0,
+            num_experts=text.get("num_experts", 0) or 0,
+            num_experts_per_tok=text.get("num_experts_per_tok", 0) or 0,
+            moe_intermediate_size=text.get("moe_intermediate_size", 0) or 0,
+            shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0) or 0,
+            eos_token_ids=_as_tuple(text.get("eos_token_id", outer.get("eos_token_id"))),
+            pad_token_id=text.get("pad_token_id", outer.get("pad_token_id")),
+        )
+
+
+def _read_hf_dict(source: Any) -> dict[str, Any]:
+    if isinstance(source, dict):
+        return source
+    if hasattr(source, "to_dict"):
+        return source.to_dict()
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _text_section(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Returns (text config, wrapper config); the VL wrappers keep the language model under ``text_config``."""
+    model_type = raw.get("model_type")
+    if model_type in WRAPPER_MODEL_TYPES:
+        text = dict(raw.get("text_config") or {})
+        text.setdefault("model_type", WRAPPER_MODEL_TYPES[model_type])
+        return text, raw
+    if model_type not in TEXT_MODEL_TYPES:
+        known = sorted(TEXT_MODEL_TYPES) + sorted(WRAPPER_MODEL_TYPES)
+        raise ValueError(f"unsupported model_type {model_type!r}; expected one of {known}")
+    return raw, {}
+
+
+def _rope_parameters(text: dict[str, Any]) -> dict[str, Any]:
+    """Merges the transformers 5 ``rope_parameters`` with the older top-level / ``rope_scaling`` spellings."""
+    merged = {k: text[k] for k in ("rope_theta", "partial_rotary_factor") if k in text}
+    for key in ("rope_scaling", "rope_parameters"):
+        merged.update(text.get(key) or {})
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+    return merged
+
+
+def _layer_types(text: dict[str, Any]) -> tuple[str, ...]:
+    if text.get("layer_types"):
+        return tuple(text["layer_types"][: text["num_hidden_layers"]])
+    interval = text.get("full_attention_interval", 4)
+    return tuple(
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(text["num_hidden_layers"])
+    )
+
+
+def _as_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)

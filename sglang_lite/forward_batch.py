@@ -1,0 +1,110 @@
+"""The batch one cached forward runs on: packed tokens of several requests plus where their state lives.
+
+EXTEND runs new tokens of each request (a whole prompt, or a chunk continuing from what is cached: the prefix);
+DECODE runs exactly one new token per request. Tokens are packed request after request ([T] rows, no padding).
+Layers read positions and boundaries from here and their KV / linear-attention state from ``pools``.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_lite.mem_cache.pools import ModelPools
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64: position of each new token in its request
+    req_pool_indices: torch.Tensor  # [B] int64: row of each request in req_to_token
+    prefix_lens: list[int]  # tokens of each request already cached before this forward
+    extend_lens: list[int]  # new tokens of each request in this forward (1 in DECODE)
+    out_cache_loc: torch.Tensor  # [T] int64: KV slot receiving each new token
+    state_slots: torch.Tensor  # [B] int64: linear-attention state slot of each request
+    pools: ModelPools
+    seq_lens_t: torch.Tensor = field(init=False)  # [B] int32 on device: prefix + extend
+    prefix_lens_t: torch.Tensor = field(init=False)
+    extend_lens_t: torch.Tensor = field(init=False)
+    cu_seqlens: torch.Tensor = field(init=False)  # [B+1] int32 on device
+
+    def __post_init__(self) -> None:
+        assert len(self.prefix_lens) == len(self.extend_lens) == self.batch_size, "per-request lengths disagree"
+        assert sum(self.extend_lens) == self.num_tokens == self.positions.numel() == self.out_cache_loc.numel()
+        assert self.mode is ForwardMode.EXTEND or all(n == 1 for n in self.extend_lens), "decode takes 1 token each"
+        device = self.input_ids.device
+        self.prefix_lens_t = torch.tensor(self.prefix_lens, dtype=torch.int32, device=device)
+        self.extend_lens_t = torch.tensor(self.extend_lens, dtype=torch.int32, device=device)
+        self.seq_lens_t = self.prefix_lens_t + self.extend_lens_t
+        self.cu_seqlens = torch.tensor([0, *_cumsum(self.extend_lens)], dtype=torch.int32, device=device)
+
+    @property
+    def batch_size(self) -> int:
+        return self.req_pool_indices.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE
+
+    @property
+    def last_token_indices(self) -> torch.Tensor:
+        """Row of each request's last new token, for sampling."""
+        return self.cu_seqlens[1:].long() - 1
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def build_forward_batch(
+    pools: ModelPools,
+    mode: ForwardMode,
+    token_ids: list[list[int]],
+    prefix_lens: list[int],
+    req_rows: list[int],
+    state_slots: list[int],
+    device: torch.device | str,
+) -> ForwardBatch:
+    """Allocates KV slots for the new tokens, records them in req_to_token, and builds the batch.
+
+    ``token_ids[i]`` are the new tokens of request i, which already holds ``prefix_lens[i]`` cached tokens in
+    request row ``req_rows[i]`` and linear-attention state slot ``state_slots[i]``. Raises when the KV pool
+    cannot hold the new tokens (the caller decides what to retract).
+    """
+    extend_lens = [len(t) for t in token_ids]
+    slots = pools.kv.allocator.alloc(sum(extend_lens))
+    if slots is None:
+        raise MemoryError(f"KV pool has {pools.kv.allocator.num_free} free slots, {sum(extend_lens)} needed")
+    loc = torch.tensor(slots, dtype=torch.int64, device=device)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, extend_lens)]).to(device)
+    start = 0
+    for row, prefix, n in zip(req_rows, prefix_lens, extend_lens):
+        pools.req_to_token.req_to_token[row, prefix : prefix + n] = loc[start : start + n]
+        start += n
+    flat = [t for ids in token_ids for t in ids]
+    return ForwardBatch(
+        mode=mode,
+        input_ids=torch.tensor(flat, dtype=torch.int64, device=device),
+        positions=positions,
+        req_pool_indices=torch.tensor(req_rows, dtype=torch.int64, device=device),
+        prefix_lens=list(prefix_lens),
+        extend_lens=extend_lens,
+        out_cache_loc=loc,
+        state_slots=torch.tensor(state_slots, dtype=torch.int64, device=device),
+        pools=pools,
+    )

@@ -1,0 +1,138 @@
+"""Memory pools for cached, packed forwards: request rows, a token-level KV pool, linear-attention states.
+
+- ``ReqToTokenPool``: one row per running request, mapping its positions to KV slots (``req_to_token``).
+- ``TokenKVPool``: per full-attention layer, K and V of one token per slot ([slots, KV heads, head_dim]).
+- ``LinearStatePool``: per Gated DeltaNet layer, the conv state [conv_dim, K-1] and the recurrent state
+  [HV, dk, dv] (fp32) of one request per slot.
+Slot 0 of the KV and state pools is reserved (a dummy for padded batches) and never handed out. Allocation is a
+free list; ``num_used`` counts exactly what is held.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_lite.config import ModelConfig
+
+
+class SlotAllocator:
+    """Free list over slots 1..size (slot 0 reserved)."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self.size = size
+        self.name = name
+        self._free = list(range(size, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.size - len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n slots, or None when fewer than n are free (nothing is taken then)."""
+        if n > len(self._free):
+            return None
+        taken = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
+        return taken[::-1]
+
+    def free(self, slots: list[int]) -> None:
+        self._free.extend(slots)
+        assert len(self._free) <= self.size, f"{self.name}: freed more slots than exist"
+
+
+class ReqToTokenPool:
+    def __init__(self, max_requests: int, max_context_len: int, device: torch.device) -> None:
+        self.req_to_token = torch.zeros(max_requests + 1, max_context_len, dtype=torch.int64, device=device)
+        self.allocator = SlotAllocator(max_requests, "request rows")
+        self.max_context_len = max_context_len
+
+
+class TokenKVPool:
+    def __init__(self, config: ModelConfig, num_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_tokens + 1, config.num_key_value_heads, config.head_dim)
+        n = len(config.full_attention_layers)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
+        self.allocator = SlotAllocator(num_tokens, "KV tokens")
+
+    @property
+    def bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)
+
+
+class LinearStatePool:
+    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        conv_shape = (num_slots + 1, config.conv_dim, config.linear_conv_kernel_dim - 1)
+        ssm_shape = (num_slots + 1, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        n = len(config.linear_attention_layers)
+        self.conv_states = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in range(n)]
+        self.ssm_states = [torch.zeros(ssm_shape, dtype=torch.float32, device=device) for _ in range(n)]
+        self.allocator = SlotAllocator(num_slots, "linear-attention state slots")
+
+    def alloc(self, n: int) -> list[int] | None:
+        """Slots with zeroed states: a new request starts from an empty conv window and recurrent state."""
+        slots = self.allocator.alloc(n)
+        if slots:
+            index = torch.tensor(slots, device=self.conv_states[0].device if self.conv_states else "cpu")
+            for buf in self.conv_states + self.ssm_states:
+                buf[index] = 0
+        return slots
+
+    @property
+    def bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.conv_states + self.ssm_states)
+
+
+@dataclass
+class ModelPools:
+    """Everything a cached forward reads and writes besides the weights; layers index it by their own order."""
+
+    req_to_token: ReqToTokenPool
+    kv: TokenKVPool
+    states: LinearStatePool
+    attention_index: dict[int, int]  # model layer id -> index into kv buffers
+    linear_index: dict[int, int]  # model layer id -> index into state buffers
+
+    @classmethod
+    def create(
+        cls,
+        config: ModelConfig,
+        max_total_tokens: int,
+        max_running_requests: int,
+        max_context_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> ModelPools:
+        device = torch.device(device)
+        return cls(
+            req_to_token=ReqToTokenPool(max_running_requests, max_context_len, device),
+            kv=TokenKVPool(config, max_total_tokens, dtype, device),
+            states=LinearStatePool(config, max_running_requests, dtype, device),
+            attention_index={layer: i for i, layer in enumerate(config.full_attention_layers)},
+            linear_index={layer: i for i, layer in enumerate(config.linear_attention_layers)},
+        )
+
+    def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = self.attention_index[layer_id]
+        return self.kv.k_buffers[i], self.kv.v_buffers[i]
+
+    def state_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = self.linear_index[layer_id]
+        return self.states.conv_states[i], self.states.ssm_states[i]
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * len(config.full_attention_layers) * config.num_key_value_heads * config.head_dim * elem
+
+    @staticmethod
+    def bytes_per_request_state(config: ModelConfig, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        conv = config.conv_dim * (config.linear_conv_kernel_dim - 1) * elem
+        ssm = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+        return len(config.linear_attention_layers) * (conv + ssm)
