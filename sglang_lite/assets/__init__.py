@@ -1,0 +1,12 @@
+"""Files shipped with the package.
+
+`TINY_MODEL_DIR` holds the built-in tiny Qwen3.5-MoE model: a Hugging Face style folder with config.json, a
+trained 4096-token byte-level BPE tokenizer (ChatML chat template) and generation_config.json, but no weights;
+the loader fills the model with seeded dummy weights. The tokenizer files are made by
+scripts/make_tiny_tokenizer.py; config.json is kept by hand.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+TINY_MODEL_DIR = Path(__file__).parent / "tiny_qwen3_5_moe"
