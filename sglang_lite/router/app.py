@@ -1,0 +1,322 @@
+"""The router: worker registries and policies behind an aiohttp server, forwarding with an aiohttp client."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import sys
+import time
+
+import aiohttp
+from aiohttp import web
+
+from . import pd
+from .admission import Admission, Shed
+from .config import RouterConfig
+from .health import HealthChecker, probe
+from .load_monitor import LoadMonitor
+from .metrics import RouterMetrics
+from .policies import Policy, RequestInfo, create_policy
+from .proxy import UpstreamUnreachable, backoff_secs, forward_headers, json_error, open_upstream, relay, with_fields
+from .request_info import parse_body, request_info
+from .workers import CircuitBreaker, Server, Worker, WorkerRegistry, normalize_url
+
+logger = logging.getLogger("sglang_lite.router")
+
+INFERENCE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+OPEN_ROUTES = frozenset({"/health", "/liveness", "/readiness", "/metrics"})  # no API key needed
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.rng = random.Random(config.seed)
+        self.metrics = RouterMetrics()
+        self.admission = Admission(config.max_concurrent_requests, config.queue_size, config.queue_timeout_secs)
+        self.registries = {role: WorkerRegistry() for role in ("regular", "prefill", "decode")}
+        opts = config.policy_options()
+        self.policies: dict[str, Policy] = {
+            "regular": create_policy(config.policy, **opts),
+            "prefill": create_policy(config.prefill_policy or config.policy, **opts),
+            "decode": create_policy(config.decode_policy or config.policy, **opts),
+        }
+        self.session: aiohttp.ClientSession | None = None
+        self.load_monitor: LoadMonitor | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.background: set[asyncio.Task] = set()  # PD prefill legs that outlive their handler
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        await self._add_initial_workers()
+        self._start_monitors()
+
+    async def close(self) -> None:
+        for task in self._tasks + list(self.background):
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self.background, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+
+    async def _add_initial_workers(self) -> None:
+        cfg = self.config
+        adds = [self.add_server(u, "regular") for u in cfg.worker_urls] if not cfg.pd_disaggregation else []
+        adds += [self.add_server(p.url, "prefill", p.bootstrap_port) for p in cfg.prefill]
+        adds += [self.add_server(u, "decode") for u in cfg.decode]
+        await asyncio.gather(*adds)
+
+    def _start_monitors(self) -> None:
+        cfg = self.config
+        polled = [self.registries[r] for r in self.active_roles() if self.policies[r].needs_loads]
+        if polled:  # loads are polled only when a power-of-two policy will read them
+            self.load_monitor = LoadMonitor(self.session, polled, cfg.worker_startup_check_interval)
+            self._tasks.append(asyncio.create_task(self.load_monitor.run()))
+        if not cfg.disable_health_check:
+            checker = HealthChecker(self.session, self.all_servers, cfg)
+            self._tasks.append(asyncio.create_task(checker.run()))
+
+    def active_roles(self) -> tuple[str, ...]:
+        return ("prefill", "decode") if self.config.pd_disaggregation else ("regular",)
+
+    def all_servers(self) -> list[Server]:
+        return [s for r in self.active_roles() for s in self.registries[r].servers.values()]
+
+    def all_workers(self) -> list[Worker]:
+        return [w for r in self.active_roles() for w in self.registries[r].workers]
+
+    # ---- workers ---------------------------------------------------------------------------------------
+    async def add_server(self, url: str, role: str, bootstrap_port: int | None = None) -> Server:
+        cfg = self.config
+        url = normalize_url(url)
+        dp_size = await self.wait_ready(url)
+        breaker = CircuitBreaker(cfg.cb_failure_threshold, cfg.cb_success_threshold, cfg.cb_timeout_duration_secs,
+                                 enabled=not cfg.disable_circuit_breaker)
+        server = Server(url, dp_size, breaker, role, bootstrap_port)
+        self.registries[role].add(server)
+        logger.info("added %s worker %s (dp_size=%s)", role, url, dp_size)
+        return server
+
+    async def wait_ready(self, url: str) -> int | None:
+        """Wait until the server answers its health check (and, under --dp-aware, reports dp_size)."""
+        cfg = self.config
+        deadline = time.monotonic() + cfg.worker_startup_timeout_secs
+        while True:
+            if await probe(self.session, url, cfg.health_check_endpoint, cfg.health_check_timeout_secs):
+                dp_size = await fetch_dp_size(self.session, url) if cfg.dp_aware else None
+                if not cfg.dp_aware or dp_size is not None:
+                    return dp_size
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"worker {url} did not become ready in {cfg.worker_startup_timeout_secs}s")
+            await asyncio.sleep(cfg.worker_startup_check_interval)
+
+    def pick(self, role: str, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Worker | None:
+        registry = self.registries[role]
+        views = registry.views(time.monotonic())
+        if exclude:  # servers that refused this request already: shown as unhealthy, so rings stay stable
+            views = [dataclasses.replace(v, healthy=False) if v.url in exclude else v for v in views]
+        chosen = self.policies[role].select(views, info, self.rng)
+        return None if chosen is None else registry.by_url(chosen.url)
+
+    def record_outcome(self, worker: Worker, failed: bool) -> None:
+        # 4xx is the client's fault and 2xx/3xx a success: only transport failures and 5xx trip the breaker.
+        if failed:
+            worker.errors += 1
+            worker.server.breaker.record_failure(time.monotonic())
+        else:
+            worker.server.breaker.record_success()
+
+    # ---- forwarding ------------------------------------------------------------------------------------
+    async def forward(self, request: web.Request, raw: bytes, info: RequestInfo) -> web.StreamResponse:
+        """Send to a chosen worker; a request that never reached one is retried elsewhere after a backoff."""
+        cfg = self.config
+        retries = 0 if cfg.disable_retries else cfg.retry_max_retries
+        refused: frozenset[str] = frozenset()
+        for attempt in range(retries + 1):
+            worker = self.pick("regular", info, refused)
+            if worker is None:
+                break
+            try:
+                return await self.send(request, worker, raw)
+            except UpstreamUnreachable as exc:
+                logger.warning("worker %s unreachable: %s", worker.server.url, exc)
+                self.record_outcome(worker, failed=True)
+                refused |= {w.url for w in self.registries["regular"].workers_of(worker.server)}
+            if attempt < retries:
+                self.metrics.retries += 1
+                await asyncio.sleep(backoff_secs(attempt, cfg, self.rng))
+        return json_error(503, "no healthy worker available", retry_after=1)
+
+    async def send(self, request: web.Request, worker: Worker, raw: bytes | None,
+                   add_rank: bool = True) -> web.StreamResponse:
+        """One dispatch; the worker's in-flight count covers it until the response body ends."""
+        payload = raw
+        if add_rank and raw is not None and worker.dp_rank is not None:
+            payload = with_fields(raw, {"routed_dp_rank": worker.dp_rank})
+        worker.acquire()
+        try:
+            return await self._exchange(request, worker, payload)
+        finally:
+            worker.release()
+
+    async def _exchange(self, request: web.Request, worker: Worker, payload: bytes | None) -> web.StreamResponse:
+        url = worker.server.url + request.rel_url.path_qs
+        try:
+            upstream = await open_upstream(self.session, request.method, url, payload,
+                                           forward_headers(request.headers), self.config.request_timeout_secs)
+        except asyncio.TimeoutError:
+            self.record_outcome(worker, failed=True)
+            return json_error(504, f"request timed out after {self.config.request_timeout_secs}s")
+        except aiohttp.ClientError as exc:  # reached the worker, then failed: not safe to retry
+            self.record_outcome(worker, failed=True)
+            return json_error(502, f"worker {worker.server.url} failed: {exc!r}")
+        try:
+            resp, failed = await relay(request, upstream)
+        except BaseException:
+            upstream.close()  # client gone or cancelled: drop the upstream connection so the worker aborts too
+            raise
+        upstream.release()
+        self.record_outcome(worker, failed or upstream.status >= 500)
+        return resp
+
+    # ---- handlers --------------------------------------------------------------------------------------
+    async def handle_inference(self, request: web.Request) -> web.StreamResponse:
+        start, status = time.perf_counter(), 500
+        try:
+            async with self.admission.slot():
+                resp = await self._route_inference(request)
+            status = resp.status
+            return resp
+        except Shed as shed:
+            self.metrics.shed[shed.status] += 1
+            status = shed.status
+            return json_error(shed.status, shed.reason, shed.retry_after)
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        finally:
+            self.metrics.observe_request(request.path, status, time.perf_counter() - start)
+
+    async def _route_inference(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = parse_body(raw)
+        except ValueError as exc:
+            return json_error(400, str(exc))
+        info = request_info(body if self._needs_text() else None, request.headers)
+        if self.config.pd_disaggregation:
+            return await pd.forward_pd(self, request, body, info)
+        return await self.forward(request, raw, info)
+
+    def _needs_text(self) -> bool:
+        return any(getattr(self.policies[r], "needs_text", False) for r in self.active_roles())
+
+    async def handle_models(self, request: web.Request) -> web.StreamResponse:
+        role = "decode" if self.config.pd_disaggregation else "regular"
+        now = time.monotonic()
+        worker = next((w for w in self.registries[role].workers if w.view(now).healthy), None)
+        if worker is None:
+            return json_error(503, "no healthy worker available", retry_after=1)
+        try:
+            return await self.send(request, worker, None)
+        except UpstreamUnreachable as exc:
+            self.record_outcome(worker, failed=True)
+            return json_error(502, f"worker {worker.server.url} unreachable: {exc}")
+
+    async def handle_workers(self, request: web.Request) -> web.Response:
+        workers = [w.describe() for w in self.all_workers()]
+        polls = self.load_monitor.polls if self.load_monitor else None
+        return web.json_response({"workers": workers, "policies": self._policy_names(), "load_polls": polls})
+
+    def _policy_names(self) -> dict[str, str]:
+        out = {}
+        for role in self.active_roles():
+            p = self.policies[role]
+            out[role] = p.name + (f":{p.load_metric}" if hasattr(p, "load_metric") else "")
+        return out
+
+    async def handle_list_workers(self, request: web.Request) -> web.Response:
+        return web.json_response({"urls": [s.url for s in self.all_servers()]})
+
+    async def handle_add_worker(self, request: web.Request) -> web.Response:
+        url = request.query.get("url")
+        role = request.query.get("role", "decode" if self.config.pd_disaggregation else "regular")
+        if not url or role not in self.active_roles():
+            return json_error(400, f"need ?url=... and a role in {self.active_roles()}")
+        port = request.query.get("bootstrap_port")
+        try:
+            server = await self.add_server(url, role, int(port) if port else None)
+        except (ValueError, TimeoutError) as exc:
+            return json_error(400, str(exc))
+        return web.json_response({"added": server.url, "dp_size": server.dp_size, "role": role})
+
+    async def handle_remove_worker(self, request: web.Request) -> web.Response:
+        url = request.query.get("url", "")
+        for role in self.active_roles():
+            if normalize_url(url) in self.registries[role].servers:
+                self.registries[role].remove(url)
+                return web.json_response({"removed": normalize_url(url)})
+        return json_error(404, f"no worker {url!r}")
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def handle_readiness(self, request: web.Request) -> web.Response:
+        ready = any(s.healthy for s in self.all_servers())
+        return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics.render(self.all_workers()), content_type="text/plain")
+
+    # ---- app -------------------------------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth] if self.config.api_key else [],
+                              client_max_size=self.config.max_payload_size)
+        for path in INFERENCE_ROUTES:
+            app.router.add_post(path, self.handle_inference)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_get("/workers", self.handle_workers)
+        app.router.add_get("/list_workers", self.handle_list_workers)
+        app.router.add_post("/add_worker", self.handle_add_worker)
+        app.router.add_post("/remove_worker", self.handle_remove_worker)
+        for path, handler in (("/health", self.handle_health), ("/liveness", self.handle_health),
+                              ("/readiness", self.handle_readiness), ("/metrics", self.handle_metrics)):
+            app.router.add_get(path, handler)
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if request.path not in OPEN_ROUTES and request.headers.get("Authorization") != f"Bearer {self.config.api_key}":
+            return json_error(401, "missing or wrong API key")
+        return await handler(request)
+
+
+async def fetch_dp_size(session: aiohttp.ClientSession, url: str) -> int | None:
+    """dp_size from /server_info, falling back to /get_server_info (older servers); None when neither answers."""
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status == 200:
+                    info = await resp.json(content_type=None)
+                    return int(info.get("dp_size") or 1)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            continue
+    return None
+
+
+async def serve(config: RouterConfig) -> None:
+    """Run until cancelled."""
+    router = Router(config)
+    await router.start()
+    runner = web.AppRunner(router.build_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port, backlog=2048, reuse_address=True)
+        await site.start()
+        host, port = runner.addresses[0][:2]  # the bound port, which differs from config.port when that is 0
+        print(f"router listening on http://{host}:{port}", file=sys.stderr, flush=True)  # tests wait for this
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        await router.close()

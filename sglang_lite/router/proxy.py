@@ -1,0 +1,103 @@
+"""Forwarding: request bodies, retries on another worker, and the chunk-by-chunk response relay."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+
+import aiohttp
+from aiohttp import web
+
+logger = logging.getLogger("sglang_lite.router")
+
+# Hop-by-hop headers (RFC 9110) plus those aiohttp recomputes; everything else passes through both ways.
+_HOP = frozenset(h.lower() for h in (
+    "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer", "Transfer-Encoding",
+    "Upgrade", "Host", "Content-Length"))
+
+
+class UpstreamUnreachable(Exception):
+    """The request never reached the worker (connection refused or failed): safe to retry elsewhere."""
+
+
+def forward_headers(headers) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP}
+
+
+def with_fields(raw: bytes, fields: dict) -> bytes:
+    """Append routing fields to a JSON object body, leaving every other byte as the client sent it.
+
+    Appended keys come last, so they win over a client's own copy in JSON parsers that keep the last duplicate
+    (Python's json, orjson, serde_json with the default map behaviour of the servers we front).
+    """
+    if not fields:
+        return raw
+    body = raw.rstrip()
+    assert body.endswith(b"}"), "routing fields can only be added to a JSON object"
+    extra = json.dumps(fields, separators=(",", ":")).encode()[1:-1]
+    inner_empty = body[:-1].rstrip().endswith(b"{")
+    return body[:-1] + (b"" if inner_empty else b",") + extra + b"}"
+
+
+def json_error(status: int, message: str, retry_after: int | None = None) -> web.Response:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return web.json_response({"error": {"message": message, "code": status}}, status=status, headers=headers)
+
+
+def backoff_secs(attempt: int, cfg, rng: random.Random) -> float:
+    base = cfg.retry_initial_backoff_ms * cfg.retry_backoff_multiplier**attempt
+    delay = min(base, cfg.retry_max_backoff_ms) / 1000.0
+    return delay * (1.0 + cfg.retry_jitter_factor * (2.0 * rng.random() - 1.0))
+
+
+async def open_upstream(session: aiohttp.ClientSession, method: str, url: str, payload: bytes | None,
+                        headers: dict[str, str], timeout: float) -> aiohttp.ClientResponse:
+    """Send a request and wait for the response head; connection failures become UpstreamUnreachable."""
+    try:
+        return await session.request(method, url, data=payload, headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=timeout))
+    except aiohttp.ClientConnectorError as exc:
+        raise UpstreamUnreachable(str(exc)) from exc
+
+
+def _response_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+
+
+def is_event_stream(upstream: aiohttp.ClientResponse) -> bool:
+    return upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+
+
+async def relay(request: web.Request, upstream: aiohttp.ClientResponse) -> tuple[web.StreamResponse, bool]:
+    """Pass the upstream response to the client; returns (response, upstream_failed).
+
+    Event streams go out chunk by chunk as they arrive (aiohttp sets TCP_NODELAY on both sockets, so a small
+    chunk is not held back by Nagle's algorithm). A failure after the head was sent becomes a final SSE error
+    event, so the client sees an error instead of a silently truncated stream.
+    """
+    if not is_event_stream(upstream):
+        try:
+            data = await upstream.read()
+        except asyncio.TimeoutError:
+            return json_error(504, "request timed out while the worker was sending the response"), True
+        except aiohttp.ClientError as exc:
+            return json_error(502, f"worker failed while sending the response: {exc!r}"), True
+        return web.Response(body=data, status=upstream.status, headers=_response_headers(upstream)), False
+    resp = web.StreamResponse(status=upstream.status, headers=_response_headers(upstream))
+    await resp.prepare(request)
+    failed = await _pump(resp, upstream)
+    await resp.write_eof()
+    return resp, failed
+
+
+async def _pump(resp: web.StreamResponse, upstream: aiohttp.ClientResponse) -> bool:
+    try:
+        async for chunk in upstream.content.iter_any():
+            await resp.write(chunk)
+        return False
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+            asyncio.TimeoutError) as exc:
+        error = {"error": {"message": f"upstream failed mid-stream: {exc!r}", "code": 502}}
+        await resp.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+        return True

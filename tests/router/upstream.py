@@ -1,0 +1,211 @@
+"""A small but honest stand-in for an sglang_lite server, for the router's end-to-end tests.
+
+It serves the endpoints the router uses with the same schemas (router.md): /health, /server_info,
+/get_server_info, /v1/loads, /get_load, /generate, /v1/completions, /v1/chat/completions (with and without SSE
+streaming) and /v1/models. "Generation" emits `max_new_tokens` tokens, one every `--token-delay` seconds, on the
+DP rank named by `routed_dp_rank` (or `data_parallel_rank`), else on its least busy rank, as a DP controller
+would. /_stats (test-only) reports what it received.
+
+Run: python tests/router/upstream.py --port 0 --dp-size 2 --token-delay 0.01   (prints "READY port=N")
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import itertools
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+INCLUDE_NAMES = {"core", "memory", "disagg", "queues", "all"}
+
+
+@dataclass
+class Running:
+    rank: int
+    prompt_tokens: int
+    generated: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.generated
+
+
+@dataclass
+class State:
+    dp_size: int
+    token_delay: float
+    name: str
+    running: dict[int, Running] = field(default_factory=dict)
+    by_rank: Counter = field(default_factory=Counter)
+    completed: int = 0
+    aborted: int = 0
+    bodies: list[dict] = field(default_factory=list)
+    ids: itertools.count = field(default_factory=itertools.count)
+
+    def pick_rank(self, body: dict) -> int:
+        rank = body.get("routed_dp_rank", body.get("data_parallel_rank"))
+        if isinstance(rank, int) and 0 <= rank < self.dp_size:
+            return rank
+        load = Counter(r.rank for r in self.running.values())
+        return min(range(self.dp_size), key=lambda r: load[r])
+
+    def rank_load(self, rank: int) -> dict:
+        reqs = [r for r in self.running.values() if r.rank == rank]
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        tokens = sum(r.tokens for r in reqs)
+        return {"dp_rank": rank, "timestamp": now, "num_running_reqs": len(reqs), "num_waiting_reqs": 0,
+                "num_used_tokens": tokens, "num_total_tokens": tokens, "max_total_num_tokens": 100000,
+                "token_usage": tokens / 100000, "gen_throughput": 0.0, "cache_hit_rate": 0.0,
+                "utilization": tokens / 100000, "max_running_requests": 256}
+
+
+def prompt_of(body: dict) -> str:
+    for key in ("text", "prompt"):
+        if isinstance(body.get(key), str):
+            return body[key]
+    msgs = body.get("messages") or []
+    return " ".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
+
+
+def max_tokens_of(body: dict) -> int:
+    params = body.get("sampling_params") or {}
+    return int(params.get("max_new_tokens") or body.get("max_tokens") or body.get("max_completion_tokens") or 8)
+
+
+async def generate_tokens(state: State, body: dict):
+    """Yields (rank, token text); counts the request as running on its rank meanwhile."""
+    rid = next(state.ids)
+    run = Running(state.pick_rank(body), prompt_tokens=max(1, len(prompt_of(body).split())))
+    state.running[rid] = run
+    state.by_rank[run.rank] += 1
+    finished = False
+    try:
+        for i in range(max_tokens_of(body)):
+            if state.token_delay:
+                await asyncio.sleep(state.token_delay)
+            run.generated += 1
+            yield run.rank, f" tok{i}"
+        finished = True
+    finally:
+        del state.running[rid]
+        if finished:
+            state.completed += 1
+        else:
+            state.aborted += 1
+
+
+def chunk_json(route: str, text: str, rank: int, done: bool) -> dict:
+    if route == "/generate":
+        return {"text": text, "meta_info": {"dp_rank": rank, "finish_reason": "length" if done else None}}
+    if route == "/v1/chat/completions":
+        return {"object": "chat.completion.chunk", "model": "upstream",
+                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": "length" if done else None}]}
+    return {"object": "text_completion", "model": "upstream",
+            "choices": [{"index": 0, "text": text, "finish_reason": "length" if done else None}]}
+
+
+def full_json(route: str, text: str, rank: int, n_tokens: int) -> dict:
+    if route == "/generate":
+        return {"text": text, "meta_info": {"dp_rank": rank, "completion_tokens": n_tokens, "finish_reason": "length"}}
+    usage = {"completion_tokens": n_tokens}
+    if route == "/v1/chat/completions":
+        return {"object": "chat.completion", "model": "upstream", "usage": usage, "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}]}
+    return {"object": "text_completion", "model": "upstream", "usage": usage,
+            "choices": [{"index": 0, "text": text, "finish_reason": "length"}]}
+
+
+def make_app(state: State) -> web.Application:
+    async def infer(request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            return web.json_response({"error": "invalid JSON"}, status=400)
+        state.bodies.append(body)
+        if body.get("stream"):
+            return await stream(request, body)
+        pieces, rank = [], 0
+        async for rank, piece in generate_tokens(state, body):
+            pieces.append(piece)
+        return web.json_response(full_json(request.path, "".join(pieces), rank, len(pieces)))
+
+    async def stream(request: web.Request, body: dict) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        text, n = "", max_tokens_of(body)
+        async for rank, piece in generate_tokens(state, body):
+            text += piece
+            shown = text if request.path == "/generate" else piece  # /generate streams the text so far
+            done = len(text.split()) == n
+            await resp.write(b"data: " + json.dumps(chunk_json(request.path, shown, rank, done)).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def loads(request: web.Request) -> web.Response:
+        include = set(request.query.get("include", "all").split(","))
+        if include - INCLUDE_NAMES:
+            return web.json_response({"error": f"unknown include {sorted(include - INCLUDE_NAMES)}"}, status=400)
+        ranks = range(state.dp_size)
+        if "dp_rank" in request.query:
+            ranks = [int(request.query["dp_rank"])]
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        return web.json_response({"timestamp": now, "version": "upstream-test",
+                                  "loads": [state.rank_load(r) for r in ranks]})
+
+    async def get_load(request: web.Request) -> web.Response:
+        out = []
+        for r in range(state.dp_size):
+            core = state.rank_load(r)
+            out.append({"dp_rank": r, "num_reqs": core["num_running_reqs"], "num_waiting_reqs": 0,
+                        "num_tokens": core["num_total_tokens"]})
+        return web.json_response(out)
+
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response({"dp_size": state.dp_size, "model_path": "upstream", "version": "test"})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "upstream", "object": "model"}]})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="OK")
+
+    async def stats(request: web.Request) -> web.Response:
+        return web.json_response({"name": state.name, "by_rank": {str(k): v for k, v in state.by_rank.items()},
+                                  "running": len(state.running), "completed": state.completed,
+                                  "aborted": state.aborted, "bodies": state.bodies[-50:]})
+
+    app = web.Application()
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        app.router.add_post(path, infer)
+    for path, handler in (("/v1/loads", loads), ("/get_load", get_load), ("/server_info", server_info),
+                          ("/get_server_info", server_info), ("/v1/models", models), ("/health", health),
+                          ("/_stats", stats)):
+        app.router.add_get(path, handler)
+    return app
+
+
+async def main(args: argparse.Namespace) -> None:
+    state = State(args.dp_size, args.token_delay, args.name)
+    runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", args.port, reuse_address=True)
+    await site.start()
+    print(f"READY port={runner.addresses[0][1]}", flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--dp-size", type=int, default=1)
+    parser.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token")
+    parser.add_argument("--name", default="upstream")
+    try:
+        asyncio.run(main(parser.parse_args()))
+    except KeyboardInterrupt:
+        sys.exit(0)
