@@ -1,4 +1,58 @@
-"""Gated delta rule: gating, chunked prefill over packed requests, recurrent decode."""
-from .naive import chunk_gated_delta_rule, fused_gdn_gating, fused_recurrent_gated_delta_rule
+"""Gated delta rule: gating, chunked prefill over packed requests, recurrent decode.
+
+Each public function runs the Triton kernel on a GPU and the PyTorch reference on the CPU; ``backend`` forces one
+(see ``kernels/dispatch.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import use_triton
+from . import naive, triton_gdn
+
+
+def fused_gdn_gating(
+    A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor, *, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = triton_gdn.fused_gdn_gating_triton if use_triton(a, backend) else naive.fused_gdn_gating
+    return impl(A_log, a, dt_bias, b)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    impl = triton_gdn.chunk_gated_delta_rule_triton if use_triton(q, backend) else naive.chunk_gated_delta_rule
+    return impl(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, scale, use_qk_l2norm, chunk_size)
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    triton_impl = triton_gdn.fused_recurrent_gated_delta_rule_triton
+    impl = triton_impl if use_triton(q, backend) else naive.fused_recurrent_gated_delta_rule
+    return impl(q, k, v, g, beta, ssm_states, state_indices, scale, use_qk_l2norm)
+
 
 __all__ = ["fused_gdn_gating", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
