@@ -1,0 +1,107 @@
+"""Pure pieces of the router around the policies: breaker, health thresholds, /v1/loads parsing, bodies."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_lite.router.config import RouterConfig, config_from_args
+from sglang_lite.router.health import record_health
+from sglang_lite.router.load_monitor import apply_loads, parse_loads
+from sglang_lite.router.proxy import with_fields
+from sglang_lite.router.request_info import batch_size, prompt_text
+from sglang_lite.router.workers import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, Server, WorkerRegistry, expand
+
+
+def test_breaker_opens_after_threshold_probes_after_timeout_and_closes_after_successes():
+    cb = CircuitBreaker(failure_threshold=3, success_threshold=2, timeout_secs=10)
+    for t in range(3):
+        assert cb.allows(t)
+        cb.record_failure(t)
+    assert cb.state == OPEN and not cb.allows(5)
+    assert cb.allows(12.0) and cb.state == HALF_OPEN
+    cb.record_success()
+    assert cb.state == HALF_OPEN
+    cb.record_success()
+    assert cb.state == CLOSED
+
+
+def test_breaker_half_open_failure_reopens_and_success_resets_the_count():
+    cb = CircuitBreaker(failure_threshold=2, success_threshold=1, timeout_secs=1)
+    cb.record_failure(0)
+    cb.record_success()
+    cb.record_failure(0)
+    assert cb.state == CLOSED  # failures must be consecutive
+    cb.record_failure(0)
+    assert cb.state == OPEN
+    assert cb.allows(1.5)
+    cb.record_failure(1.5)
+    assert cb.state == OPEN and not cb.allows(2.0)
+
+
+def test_health_thresholds():
+    server = Server("http://a", None, CircuitBreaker())
+    assert not record_health(server, False, 3, 2) and not record_health(server, False, 3, 2)
+    assert record_health(server, False, 3, 2) and not server.healthy
+    assert not record_health(server, True, 3, 2)
+    assert record_health(server, True, 3, 2) and server.healthy
+
+
+def test_dp_expansion_and_registry_views():
+    reg = WorkerRegistry()
+    reg.add(Server("http://a:1", 2, CircuitBreaker()))
+    reg.add(Server("http://b:2", None, CircuitBreaker()))
+    assert [v.url for v in reg.views(0)] == ["http://a:1@0", "http://a:1@1", "http://b:2"]
+    with pytest.raises(ValueError):
+        reg.add(Server("http://b:2", None, CircuitBreaker()))
+    reg.remove("b:2")
+    assert [v.dp_rank for v in reg.views(0)] == [0, 1]
+
+
+def test_parse_loads_drops_missing_negative_and_duplicate_ranks():
+    payload = {"loads": [
+        {"dp_rank": 0, "num_total_tokens": 10}, {"dp_rank": 1, "num_total_tokens": 20},
+        {"dp_rank": 1, "num_total_tokens": 30}, {"dp_rank": -1, "num_total_tokens": 5},
+        {"num_total_tokens": 7}, {"dp_rank": 2}, {"dp_rank": 3, "num_total_tokens": 40},
+    ]}
+    assert parse_loads(payload) == {0: 10, 3: 40}
+    assert parse_loads({"oops": 1}) == {} and parse_loads([1]) == {}
+
+
+def test_apply_loads_per_rank_and_failed_poll_clears():
+    workers = expand(Server("http://a", 3, CircuitBreaker()))
+    apply_loads(workers, {0: 10, 2: 30})
+    assert [w.polled_tokens for w in workers] == [10, None, 30]
+    apply_loads(workers, None)
+    assert [w.polled_tokens for w in workers] == [None, None, None]
+    whole = expand(Server("http://b", None, CircuitBreaker()))
+    apply_loads(whole, {0: 10, 1: 5})
+    assert whole[0].polled_tokens == 15
+
+
+@pytest.mark.parametrize("raw", [b'{"text": "hi", "x": [1, {"y": 2}]}', b'{}', b' { "a" : 1 }\n'])
+def test_with_fields_keeps_the_client_bytes_and_adds_the_rank(raw):
+    out = with_fields(raw, {"routed_dp_rank": 3})
+    assert out.startswith(raw.rstrip()[:-1])
+    assert json.loads(out) == {**json.loads(raw), "routed_dp_rank": 3}
+    assert json.loads(with_fields(b'{"routed_dp_rank": 0}', {"routed_dp_rank": 1}))["routed_dp_rank"] == 1
+
+
+def test_prompt_text_and_batch_size():
+    assert prompt_text({"text": "abc"}) == "abc" and prompt_text({"prompt": ["p1", "p2"]}) == "p1"
+    assert prompt_text({"messages": [{"role": "user", "content": "x"}, {"content": "y"}]}) == "xy"
+    assert prompt_text({"input_ids": [1, 2]}) == "1,2,"
+    assert batch_size({"text": ["a", "b"]}) == 2 and batch_size({"input_ids": [[1], [2], [3]]}) == 3
+    assert batch_size({"text": "a"}) is None
+
+
+def test_cli_defaults_come_from_the_dataclass_and_flags_parse():
+    assert config_from_args([]) == RouterConfig()
+    cfg = config_from_args(["--worker-urls", "http://a", "http://b", "--policy", "power_of_two", "--dp-aware",
+                            "--p2c-load-metric", "requests", "--max-concurrent-requests", "8", "--log-level", "warn"])
+    assert cfg.worker_urls == ("http://a", "http://b") and cfg.dp_aware and cfg.p2c_load_metric == "requests"
+    assert cfg.max_concurrent_requests == 8 and cfg.log_level == "warning" and cfg.host == "127.0.0.1"
+    pd = config_from_args(["--pd-disaggregation", "--prefill", "http://p1", "9000", "--prefill", "http://p2",
+                           "--decode", "http://d1", "--prefill-policy", "random", "--decode-policy", "power_of_two"])
+    assert [(p.url, p.bootstrap_port) for p in pd.prefill] == [("http://p1", 9000), ("http://p2", None)]
+    assert pd.decode == ("http://d1",) and pd.prefill_policy == "random"
