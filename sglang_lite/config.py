@@ -88,7 +88,8 @@ class ModelConfig:
             hidden_size=text["hidden_size"],
             layer_types=_layer_types(text),
             rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(text.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))),
+            # a VL wrapper ties (or not) at the top level, which is what the wrapped model follows
+            tie_word_embeddings=bool(outer.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             max_position_embeddings=text.get("max_position_embeddings", 32768),
             num_attention_heads=text["num_attention_heads"],
             num_key_value_heads=text.get("num_key_value_heads", text["num_attention_heads"]),

@@ -1,0 +1,51 @@
+"""Gated full attention of Qwen3.5: packed qkv, per-head QK Gemma RMSNorm, partial NeoX RoPE, sigmoid output gate."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang_lite.config import ModelConfig
+from sglang_lite.forward_batch import ForwardBatch
+from sglang_lite.kernels import decode_attention, extend_attention, fused_qk_gemma_rmsnorm, store_kv
+from sglang_lite.layers.linear import PackedLinear, ShardMap, packed_rows
+from sglang_lite.layers.norm import GemmaRMSNorm
+from sglang_lite.layers.rotary import RotaryEmbedding
+
+
+class Qwen3_5Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = hd = config.head_dim
+        self.scale = hd**-0.5
+        # q_proj rows are interleaved per head as [q_h | gate_h]
+        self.qkv_proj = PackedLinear(config.hidden_size, [2 * self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd])
+        self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=False)
+        self.q_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
+        self._rotary = (rotary,)  # shared table, owned by the model (a tuple keeps it out of this module's children)
+
+    def packed_shards(self, fused_experts: bool) -> ShardMap:
+        return packed_rows("qkv_proj.weight", self.qkv_proj, ["q_proj.weight", "k_proj.weight", "v_proj.weight"])
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q_gate, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
+        q_gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim)
+        q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = fused_qk_gemma_rmsnorm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.head_dim)
+        q, k = self._rotary[0](batch.positions, q, k)
+        out = self._attend(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), batch)
+        out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
+        return self.o_proj(out)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        k_cache, v_cache = batch.pools.kv_buffers(self.layer_id)
+        store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+        table, rows = batch.pools.req_to_token.req_to_token, batch.req_pool_indices
+        if batch.is_decode:
+            return decode_attention(q, k_cache, v_cache, table, rows, batch.seq_lens_t, self.scale)
+        return extend_attention(q, k_cache, v_cache, table, rows, batch.prefix_lens_t, batch.extend_lens_t, self.scale)

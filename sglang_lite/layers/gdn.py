@@ -1,0 +1,66 @@
+"""Gated DeltaNet linear attention of Qwen3.5 (packed in_proj_qkvz and in_proj_ba, conv1d, gated delta rule)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang_lite.config import ModelConfig
+from sglang_lite.forward_batch import ForwardBatch
+from sglang_lite.kernels import (
+    causal_conv1d_fn,
+    causal_conv1d_update,
+    chunk_gated_delta_rule,
+    fused_gdn_gating,
+    fused_recurrent_gated_delta_rule,
+)
+from sglang_lite.layers.linear import PackedLinear, ShardMap, packed_rows
+from sglang_lite.layers.norm import GatedRMSNorm
+
+
+class Qwen3_5GatedDeltaNet(nn.Module):
+    fp32_params = ("A_log",)  # the decay rate stays fp32 whatever the model dtype
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = config.linear_key_dim, config.linear_value_dim, config.conv_dim
+        hidden = config.hidden_size
+        self.in_proj_qkvz = PackedLinear(hidden, [self.conv_dim, self.value_dim])
+        self.in_proj_ba = PackedLinear(hidden, [self.num_v_heads, self.num_v_heads])
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, config.linear_conv_kernel_dim))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def packed_shards(self, fused_experts: bool) -> ShardMap:
+        return packed_rows("in_proj_qkvz.weight", self.in_proj_qkvz, ["in_proj_qkv.weight", "in_proj_z.weight"]) | packed_rows(
+            "in_proj_ba.weight", self.in_proj_ba, ["in_proj_b.weight", "in_proj_a.weight"]
+        )
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv, z = self.in_proj_qkvz(hidden).split(self.in_proj_qkvz.output_sizes, dim=-1)
+        b, a = self.in_proj_ba(hidden).split(self.in_proj_ba.output_sizes, dim=-1)
+        conv_states, ssm_states = batch.pools.state_buffers(self.layer_id)
+        qkv = self._conv(qkv, conv_states, batch)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.view(num_tokens, self.num_k_heads, self.head_k_dim)
+        k = k.view(num_tokens, self.num_k_heads, self.head_k_dim)
+        v = v.view(num_tokens, self.num_v_heads, self.head_v_dim)
+        g, beta = fused_gdn_gating(self.A_log, a, self.dt_bias, b)
+        if batch.is_decode:
+            o = fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_states, batch.state_slots)
+        else:
+            o = chunk_gated_delta_rule(q, k, v, g, beta, ssm_states, batch.state_slots, batch.cu_seqlens)
+        o = self.norm(o, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(o.reshape(num_tokens, self.value_dim))
+
+    def _conv(self, qkv: torch.Tensor, conv_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        weight = self.conv1d.weight.squeeze(1)
+        if batch.is_decode:
+            return causal_conv1d_update(qkv, weight, conv_states, batch.state_slots)
+        return causal_conv1d_fn(qkv, weight, conv_states, batch.state_slots, batch.cu_seqlens)

@@ -1,0 +1,83 @@
+"""``load_model``: the right Qwen3.5 class for a checkpoint's config, with real or seeded dummy weights."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from sglang_lite.config import ModelConfig
+from sglang_lite.models.qwen3_5 import Qwen3_5ForCausalLM, model_class_for
+from sglang_lite.models.weights import load_checkpoint
+
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def default_model_path() -> str:
+    """The built-in tiny Qwen3.5-MoE (config and tokenizer shipped in the package, dummy weights)."""
+    from sglang_lite.assets import TINY_MODEL_DIR
+
+    return str(TINY_MODEL_DIR)
+
+
+def load_model(
+    path: str | os.PathLike | None = None,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    load_format: str = "auto",
+    seed: int = 0,
+) -> Qwen3_5ForCausalLM:
+    """Builds the model described by ``path/config.json`` (None: the built-in tiny model, dummy weights).
+
+    ``load_format="auto"`` reads safetensors from ``path``; ``"dummy"`` fills seeded random weights.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if path is None:
+        path, load_format = default_model_path(), "dummy"
+    path = os.fspath(path)
+    config = ModelConfig.from_hf(path)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with _default_dtype(dtype), torch.device(device):
+        model = model_class_for(config)(config)
+    _keep_fp32(model)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        load_checkpoint(model, path, config.tie_word_embeddings)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _keep_fp32(model: nn.Module) -> None:
+    for module in model.modules():
+        for name in getattr(module, "fp32_params", ()):
+            getattr(module, name).data = getattr(module, name).data.float()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Seeded random weights: small values everywhere (Gemma norms scale by 1 + w), real decay rates for GDN."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        param.copy_(_dummy_value(name, param, gen))
+
+
+def _dummy_value(name: str, param: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    if name.endswith("A_log"):
+        return torch.empty(param.shape).uniform_(math.log(1.0), math.log(16.0), generator=gen)
+    if name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+        return torch.ones(param.shape)
+    return torch.randn(param.shape, generator=gen) * 0.02

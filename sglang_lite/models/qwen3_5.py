@@ -1,0 +1,100 @@
+"""Qwen3.5 dense and MoE causal LMs: wiring of the shared layers (hybrid Gated DeltaNet + gated attention)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang_lite.config import ModelConfig
+from sglang_lite.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from sglang_lite.layers.attention import Qwen3_5Attention
+from sglang_lite.layers.gdn import Qwen3_5GatedDeltaNet
+from sglang_lite.layers.mlp import GatedMLP, Qwen3_5SparseMoeBlock
+from sglang_lite.layers.norm import GemmaRMSNorm
+from sglang_lite.layers.rotary import RotaryEmbedding
+from sglang_lite.mem_cache.pools import ModelPools
+
+__all__ = ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5GatedDeltaNet", "Qwen3_5Attention",
+           "Qwen3_5SparseMoeBlock"]
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.layer_types[layer_id] == "linear_attention":
+            self.linear_attn = Qwen3_5GatedDeltaNet(config, layer_id)
+        else:
+            self.self_attn = Qwen3_5Attention(config, layer_id, rotary)
+        self.mixer_name = "linear_attn" if config.layer_types[layer_id] == "linear_attention" else "self_attn"
+        self.mlp = Qwen3_5SparseMoeBlock(config) if config.is_moe else GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = getattr(self, self.mixer_name)(hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3_5Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta)
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(config, i, self.rotary_emb) for i in range(config.num_layers)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(batch.input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Qwen3.5 with a dense MLP. ``model(input_ids)`` for a plain causal forward; ``forward_batch`` for serving."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen3_5Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def forward_batch(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
+        """Logits [B, vocab] of each request's last new token, or [T, vocab] of every token with ``all_logits``."""
+        hidden = self.model(batch)
+        if not all_logits:
+            hidden = hidden[batch.last_token_indices]
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full causal forward without a cache: input_ids [B, T] -> logits [B, T, vocab]."""
+        num_seqs, seq_len = input_ids.shape
+        dtype = self.model.embed_tokens.weight.dtype
+        pools = ModelPools.create(self.config, num_seqs * seq_len, num_seqs, seq_len, dtype, input_ids.device)
+        rows = pools.req_to_token.allocator.alloc(num_seqs)
+        slots = pools.states.alloc(num_seqs)
+        batch = build_forward_batch(
+            pools, ForwardMode.EXTEND, input_ids.tolist(), [0] * num_seqs, rows, slots, input_ids.device
+        )
+        return self.forward_batch(batch, all_logits=True).view(num_seqs, seq_len, -1)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5 with sparse MoE blocks (softmax top-k routing plus a sigmoid-gated shared expert)."""
+
+
+def model_class_for(config: ModelConfig) -> type[Qwen3_5ForCausalLM]:
+    return Qwen3_5MoeForCausalLM if config.is_moe else Qwen3_5ForCausalLM
