@@ -179,7 +179,13 @@ def make_app(state: State) -> web.Application:
                                   "running": len(state.running), "completed": state.completed,
                                   "aborted": state.aborted, "bodies": state.bodies[-50:]})
 
-    app = web.Application()
+    @web.middleware
+    async def name_header(request: web.Request, handler):
+        resp = await handler(request)
+        resp.headers["X-Upstream-Name"] = state.name  # lets a test see which server answered
+        return resp
+
+    app = web.Application(middlewares=[name_header])
     for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
         app.router.add_post(path, infer)
     for path, handler in (("/v1/loads", loads), ("/get_load", get_load), ("/server_info", server_info),
