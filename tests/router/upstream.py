@@ -135,7 +135,8 @@ def make_app(state: State) -> web.Application:
         return web.json_response(full_json(request.path, "".join(pieces), rank, len(pieces)))
 
     async def stream(request: web.Request, body: dict) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Upstream-Name": state.name})
         await resp.prepare(request)
         text, n = "", max_tokens_of(body)
         async for rank, piece in generate_tokens(state, body):
@@ -182,7 +183,8 @@ def make_app(state: State) -> web.Application:
     @web.middleware
     async def name_header(request: web.Request, handler):
         resp = await handler(request)
-        resp.headers["X-Upstream-Name"] = state.name  # lets a test see which server answered
+        if not resp.prepared:  # streams set it before sending their head
+            resp.headers["X-Upstream-Name"] = state.name  # lets a test see which server answered
         return resp
 
     app = web.Application(middlewares=[name_header])
