@@ -1,4 +1,60 @@
-"""Paged attention over a token-level KV pool: store, extend (prefill) and decode."""
-from .naive import decode_attention, extend_attention, store_kv
+"""Paged attention over a token-level KV pool: store, extend (prefill) and decode.
+
+Each function runs the Triton kernel or the PyTorch reference per call (see ``kernels/dispatch.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import use_triton
+from . import naive, triton_attention
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    backend: str | None = None,
+) -> None:
+    """Write k, v [T, KV, hd] into the pool rows ``loc`` [T]."""
+    impl = triton_attention if use_triton(k_cache, backend) else naive
+    impl.store_kv(k_cache, v_cache, loc, k, v)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    scale: float,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """New tokens ([T, H, hd], packed by request) attend causally to their request's prefix and to themselves."""
+    impl = triton_attention if use_triton(q, backend) else naive
+    return impl.extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """One query per request ([B, H, hd]) over its first ``seq_lens`` cached tokens."""
+    impl = triton_attention if use_triton(q, backend) else naive
+    return impl.decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
+
 
 __all__ = ["store_kv", "extend_attention", "decode_attention"]
