@@ -203,3 +203,24 @@ def test_streaming_time_to_first_token_matches_direct(procs):
     direct, routed = run(scenario())
     # A Nagle stall would add ~40 ms; allow a few ms for the extra hop.
     assert routed - direct < 0.01, (direct, routed)
+
+
+def test_client_errors_do_not_trip_the_breaker_and_timeouts_release(procs):
+    up = procs.upstream(token_delay=0.05)
+    router = procs.router("--worker-urls", up.url, "--policy", "round_robin", "--cb-failure-threshold", "2",
+                          "--request-timeout-secs", "0.3", *FAST)
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            bad = [await generate(s, router.url, max_new_tokens=-1) for _ in range(5)]
+            good = await generate(s, router.url, max_new_tokens=2)
+            slow = await generate(s, router.url, max_new_tokens=100)  # 5 s of tokens against a 0.3 s timeout
+            slow_stream = await generate(s, router.url, stream=True, max_new_tokens=100)
+            workers = (await get_json(s, router.url + "/workers"))["workers"]
+        return bad, good, slow, slow_stream, workers
+
+    bad, good, slow, slow_stream, workers = run(scenario())
+    assert [r.status for r in bad] == [400] * 5 and good.ok
+    assert slow.status == 504 and slow.elapsed < 2
+    assert slow_stream.error is not None and slow_stream.elapsed < 2
+    assert workers[0]["in_flight"] == 0 and workers[0]["errors"] == 2

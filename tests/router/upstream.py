@@ -127,6 +127,8 @@ def make_app(state: State) -> web.Application:
         except ValueError:
             return web.json_response({"error": "invalid JSON"}, status=400)
         state.bodies.append(body)
+        if max_tokens_of(body) < 0:  # the server validates sampling params: a client error, not a failure
+            return web.json_response({"error": "max_new_tokens must be >= 0"}, status=400)
         if body.get("stream"):
             return await stream(request, body)
         pieces, rank = [], 0
