@@ -16,7 +16,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import re
 import signal
 import socket
 import statistics

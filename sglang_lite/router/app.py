@@ -206,7 +206,7 @@ class Router:
             return json_error(400, str(exc))
         info = request_info(body if self._needs_text() else None, request.headers)
         if self.config.pd_disaggregation:
-            return await pd.forward_pd(self, request, body, info)
+            return await pd.forward_pd(self, request, raw, body, info)
         return await self.forward(request, raw, info)
 
     def _needs_text(self) -> bool:

@@ -6,7 +6,6 @@ prefill side); the client gets the decode response. Each side's in-flight count 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import TYPE_CHECKING
 
@@ -14,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from .policies import RequestInfo
-from .proxy import UpstreamUnreachable, forward_headers, json_error, open_upstream
+from .proxy import UpstreamUnreachable, forward_headers, json_error, open_upstream, with_fields
 from .request_info import batch_size
 from .workers import Worker
 
@@ -34,22 +33,24 @@ def bootstrap_fields(body: dict, prefill: Worker, room_of) -> dict:
             "bootstrap_room": [room_of() for _ in range(n)]}
 
 
-def leg_payload(body: dict, fields: dict, worker: Worker) -> bytes:
+def leg_payload(raw: bytes, fields: dict, worker: Worker) -> bytes:
+    """The client's bytes plus the bootstrap fields (and this leg's DP rank)."""
     rank = {} if worker.dp_rank is None else {"routed_dp_rank": worker.dp_rank}
-    return json.dumps({**body, **fields, **rank}).encode()
+    return with_fields(raw, {**fields, **rank})
 
 
-async def forward_pd(router: Router, request: web.Request, body: dict, info: RequestInfo) -> web.StreamResponse:
+async def forward_pd(router: Router, request: web.Request, raw: bytes, body: dict,
+                     info: RequestInfo) -> web.StreamResponse:
     prefill, decode = router.pick("prefill", info), router.pick("decode", info)
     if prefill is None or decode is None:
         return json_error(503, "no healthy prefill or decode worker available", retry_after=1)
     fields = bootstrap_fields(body, prefill, lambda: router.rng.getrandbits(63))
     prefill.acquire()
-    leg = asyncio.create_task(_prefill_leg(router, request, prefill, leg_payload(body, fields, prefill)))
+    leg = asyncio.create_task(_prefill_leg(router, request, prefill, leg_payload(raw, fields, prefill)))
     router.background.add(leg)
     leg.add_done_callback(router.background.discard)
     try:
-        return await router.send(request, decode, leg_payload(body, fields, decode), add_rank=False)
+        return await router.send(request, decode, leg_payload(raw, fields, decode), add_rank=False)
     except UpstreamUnreachable as exc:
         router.record_outcome(decode, failed=True)
         return json_error(502, f"decode worker {decode.server.url} unreachable: {exc}")
