@@ -14,6 +14,7 @@ _LAZY = {
     "ModelConfig": "sglang_lite.config",
     "Qwen3_5ForCausalLM": "sglang_lite.models.qwen3_5",
     "Qwen3_5MoeForCausalLM": "sglang_lite.models.qwen3_5",
+    "Engine": "sglang_lite.engine",
 }
 
 

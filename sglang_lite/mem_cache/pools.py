@@ -117,6 +117,13 @@ class ModelPools:
             linear_index={layer: i for i, layer in enumerate(config.linear_attention_layers)},
         )
 
+    def free_request(self, row: int, num_tokens: int, state_slot: int) -> None:
+        """Frees all a request holds: the KV slots of its first ``num_tokens`` positions, its state slot, its row."""
+        if num_tokens:
+            self.kv.allocator.free(self.req_to_token.req_to_token[row, :num_tokens].tolist())
+        self.states.allocator.free([state_slot])
+        self.req_to_token.allocator.free([row])
+
     def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self.attention_index[layer_id]
         return self.kv.k_buffers[i], self.kv.v_buffers[i]

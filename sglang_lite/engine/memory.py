@@ -1,0 +1,54 @@
+"""Sizing: the compute dtype and how many KV tokens fit the memory budget."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from sglang_lite.config import ModelConfig
+from sglang_lite.mem_cache.pools import ModelPools
+from sglang_lite.server_args import ServerArgs
+
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(args: ServerArgs, model_dir: str) -> torch.dtype:
+    """auto: the checkpoint's float dtype on GPU; float32 on CPU, where half precision is slow."""
+    if args.dtype != "auto":
+        return FLOAT_DTYPES[args.dtype]
+    if not args.device.startswith("cuda"):
+        return torch.float32
+    return FLOAT_DTYPES.get(_checkpoint_dtype(model_dir), torch.bfloat16)
+
+
+def _checkpoint_dtype(model_dir: str) -> str | None:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        raw = json.load(f)
+    text = raw.get("text_config") or {}
+    return raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+
+
+def device_budget_bytes(device: str, fraction: float) -> int:
+    """Bytes the pools may take: ``fraction`` of device memory minus what is already used (weights included)."""
+    if device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return int(total * fraction - (total - free))
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")  # weights are already loaded
+    return int(available * fraction)
+
+
+def resolve_max_total_tokens(args: ServerArgs, config: ModelConfig, dtype: torch.dtype, context_length: int) -> int:
+    """Explicit ``max_total_tokens``, else what the budget holds after the state slots, capped at every request
+    row filled to the context length (more could never be used)."""
+    if args.max_total_tokens is not None:
+        return args.max_total_tokens
+    budget = device_budget_bytes(args.device, args.mem_fraction_static)
+    budget -= args.max_running_requests * ModelPools.bytes_per_request_state(config, dtype)
+    tokens = min(budget // max(ModelPools.bytes_per_token(config, dtype), 1), args.max_running_requests * context_length)
+    if tokens < context_length:
+        raise MemoryError(
+            f"the KV pool would hold only {tokens} tokens, less than the context length {context_length}; raise "
+            "mem_fraction_static, lower max_running_requests or context_length, or set max_total_tokens"
+        )
+    return int(tokens)

@@ -1,0 +1,68 @@
+"""Batched next-token sampling with per-request temperature, top-k, top-p, min-p and random generator.
+
+Greedy rows take the argmax. Sampled rows filter the sorted distribution (top-k, then top-p on the cumulative
+mass, then min-p relative to the most likely token) and draw with the request's own ``torch.Generator``, so a
+seeded request gives the same tokens whatever else shares its batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from sglang_lite.sampling.params import SamplingParams
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    banned: list[list[int]] | None = None,
+) -> torch.Tensor:
+    """logits [B, V] -> next token ids [B] (int64). ``banned[i]`` are ids request i may not produce now."""
+    assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators), "one row per request"
+    logits = logits.float()
+    if banned and any(banned):
+        logits = _ban(logits.clone(), banned)
+    next_ids = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        drawn = _sample_rows(logits[index], [params[i] for i in rows], [generators[i] for i in rows])
+        next_ids[index] = drawn
+    return next_ids
+
+
+def _ban(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
+    for row, ids in enumerate(banned):
+        if ids:
+            logits[row, ids] = float("-inf")
+    return logits
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
+    device, vocab = logits.device, logits.shape[-1]
+    temperatures = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    probs = torch.softmax(logits / temperatures, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    sorted_probs = sorted_probs.masked_fill(_filter_mask(sorted_probs, params, vocab), 0.0)
+    picks = [torch.multinomial(sorted_probs[i], 1, generator=g) for i, g in enumerate(generators)]
+    return order.gather(1, torch.stack(picks)).squeeze(1)
+
+
+def _filter_mask(sorted_probs: torch.Tensor, params: list[SamplingParams], vocab: int) -> torch.Tensor:
+    """True where a token is filtered out; the most likely token is always kept."""
+    device = sorted_probs.device
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+    min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    beyond_top_p = (mass_before >= top_p) & (top_p < 1.0)  # float error must not trim the tail when top_p is 1
+    mask = (ranks >= top_k) | beyond_top_p | (sorted_probs < sorted_probs[:, :1] * min_p)
+    mask[:, 0] = False
+    return mask
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator

@@ -1,0 +1,45 @@
+"""One scheduled forward: its mode, its requests and how many new tokens each runs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sglang_lite.forward_batch import ForwardMode
+from sglang_lite.scheduler.request import Req
+
+
+@dataclass
+class ScheduleBatch:
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]
+
+    def __post_init__(self) -> None:
+        assert self.reqs and len(self.reqs) == len(self.extend_lens), "one extend length per request"
+        assert all(r.holds_memory for r in self.reqs), "scheduled requests hold a row and a state slot"
+        assert all(0 < n <= r.num_uncached for r, n in zip(self.reqs, self.extend_lens)), "runs only uncached tokens"
+        assert self.mode is ForwardMode.EXTEND or all(n == 1 for n in self.extend_lens), "decode runs 1 token each"
+
+    @classmethod
+    def decode(cls, reqs: list[Req]) -> ScheduleBatch:
+        return cls(ForwardMode.DECODE, list(reqs), [1] * len(reqs))
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE
+
+    @property
+    def prefix_lens(self) -> list[int]:
+        return [r.num_cached for r in self.reqs]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    def new_token_ids(self) -> list[list[int]]:
+        if self.is_decode:
+            return [[r.output_ids[-1]] for r in self.reqs]
+        return [r.fill_ids[r.num_cached : r.num_cached + n] for r, n in zip(self.reqs, self.extend_lens)]
+
+    def completes(self) -> list[bool]:
+        """Which requests run their last uncached token now, so sample a next token."""
+        return [n == r.num_uncached for r, n in zip(self.reqs, self.extend_lens)]

@@ -1,0 +1,52 @@
+"""Scheduler configuration: what one scheduler (one DP rank) needs, resolved from the server arguments."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sglang_lite.config import ModelConfig
+from sglang_lite.server_args import ServerArgs
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_total_tokens: int  # KV pool size
+    max_running_requests: int  # request rows and linear-attention state slots
+    context_length: int  # longest prompt + output
+    chunk_size: int  # longest prefill chunk of one request
+    max_prefill_tokens: int  # token budget of one prefill forward
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    stream_interval: int = 1
+    random_seed: int = 0
+    device: str = "cpu"
+    dp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.max_total_tokens > 0 and self.max_running_requests > 0, "pools must not be empty"
+        assert self.context_length > 1 and self.chunk_size > 0 and self.max_prefill_tokens > 0, "bad limits"
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt + output of one request: it must fit the context and, alone, the KV pool."""
+        return min(self.context_length, self.max_total_tokens)
+
+    @classmethod
+    def from_server_args(
+        cls, args: ServerArgs, model: ModelConfig, max_total_tokens: int, eos_token_ids: tuple[int, ...]
+    ) -> SchedulerConfig:
+        return cls(
+            max_total_tokens=max_total_tokens,
+            max_running_requests=args.max_running_requests,
+            context_length=args.context_length or model.max_position_embeddings,
+            chunk_size=min(args.effective_prefill_chunk, args.max_prefill_tokens),
+            max_prefill_tokens=args.max_prefill_tokens,
+            vocab_size=model.vocab_size,
+            eos_token_ids=eos_token_ids,
+            schedule_policy=args.schedule_policy,
+            schedule_conservativeness=args.schedule_conservativeness,
+            stream_interval=args.stream_interval,
+            random_seed=args.random_seed,
+            device=args.device,
+        )

@@ -1,0 +1,74 @@
+"""Live load figures of one scheduler, in the field names of SGLang's ``/v1/loads``."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+SECTIONS = {
+    "core": (
+        "dp_rank", "timestamp", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
+        "max_total_num_tokens", "token_usage", "gen_throughput", "cache_hit_rate", "utilization",
+        "max_running_requests",
+    ),
+    "memory": ("weight_gb", "kv_cache_gb", "token_capacity"),
+    "queues": ("waiting", "paused", "retracted"),
+}
+
+
+@dataclass(frozen=True)
+class SchedulerLoads:
+    dp_rank: int
+    timestamp: str
+    num_running_reqs: int  # requests holding memory: decoding, or mid chunked prefill
+    num_waiting_reqs: int
+    num_used_tokens: int  # KV slots held
+    num_total_tokens: int  # used + uncached tokens of waiting requests
+    max_total_num_tokens: int
+    token_usage: float  # used / max
+    gen_throughput: float  # generated tokens/s over the recent window
+    cache_hit_rate: float  # no prefix cache yet: always 0
+    utilization: float  # running / max_running_requests
+    max_running_requests: int
+    weight_gb: float
+    kv_cache_gb: float  # KV pool plus linear-attention state pool
+    token_capacity: int
+    waiting: int
+    paused: int
+    retracted: int  # waiting requests that were retracted at least once
+    num_retractions: int  # retractions since start
+
+    def to_dict(self, include: tuple[str, ...] = ("core", "memory", "queues")) -> dict[str, Any]:
+        names = [n for section in include for n in SECTIONS[section]]
+        extra = ["num_retractions"] if "queues" in include else []
+        values = dataclasses.asdict(self)
+        return {n: values[n] for n in names + extra}
+
+
+def utc_timestamp() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+class ThroughputMeter:
+    """Tokens per second over the last ``window_s`` seconds; time is passed in."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._events: collections.deque[tuple[float, int]] = collections.deque()
+
+    def record(self, now: float, tokens: int) -> None:
+        self._events.append((now, tokens))
+        self._trim(now)
+
+    def rate(self, now: float) -> float:
+        self._trim(now)
+        if not self._events:
+            return 0.0
+        span = max(now - self._events[0][0], 1e-3)
+        return sum(n for _, n in self._events) / span
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()

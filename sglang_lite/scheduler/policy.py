@@ -1,0 +1,95 @@
+"""Admission policy, pure: which waiting requests join the next prefill batch and how many tokens each runs.
+
+Admission reserves KV for the decode tokens requests will still produce, scaled by ``new_token_ratio`` (not every
+request runs to max_new_tokens). The ratio starts high, decays while decoding goes well, and jumps back up after
+a retraction, so an over-committed pool corrects itself. Nothing here touches clocks, pools or torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sglang_lite.scheduler.request import Req
+
+
+def order_waiting(waiting: list[Req], policy: str) -> list[Req]:
+    """fcfs: by arrival (a retracted request keeps its place); sjf: shortest uncached prompt first."""
+    if policy == "fcfs":
+        return sorted(waiting, key=lambda r: r.arrival_time)
+    if policy == "sjf":
+        return sorted(waiting, key=lambda r: (r.num_uncached, r.arrival_time))
+    raise ValueError(f"unknown schedule policy {policy!r}")
+
+
+def reserved_decode_tokens(req: Req, ratio: float) -> int:
+    return math.ceil(req.remaining_new_tokens * ratio)
+
+
+@dataclass(frozen=True)
+class PrefillBudget:
+    kv_free: int  # free KV slots now
+    admit_free: int  # free KV slots minus what running and chunked requests are expected to need
+    batch_tokens: int  # max tokens in one prefill forward
+    chunk_size: int  # max tokens of one request in one forward
+    free_rows: int  # request rows (and state slots) free
+    new_token_ratio: float
+
+
+def plan_prefill(chunked: Req | None, waiting: list[Req], budget: PrefillBudget) -> list[tuple[Req, int]]:
+    """[(request, tokens to run now)]: the chunked request first, then waiting ones in order until a limit.
+
+    At most one request ends partially prefilled (it becomes the next chunked request), so nothing follows it.
+    """
+    plan: list[tuple[Req, int]] = []
+    tokens_left = budget.batch_tokens
+    if chunked is not None:
+        n = min(chunked.num_uncached, budget.chunk_size, tokens_left, budget.kv_free)
+        if n <= 0 or n < chunked.num_uncached:
+            return [(chunked, n)] if n > 0 else []
+        plan.append((chunked, n))
+        tokens_left -= n
+    plan.extend(_admit_waiting(waiting, budget, tokens_left))
+    return plan
+
+
+def _admit_waiting(waiting: list[Req], budget: PrefillBudget, tokens_left: int) -> list[tuple[Req, int]]:
+    # admit_free already excludes what the chunked request still needs, so its chunk is not subtracted again
+    admitted: list[tuple[Req, int]] = []
+    admit_free, rows = budget.admit_free, budget.free_rows
+    for req in waiting:
+        cost = req.num_uncached + reserved_decode_tokens(req, budget.new_token_ratio)
+        if rows == 0 or tokens_left == 0 or cost > admit_free:
+            break
+        n = min(req.num_uncached, budget.chunk_size, tokens_left)
+        admitted.append((req, n))
+        rows, tokens_left, admit_free = rows - 1, tokens_left - n, admit_free - cost
+        if n < req.num_uncached:
+            break
+    return admitted
+
+
+@dataclass
+class NewTokenRatio:
+    """Fraction of the remaining max_new_tokens that admission reserves per request."""
+
+    initial: float
+    minimum: float
+    decay: float
+    value: float = -1.0
+
+    def __post_init__(self) -> None:
+        assert 0.0 <= self.minimum <= self.initial <= 1.0, "0 <= minimum <= initial <= 1"
+        if self.value < 0:
+            self.value = self.initial
+
+    @classmethod
+    def from_conservativeness(cls, conservativeness: float) -> NewTokenRatio:
+        initial = min(0.7 * conservativeness, 1.0)
+        minimum = min(0.1 * conservativeness, initial)
+        return cls(initial=initial, minimum=minimum, decay=(initial - minimum) / 600)
+
+    def on_decode_step(self) -> None:
+        self.value = max(self.minimum, self.value - self.decay)
+
+    def on_retraction(self) -> None:
+        self.value = min(1.0 if self.initial > 0 else 0.0, self.value + 0.3)

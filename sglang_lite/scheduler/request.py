@@ -1,0 +1,105 @@
+"""A request's state inside a scheduler, its finish reason, and the output it reports per step."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sglang_lite.sampling.params import SamplingParams
+from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    kind: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # stop: the token id or stop string
+    length: int | None = None  # length: completion tokens
+    message: str | None = None  # abort: why
+
+    def to_dict(self) -> dict[str, Any]:
+        """The SGLang ``meta_info.finish_reason`` shape."""
+        extra = {"stop": {"matched": self.matched}, "length": {"length": self.length}, "abort": {"message": self.message}}
+        return {"type": self.kind, **extra[self.kind]}
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no memory
+    PREFILLING = "prefilling"  # holds a row, a state slot and KV; part of its tokens are cached (chunked prefill)
+    DECODING = "decoding"  # every token but the newest is cached
+    FINISHED = "finished"  # holds nothing
+
+
+@dataclass(eq=False)  # identity: a request is itself, whatever its fields
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    max_new_tokens: int  # the request's, clipped so that prompt + output fits the context and the KV pool
+    stop_token_ids: frozenset[int] = frozenset()  # eos ids (unless ignore_eos) and the request's own
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    stop_matcher: StopStringMatcher | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    req_row: int | None = None
+    state_slot: int | None = None
+    num_cached: int = 0  # tokens whose KV and linear-attention state are in the pools
+    admit_seq: int = -1  # admission order; retraction takes the newest
+    num_retractions: int = 0
+    finish_reason: FinishReason | None = None
+    first_token_time: float | None = None
+    # what the next ReqOutput carries
+    unsent_ids: list[int] = field(default_factory=list)
+    unsent_text: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.input_ids, "a request needs at least one prompt token"
+        assert 0 <= self.max_new_tokens, "max_new_tokens is clipped to >= 0"
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token the cache must hold before the next one can be sampled."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def num_uncached(self) -> int:
+        return self.seq_len - self.num_cached
+
+    @property
+    def holds_memory(self) -> bool:
+        return self.req_row is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.max_new_tokens - len(self.output_ids), 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def check(self) -> None:
+        """Invariants tying the status to what the request holds."""
+        holds = self.status in (ReqStatus.PREFILLING, ReqStatus.DECODING)
+        assert self.holds_memory == holds == (self.state_slot is not None), f"{self.rid}: {self.status} vs memory"
+        assert holds or self.num_cached == 0, f"{self.rid}: cached tokens without memory"
+        assert 0 <= self.num_cached <= self.seq_len, f"{self.rid}: {self.num_cached} cached of {self.seq_len}"
+        assert self.status is not ReqStatus.DECODING or self.num_cached == self.seq_len - 1, f"{self.rid}: decode lag"
+
+
+@dataclass
+class ReqOutput:
+    """What one step produced for one request: new tokens and text since the last output, and whether it ended."""
+
+    rid: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    meta_info: dict[str, Any]

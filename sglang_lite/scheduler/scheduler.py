@@ -1,0 +1,333 @@
+"""The continuous-batching scheduler of one model replica: requests in, outputs out, one forward per step.
+
+Each ``step()`` reads schedule -> run -> process results. Scheduling prefers prefill: the request being chunked
+continues, then waiting requests join while the token budget, the request rows and the KV pool allow. Otherwise
+every decoding request runs one token; when the KV pool cannot hold that step, the newest requests are retracted
+(everything they hold is freed and they wait again, with their output so far kept for re-prefill).
+The scheduler is single-threaded and knows nothing of HTTP or threads; a driver feeds it and collects outputs.
+"""
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import torch
+
+from sglang_lite.forward_batch import ForwardMode, build_forward_batch
+from sglang_lite.mem_cache.pools import ModelPools
+from sglang_lite.sampling.params import SamplingParams
+from sglang_lite.sampling.sampler import make_generator, sample
+from sglang_lite.scheduler.batch import ScheduleBatch
+from sglang_lite.scheduler.config import SchedulerConfig
+from sglang_lite.scheduler.loads import SchedulerLoads, ThroughputMeter, utc_timestamp
+from sglang_lite.scheduler.policy import NewTokenRatio, PrefillBudget, order_waiting, plan_prefill, reserved_decode_tokens
+from sglang_lite.scheduler.request import FinishReason, Req, ReqOutput, ReqStatus
+from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+GB = 1024**3
+
+
+def validate_request(input_ids: list[int], params: SamplingParams, config: SchedulerConfig, has_tokenizer: bool) -> None:
+    """Raises ValueError naming the bad field; cheap, so a front end can call it before queueing."""
+    if not input_ids or not all(isinstance(t, int) and 0 <= t < config.vocab_size for t in input_ids):
+        raise ValueError(f"input_ids must be a non-empty list of token ids in [0, {config.vocab_size})")
+    if len(input_ids) >= config.max_request_tokens:
+        limit = "context length" if config.max_request_tokens == config.context_length else "KV pool size"
+        raise ValueError(
+            f"input_ids: the prompt has {len(input_ids)} tokens, not shorter than the {limit} "
+            f"({config.max_request_tokens} tokens)"
+        )
+    params.validate(config.vocab_size)
+    if params.stop and not has_tokenizer:
+        raise ValueError("sampling parameter stop needs a tokenizer (the server skipped tokenizer init)")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, model: Any, pools: ModelPools, tokenizer: Any = None) -> None:
+        self.config = config
+        self.model = model
+        self.pools = pools
+        self.tokenizer = tokenizer
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []  # decoding
+        self.chunked: Req | None = None  # part-way through its prefill
+        self.new_token_ratio = NewTokenRatio.from_conservativeness(config.schedule_conservativeness)
+        self.num_retractions = 0
+        self._outputs: list[ReqOutput] = []
+        self._admissions = 0
+        self._seeds = random.Random(config.random_seed)
+        self._throughput = ThroughputMeter()
+        self._weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    # ---- requests in, outputs out ----------------------------------------------------------------------------
+    def add_request(self, rid: str, input_ids: list[int], sampling_params: SamplingParams | dict | None) -> None:
+        """Queues a request; raises ValueError (naming the field) and leaves the scheduler untouched if invalid."""
+        params = SamplingParams.from_dict(sampling_params)
+        validate_request(input_ids, params, self.config, self.tokenizer is not None)
+        assert self._find(rid) is None, f"request id {rid!r} is already in use"
+        req = self._new_req(rid, list(input_ids), params)
+        if req.max_new_tokens == 0:
+            self._finish(req, FinishReason("length", length=0))
+        else:
+            self.waiting.append(req)
+
+    def abort(self, rid: str, message: str = "aborted") -> bool:
+        """Ends a request wherever it is and frees all it holds; False if no such unfinished request."""
+        req = self._find(rid)
+        if req is None:
+            return False
+        self._finish(req, FinishReason("abort", message=message))
+        self._drop_finished()
+        return True
+
+    def step(self) -> list[ReqOutput]:
+        batch = self.schedule()
+        if batch is not None:
+            logits = self.run(batch)
+            self.process_results(batch, logits)
+        return self._take_outputs()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked or self._outputs)
+
+    # ---- schedule ----------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduleBatch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked is None:
+            return None
+        plan = plan_prefill(self.chunked, order_waiting(self.waiting, self.config.schedule_policy), self._budget())
+        if not plan:
+            return None
+        for req, _ in plan:
+            if not req.holds_memory:
+                self._admit(req)
+        return ScheduleBatch(ForwardMode.EXTEND, [r for r, _ in plan], [n for _, n in plan])
+
+    def _budget(self) -> PrefillBudget:
+        ratio = self.new_token_ratio.value
+        reserved = sum(reserved_decode_tokens(r, ratio) for r in self.running)
+        if self.chunked is not None:
+            reserved += self.chunked.num_uncached + reserved_decode_tokens(self.chunked, ratio)
+        kv_free = self.pools.kv.allocator.num_free
+        return PrefillBudget(
+            kv_free=kv_free,
+            admit_free=kv_free - reserved,
+            batch_tokens=self.config.max_prefill_tokens,
+            chunk_size=self.config.chunk_size,
+            free_rows=min(self.pools.req_to_token.allocator.num_free, self.pools.states.allocator.num_free),
+            new_token_ratio=ratio,
+        )
+
+    def _admit(self, req: Req) -> None:
+        (row,) = self.pools.req_to_token.allocator.alloc(1)
+        (slot,) = self.pools.states.alloc(1)
+        self.waiting.remove(req)
+        req.req_row, req.state_slot, req.num_cached = row, slot, 0
+        req.status, req.admit_seq = ReqStatus.PREFILLING, self._admissions
+        self._admissions += 1
+
+    def _schedule_decode(self) -> ScheduleBatch | None:
+        if not self.running:
+            return None
+        while self.pools.kv.allocator.num_free < len(self.running):
+            self._retract(self._retraction_victim())
+        return ScheduleBatch.decode(self.running)
+
+    def _retraction_victim(self) -> Req:
+        """The newest request holding memory, keeping at least one decoding request."""
+        candidates = (self.running if len(self.running) > 1 else []) + ([self.chunked] if self.chunked else [])
+        assert candidates, "one request alone always fits the KV pool (validated at admission)"
+        return max(candidates, key=lambda r: r.admit_seq)
+
+    def _retract(self, req: Req) -> None:
+        self._release(req)
+        if req is self.chunked:
+            self.chunked = None
+        else:
+            self.running.remove(req)
+        req.status, req.num_retractions = ReqStatus.WAITING, req.num_retractions + 1
+        self.waiting.append(req)
+        self.num_retractions += 1
+        self.new_token_ratio.on_retraction()
+
+    # ---- run ---------------------------------------------------------------------------------------------------
+    def run(self, batch: ScheduleBatch) -> torch.Tensor:
+        """One forward; logits [B, vocab] of each request's last new token."""
+        forward_batch = build_forward_batch(
+            self.pools,
+            batch.mode,
+            batch.new_token_ids(),
+            batch.prefix_lens,
+            [r.req_row for r in batch.reqs],
+            [r.state_slot for r in batch.reqs],
+            self.config.device,
+        )
+        with torch.inference_mode():
+            return self.model.forward_batch(forward_batch)
+
+    # ---- process results ---------------------------------------------------------------------------------------
+    def process_results(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
+        completes = batch.completes()
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            req.num_cached += n
+        sampled = [r for r, done in zip(batch.reqs, completes) if done]
+        if sampled:
+            rows = logits if len(sampled) == len(batch.reqs) else logits[[i for i, d in enumerate(completes) if d]]
+            self._append_tokens(sampled, self._sample(sampled, rows))
+        if batch.is_decode:
+            self.new_token_ratio.on_decode_step()
+        else:
+            self._place_prefilled(batch.reqs, completes)
+        self._drop_finished()
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
+        banned = [sorted(r.stop_token_ids) if len(r.output_ids) < r.sampling_params.min_new_tokens else [] for r in reqs]
+        params = [r.sampling_params for r in reqs]
+        return sample(logits, params, [r.generator for r in reqs], banned).tolist()
+
+    def _append_tokens(self, reqs: list[Req], token_ids: list[int]) -> None:
+        now = time.monotonic()
+        for req, token in zip(reqs, token_ids):
+            req.first_token_time = req.first_token_time or now
+            req.output_ids.append(token)
+            req.unsent_ids.append(token)
+            self._update_text_and_finish(req, token)
+            if not req.finished and len(req.unsent_ids) >= self.config.stream_interval:
+                self._emit(req)
+        self._throughput.record(now, len(reqs))
+
+    def _update_text_and_finish(self, req: Req, token: int) -> None:
+        if token in req.stop_token_ids:
+            self._finish(req, FinishReason("stop", matched=token))
+            return
+        self._add_text(req, req.detokenizer.push([token]) if req.detokenizer else "")
+        if req.stop_matcher is not None and req.stop_matcher.matched is not None:
+            self._finish(req, FinishReason("stop", matched=req.stop_matcher.matched))
+        elif len(req.output_ids) >= req.max_new_tokens:
+            self._finish(req, FinishReason("length", length=len(req.output_ids)))
+
+    def _add_text(self, req: Req, text: str) -> None:
+        req.unsent_text += req.stop_matcher.feed(text) if req.stop_matcher else text
+
+    def _place_prefilled(self, reqs: list[Req], completes: list[bool]) -> None:
+        for req, done in zip(reqs, completes):
+            if req is self.chunked:
+                self.chunked = None
+            if req.finished:
+                continue
+            if done:
+                req.status = ReqStatus.DECODING
+                self.running.append(req)
+            else:
+                self.chunked = req
+
+    # ---- finishing and freeing ---------------------------------------------------------------------------------
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        if not (reason.kind == "stop" and isinstance(reason.matched, str)):
+            self._flush_text(req)  # a stop string already emitted the text before it and dropped the rest
+        if req.holds_memory:
+            self._release(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.status, req.finish_reason = ReqStatus.FINISHED, reason
+        self._emit(req)
+
+    def _flush_text(self, req: Req) -> None:
+        if req.detokenizer is not None:
+            self._add_text(req, req.detokenizer.flush())
+        if req.stop_matcher is not None and req.stop_matcher.matched is None:
+            req.unsent_text += req.stop_matcher.flush()
+
+    def _release(self, req: Req) -> None:
+        self.pools.free_request(req.req_row, req.num_cached, req.state_slot)
+        req.req_row = req.state_slot = None
+        req.num_cached = 0
+
+    def _drop_finished(self) -> None:
+        self.running = [r for r in self.running if not r.finished]
+        if self.chunked is not None and self.chunked.finished:
+            self.chunked = None
+
+    def _emit(self, req: Req) -> None:
+        self._outputs.append(ReqOutput(req.rid, req.unsent_ids, req.unsent_text, req.finished, self._meta_info(req)))
+        req.unsent_ids, req.unsent_text = [], ""
+
+    def _meta_info(self, req: Req) -> dict[str, Any]:
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": 0,
+            "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
+            "num_retractions": req.num_retractions,
+        }
+        if req.finished:
+            meta["e2e_latency"] = time.monotonic() - req.arrival_time
+        return meta
+
+    def _take_outputs(self) -> list[ReqOutput]:
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+    def _new_req(self, rid: str, input_ids: list[int], params: SamplingParams) -> Req:
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.config.eos_token_ids))
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        tokenizer = self.tokenizer
+        return Req(
+            rid=rid,
+            input_ids=input_ids,
+            sampling_params=params,
+            max_new_tokens=min(params.max_new_tokens, self.config.max_request_tokens - len(input_ids)),
+            stop_token_ids=frozenset(stop_ids),
+            generator=make_generator(seed, self.config.device),
+            detokenizer=IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None,
+            stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
+        )
+
+    def _find(self, rid: str) -> Req | None:
+        holders = self.running + ([self.chunked] if self.chunked else [])
+        return next((r for r in self.waiting + holders if r.rid == rid), None)
+
+    def holders(self) -> list[Req]:
+        return self.running + ([self.chunked] if self.chunked else [])
+
+    def check_invariants(self) -> None:
+        """Exact accounting between steps: the pools hold precisely what the requests say they hold."""
+        holders = self.holders()
+        for req in holders + self.waiting:
+            req.check()
+        assert self.pools.kv.allocator.num_used == sum(r.num_cached for r in holders), "KV slots leaked or lost"
+        assert self.pools.req_to_token.allocator.num_used == len(holders), "request rows leaked"
+        assert self.pools.states.allocator.num_used == len(holders), "state slots leaked"
+
+    # ---- load figures ------------------------------------------------------------------------------------------
+    def get_loads(self) -> SchedulerLoads:
+        used = self.pools.kv.allocator.num_used
+        total = self.config.max_total_tokens
+        running = len(self.holders())
+        return SchedulerLoads(
+            dp_rank=self.config.dp_rank,
+            timestamp=utc_timestamp(),
+            num_running_reqs=running,
+            num_waiting_reqs=len(self.waiting),
+            num_used_tokens=used,
+            num_total_tokens=used + sum(r.num_uncached for r in self.waiting),
+            max_total_num_tokens=total,
+            token_usage=used / total,
+            gen_throughput=self._throughput.rate(time.monotonic()),
+            cache_hit_rate=0.0,
+            utilization=running / self.config.max_running_requests,
+            max_running_requests=self.config.max_running_requests,
+            weight_gb=self._weight_bytes / GB,
+            kv_cache_gb=(self.pools.kv.bytes + self.pools.states.bytes) / GB,
+            token_capacity=total,
+            waiting=len(self.waiting),
+            paused=0,
+            retracted=sum(1 for r in self.waiting if r.num_retractions),
+            num_retractions=self.num_retractions,
+        )

@@ -1,0 +1,117 @@
+"""Server arguments: one frozen dataclass, the single source of the command-line flags and their defaults.
+
+The engine reads it to load the model and size the pools; per-rank copies come from ``dataclasses.replace``.
+Later layers (the HTTP server, DP ranks) extend the same dataclass rather than growing a second flag list.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SCHEDULE_POLICIES = ("fcfs", "sjf")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
+
+_HELP = {
+    "model_path": "Checkpoint folder; empty = the built-in tiny Qwen3.5 MoE model (dummy weights).",
+    "tokenizer_path": "Tokenizer folder; defaults to the model folder.",
+    "load_format": "auto: read the checkpoint weights; dummy: random weights of the checkpoint's shapes.",
+    "dtype": "Weight and activation dtype; auto: the checkpoint's on GPU, float32 on CPU.",
+    "device": "Torch device to run on.",
+    "random_seed": "Seeds the weights of dummy models and the samplers of requests without their own seed.",
+    "context_length": "Longest request (prompt + output) in tokens; default: the model's max_position_embeddings.",
+    "max_total_tokens": "KV pool size in tokens; default: derived from mem_fraction_static.",
+    "mem_fraction_static": "Fraction of device memory for weights, KV pool and linear-attention states.",
+    "max_running_requests": "Requests decoding at once; also the number of linear-attention state slots.",
+    "chunked_prefill_size": "Longest prefill chunk of one request in tokens; <= 0 disables chunking.",
+    "max_prefill_tokens": "Token budget of one prefill batch.",
+    "schedule_policy": "Order of the waiting queue: fcfs (arrival) or sjf (shortest prompt first).",
+    "schedule_conservativeness": "Scales how many future decode tokens admission reserves; 0 reserves none.",
+    "stream_interval": "Stream outputs every this many decode tokens.",
+    "dp_size": "Data-parallel ranks (one scheduler each).",
+    "disable_shared_experts_fusion": "Run the MoE shared expert separately instead of as an extra fused expert.",
+    "skip_tokenizer_init": "Do not load a tokenizer: requests pass input_ids and get no text.",
+}
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "cpu"
+    random_seed: int = 0
+    context_length: int | None = None
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.8
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048
+    max_prefill_tokens: int = 8192
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    stream_interval: int = 1
+    dp_size: int = 1
+    disable_shared_experts_fusion: bool = False
+    skip_tokenizer_init: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_choice("dtype", DTYPES)
+        self._check_choice("load_format", LOAD_FORMATS)
+        self._check_choice("schedule_policy", SCHEDULE_POLICIES)
+        self._check_positive("max_running_requests", "max_prefill_tokens", "stream_interval", "dp_size")
+        if self.max_total_tokens is not None and self.max_total_tokens <= 0:
+            raise ValueError(f"max_total_tokens must be positive, got {self.max_total_tokens}")
+        if self.context_length is not None and self.context_length <= 1:
+            raise ValueError(f"context_length must be > 1, got {self.context_length}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if self.schedule_conservativeness < 0:
+            raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
+
+    def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
+        if getattr(self, name) not in choices:
+            raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+
+    def _check_positive(self, *names: str) -> None:
+        for name in names:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def effective_prefill_chunk(self) -> int:
+        """Tokens one request may prefill in one forward."""
+        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_prefill_tokens
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for field in dataclasses.fields(ServerArgs):
+            _add_field(parser, field)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _add_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
+    flag = "--" + field.name.replace("_", "-")
+    help_text = _HELP.get(field.name, "")
+    if field.type in ("bool", bool):
+        parser.add_argument(flag, action="store_true", default=field.default, help=help_text)
+        return
+    kwargs: dict[str, Any] = {"default": field.default, "help": f"{help_text} (default: {field.default})"}
+    kwargs["type"] = _parse_type(field.type)
+    choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "schedule_policy": SCHEDULE_POLICIES}
+    if field.name in choices:
+        kwargs["choices"] = choices[field.name]
+    parser.add_argument(flag, **kwargs)
+
+
+def _parse_type(annotation: Any) -> type:
+    text = annotation if isinstance(annotation, str) else annotation.__name__
+    for name, kind in (("int", int), ("float", float)):
+        if text.startswith(name):
+            return kind
+    return str
