@@ -1,0 +1,25 @@
+# Two entry points, each doing all set-up on a fresh machine:
+#   make run   - the main job (today: a short greedy generation with the built-in tiny model; no downloads)
+#   make test  - the test suite
+# Both create .venv on first use. torch is pinned first so pip takes the local CPU wheel rather than a CUDA build;
+# on a GPU machine install your CUDA/ROCm torch into .venv before `make`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test setup
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+run: setup
+	$(PY) -m sglang_lite.generate
+
+test: setup
+	$(PY) -m pytest -q tests
