@@ -13,6 +13,7 @@ from typing import Any
 SCHEDULE_POLICIES = ("fcfs", "sjf")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+ALT_STREAM_OVERLAP = ("flags", "auto")
 
 _HELP = {
     "model_path": "Checkpoint folder; empty = the built-in tiny Qwen3.5 MoE model (dummy weights).",
@@ -33,6 +34,10 @@ _HELP = {
     "dp_size": "Data-parallel ranks (one scheduler each).",
     "disable_shared_experts_fusion": "Run the MoE shared expert separately instead of as an extra fused expert.",
     "skip_tokenizer_init": "Do not load a tokenizer: requests pass input_ids and get no text.",
+    "disable_cuda_graph": "Run decode steps eagerly instead of replaying captured CUDA graphs.",
+    "cuda_graph_max_bs": "Largest decode batch captured into a CUDA graph.",
+    "alt_stream_overlap": "flags: overlap as the SGLANG_*_ALT_STREAM flags say; auto: per captured batch size, time "
+    "both variants and keep the faster.",
 }
 
 
@@ -56,11 +61,15 @@ class ServerArgs:
     dp_size: int = 1
     disable_shared_experts_fusion: bool = False
     skip_tokenizer_init: bool = False
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 64
+    alt_stream_overlap: str = "flags"
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
         self._check_choice("load_format", LOAD_FORMATS)
         self._check_choice("schedule_policy", SCHEDULE_POLICIES)
+        self._check_choice("alt_stream_overlap", ALT_STREAM_OVERLAP)
         self._check_positive("max_running_requests", "max_prefill_tokens", "stream_interval", "dp_size")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError(f"max_total_tokens must be positive, got {self.max_total_tokens}")
@@ -103,7 +112,8 @@ def _add_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> Non
         return
     kwargs: dict[str, Any] = {"default": field.default, "help": f"{help_text} (default: {field.default})"}
     kwargs["type"] = _parse_type(field.type)
-    choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "schedule_policy": SCHEDULE_POLICIES}
+    choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "schedule_policy": SCHEDULE_POLICIES,
+               "alt_stream_overlap": ALT_STREAM_OVERLAP}
     if field.name in choices:
         kwargs["choices"] = choices[field.name]
     parser.add_argument(flag, **kwargs)
@@ -115,3 +125,27 @@ def _parse_type(annotation: Any) -> type:
         if text.startswith(name):
             return kind
     return str
+
+
+# The process-global server arguments. Set by whoever starts serving (engine, scheduler process); read lazily, at
+# model construction, never at import: a module-level read once broke imports in unit tests upstream.
+_global_server_args: ServerArgs | None = None
+
+
+def set_global_server_args(args: ServerArgs | None) -> None:
+    global _global_server_args
+    _global_server_args = args
+
+
+def get_global_server_args() -> ServerArgs:
+    if _global_server_args is None:
+        raise RuntimeError(
+            "Global server args is not set yet: call sglang_lite.server_args.set_global_server_args(...) first "
+            "(the engine and the server do; standalone load_model uses ServerArgs() defaults)"
+        )
+    return _global_server_args
+
+
+def server_args_or_default() -> ServerArgs:
+    """The global server arguments when set, else the defaults (standalone use of the model classes)."""
+    return _global_server_args if _global_server_args is not None else ServerArgs()
