@@ -105,3 +105,14 @@ def test_cli_defaults_come_from_the_dataclass_and_flags_parse():
                            "--decode", "http://d1", "--prefill-policy", "random", "--decode-policy", "power_of_two"])
     assert [(p.url, p.bootstrap_port) for p in pd.prefill] == [("http://p1", 9000), ("http://p2", None)]
     assert pd.decode == ("http://d1",) and pd.prefill_policy == "random"
+
+
+def test_cli_help_imports_neither_torch_nor_the_http_stack():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "sglang_lite.router", "--help"],
+                         capture_output=True, text=True, check=True)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
+    assert "--pd-disaggregation" in out.stdout
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "triton", "aiohttp")}
