@@ -13,6 +13,7 @@ from typing import Any
 SCHEDULE_POLICIES = ("fcfs", "sjf")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 ALT_STREAM_OVERLAP = ("flags", "auto")
 
 _HELP = {
@@ -38,6 +39,14 @@ _HELP = {
     "cuda_graph_max_bs": "Largest decode batch captured into a CUDA graph.",
     "alt_stream_overlap": "flags: overlap as the SGLANG_*_ALT_STREAM flags say; auto: per captured batch size, time "
     "both variants and keep the faster.",
+    "host": "HTTP server bind address.",
+    "port": "HTTP server port.",
+    "api_key": "Bearer key every endpoint but /health requires; empty: no key.",
+    "served_model_name": "Model name in the OpenAI API; default: the model folder's name.",
+    "load_balance_method": "How the DP controller picks a rank for requests that name none.",
+    "max_queued_requests": "Waiting requests per DP rank; beyond it new requests get 503 with Retry-After.",
+    "max_request_body_bytes": "Largest accepted HTTP request body; larger gets 413.",
+    "cpu_threads_per_rank": "torch threads per scheduler process when the device is the CPU.",
 }
 
 
@@ -64,11 +73,22 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
     alt_stream_overlap: str = "flags"
+    # the HTTP server (sglang_lite.launch_server)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    load_balance_method: str = "round_robin"
+    max_queued_requests: int = 1024
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    cpu_threads_per_rank: int = 1
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
         self._check_choice("load_format", LOAD_FORMATS)
         self._check_choice("schedule_policy", SCHEDULE_POLICIES)
+        self._check_choice("load_balance_method", LOAD_BALANCE_METHODS)
+        self._check_positive("max_queued_requests", "max_request_body_bytes", "cpu_threads_per_rank")
         self._check_choice("alt_stream_overlap", ALT_STREAM_OVERLAP)
         self._check_positive("max_running_requests", "max_prefill_tokens", "stream_interval", "dp_size")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
@@ -113,7 +133,7 @@ def _add_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> Non
     kwargs: dict[str, Any] = {"default": field.default, "help": f"{help_text} (default: {field.default})"}
     kwargs["type"] = _parse_type(field.type)
     choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "schedule_policy": SCHEDULE_POLICIES,
-               "alt_stream_overlap": ALT_STREAM_OVERLAP}
+               "alt_stream_overlap": ALT_STREAM_OVERLAP, "load_balance_method": LOAD_BALANCE_METHODS}
     if field.name in choices:
         kwargs["choices"] = choices[field.name]
     parser.add_argument(flag, **kwargs)
