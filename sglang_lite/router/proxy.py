@@ -76,7 +76,7 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse) -> tuple
     chunk is not held back by Nagle's algorithm). A failure after the head was sent becomes a final SSE error
     event, so the client sees an error instead of a silently truncated stream.
     """
-    if not is_event_stream(upstream):
+    if not is_event_stream(upstream) and upstream.content_length is not None:  # a sized body: one read
         try:
             data = await upstream.read()
         except asyncio.TimeoutError:
