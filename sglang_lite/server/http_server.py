@@ -1,0 +1,279 @@
+"""The FastAPI app: SGLang-native and OpenAI-compatible generation, loads, server info, health and metrics.
+
+Handlers translate HTTP to ``GenerateInput``s and ``ReqOutput``s to HTTP; tokenising, routing and streaming live
+in the tokenizer manager, the OpenAI shapes in ``openai_serving``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import datetime, timezone
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from sglang_lite.scheduler.loads import SECTIONS
+from sglang_lite.server import openai_serving
+from sglang_lite.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RouteCountMiddleware
+from sglang_lite.server.openai_protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
+from sglang_lite.server.responses import (
+    ClientDisconnected, SSEResponse, error_response, request_error_response, sse, until_disconnect,
+)
+from sglang_lite.server.tokenizer_manager import GenerateInput, RequestError, RequestStream, TokenizerManager, bad_request
+from sglang_lite.server_args import ServerArgs
+
+VERSION = "sglang_lite-0.1.0"
+LOAD_SECTIONS = ("core", "memory", "disagg", "queues")
+DISAGG_IDLE = {"mode": "null", "prefill_prealloc_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
+               "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0, "decode_retracted_queue_reqs": 0}
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+def create_app(args: ServerArgs, manager: TokenizerManager | None = None) -> FastAPI:
+    manager = manager or TokenizerManager(args)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await manager.start()
+        try:
+            yield
+        finally:
+            await manager.shutdown()
+
+    app = FastAPI(title="sglang_lite", version=VERSION, lifespan=lifespan)
+    app.state.manager, app.state.args = manager, args
+    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
+    if args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, open_paths=("/health",))
+    app.add_middleware(RouteCountMiddleware, metrics=manager.metrics)  # outermost: counts 401s and 413s too
+    _add_error_handlers(app)
+    _add_routes(app, manager, args)
+    openai_serving.add_routes(app, manager, args)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        return error_response(400, _describe_validation(error))
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, error: RequestError) -> JSONResponse:
+        return request_error_response(error)
+
+    @app.exception_handler(ClientDisconnected)
+    async def gone(request: Request, error: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+
+def _describe_validation(error: RequestValidationError) -> str:
+    parts = []
+    for item in error.errors()[:5]:
+        where = ".".join(str(x) for x in item.get("loc", ()) if x != "body") or "body"
+        parts.append(f"{where}: {item.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if all(manager.live):
+            return Response(status_code=200)
+        return error_response(503, f"DP ranks alive: {manager.live}")
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        return await _health_generate(manager)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        return server_info_of(manager, args)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return model_info_of(manager, args)
+
+    @app.get("/v1/loads")
+    async def loads(include: list[str] = Query(default=["all"]), dp_rank: int | None = None) -> dict[str, Any]:
+        sections = _parse_include(include)
+        ranks = _parse_dp_rank(dp_rank, args.dp_size)
+        per_rank = await manager.get_loads(ranks)
+        loads = [_select_sections(load, sections) for load in per_rank]
+        return {"timestamp": datetime.now(timezone.utc).isoformat(), "version": VERSION, "loads": loads}
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, Any]]:
+        return [{"dp_rank": load["dp_rank"], "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                 "num_waiting_reqs": load["num_waiting_reqs"], "num_tokens": load["num_total_tokens"]}
+                for load in await manager.get_loads()]
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest) -> dict[str, Any]:
+        if body.abort_all:
+            return {"aborted": manager.abort_all()}
+        return {"aborted": int(manager.abort(body.rid))}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        loads = await manager.get_loads([r for r in range(args.dp_size) if manager.live[r]])
+        return PlainTextResponse(manager.metrics.render(loads), media_type="text/plain; version=0.0.4")
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        inputs, batched = _generate_inputs(manager, body)
+        if body.stream:
+            if batched:
+                raise bad_request("stream supports one prompt per request")
+            stream = await until_disconnect(request, manager.submit(inputs[0]))
+            return SSEResponse(_native_events(stream))
+        results = await until_disconnect(request, openai_serving.run_all(manager, inputs))
+        payload = [_native_result(ids, text, meta) for ids, text, meta in results]
+        return JSONResponse(payload if batched else payload[0])
+
+
+# ---- /generate -------------------------------------------------------------------------------------------------
+def _generate_inputs(manager: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateInput], bool]:
+    if body.return_logprob is True or (isinstance(body.return_logprob, list) and any(body.return_logprob)):
+        raise bad_request("return_logprob is not supported")
+    prompts, batched = _prompt_ids(manager, body.text, body.input_ids)
+    params = _per_prompt(body.sampling_params, len(prompts), "sampling_params")
+    rids = _per_prompt(body.rid, len(prompts), "rid") if body.rid is not None else [None] * len(prompts)
+    rank = body.routed_dp_rank if body.routed_dp_rank is not None else body.data_parallel_rank
+    return [GenerateInput(rid or uuid.uuid4().hex, ids, manager.sampling_params(p), rank)
+            for ids, p, rid in zip(prompts, params, rids)], batched
+
+
+def _prompt_ids(manager: TokenizerManager, text: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
+    if (text is None) == (input_ids is None):
+        raise bad_request("pass exactly one of text and input_ids")
+    if text is not None:
+        batched = isinstance(text, list)
+        prompts = [manager.encode(t) for t in (text if batched else [text])]
+    else:
+        batched = bool(input_ids) and isinstance(input_ids[0], list)
+        prompts = [list(x) for x in input_ids] if batched else [list(input_ids)]
+    if batched and not prompts:
+        raise bad_request("the prompt list is empty")
+    return prompts, batched
+
+
+def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise bad_request(f"{name} has {len(value)} entries for {n} prompts")
+    return value
+
+
+def _native_result(ids: list[int], text: str, meta: dict[str, Any]) -> dict[str, Any]:
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+async def _native_events(stream: RequestStream) -> AsyncIterator[bytes]:
+    """SGLang's native stream: cumulative text and output ids in every event."""
+    text, ids = "", []
+    try:
+        async for output in stream:
+            text, ids = text + output.new_text, ids + output.new_token_ids
+            yield sse(_native_result(ids, text, output.meta_info))
+    except RequestError as error:
+        yield sse({"error": {"message": error.message, "code": error.status}})
+    finally:
+        stream.close()
+    yield sse("[DONE]")
+
+
+# ---- loads -----------------------------------------------------------------------------------------------------
+def _parse_include(values: list[str]) -> tuple[str, ...]:
+    names = [n.strip() for v in values for n in v.split(",") if n.strip()]
+    unknown = sorted(set(names) - {*LOAD_SECTIONS, "all"})
+    if unknown:
+        raise bad_request(f"unknown include name(s) {unknown}; known: {[*LOAD_SECTIONS, 'all']}")
+    if not names or "all" in names:
+        return LOAD_SECTIONS
+    return tuple(s for s in LOAD_SECTIONS if s in names)
+
+
+def _parse_dp_rank(dp_rank: int | None, dp_size: int) -> list[int] | None:
+    if dp_rank is None:
+        return None
+    if not 0 <= dp_rank < dp_size:
+        raise bad_request(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+    return [dp_rank]
+
+
+def _select_sections(load: dict[str, Any], sections: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {"dp_rank": load["dp_rank"], "timestamp": load["timestamp"]}
+    for section in sections:
+        if section == "disagg":
+            out.update(DISAGG_IDLE)
+        else:
+            out.update({name: load[name] for name in SECTIONS[section]})
+    if "queues" in sections:
+        out["num_retractions"] = load["num_retractions"]
+    return out
+
+
+# ---- info and health -------------------------------------------------------------------------------------------
+def server_info_of(manager: TokenizerManager, args: ServerArgs) -> dict[str, Any]:
+    info = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
+    config = manager.config
+    info.update(
+        version=VERSION, dp_size=args.dp_size, model_path=_model_dir(args), served_model_name=served_model_name(args),
+        context_length=config.context_length, max_total_num_tokens=config.max_total_tokens,
+        max_running_requests=config.max_running_requests, is_generation=True,
+        scheduler_pids=[info["pid"] for info in manager.rank_info],
+    )
+    plan = manager.rank_info[0].get("alt_stream_plan") if manager.rank_info else None
+    if plan is not None:
+        info["alt_stream_plan"] = plan
+    return info
+
+
+def model_info_of(manager: TokenizerManager, args: ServerArgs) -> dict[str, Any]:
+    hf_config = _hf_config(args)
+    return {
+        "model_path": _model_dir(args), "tokenizer_path": args.tokenizer_path or _model_dir(args),
+        "served_model_name": served_model_name(args), "is_generation": True,
+        "model_type": hf_config.get("model_type"), "architectures": hf_config.get("architectures"),
+        "context_length": manager.config.context_length, "preferred_sampling_params": None,
+        "weight_version": "default", "has_image_understanding": False, "has_audio_understanding": False,
+    }
+
+
+def served_model_name(args: ServerArgs) -> str:
+    return args.served_model_name or os.path.basename(os.path.normpath(_model_dir(args)))
+
+
+def _model_dir(args: ServerArgs) -> str:
+    from sglang_lite.engine.launch import model_dir_of
+
+    return model_dir_of(args)
+
+
+def _hf_config(args: ServerArgs) -> dict[str, Any]:
+    with open(os.path.join(_model_dir(args), "config.json")) as f:
+        return json.load(f)
+
+
+async def _health_generate(manager: TokenizerManager) -> Response:
+    """One token on every live rank, each within the timeout."""
+    inputs = [GenerateInput(f"health_generate_{uuid.uuid4().hex}", [0], manager.sampling_params({"max_new_tokens": 1}), rank)
+              for rank in range(len(manager.live)) if manager.live[rank]]
+    if len(inputs) < len(manager.live):
+        return error_response(503, f"DP ranks alive: {manager.live}")
+    started = time.monotonic()
+    try:
+        await openai_serving.run_all(manager, inputs, timeout=HEALTH_GENERATE_TIMEOUT_S)
+    except (RequestError, TimeoutError) as error:
+        return error_response(503, f"health generation failed: {error}")
+    return JSONResponse({"healthy": True, "seconds": round(time.monotonic() - started, 4)})

@@ -1,0 +1,72 @@
+"""Prometheus text metrics: request counters, per-rank latency histograms, and per-rank load gauges taken live
+at scrape time."""
+from __future__ import annotations
+
+import bisect
+from collections import Counter, defaultdict
+from typing import Any
+
+PREFIX = "sglang_lite"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LOAD_GAUGES = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens", "token_usage",
+               "gen_throughput", "utilization", "max_total_num_tokens")
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out, cumulative = [], 0
+        for bound, count in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            cumulative += count
+            out.append(f'{name}_bucket{{{labels},le="{bound}"}} {cumulative}')
+        return out + [f"{name}_sum{{{labels}}} {self.sum}", f"{name}_count{{{labels}}} {cumulative}"]
+
+
+class ServerMetrics:
+    HISTOGRAMS = {
+        "time_to_first_token_seconds": "Time from arrival to the first output token.",
+        "inter_token_latency_seconds": "Time between output tokens of one request.",
+        "e2e_request_latency_seconds": "Time from arrival to the end of a request.",
+    }
+
+    def __init__(self) -> None:
+        self.http_requests: Counter[tuple[str, int]] = Counter()
+        self.routed: Counter[tuple[int, str]] = Counter()  # (rank, "named" | "balanced")
+        self.finished: Counter[tuple[int, str]] = Counter()  # (rank, finish reason)
+        self.tokens: Counter[tuple[int, str]] = Counter()  # (rank, "prompt" | "generation")
+        self.histograms: dict[str, defaultdict[int, Histogram]] = {n: defaultdict(Histogram) for n in self.HISTOGRAMS}
+
+    def observe(self, name: str, rank: int, seconds: float) -> None:
+        self.histograms[name][rank].observe(seconds)
+
+    def render(self, loads: list[dict[str, Any]]) -> str:
+        lines: list[str] = []
+        self._counter(lines, "http_requests_total", "HTTP requests by route and status.",
+                      {f'route="{r}",status="{s}"': n for (r, s), n in self.http_requests.items()})
+        self._counter(lines, "requests_routed_total", "Requests dispatched to each rank; named: the request chose it.",
+                      {f'dp_rank="{r}",how="{h}"': n for (r, h), n in self.routed.items()})
+        self._counter(lines, "requests_finished_total", "Requests ended, by rank and finish reason.",
+                      {f'dp_rank="{r}",reason="{k}"': n for (r, k), n in self.finished.items()})
+        self._counter(lines, "tokens_total", "Prompt and generated tokens by rank.",
+                      {f'dp_rank="{r}",kind="{k}"': n for (r, k), n in self.tokens.items()})
+        for name, help_text in self.HISTOGRAMS.items():
+            lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} histogram"]
+            for rank, histogram in sorted(self.histograms[name].items()):
+                lines += histogram.lines(f"{PREFIX}_{name}", f'dp_rank="{rank}"')
+        for gauge in LOAD_GAUGES:
+            lines += [f"# HELP {PREFIX}_{gauge} Live {gauge} of each rank.", f"# TYPE {PREFIX}_{gauge} gauge"]
+            lines += [f'{PREFIX}_{gauge}{{dp_rank="{load["dp_rank"]}"}} {load[gauge]}' for load in loads]
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _counter(lines: list[str], name: str, help_text: str, values: dict[str, int]) -> None:
+        lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} counter"]
+        lines += [f"{PREFIX}_{name}{{{labels}}} {n}" for labels, n in sorted(values.items())]

@@ -1,0 +1,170 @@
+"""``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``: OpenAI shapes over the tokenizer manager."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from sglang_lite.server.openai_protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
+from sglang_lite.server.responses import SSEResponse, sse, until_disconnect
+from sglang_lite.server.tokenizer_manager import GenerateInput, RequestError, RequestStream, TokenizerManager, bad_request
+from sglang_lite.server_args import ServerArgs
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat uses the server's (128)
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+Result = tuple[list[int], str, dict[str, Any]]  # output ids, text, meta_info
+
+
+def add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> None:
+    from sglang_lite.server.http_server import served_model_name
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        model = {"id": served_model_name(args), "object": "model", "created": 0, "owned_by": "sglang_lite",
+                 "max_model_len": manager.config.context_length}
+        return {"object": "list", "data": [model]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        prompts = _completion_prompts(manager, body.prompt)
+        inputs = _inputs(manager, body, prompts, COMPLETION_DEFAULT_MAX_TOKENS)
+        return await _respond(request, manager, body, inputs, Shape("text_completion", served_model_name(args)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        if body.logprobs:
+            raise bad_request("logprobs is not supported")
+        if body.max_tokens is None and body.max_completion_tokens is not None:
+            body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
+        messages = [m.to_template() for m in body.messages]
+        ids = manager.encode_chat(messages, body.chat_template_kwargs or {})
+        inputs = _inputs(manager, body, [ids], None)
+        return await _respond(request, manager, body, inputs, Shape("chat.completion", served_model_name(args)))
+
+
+def _completion_prompts(manager: TokenizerManager, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [manager.encode(prompt)]
+    if not prompt:
+        raise bad_request("prompt: the list is empty")
+    if isinstance(prompt[0], str):
+        return [manager.encode(p) for p in prompt]
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [list(p) for p in prompt]
+
+
+def _inputs(manager: TokenizerManager, body: _OpenAISampling, prompts: list[list[int]], default_max: int | None) -> list[GenerateInput]:
+    params = manager.sampling_params(body.sampling_dict(default_max))
+    rank = body.routed_dp_rank if body.routed_dp_rank is not None else body.data_parallel_rank
+    if body.rid is not None and len(prompts) > 1:
+        raise bad_request("rid names one request; send one prompt with it")
+    return [GenerateInput(body.rid or uuid.uuid4().hex, ids, params, rank) for ids in prompts]
+
+
+async def run_all(manager: TokenizerManager, inputs: list[GenerateInput], timeout: float | None = None) -> list[Result]:
+    """Runs requests to the end; every one is dispatched before any is awaited, and all abort on failure."""
+    for request in inputs:
+        manager.validate(request)
+    streams: list[RequestStream] = []
+    try:
+        for request in inputs:
+            streams.append(await manager.submit(request))
+        return list(await asyncio.wait_for(asyncio.gather(*(_collect(s) for s in streams)), timeout))
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+async def _collect(stream: RequestStream) -> Result:
+    ids, text, meta = [], [], {}
+    async for output in stream:
+        ids += output.new_token_ids
+        text.append(output.new_text)
+        meta = output.meta_info
+    return ids, "".join(text), meta
+
+
+class Shape:
+    """The OpenAI object shapes of one endpoint: completion (``text``) or chat (``message`` / ``delta``)."""
+
+    def __init__(self, kind: str, model: str) -> None:
+        self.kind, self.model = kind, model
+        self.id = ("chatcmpl-" if self.is_chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    @property
+    def is_chat(self) -> bool:
+        return self.kind == "chat.completion"
+
+    def response(self, results: list[Result]) -> dict[str, Any]:
+        choices = [self._choice(i, text, meta) for i, (_, text, meta) in enumerate(results)]
+        return {**self._head(self.kind), "choices": choices, "usage": usage(results)}
+
+    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+        if self.is_chat:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head(self.kind + ".chunk" if self.is_chat else self.kind), "choices": [choice]}
+
+    def usage_chunk(self, results: list[Result]) -> dict[str, Any]:
+        return {**self._head(self.kind + ".chunk" if self.is_chat else self.kind), "choices": [], "usage": usage(results)}
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _choice(self, index: int, text: str, meta: dict[str, Any]) -> dict[str, Any]:
+        reason = finish_reason(meta)
+        if self.is_chat:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+
+
+def finish_reason(meta: dict[str, Any]) -> str | None:
+    reason = meta.get("finish_reason")
+    return FINISH_REASONS.get(reason["type"]) if reason else None
+
+
+def usage(results: list[Result]) -> dict[str, int]:
+    prompt = sum(meta.get("prompt_tokens", 0) for _, _, meta in results)
+    completion = sum(meta.get("completion_tokens", 0) for _, _, meta in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _respond(request: Request, manager: TokenizerManager, body: _OpenAISampling, inputs: list[GenerateInput],
+                   shape: Shape) -> Response:
+    if not body.stream:
+        results = await until_disconnect(request, run_all(manager, inputs))
+        return JSONResponse(shape.response(results))
+    if len(inputs) != 1:
+        raise bad_request("stream supports one prompt per request")
+    stream = await until_disconnect(request, manager.submit(inputs[0]))
+    return SSEResponse(_events(stream, shape, body.include_usage))
+
+
+async def _events(stream: RequestStream, shape: Shape, include_usage: bool) -> AsyncIterator[bytes]:
+    meta: dict[str, Any] = {}
+    try:
+        first = True
+        async for output in stream:
+            meta = output.meta_info
+            reason = finish_reason(meta) if output.finished else None
+            if output.new_text or reason or first:
+                yield sse(shape.chunk(output.new_text, reason, first=first and shape.is_chat))
+                first = False
+    except RequestError as error:
+        yield sse({"error": {"message": error.message, "code": error.status}})
+    finally:
+        stream.close()
+    if include_usage and meta:
+        yield sse(shape.usage_chunk([([], "", meta)]))
+    yield sse("[DONE]")
