@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_lite.mem_cache.pools import ModelPools
+from sglang_lite.streams.runtime import PLAIN, OverlapContext
 
 
 class ForwardMode(enum.Enum):
@@ -30,6 +31,8 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [T] int64: KV slot receiving each new token
     state_slots: torch.Tensor  # [B] int64: linear-attention state slot of each request
     pools: ModelPools
+    capturing: bool = False  # set while a CUDA graph records this batch
+    overlap: OverlapContext = PLAIN  # set by the model for each forward from its stream plan
     seq_lens_t: torch.Tensor = field(init=False)  # [B] int32 on device: prefix + extend
     prefix_lens_t: torch.Tensor = field(init=False)
     extend_lens_t: torch.Tensor = field(init=False)

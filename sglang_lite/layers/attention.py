@@ -10,6 +10,7 @@ from sglang_lite.kernels import decode_attention, extend_attention, fused_qk_gem
 from sglang_lite.layers.linear import PackedLinear, ShardMap, packed_rows
 from sglang_lite.layers.norm import GemmaRMSNorm
 from sglang_lite.layers.rotary import RotaryEmbedding
+from sglang_lite.streams.runtime import OverlapContext, overlap
 
 
 class Qwen3_5Attention(nn.Module):
@@ -36,11 +37,18 @@ class Qwen3_5Attention(nn.Module):
         q_gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = fused_qk_gemma_rmsnorm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.head_dim)
+        q, k = self._qk_norm(q, k, batch.overlap)
         q, k = self._rotary[0](batch.positions, q, k)
         out = self._attend(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), batch)
         out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
         return self.o_proj(out)
+
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor, ctx: OverlapContext) -> tuple[torch.Tensor, torch.Tensor]:
+        if ctx.plan.qk_norm:
+            return overlap(lambda: self.q_norm(q), lambda: self.k_norm(k), ctx.alt, True, k)
+        if ctx.plan.fused_qk_norm:
+            return fused_qk_gemma_rmsnorm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.head_dim)
+        return self.q_norm(q), self.k_norm(k)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = batch.pools.kv_buffers(self.layer_id)

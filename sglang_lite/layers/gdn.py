@@ -15,6 +15,7 @@ from sglang_lite.kernels import (
 )
 from sglang_lite.layers.linear import PackedLinear, ShardMap, packed_rows
 from sglang_lite.layers.norm import GatedRMSNorm
+from sglang_lite.streams.runtime import overlap
 
 
 class Qwen3_5GatedDeltaNet(nn.Module):
@@ -43,8 +44,12 @@ class Qwen3_5GatedDeltaNet(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv, z = self.in_proj_qkvz(hidden).split(self.in_proj_qkvz.output_sizes, dim=-1)
-        b, a = self.in_proj_ba(hidden).split(self.in_proj_ba.output_sizes, dim=-1)
+        ctx = batch.overlap
+        qkvz, ba = overlap(
+            lambda: self.in_proj_qkvz(hidden), lambda: self.in_proj_ba(hidden), ctx.alt, ctx.plan.gdn_qkvz_ba, hidden
+        )
+        qkv, z = qkvz.split(self.in_proj_qkvz.output_sizes, dim=-1)
+        b, a = ba.split(self.in_proj_ba.output_sizes, dim=-1)
         conv_states, ssm_states = batch.pools.state_buffers(self.layer_id)
         qkv = self._conv(qkv, conv_states, batch)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

@@ -12,6 +12,7 @@ from torch import nn
 from sglang_lite.config import ModelConfig
 from sglang_lite.models.qwen3_5 import Qwen3_5ForCausalLM, model_class_for
 from sglang_lite.models.weights import load_checkpoint
+from sglang_lite.server_args import ServerArgs
 
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -29,10 +30,12 @@ def load_model(
     device: torch.device | str = "cpu",
     load_format: str = "auto",
     seed: int = 0,
+    server_args: ServerArgs | None = None,
 ) -> Qwen3_5ForCausalLM:
     """Builds the model described by ``path/config.json`` (None: the built-in tiny model, dummy weights).
 
     ``load_format="auto"`` reads safetensors from ``path``; ``"dummy"`` fills seeded random weights.
+    ``server_args`` (default: the global ones, else defaults) decide shared-expert fusion and the stream plan.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -42,7 +45,7 @@ def load_model(
     config = ModelConfig.from_hf(path)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with _default_dtype(dtype), torch.device(device):
-        model = model_class_for(config)(config)
+        model = model_class_for(config)(config, server_args)
     _keep_fp32(model)
     if load_format == "dummy":
         init_dummy_weights(model, seed)

@@ -8,17 +8,19 @@ from sglang_lite.config import ModelConfig
 from sglang_lite.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from sglang_lite.layers.attention import Qwen3_5Attention
 from sglang_lite.layers.gdn import Qwen3_5GatedDeltaNet
-from sglang_lite.layers.mlp import GatedMLP, Qwen3_5SparseMoeBlock
+from sglang_lite.layers.mlp import GatedMLP, Qwen3_5SparseMoeBlock, shared_expert_fusion_supported
 from sglang_lite.layers.norm import GemmaRMSNorm
 from sglang_lite.layers.rotary import RotaryEmbedding
 from sglang_lite.mem_cache.pools import ModelPools
+from sglang_lite.server_args import ServerArgs, server_args_or_default
+from sglang_lite.streams.model_streams import ModelStreams
 
 __all__ = ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5GatedDeltaNet", "Qwen3_5Attention",
            "Qwen3_5SparseMoeBlock"]
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, fuse_shared_expert: bool) -> None:
         super().__init__()
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -27,7 +29,10 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             self.self_attn = Qwen3_5Attention(config, layer_id, rotary)
         self.mixer_name = "linear_attn" if config.layer_types[layer_id] == "linear_attention" else "self_attn"
-        self.mlp = Qwen3_5SparseMoeBlock(config) if config.is_moe else GatedMLP(config.hidden_size, config.intermediate_size)
+        if config.is_moe:
+            self.mlp = Qwen3_5SparseMoeBlock(config, fuse_shared_expert)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
@@ -38,16 +43,16 @@ class Qwen3_5DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = getattr(self, self.mixer_name)(hidden, batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, batch.overlap), residual
 
 
 class Qwen3_5Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, fuse_shared_expert: bool = False) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta)
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(config, i, self.rotary_emb) for i in range(config.num_layers)
+            Qwen3_5DecoderLayer(config, i, self.rotary_emb, fuse_shared_expert) for i in range(config.num_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -60,12 +65,20 @@ class Qwen3_5Model(nn.Module):
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    """Qwen3.5 with a dense MLP. ``model(input_ids)`` for a plain causal forward; ``forward_batch`` for serving."""
+    """Qwen3.5 with a dense MLP. ``model(input_ids)`` for a plain causal forward; ``forward_batch`` for serving.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Building it reads the stream flags (``sglang_lite.envs``) and the server arguments (``server_args`` when given,
+    else the global ones when set, else defaults) once: they fix shared-expert fusion and the alt-stream plan of this
+    instance. Build it on its target device (``load_model`` does): the platform is taken from there.
+    """
+
+    def __init__(self, config: ModelConfig, server_args: ServerArgs | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = Qwen3_5Model(config)
+        fusion_supported, blocker = shared_expert_fusion_supported(config)
+        args = server_args if server_args is not None else server_args_or_default()
+        self.streams = ModelStreams.build(torch.get_default_device(), args, config.is_moe, fusion_supported, blocker)
+        self.model = Qwen3_5Model(config, self.streams.shared_experts_fusion)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -73,6 +86,8 @@ class Qwen3_5ForCausalLM(nn.Module):
     @torch.no_grad()
     def forward_batch(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
         """Logits [B, vocab] of each request's last new token, or [T, vocab] of every token with ``all_logits``."""
+        captured_size = batch.batch_size if batch.is_decode else None  # the ``auto`` choice is per decode size
+        batch.overlap = self.streams.context(batch.capturing, batch.num_tokens, captured_size)
         hidden = self.model(batch)
         if not all_logits:
             hidden = hidden[batch.last_token_indices]

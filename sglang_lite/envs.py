@@ -1,0 +1,104 @@
+"""Environment flags of sglang_lite: typed, parsed one way everywhere, read when used (never at import).
+
+Booleans accept true/1/yes and false/0/no (any case); an empty variable counts as unset; anything else raises a
+ValueError naming the variable. This module imports nothing heavy so the router can use it too.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+TRUE_WORDS = ("true", "1", "yes")
+FALSE_WORDS = ("false", "0", "no")
+
+
+def _raw(name: str) -> str | None:
+    value = os.environ.get(name)
+    return None if value is None or value.strip() == "" else value.strip()
+
+
+@dataclass(frozen=True)
+class EnvBool:
+    name: str
+    default: bool | None  # None: "not set", the caller picks a platform default
+    help: str
+
+    def get(self) -> bool | None:
+        value = _raw(self.name)
+        if value is None:
+            return self.default
+        if value.lower() in TRUE_WORDS:
+            return True
+        if value.lower() in FALSE_WORDS:
+            return False
+        raise ValueError(f"environment variable {self.name}={value!r} is not a boolean (use one of "
+                         f"{TRUE_WORDS + FALSE_WORDS})")
+
+
+@dataclass(frozen=True)
+class EnvInt:
+    name: str
+    default: int
+    help: str
+
+    def get(self) -> int:
+        value = _raw(self.name)
+        if value is None:
+            return self.default
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"environment variable {self.name}={value!r} is not an integer") from None
+
+
+@dataclass(frozen=True)
+class EnvChoice:
+    name: str
+    default: str
+    choices: tuple[str, ...]
+    help: str
+
+    def get(self) -> str:
+        value = _raw(self.name)
+        if value is None:
+            return self.default
+        if value.lower() not in self.choices:
+            raise ValueError(f"environment variable {self.name}={value!r} must be one of {self.choices}")
+        return value.lower()
+
+
+@dataclass(frozen=True)
+class EnvStr:
+    name: str
+    default: str
+    help: str
+
+    def get(self) -> str:
+        value = _raw(self.name)
+        return self.default if value is None else value
+
+
+SGLANG_ALT_STREAM = EnvBool(
+    "SGLANG_ALT_STREAM", False, "Create the alternate stream on ROCm (CUDA always has it; the CPU never)."
+)
+SGLANG_GDN_QKVZ_BA_ALT_STREAM = EnvBool(
+    "SGLANG_GDN_QKVZ_BA_ALT_STREAM", False, "Overlap the GDN in_proj_qkvz and in_proj_ba GEMMs (off: regressed on AMD)."
+)
+SGLANG_QK_NORM_ALT_STREAM = EnvBool(
+    "SGLANG_QK_NORM_ALT_STREAM", None, "Overlap q_norm and k_norm (unset: on for CUDA, off for ROCm)."
+)
+SGLANG_ALT_STREAM_EAGER = EnvBool(
+    "SGLANG_ALT_STREAM_EAGER", False, "Also overlap outside CUDA-graph capture (upstream overlaps only in capture)."
+)
+SGLANG_GDN_ALT_STREAM_MAX_TOKENS = EnvInt(
+    "SGLANG_GDN_ALT_STREAM_MAX_TOKENS", 1024, "GDN projections overlap only for batches under this many tokens."
+)
+SGLANG_KERNEL_BACKEND = EnvChoice(
+    "SGLANG_KERNEL_BACKEND", "auto", ("auto", "triton", "torch"), "Force Triton or PyTorch kernels (kernels/dispatch.py)."
+)
+SGLANG_ROUTER_P2C_LOAD_METRIC = EnvStr(
+    "SGLANG_ROUTER_P2C_LOAD_METRIC", "tokens",
+    "Load metric of the router's power_of_two policy; as upstream, an unknown value means tokens (the flag wins).",
+)
+
+ALL = [v for v in list(globals().values()) if isinstance(v, (EnvBool, EnvInt, EnvChoice, EnvStr))]
