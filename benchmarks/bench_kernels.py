@@ -1,0 +1,80 @@
+"""Time every kernel case (benchmarks/kernel_cases) and print one table.
+
+On a GPU: our Triton kernels, median of CUDA-event timings, with the achieved bandwidth as a share of a measured
+device copy and TFLOP/s as a share of a measured bf16 matmul. On the CPU: our PyTorch path against the
+transformers reference functions on the same inputs. ``--quick`` shrinks the shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_cases import load_cases  # noqa: E402
+from kernel_cases._timing import time_ms  # noqa: E402
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    src = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, iters=20)
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def matmul_peak(device: torch.device) -> float:
+    """FLOP/s of a large bf16 matmul."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ a, device, iters=20)
+    return 2 * 8192**3 / (ms * 1e-3)
+
+
+def collect(device: torch.device, quick: bool) -> list[dict]:
+    rows = []
+    for module in tqdm(load_cases(), desc="kernel cases", unit="family"):
+        rows += module.bench(device, quick)
+    return rows
+
+
+def format_table(rows: list[dict], bandwidth: float | None, peak: float | None) -> str:
+    header = f"{'kernel':34} {'shape':40} {'ours ms':>9} {'reference':34} {'ref ms':>9} {'ref/ours':>8}"
+    if bandwidth:
+        header += f" {'%copy BW':>8} {'%mm peak':>8}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        line = (f"{r['kernel'][:34]:34} {r['shape'][:40]:40} {r['ours_ms']:9.3f} {r['ref_name'][:34]:34} "
+                f"{r['ref_ms']:9.3f} {r['ref_ms'] / r['ours_ms']:8.2f}")
+        if bandwidth:
+            seconds = r["ours_ms"] * 1e-3
+            bw = f"{100 * r['bytes'] / seconds / bandwidth:7.1f}%" if r.get("bytes") else ""
+            tf = f"{100 * r['flops'] / seconds / peak:7.1f}%" if r.get("flops") else ""
+            line += f" {bw:>8} {tf:>8}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def run_table(device: torch.device, quick: bool) -> str:
+    bandwidth = peak = None
+    if device.type == "cuda":
+        bandwidth, peak = copy_bandwidth(device), matmul_peak(device)
+        print(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    return format_table(collect(device, quick), bandwidth, peak)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer iterations")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
+    if device.type == "cpu":
+        print("CPU: our PyTorch path ('ours') against the transformers reference functions")
+    print(run_table(device, args.quick))
+
+
+if __name__ == "__main__":
+    main()
