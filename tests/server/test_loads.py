@@ -1,0 +1,91 @@
+"""/v1/loads and /get_load: the schema, the filters, live counts while requests run, and routed_dp_rank."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import ServerProcess, get_loads, wait_idle
+
+CORE = {"dp_rank", "timestamp", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
+        "max_total_num_tokens", "token_usage", "gen_throughput", "cache_hit_rate", "utilization",
+        "max_running_requests"}
+MEMORY = {"weight_gb", "kv_cache_gb", "token_capacity"}
+DISAGG = {"mode", "prefill_prealloc_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
+          "decode_transfer_queue_reqs", "decode_retracted_queue_reqs"}
+QUEUES = {"waiting", "paused", "retracted"}
+
+
+def test_loads_schema_all_sections(server_dp2: ServerProcess) -> None:
+    body = get_loads(server_dp2)
+    assert set(body) == {"timestamp", "version", "loads"}
+    assert [l["dp_rank"] for l in body["loads"]] == [0, 1]
+    for load in body["loads"]:
+        assert CORE | MEMORY | DISAGG | QUEUES <= set(load)
+        assert load["max_total_num_tokens"] == 8192 and load["max_running_requests"] == 16
+        assert all(isinstance(load[k], (int, float)) for k in CORE - {"timestamp"})
+
+
+@pytest.mark.parametrize("query,sections", [
+    ("?include=core", CORE), ("?include=core,memory", CORE | MEMORY), ("?include=memory&include=queues", MEMORY | QUEUES),
+    ("?include=disagg", DISAGG), ("?include=all", CORE | MEMORY | DISAGG | QUEUES),
+])
+def test_include_filter(server_dp2: ServerProcess, query: str, sections: set[str]) -> None:
+    for load in get_loads(server_dp2, query)["loads"]:
+        assert sections | {"dp_rank", "timestamp"} <= set(load)
+        assert not (set(load) - sections - {"dp_rank", "timestamp", "num_retractions"})
+
+
+def test_dp_rank_filter_and_bad_queries(server_dp2: ServerProcess) -> None:
+    assert [l["dp_rank"] for l in get_loads(server_dp2, "?dp_rank=1&include=core")["loads"]] == [1]
+    unknown = httpx.get(f"{server_dp2.url}/v1/loads?include=core,bogus")
+    assert unknown.status_code == 400 and "bogus" in unknown.json()["error"]["message"]
+    assert httpx.get(f"{server_dp2.url}/v1/loads?dp_rank=7").status_code == 400
+    assert httpx.get(f"{server_dp2.url}/v1/loads?dp_rank=x").status_code == 400
+
+
+def _generate(server: ServerProcess, body: dict, results: list) -> None:
+    results.append(httpx.post(f"{server.url}/generate", json=body, timeout=120).json())
+
+
+@pytest.mark.parametrize("field,rank", [("routed_dp_rank", 1), ("data_parallel_rank", 0)])
+def test_named_rank_runs_the_requests_and_loads_return_to_zero(server_dp2: ServerProcess, field: str, rank: int) -> None:
+    wait_idle(server_dp2)
+    body = {"text": "count the loads", field: rank,
+            "sampling_params": {"max_new_tokens": 300, "ignore_eos": True, "temperature": 0}}
+    results: list = []
+    threads = [threading.Thread(target=_generate, args=(server_dp2, body, results)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    seen = _wait_for_busy(server_dp2, rank, expected=3)
+    assert seen[rank]["num_used_tokens"] > 0 and seen[rank]["num_total_tokens"] >= seen[rank]["num_used_tokens"]
+    assert seen[1 - rank]["num_running_reqs"] == seen[1 - rank]["num_waiting_reqs"] == 0
+    legacy = httpx.get(f"{server_dp2.url}/get_load").json()
+    assert {e["dp_rank"] for e in legacy} == {0, 1} and set(legacy[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    for t in threads:
+        t.join(120)
+    assert [r["meta_info"]["dp_rank"] for r in results] == [rank] * 3
+    assert all(r["meta_info"]["completion_tokens"] == 300 for r in results)
+    assert all(l["num_total_tokens"] == 0 for l in wait_idle(server_dp2))
+
+
+def _wait_for_busy(server: ServerProcess, rank: int, expected: int, timeout_s: float = 60.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        loads = get_loads(server, "?include=core")["loads"]
+        if loads[rank]["num_running_reqs"] + loads[rank]["num_waiting_reqs"] == expected:
+            return loads
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} never held {expected} requests: {loads}")
+
+
+def test_metrics_has_rank_gauges_and_histograms(server_dp2: ServerProcess) -> None:
+    httpx.post(f"{server_dp2.url}/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 3}}, timeout=60)
+    text = httpx.get(f"{server_dp2.url}/metrics").text
+    for rank in (0, 1):
+        assert f'sglang_lite_num_running_reqs{{dp_rank="{rank}"}}' in text
+    assert "sglang_lite_time_to_first_token_seconds_bucket{" in text
+    assert "sglang_lite_e2e_request_latency_seconds_count{" in text
+    assert 'sglang_lite_http_requests_total{route="/generate",status="200"}' in text
