@@ -194,6 +194,9 @@ class TokenizerManager:
         for key in [k for k in params if k in NEUTRAL_SAMPLING]:
             if params.pop(key) != NEUTRAL_SAMPLING[key]:
                 raise bad_request(f"sampling parameter {key} is not supported (only {NEUTRAL_SAMPLING[key]!r})")
+        for key in ("stop", "stop_token_ids"):
+            if not isinstance(params.get(key, []), (str, list)):
+                raise bad_request(f"sampling parameter {key} must be a string or a list, got {params[key]!r}")
         try:
             result = SamplingParams.from_dict(params)
             result.validate(self.config.vocab_size)
