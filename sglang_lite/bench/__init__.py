@@ -1,0 +1,1 @@
+"""Benchmark helpers: DP-rank balance sampling, request traces and their replay."""

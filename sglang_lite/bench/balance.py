@@ -1,0 +1,226 @@
+"""DP-rank balance: sample `/v1/loads` of every server at a fixed interval and summarise how even the ranks are.
+
+Why these numbers: under DP attention a decode step lasts as long as its busiest rank, so the busiest rank's
+running batch and the spread of per-rank request counts decide TPOT, while KV tokens mostly decide memory.
+
+Definitions (series are [samples, ranks]; a sample is one poll of every rank):
+- outstanding = running + waiting + every disaggregation queue (prealloc, transfer, retracted) of the rank.
+- CV: per sample, population std over ranks / mean over ranks; averaged over samples whose mean is > 0.
+- busiest batch: mean over samples of the maximum running batch over ranks.
+- busiest/mean KV: mean over samples (with KV > 0) of max over ranks / mean over ranks of KV tokens.
+- rank batch ratio: each rank's mean running batch / the mean over all ranks.
+- busiest share: the share of samples in which each rank holds the largest running batch (ties split evenly).
+"""
+from __future__ import annotations
+
+import asyncio
+import csv
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+QUEUE_FIELDS = ("num_waiting_reqs", "decode_prealloc_queue_reqs", "decode_transfer_queue_reqs",
+                "decode_retracted_queue_reqs", "prefill_prealloc_queue_reqs", "prefill_inflight_queue_reqs")
+
+
+@dataclass(frozen=True)
+class BalanceStats:
+    outstanding_cv: float
+    running_cv: float
+    busiest_batch: float
+    busiest_over_mean_kv: float
+    rank_batch_ratio: tuple[float, ...]
+    busiest_share: tuple[float, ...]
+    num_samples: int
+
+    def row(self) -> dict[str, float]:
+        return {"outstanding_cv": self.outstanding_cv, "running_cv": self.running_cv,
+                "busiest_batch": self.busiest_batch, "busiest_over_mean_kv": self.busiest_over_mean_kv}
+
+
+def mean_cv(series: np.ndarray) -> float:
+    """Mean over samples of the across-rank coefficient of variation; samples with an all-zero row are skipped."""
+    series = np.asarray(series, dtype=float)
+    means = series.mean(axis=1)
+    keep = means > 0
+    if not keep.any():
+        return 0.0
+    return float((series[keep].std(axis=1) / means[keep]).mean())
+
+
+def busiest_over_mean(series: np.ndarray) -> float:
+    series = np.asarray(series, dtype=float)
+    means = series.mean(axis=1)
+    keep = means > 0
+    if not keep.any():
+        return 1.0
+    return float((series[keep].max(axis=1) / means[keep]).mean())
+
+
+def busiest_share(running: np.ndarray) -> np.ndarray:
+    """Per rank, the share of samples in which it holds the largest batch; a k-way tie gives each 1/k."""
+    running = np.asarray(running, dtype=float)
+    is_max = running == running.max(axis=1, keepdims=True)
+    return (is_max / is_max.sum(axis=1, keepdims=True)).mean(axis=0)
+
+
+def rank_batch_ratio(running: np.ndarray) -> np.ndarray:
+    per_rank = np.asarray(running, dtype=float).mean(axis=0)
+    overall = per_rank.mean()
+    return per_rank / overall if overall > 0 else np.ones_like(per_rank)
+
+
+def balance_stats(outstanding: np.ndarray, running: np.ndarray, kv_tokens: np.ndarray) -> BalanceStats:
+    """All statistics of one run; the three series are [samples, ranks]."""
+    running = np.asarray(running, dtype=float)
+    assert running.ndim == 2 and running.shape[0] > 0, "need at least one sample of every rank"
+    assert np.shape(outstanding) == running.shape == np.shape(kv_tokens), "series must have the same shape"
+    return BalanceStats(
+        outstanding_cv=mean_cv(outstanding),
+        running_cv=mean_cv(running),
+        busiest_batch=float(running.max(axis=1).mean()),
+        busiest_over_mean_kv=busiest_over_mean(kv_tokens),
+        rank_batch_ratio=tuple(float(x) for x in rank_batch_ratio(running)),
+        busiest_share=tuple(float(x) for x in busiest_share(running)),
+        num_samples=running.shape[0],
+    )
+
+
+# ---- sampling real servers -------------------------------------------------------------------------------------
+@dataclass
+class LoadSeries:
+    """Raw samples: one row per (poll, rank); `ranks` names each column as 'server@rank'."""
+
+    ranks: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    outstanding: list[list[int]] = field(default_factory=list)
+    running: list[list[int]] = field(default_factory=list)
+    kv_tokens: list[list[int]] = field(default_factory=list)
+    kv_used: list[list[int]] = field(default_factory=list)
+    gen_throughput: list[list[float]] = field(default_factory=list)
+
+    def add(self, t: float, per_rank: dict[str, dict]) -> None:
+        """One poll; a poll that misses a known rank is dropped so that every row has every rank."""
+        if not self.ranks:
+            self.ranks = sorted(per_rank)
+        if any(r not in per_rank for r in self.ranks):
+            return
+        entries = [per_rank[r] for r in self.ranks]
+        self.times.append(t)
+        self.outstanding.append([outstanding_of(e) for e in entries])
+        self.running.append([int(e.get("num_running_reqs", 0)) for e in entries])
+        self.kv_tokens.append([int(e.get("num_total_tokens", 0)) for e in entries])
+        self.kv_used.append([int(e.get("num_used_tokens", 0)) for e in entries])
+        self.gen_throughput.append([float(e.get("gen_throughput", 0.0)) for e in entries])
+
+    def stats(self, skip: int = 0) -> BalanceStats:
+        return balance_stats(np.array(self.outstanding[skip:]), np.array(self.running[skip:]),
+                             np.array(self.kv_tokens[skip:]))
+
+    def write_csv(self, path: str | Path) -> None:
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["time", "rank", "outstanding", "running", "kv_tokens", "kv_used", "gen_throughput"])
+            for i, t in enumerate(self.times):
+                for j, rank in enumerate(self.ranks):
+                    w.writerow([f"{t:.3f}", rank, self.outstanding[i][j], self.running[i][j],
+                                self.kv_tokens[i][j], self.kv_used[i][j], f"{self.gen_throughput[i][j]:.3f}"])
+
+    def plot(self, path: str | Path, title: str = "") -> None:
+        plot_series(path, self.times, self.ranks, self.outstanding, self.running, title)
+
+
+def outstanding_of(entry: dict) -> int:
+    return int(entry.get("num_running_reqs", 0)) + sum(int(entry.get(k, 0) or 0) for k in QUEUE_FIELDS)
+
+
+def plot_series(path: str | Path, times: Sequence[float], ranks: Sequence[str], outstanding, running,
+                title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for ax, data, label in ((axes[0], outstanding, "outstanding requests"), (axes[1], running, "running batch")):
+        data = np.asarray(data)
+        for j, rank in enumerate(ranks):
+            ax.plot(times, data[:, j], lw=0.8, label=rank)
+        ax.set_ylabel(label)
+    axes[1].set_xlabel("time (s)")
+    axes[0].legend(fontsize=6, ncol=4)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class BalanceSampler:
+    """Polls `GET {url}/v1/loads` of every server every `interval` seconds while a benchmark runs.
+
+    Usage: `async with BalanceSampler(urls, 0.5) as sampler: await run_benchmark()`, then `sampler.series`.
+    """
+
+    def __init__(self, server_urls: Sequence[str], interval: float = 0.5, timeout: float = 2.0) -> None:
+        self.server_urls = [u.rstrip("/") for u in server_urls]
+        self.interval = interval
+        self.timeout = timeout
+        self.series = LoadSeries()
+        self._task: asyncio.Task | None = None
+        self._start = 0.0
+
+    async def __aenter__(self) -> BalanceSampler:
+        import httpx
+
+        self._client = httpx.AsyncClient(timeout=self.timeout)
+        self._start = time.monotonic()
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        await self._client.aclose()
+
+    async def _run(self) -> None:
+        while True:
+            t = time.monotonic() - self._start
+            polls = await asyncio.gather(*(self._poll(u) for u in self.server_urls))
+            merged = {k: v for poll in polls for k, v in poll.items()}
+            if merged:
+                self.series.add(t, merged)
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - self._start - t)))
+
+    async def _poll(self, url: str) -> dict[str, dict]:
+        try:
+            resp = await self._client.get(f"{url}/v1/loads")
+            resp.raise_for_status()
+            return {f"{url}@{e['dp_rank']}": e for e in resp.json().get("loads", []) if "dp_rank" in e}
+        except Exception:  # a failed poll leaves a gap, as in the router's load monitor
+            return {}
+
+
+def format_table(rows: dict[str, BalanceStats], baseline: str | None = None) -> str:
+    """One line per run; with `baseline`, each metric also shows its change against that run in percent."""
+    names = ("outstanding_cv", "running_cv", "busiest_batch", "busiest_over_mean_kv")
+    lines = [f"{'policy':<18}" + "".join(f"{n:>26}" for n in names)]
+    base = rows.get(baseline) if baseline else None
+    for label, s in rows.items():
+        cells = []
+        for n in names:
+            v = s.row()[n]
+            delta = _pct(v, base.row()[n]) if base is not None and label != baseline else ""
+            cells.append(f"{v:>14.3f}{delta:>12}")
+        lines.append(f"{label:<18}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def _pct(v: float, base: float) -> str:
+    return f"({(v - base) / base * 100:+.1f}%)" if base else ""
