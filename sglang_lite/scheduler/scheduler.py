@@ -43,6 +43,12 @@ def validate_request(input_ids: list[int], params: SamplingParams, config: Sched
         raise ValueError("sampling parameter stop needs a tokenizer (the server skipped tokenizer init)")
 
 
+def _weight_bytes(model: Any) -> int:
+    """Bytes of the weights of an nn.Module, or of the module a runner wraps as ``.model``."""
+    module = model if hasattr(model, "parameters") else getattr(model, "model", None)
+    return sum(p.numel() * p.element_size() for p in module.parameters()) if module is not None else 0
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, model: Any, pools: ModelPools, tokenizer: Any = None) -> None:
         self.config = config
@@ -58,7 +64,7 @@ class Scheduler:
         self._admissions = 0
         self._seeds = random.Random(config.random_seed)
         self._throughput = ThroughputMeter()
-        self._weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self._weight_bytes = _weight_bytes(model)
 
     # ---- requests in, outputs out ----------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], sampling_params: SamplingParams | dict | None) -> None:

@@ -1,0 +1,117 @@
+"""Sampling parameters, the batched sampler and incremental detokenisation (no model needed)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_lite.sampling import SamplingParams, make_generator, sample
+from sglang_lite.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+
+BAD_PARAMS = [
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": 0}, "top_k"),
+    ({"top_k": -2}, "top_k"),
+    ({"max_new_tokens": -1}, "max_new_tokens"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_new_tokens": -3}, "min_new_tokens"),
+    ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"stop": [""]}, "stop"),
+]
+
+
+@pytest.mark.parametrize("params,field", BAD_PARAMS)
+def test_bad_parameter_names_its_field(params, field):
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        SamplingParams.from_dict(params).validate(vocab_size=1000)
+
+
+def test_unknown_parameter_is_named():
+    with pytest.raises(ValueError, match="temprature"):
+        SamplingParams.from_dict({"temprature": 0.5})
+
+
+def test_stop_accepts_a_single_string_and_good_params_validate():
+    params = SamplingParams.from_dict({"stop": "\n", "top_k": 5, "top_p": 0.9, "temperature": 0.0})
+    params.validate(vocab_size=10)
+    assert params.stop == ["\n"] and params.is_greedy
+
+
+def rows(*logits: list[float]) -> torch.Tensor:
+    return torch.tensor(logits, dtype=torch.float32)
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> list[int]:
+    gen = make_generator(seed)
+    return [sample(logits, [params], [gen]).item() for _ in range(n)]
+
+
+def test_greedy_and_top_k_1_take_the_argmax():
+    logits = rows([0.1, 2.0, 1.9, -1.0], [3.0, 0.0, 0.0, 2.9])
+    greedy = SamplingParams(temperature=0.0)
+    top1 = SamplingParams(temperature=5.0, top_k=1)
+    gens = [make_generator(0), make_generator(1)]
+    assert sample(logits, [greedy, top1], gens).tolist() == [1, 0]
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.05, 0.05]]))
+    assert set(draw(logits, SamplingParams(top_k=2), 300)) == {0, 1}
+    assert set(draw(logits, SamplingParams(top_p=0.65), 300)) == {0, 1}  # 0.4 < 0.65 <= 0.7
+    assert set(draw(logits, SamplingParams(min_p=0.6), 300)) == {0, 1}  # keeps p >= 0.24
+    assert set(draw(logits, SamplingParams(), 2000)) == {0, 1, 2, 3, 4}
+
+
+def test_temperature_follows_the_softened_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    counts = torch.bincount(torch.tensor(draw(logits, SamplingParams(temperature=2.0), 4000)), minlength=3)
+    expected = torch.softmax(logits[0] / 2.0, dim=-1)
+    assert torch.allclose(counts / 4000, expected, atol=0.03), (counts / 4000, expected)
+
+
+def test_seeded_request_draws_the_same_whatever_shares_its_batch():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0, seed=7)
+    alone = [sample(logits[:1], [params], [make_generator(7)]).item() for _ in range(1)]
+    gens = [make_generator(7), make_generator(1), make_generator(2)]
+    batched = sample(logits, [params, SamplingParams(), SamplingParams(temperature=0.0)], gens).tolist()
+    assert batched[0] == alone[0]
+    again = [draw(logits[:1], params, 20, seed=7), draw(logits[:1], params, 20, seed=7)]
+    assert again[0] == again[1] and len(set(again[0])) > 1
+
+
+def test_banned_ids_are_never_produced():
+    logits = rows([5.0, 0.0, 0.0])
+    assert sample(logits, [SamplingParams(temperature=0.0)], [make_generator(0)], banned=[[0]]).item() != 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(None)
+
+
+def test_incremental_detokenizer_never_breaks_a_character(tokenizer):
+    text = "def naïve(): return '日本語 ✓ 🐍' # ok\n    x = 1"
+    ids = tokenizer.encode(text)
+    detok, pieces = IncrementalDetokenizer(tokenizer), []
+    for token in ids:
+        pieces.append(detok.push([token]))
+    pieces.append(detok.flush())
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert sum(1 for p in pieces if p) > 5  # it really streams
+
+
+def test_stop_string_spanning_pieces_is_found_and_not_emitted():
+    matcher = StopStringMatcher(["STOP", "\n\n"])
+    emitted = [matcher.feed(p) for p in ["abc S", "T", "OP and more"]]
+    assert "".join(emitted) == "abc " and matcher.matched == "STOP"
+    assert emitted[0] == "abc "  # " S" could begin "STOP": held back
+
+
+def test_stop_matcher_releases_a_false_start():
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("xST") == "x"
+    assert matcher.feed("ay") == "STay"
+    assert matcher.flush() == "" and matcher.matched is None

@@ -1,0 +1,192 @@
+"""Scheduler policies on request dataclasses, server arguments, and the scheduler's bookkeeping on the tiny model."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from sglang_lite.engine.launch import create_scheduler
+from sglang_lite.sampling import SamplingParams
+from sglang_lite.scheduler.policy import NewTokenRatio, PrefillBudget, order_waiting, plan_prefill
+from sglang_lite.scheduler.request import Req, ReqStatus
+from sglang_lite.server_args import ServerArgs
+from tests.engine.conftest import random_prompts
+
+
+def req(rid: str, prompt_len: int, max_new: int = 10, arrival: float = 0.0) -> Req:
+    return Req(rid, list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=max_new), max_new, arrival_time=arrival)
+
+
+def budget(**overrides) -> PrefillBudget:
+    base = dict(kv_free=1000, admit_free=1000, batch_tokens=64, chunk_size=32, free_rows=8, new_token_ratio=0.5)
+    return PrefillBudget(**{**base, **overrides})
+
+
+def test_order_waiting_fcfs_and_sjf():
+    reqs = [req("a", 30, arrival=1.0), req("b", 5, arrival=2.0), req("c", 10, arrival=0.5)]
+    assert [r.rid for r in order_waiting(reqs, "fcfs")] == ["c", "a", "b"]
+    assert [r.rid for r in order_waiting(reqs, "sjf")] == ["b", "c", "a"]
+
+
+def test_prefill_plan_chunks_a_long_prompt_and_stops_after_it():
+    plan = plan_prefill(None, [req("a", 20), req("b", 50), req("c", 3)], budget())
+    assert [(r.rid, n) for r, n in plan] == [("a", 20), ("b", 32)]  # b is chunked at 32; c waits
+
+
+def test_prefill_plan_respects_the_batch_budget_and_rows():
+    plan = plan_prefill(None, [req("a", 30), req("b", 30), req("c", 30)], budget(batch_tokens=40))
+    assert [(r.rid, n) for r, n in plan] == [("a", 30), ("b", 10)]
+    plan = plan_prefill(None, [req("a", 3), req("b", 3), req("c", 3)], budget(free_rows=2))
+    assert [r.rid for r, _ in plan] == ["a", "b"]
+
+
+def test_prefill_plan_reserves_decode_tokens():
+    # each costs 10 prompt + ceil(0.5 * 10) reserved = 15
+    plan = plan_prefill(None, [req("a", 10), req("b", 10), req("c", 10)], budget(admit_free=44))
+    assert [r.rid for r, _ in plan] == ["a", "b"]
+
+
+def test_chunked_request_continues_first():
+    chunked = req("a", 100)
+    chunked.num_cached = 32
+    assert [(r.rid, n) for r, n in plan_prefill(chunked, [req("b", 5)], budget())] == [("a", 32)]  # still partial
+    assert [(r.rid, n) for r, n in plan_prefill(chunked, [req("b", 5)], budget(kv_free=7))] == [("a", 7)]
+    chunked.num_cached = 80
+    assert [(r.rid, n) for r, n in plan_prefill(chunked, [req("b", 5)], budget())] == [("a", 20), ("b", 5)]
+
+
+def test_new_token_ratio_decays_and_jumps_after_retraction():
+    ratio = NewTokenRatio.from_conservativeness(1.0)
+    start = ratio.value
+    for _ in range(10_000):
+        ratio.on_decode_step()
+    assert ratio.value == pytest.approx(ratio.minimum) and ratio.minimum < start
+    ratio.on_retraction()
+    assert ratio.value > ratio.minimum
+    assert NewTokenRatio.from_conservativeness(0.0).value == 0.0
+
+
+def test_request_invariants_catch_bad_states():
+    r = req("a", 4)
+    r.check()
+    r.status = ReqStatus.DECODING
+    with pytest.raises(AssertionError):
+        r.check()
+
+
+def test_server_args_cli_defaults_come_from_the_dataclass():
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert ServerArgs.from_cli_args(parser.parse_args([])) == ServerArgs()
+    args = ServerArgs.from_cli_args(parser.parse_args(["--max-total-tokens", "512", "--chunked-prefill-size", "64",
+                                                       "--disable-shared-experts-fusion", "--schedule-policy", "sjf"]))
+    assert (args.max_total_tokens, args.chunked_prefill_size, args.disable_shared_experts_fusion) == (512, 64, True)
+    assert dataclasses.replace(args, dp_size=2).dp_size == 2
+
+
+@pytest.mark.parametrize("bad", [{"schedule_policy": "lifo"}, {"mem_fraction_static": 0.0}, {"max_running_requests": 0}])
+def test_server_args_reject_bad_values(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        ServerArgs(**bad)
+
+
+# ---- the scheduler on the built-in tiny model ----------------------------------------------------------------------
+GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def scheduler():
+    return create_scheduler(ServerArgs(max_total_tokens=512, max_running_requests=4, chunked_prefill_size=8,
+                                       max_prefill_tokens=16, context_length=128))
+
+
+def drain(scheduler, outputs=None, max_steps=500) -> dict[str, list]:
+    outputs = {} if outputs is None else outputs
+    for _ in range(max_steps):
+        if not scheduler.has_work:
+            return outputs
+        for out in scheduler.step():
+            outputs.setdefault(out.rid, []).append(out)
+        scheduler.check_invariants()
+    raise AssertionError("the scheduler did not finish")
+
+
+def assert_empty(scheduler) -> None:
+    loads = scheduler.get_loads()
+    assert (loads.num_used_tokens, loads.num_running_reqs, loads.num_waiting_reqs) == (0, 0, 0)
+    assert scheduler.pools.states.allocator.num_used == scheduler.pools.req_to_token.allocator.num_used == 0
+
+
+def test_abort_at_every_stage_frees_everything(scheduler):
+    prompts = random_prompts([30, 5, 6, 7, 8, 9], vocab=4000, seed=3)
+    for i, p in enumerate(prompts):
+        scheduler.add_request(f"r{i}", p, GREEDY)
+    scheduler.step()  # r0's first chunk: r0 is part-way through its prefill
+    assert scheduler.chunked is not None and scheduler.chunked.rid == "r0"
+    outputs = {}
+    for out in scheduler.step():
+        outputs.setdefault(out.rid, []).append(out)
+    assert scheduler.abort("r0") and scheduler.abort("r5")  # chunked, and still waiting (4 rows: r4/r5 queue)
+    while not scheduler.running:
+        drain_step(scheduler, outputs)
+    decoding = scheduler.running[0].rid
+    assert scheduler.abort(decoding)
+    assert not scheduler.abort("no-such-request")
+    drain(scheduler, outputs)
+    for rid in ("r0", "r5", decoding):
+        assert outputs[rid][-1].finished and outputs[rid][-1].meta_info["finish_reason"]["type"] == "abort"
+    assert all(outputs[f"r{i}"][-1].meta_info["finish_reason"]["type"] == "length" for i in range(1, 5) if f"r{i}" != decoding)
+    assert_empty(scheduler)
+
+
+def drain_step(scheduler, outputs) -> None:
+    for out in scheduler.step():
+        outputs.setdefault(out.rid, []).append(out)
+    scheduler.check_invariants()
+
+
+def test_bad_request_raises_and_leaves_others_running(scheduler):
+    prompt = random_prompts([10], vocab=4000, seed=4)[0]
+    scheduler.add_request("good", prompt, GREEDY)
+    reference = [t for out in drain(scheduler)["good"] for t in out.new_token_ids]
+    scheduler.add_request("good", prompt, GREEDY)
+    outputs: dict[str, list] = {}
+    for _ in range(3):  # two prefill chunks, then the request decodes
+        drain_step(scheduler, outputs)
+    assert scheduler.running and scheduler.running[0].rid == "good"
+    for params, field in [({"temperature": -1.0}, "temperature"), ({"top_k": 0}, "top_k")]:
+        with pytest.raises(ValueError, match=field):
+            scheduler.add_request("bad", prompt, params)
+    with pytest.raises(ValueError, match="context length"):
+        scheduler.add_request("bad", list(range(128)), GREEDY)
+    drain(scheduler, outputs)
+    assert [t for out in outputs["good"] for t in out.new_token_ids] == reference and "bad" not in outputs
+    assert_empty(scheduler)
+
+
+def test_stop_token_min_new_tokens_and_zero_max_new(scheduler):
+    prompt = random_prompts([6], vocab=4000, seed=5)[0]
+    scheduler.add_request("free", prompt, {**GREEDY, "max_new_tokens": 10})
+    free = [t for out in drain(scheduler)["free"] for t in out.new_token_ids]
+    stop_at = free[4]
+    first = free.index(stop_at)
+    scheduler.add_request("stop", prompt, {**GREEDY, "stop_token_ids": [stop_at]})
+    scheduler.add_request("zero", prompt, {**GREEDY, "max_new_tokens": 0})
+    outputs = drain(scheduler)
+    stop_ids = [t for out in outputs["stop"] for t in out.new_token_ids]
+    assert stop_ids == free[: first + 1]
+    assert outputs["stop"][-1].meta_info["finish_reason"] == {"type": "stop", "matched": stop_at}
+    assert outputs["zero"][-1].new_token_ids == [] and outputs["zero"][-1].meta_info["finish_reason"]["length"] == 0
+    scheduler.add_request("min", prompt, {**GREEDY, "stop_token_ids": [free[0]], "min_new_tokens": 3})
+    min_ids = [t for out in drain(scheduler)["min"] for t in out.new_token_ids]
+    assert len(min_ids) >= 3 and free[0] not in min_ids[:3]
+    assert_empty(scheduler)
+
+
+def test_stream_interval_groups_tokens():
+    scheduler = create_scheduler(ServerArgs(max_total_tokens=256, max_running_requests=2, stream_interval=4,
+                                            skip_tokenizer_init=True))
+    scheduler.add_request("a", [1, 2, 3], {**GREEDY, "max_new_tokens": 10})
+    outs = drain(scheduler)["a"]
+    assert [len(o.new_token_ids) for o in outs] == [4, 4, 2] and outs[-1].finished
