@@ -120,8 +120,9 @@ def _create_scheduler(args: ServerArgs, dp_rank: int) -> Any:
 
 
 def _alt_stream_plan(model: Any) -> dict[str, Any] | None:
-    """The model's alternate-stream plan when the model has one (sglang_lite.streams), else None."""
-    streams = getattr(model, "streams", None)
+    """The model's alternate-stream plan when the model has one (sglang_lite.streams), else None; the scheduler
+    may hold the model itself or a runner around it."""
+    streams = getattr(model, "streams", None) or getattr(getattr(model, "model", None), "streams", None)
     describe = getattr(streams, "describe", None)
     return describe() if callable(describe) else None
 
