@@ -46,7 +46,9 @@ def cmd_compare(args: argparse.Namespace) -> None:
     elapsed = time.perf_counter() - t0
     table = format_table(results, baseline=policies[0])
     print(table)
-    print(f"\n{len(results)} runs of {args.duration:.0f} simulated s in {elapsed:.1f} s wall, {args.processes} processes")
+    cpu = sum(r.cpu_s for r in results.values())
+    print(f"\n{len(results)} runs of {args.duration:.0f} simulated s: {elapsed:.1f} s wall with {args.processes} "
+          f"processes, {cpu:.1f} s CPU in the simulations")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -41,6 +42,7 @@ class SimResult:
     kv_tokens: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((0, 0)))
     finish_counts: dict[int, int] = field(repr=False, default_factory=dict)  # rid -> times finished
     admitted: int = 0
+    cpu_s: float = 0.0  # process CPU time of the run (wall time on a shared machine says little)
 
     def row(self) -> dict[str, float]:
         return {"output_tok_s_per_gpu": self.output_throughput_per_gpu, "tpot_p50_ms": self.tpot_p50 * 1e3,
@@ -210,4 +212,7 @@ class Cluster:
 
 
 def simulate(config: SimConfig, sessions: Iterator[list[TraceRequest]] | None = None) -> SimResult:
-    return Cluster(config, sessions).run()
+    start = time.process_time()
+    result = Cluster(config, sessions).run()
+    result.cpu_s = time.process_time() - start
+    return result

@@ -10,20 +10,23 @@ what the candidate `remaining` signal reads (`PhasedWorkerState.pending`, see pe
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 from sglang_lite.router.policies import Policy, RequestInfo, WorkerState, create_policy
 from sglang_lite.sim.pending_aware import PendingAwarePolicy, PhasedWorkerState
 
 PLAIN_POLICIES = ("round_robin", "random")
 EMPTY_REQUEST = RequestInfo()
+# Policies the simulator knows that the router does not (candidates, test fixtures): label -> factory.
+EXTRA_POLICIES: dict[str, Callable[[], Policy]] = {PendingAwarePolicy.name: PendingAwarePolicy}
 
 
 def make_policy(label: str) -> Policy:
     """A compare label -> the router's policy: a plain policy by name, anything else a power-of-two metric."""
     if label in PLAIN_POLICIES:
         return create_policy(label)
-    if label == PendingAwarePolicy.name:  # the candidate signal, not (yet) a router metric
-        return PendingAwarePolicy()
+    if label in EXTRA_POLICIES:
+        return EXTRA_POLICIES[label]()
     policy = create_policy("power_of_two", load_metric=label)
     # resolve_load_metric silently falls back to `tokens`; a typo must not measure the wrong policy
     assert getattr(policy, "load_metric", None) == label, f"unknown load metric {label!r}"

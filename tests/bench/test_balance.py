@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+
+from sglang_lite.bench.balance import LoadSeries, balance_stats, format_table, mean_cv, outstanding_of
+
+
+def test_statistics_on_hand_made_series():
+    outstanding = [[2, 2], [4, 0]]  # per-sample CV 0 and 1
+    running = [[1, 3], [2, 2]]
+    kv = [[100, 300], [0, 0]]  # the all-zero sample is skipped
+    s = balance_stats(np.array(outstanding), np.array(running), np.array(kv))
+    assert s.outstanding_cv == pytest.approx(0.5)
+    assert s.running_cv == pytest.approx(0.25)  # sample 1: std 1 / mean 2; sample 2: 0
+    assert s.busiest_batch == pytest.approx(2.5)
+    assert s.busiest_over_mean_kv == pytest.approx(1.5)
+    assert s.rank_batch_ratio == pytest.approx((0.75, 1.25))
+    assert s.busiest_share == pytest.approx((0.25, 0.75))  # the tie in sample 2 is split
+    assert s.num_samples == 2
+
+
+def test_perfect_balance_and_all_idle():
+    even = np.full((5, 4), 7)
+    s = balance_stats(even, even, even)
+    assert s.outstanding_cv == 0 and s.running_cv == 0 and s.busiest_over_mean_kv == 1
+    assert s.busiest_share == pytest.approx((0.25,) * 4)
+    assert mean_cv(np.zeros((3, 2))) == 0.0
+
+
+def test_mismatched_series_are_rejected():
+    with pytest.raises(AssertionError):
+        balance_stats(np.ones((2, 2)), np.ones((2, 3)), np.ones((2, 2)))
+
+
+def _entry(rank, running, waiting=0, transfer=0, tokens=0):
+    return {"dp_rank": rank, "num_running_reqs": running, "num_waiting_reqs": waiting,
+            "decode_transfer_queue_reqs": transfer, "num_total_tokens": tokens, "num_used_tokens": tokens,
+            "gen_throughput": 10.0 * running}
+
+
+def test_outstanding_counts_every_queue():
+    assert outstanding_of(_entry(0, 3, waiting=2, transfer=4)) == 9
+    assert outstanding_of({"num_running_reqs": 1}) == 1  # sections not requested are simply absent
+
+
+def test_series_drops_incomplete_polls_and_writes_csv(tmp_path):
+    series = LoadSeries()
+    series.add(0.0, {"a@0": _entry(0, 2, tokens=10), "a@1": _entry(1, 0, waiting=2, tokens=30)})
+    series.add(0.5, {"a@0": _entry(0, 1)})  # rank 1 missing: dropped
+    series.add(1.0, {"a@0": _entry(0, 1, tokens=5), "a@1": _entry(1, 1, tokens=5)})
+    assert series.times == [0.0, 1.0]
+    s = series.stats()
+    assert s.outstanding_cv == pytest.approx(0.0) and s.busiest_batch == pytest.approx(1.5)
+    path = tmp_path / "loads.csv"
+    series.write_csv(path)
+    rows = list(csv.DictReader(open(path)))
+    assert len(rows) == 4 and rows[1]["rank"] == "a@1" and rows[1]["outstanding"] == "2"
+    series.plot(tmp_path / "loads.png")
+    assert (tmp_path / "loads.png").stat().st_size > 0
+
+
+def test_table_shows_change_against_baseline():
+    a = balance_stats(np.array([[1, 3]]), np.array([[1, 3]]), np.array([[1, 3]]))
+    b = balance_stats(np.array([[2, 2]]), np.array([[2, 2]]), np.array([[2, 2]]))
+    table = format_table({"round_robin": a, "least_requests": b}, baseline="round_robin")
+    assert "(-100.0%)" in table  # CV 0.5 -> 0
+    assert "(-33.3%)" in table  # busiest batch 3 -> 2
