@@ -52,9 +52,13 @@ def utc_timestamp() -> str:
 
 
 class ThroughputMeter:
-    """Tokens per second over the last ``window_s`` seconds; time is passed in."""
+    """Tokens per second over the last ``window_s`` seconds (or since ``start``, if that is more recent).
 
-    def __init__(self, window_s: float = 10.0) -> None:
+    Time is passed in, so the figure is testable and the meter holds no clock of its own.
+    """
+
+    def __init__(self, start: float, window_s: float = 10.0) -> None:
+        self.start = start
         self.window_s = window_s
         self._events: collections.deque[tuple[float, int]] = collections.deque()
 
@@ -64,10 +68,8 @@ class ThroughputMeter:
 
     def rate(self, now: float) -> float:
         self._trim(now)
-        if not self._events:
-            return 0.0
-        span = max(now - self._events[0][0], 1e-3)
-        return sum(n for _, n in self._events) / span
+        span = min(self.window_s, now - self.start)
+        return sum(n for _, n in self._events) / span if span > 0 else 0.0
 
     def _trim(self, now: float) -> None:
         while self._events and self._events[0][0] < now - self.window_s:

@@ -63,7 +63,7 @@ class Scheduler:
         self._outputs: list[ReqOutput] = []
         self._admissions = 0
         self._seeds = random.Random(config.random_seed)
-        self._throughput = ThroughputMeter()
+        self._throughput = ThroughputMeter(start=time.monotonic())
         self._weight_bytes = _weight_bytes(model)
 
     # ---- requests in, outputs out ----------------------------------------------------------------------------

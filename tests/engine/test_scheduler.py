@@ -8,6 +8,7 @@ import pytest
 
 from sglang_lite.engine.launch import create_scheduler
 from sglang_lite.sampling import SamplingParams
+from sglang_lite.scheduler.loads import ThroughputMeter
 from sglang_lite.scheduler.policy import NewTokenRatio, PrefillBudget, order_waiting, plan_prefill
 from sglang_lite.scheduler.request import Req, ReqStatus
 from sglang_lite.server_args import ServerArgs
@@ -190,3 +191,12 @@ def test_stream_interval_groups_tokens():
     scheduler.add_request("a", [1, 2, 3], {**GREEDY, "max_new_tokens": 10})
     outs = drain(scheduler)["a"]
     assert [len(o.new_token_ids) for o in outs] == [4, 4, 2] and outs[-1].finished
+
+
+def test_throughput_meter_counts_the_recent_window():
+    meter = ThroughputMeter(start=0.0, window_s=10.0)
+    assert meter.rate(1.0) == 0.0
+    meter.record(1.0, 30)
+    assert meter.rate(2.0) == pytest.approx(15.0)  # 30 tokens in the 2 s since start
+    meter.record(11.5, 20)
+    assert meter.rate(12.0) == pytest.approx(2.0)  # the first event left the window: 20 tokens / 10 s

@@ -1,0 +1,108 @@
+"""Offline throughput: sglang_lite.Engine against transformers ``generate`` on the built-in tiny Qwen3.5-MoE.
+
+Both generate exactly ``--output-len`` tokens per request (eos ignored) greedily from random ``--input-len``-token
+prompts, for each batch size. Output tokens per second over the whole call (prefill included).
+
+    python benchmarks/bench_offline.py                     # 128 in, 64 out, batch 1, 8, 32
+    python benchmarks/bench_offline.py --threads 2 --batch-sizes 1 32
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class Row:
+    batch_size: int
+    hf_tok_s: float
+    engine_tok_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.engine_tok_s / self.hf_tok_s
+
+
+def random_prompts(batch_size: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab - 8, (batch_size, input_len), generator=gen).tolist()  # no special tokens
+
+
+def build_hf_model(model_dir: str) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
+
+
+def hf_tokens_per_s(model: torch.nn.Module, prompts: list[list[int]], output_len: int) -> float:
+    ids = torch.tensor(prompts)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len, min_new_tokens=output_len,
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )
+    elapsed = time.perf_counter() - start
+    assert out.shape == (len(prompts), ids.shape[1] + output_len)
+    return len(prompts) * output_len / elapsed
+
+
+def engine_tokens_per_s(engine, prompts: list[list[int]], output_len: int) -> float:
+    params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
+    start = time.perf_counter()
+    results = engine.generate(input_ids=prompts, sampling_params=params)
+    elapsed = time.perf_counter() - start
+    assert all(len(r["output_ids"]) == output_len for r in results)
+    return len(prompts) * output_len / elapsed
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    from sglang_lite import Engine
+    from sglang_lite.tokenizer.loader import TINY_MODEL_DIR
+
+    hf_model = build_hf_model(str(TINY_MODEL_DIR))
+    vocab = hf_model.config.vocab_size
+    rows = []
+    with Engine(None, max_running_requests=max(args.batch_sizes), max_total_tokens=args.max_total_tokens) as engine:
+        warm = random_prompts(2, 16, vocab, seed=99)
+        hf_tokens_per_s(hf_model, warm, 4)
+        engine_tokens_per_s(engine, warm, 4)
+        for batch_size in tqdm(args.batch_sizes, desc="batch sizes"):
+            prompts = random_prompts(batch_size, args.input_len, vocab, seed=batch_size)
+            engine_best = max(engine_tokens_per_s(engine, prompts, args.output_len) for _ in range(args.repeats))
+            hf_best = max(hf_tokens_per_s(hf_model, prompts, args.output_len) for _ in range(args.repeats))
+            rows.append(Row(batch_size, hf_best, engine_best))
+    return rows
+
+
+def print_table(rows: list[Row], args: argparse.Namespace) -> None:
+    print(f"\ntiny Qwen3.5-MoE, {args.input_len} prompt tokens, {args.output_len} new tokens, "
+          f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f} (best of {args.repeats})")
+    print(f"{'batch':>6} {'transformers tok/s':>19} {'sglang_lite tok/s':>18} {'ratio':>7}")
+    for row in rows:
+        print(f"{row.batch_size:>6} {row.hf_tok_s:>19.1f} {row.engine_tok_s:>18.1f} {row.ratio:>6.1f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--max-total-tokens", type=int, default=16384)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print_table(run(args), args)
+
+
+if __name__ == "__main__":
+    main()
