@@ -7,7 +7,7 @@ Layers read positions and boundaries from here and their KV / linear-attention s
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,20 +33,26 @@ class ForwardBatch:
     pools: ModelPools
     capturing: bool = False  # set while a CUDA graph records this batch
     overlap: OverlapContext = PLAIN  # set by the model for each forward from its stream plan
-    seq_lens_t: torch.Tensor = field(init=False)  # [B] int32 on device: prefix + extend
-    prefix_lens_t: torch.Tensor = field(init=False)
-    extend_lens_t: torch.Tensor = field(init=False)
-    cu_seqlens: torch.Tensor = field(init=False)  # [B+1] int32 on device
+    # Device copies of the lengths. Derived from the lists unless given: a CUDA-graph runner passes its own static
+    # buffers, which it refills before each replay (the lists are then only placeholders of the right length).
+    seq_lens_t: torch.Tensor | None = None  # [B] int32: prefix + extend
+    prefix_lens_t: torch.Tensor | None = None
+    extend_lens_t: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None  # [B+1] int32
 
     def __post_init__(self) -> None:
         assert len(self.prefix_lens) == len(self.extend_lens) == self.batch_size, "per-request lengths disagree"
         assert sum(self.extend_lens) == self.num_tokens == self.positions.numel() == self.out_cache_loc.numel()
         assert self.mode is ForwardMode.EXTEND or all(n == 1 for n in self.extend_lens), "decode takes 1 token each"
         device = self.input_ids.device
-        self.prefix_lens_t = torch.tensor(self.prefix_lens, dtype=torch.int32, device=device)
-        self.extend_lens_t = torch.tensor(self.extend_lens, dtype=torch.int32, device=device)
-        self.seq_lens_t = self.prefix_lens_t + self.extend_lens_t
-        self.cu_seqlens = torch.tensor([0, *_cumsum(self.extend_lens)], dtype=torch.int32, device=device)
+        if self.prefix_lens_t is None:
+            self.prefix_lens_t = torch.tensor(self.prefix_lens, dtype=torch.int32, device=device)
+        if self.extend_lens_t is None:
+            self.extend_lens_t = torch.tensor(self.extend_lens, dtype=torch.int32, device=device)
+        if self.seq_lens_t is None:
+            self.seq_lens_t = self.prefix_lens_t + self.extend_lens_t
+        if self.cu_seqlens is None:
+            self.cu_seqlens = torch.tensor([0, *_cumsum(self.extend_lens)], dtype=torch.int32, device=device)
 
     @property
     def batch_size(self) -> int:

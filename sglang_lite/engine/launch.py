@@ -6,6 +6,7 @@ import json
 import os
 
 from sglang_lite.mem_cache.pools import ModelPools
+from sglang_lite.model_executor import ModelRunner
 from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.scheduler import Scheduler
 from sglang_lite.server_args import ServerArgs
@@ -33,11 +34,12 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
 
     model_dir = model_dir_of(args)
     dtype = resolve_dtype(args, model_dir)
-    model = load_model(args.model_path, dtype=dtype, device=args.device, load_format=args.load_format, seed=args.random_seed)
+    model = load_model(args.model_path, dtype=dtype, device=args.device, load_format=args.load_format,
+                       seed=args.random_seed, server_args=args)
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_dir)
     context_length = args.context_length or model.config.max_position_embeddings
     max_total_tokens = resolve_max_total_tokens(args, model.config, dtype, context_length)
     config = SchedulerConfig.from_server_args(args, model.config, max_total_tokens, eos_token_ids(model_dir, model.config.eos_token_ids))
     config = dataclasses.replace(config, dp_rank=dp_rank)
     pools = ModelPools.create(model.config, max_total_tokens, args.max_running_requests, context_length, dtype, args.device)
-    return Scheduler(config, model, pools, tokenizer)
+    return Scheduler(config, ModelRunner(model, pools, args), pools, tokenizer)

@@ -1,0 +1,36 @@
+"""The model as the scheduler sees it: ``forward_batch`` eagerly, or by CUDA-graph replay for decode batches."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang_lite.forward_batch import ForwardBatch
+from sglang_lite.mem_cache.pools import ModelPools
+from sglang_lite.model_executor.cuda_graph_runner import CudaGraphRunner
+from sglang_lite.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, pools: ModelPools, args: ServerArgs) -> None:
+        self.model = model
+        self.config = model.config
+        self.graph_runner: CudaGraphRunner | None = None
+        on_gpu = model.lm_head.weight.device.type == "cuda"
+        if on_gpu and not args.disable_cuda_graph:
+            max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+            self.graph_runner = CudaGraphRunner(model, pools, max_bs, auto=args.alt_stream_overlap == "auto")
+        logger.info("stream plan: %s; CUDA graphs: %s", model.streams.describe(),
+                    self.graph_runner.batch_sizes if self.graph_runner else "off")
+
+    def forward_batch(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
+        if self.graph_runner is not None and not all_logits and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
+        return self.model.forward_batch(batch, all_logits)
+
+    def describe(self) -> dict:
+        """What /get_server_info reports: the alt-stream plan and the captured decode sizes."""
+        return {"alt_stream_plan": self.model.streams.describe(),
+                "cuda_graph_batch_sizes": self.graph_runner.batch_sizes if self.graph_runner else []}
