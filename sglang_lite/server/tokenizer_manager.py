@@ -282,8 +282,7 @@ class TokenizerManager:
         stream.last_token_time = now if n else stream.last_token_time
         self.metrics.tokens[stream.rank, "generation"] += n
         if output.finished:
-            reason = (output.meta_info.get("finish_reason") or {}).get("type", "unknown")
-            self.metrics.finished[stream.rank, reason] += 1
+            self.metrics.finished[stream.rank, _finish_kind(output)] += 1
             self.metrics.observe("e2e_request_latency_seconds", stream.rank, now - stream.arrival)
 
     # ---- loads -------------------------------------------------------------------------------------------------
@@ -320,7 +319,7 @@ class TokenizerManager:
         kind = message[0]
         if kind == "out":
             for rid, new_ids, new_text, finished, meta in message[2]:
-                self._deliver(rid, ReqOutput(rid, new_ids, new_text, finished, dict(meta, dp_rank=message[1])))
+                self._deliver(message[1], ReqOutput(rid, new_ids, new_text, finished, dict(meta, dp_rank=message[1])))
         elif kind == "ack":
             stream = self.streams.get(message[2])
             if stream is not None and not stream.ack.done():
@@ -332,10 +331,12 @@ class TokenizerManager:
         elif kind == "fatal":
             self._rank_died(message[1], message[2])
 
-    def _deliver(self, rid: str, output: ReqOutput) -> None:
-        stream = self.streams.get(rid)
+    def _deliver(self, rank: int, output: ReqOutput) -> None:
+        stream = self.streams.get(output.rid)
         if stream is not None:
             stream.queue.put_nowait(output)
+        elif output.finished:  # its client left; the rank confirms the abort
+            self.metrics.finished[rank, _finish_kind(output)] += 1
 
     async def _watch_processes(self) -> None:
         while True:
@@ -355,6 +356,10 @@ class TokenizerManager:
         for future in self._loads_waiters.values():
             if not future.done():
                 future.set_exception(error)
+
+
+def _finish_kind(output: ReqOutput) -> str:
+    return (output.meta_info.get("finish_reason") or {}).get("type", "unknown")
 
 
 def _send(socket: zmq.Socket, message: list[Any]) -> None:
