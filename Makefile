@@ -1,5 +1,5 @@
 # Two entry points, each doing all set-up on a fresh machine:
-#   make run   - the main job (today: a short greedy generation with the built-in tiny model; no downloads)
+#   make run   - the main job: the HTTP server with the built-in tiny model on 127.0.0.1:30000 (no downloads)
 #   make test  - the test suite
 # Both create .venv on first use. torch is pinned first so pip takes the local CPU wheel rather than a CUDA build;
 # on a GPU machine install your CUDA/ROCm torch into .venv before `make`.
@@ -19,7 +19,7 @@ $(VENV)/.installed: setup.py
 	touch $@
 
 run: setup
-	$(PY) -m sglang_lite.generate
+	$(PY) -m sglang_lite.launch_server $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q tests

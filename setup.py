@@ -32,5 +32,5 @@ setup(
         "msgpack",
         "matplotlib",
     ],
-    extras_require={"test": ["pytest", "pytest-timeout", "openai"]},
+    extras_require={"test": ["pytest", "pytest-timeout", "openai", "sglang-router==0.3.2", "schemathesis"]},
 )
