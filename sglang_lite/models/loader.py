@@ -42,16 +42,26 @@ def load_model(
     if path is None:
         path, load_format = default_model_path(), "dummy"
     path = os.fspath(path)
-    config = ModelConfig.from_hf(path)
+    model = create_model(ModelConfig.from_hf(path), dtype, device, server_args)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        load_checkpoint(model, path, model.config.tie_word_embeddings)
+    return model.eval()
+
+
+def create_model(
+    config: ModelConfig,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    server_args: ServerArgs | None = None,
+) -> Qwen3_5ForCausalLM:
+    """The model class for ``config``, built on ``device`` in ``dtype`` (A_log kept fp32), weights uninitialised."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with _default_dtype(dtype), torch.device(device):
         model = model_class_for(config)(config, server_args)
     _keep_fp32(model)
-    if load_format == "dummy":
-        init_dummy_weights(model, seed)
-    else:
-        load_checkpoint(model, path, config.tie_word_embeddings)
-    return model.eval()
+    return model
 
 
 @contextlib.contextmanager
@@ -73,14 +83,17 @@ def _keep_fp32(model: nn.Module) -> None:
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Seeded random weights: small values everywhere (Gemma norms scale by 1 + w), real decay rates for GDN."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    # generated where the weights live, so a large dummy model on a GPU does not wait for the CPU
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
-        param.copy_(_dummy_value(name, param, gen))
+        _fill_dummy(name, param, gen)
 
 
-def _dummy_value(name: str, param: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def _fill_dummy(name: str, param: torch.Tensor, gen: torch.Generator) -> None:
     if name.endswith("A_log"):
-        return torch.empty(param.shape).uniform_(math.log(1.0), math.log(16.0), generator=gen)
-    if name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
-        return torch.ones(param.shape)
-    return torch.randn(param.shape, generator=gen) * 0.02
+        param.uniform_(math.log(1.0), math.log(16.0), generator=gen)
+    elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+        param.fill_(1.0)
+    else:
+        param.normal_(0.0, 0.02, generator=gen)
