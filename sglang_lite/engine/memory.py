@@ -45,7 +45,8 @@ def resolve_max_total_tokens(args: ServerArgs, config: ModelConfig, dtype: torch
         return args.max_total_tokens
     budget = device_budget_bytes(args.device, args.mem_fraction_static)
     budget -= args.max_running_requests * ModelPools.bytes_per_request_state(config, dtype)
-    tokens = min(budget // max(ModelPools.bytes_per_token(config, dtype), 1), args.max_running_requests * context_length)
+    fits = budget // max(ModelPools.bytes_per_token(config, dtype), 1)
+    tokens = min(fits, args.max_running_requests * context_length)
     if tokens < context_length:
         raise MemoryError(
             f"the KV pool would hold only {tokens} tokens, less than the context length {context_length}; raise "

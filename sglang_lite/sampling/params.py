@@ -48,8 +48,9 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raises ValueError naming the first bad field."""
-        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", "an integer >= 0", self.max_new_tokens)
-        _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens", "an integer >= 0", self.min_new_tokens)
+        for name in ("max_new_tokens", "min_new_tokens"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 0, name, "an integer >= 0", value)
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", "-1 (off) or >= 1", self.top_k)

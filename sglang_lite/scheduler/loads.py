@@ -25,7 +25,7 @@ class SchedulerLoads:
     num_running_reqs: int  # requests holding memory: decoding, or mid chunked prefill
     num_waiting_reqs: int
     num_used_tokens: int  # KV slots held
-    num_total_tokens: int  # used + uncached tokens of waiting requests
+    num_total_tokens: int  # used + tokens still to prefill (waiting requests, the rest of a chunked prompt)
     max_total_num_tokens: int
     token_usage: float  # used / max
     gen_throughput: float  # generated tokens/s over the recent window

@@ -21,8 +21,9 @@ class FinishReason:
 
     def to_dict(self) -> dict[str, Any]:
         """The SGLang ``meta_info.finish_reason`` shape."""
-        extra = {"stop": {"matched": self.matched}, "length": {"length": self.length}, "abort": {"message": self.message}}
-        return {"type": self.kind, **extra[self.kind]}
+        field = {"stop": ("matched", self.matched), "length": ("length", self.length), "abort": ("message", self.message)}
+        key, value = field[self.kind]
+        return {"type": self.kind, key: value}
 
 
 class ReqStatus(enum.Enum):

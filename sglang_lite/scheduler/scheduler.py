@@ -21,14 +21,22 @@ from sglang_lite.sampling.sampler import make_generator, sample
 from sglang_lite.scheduler.batch import ScheduleBatch
 from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.loads import SchedulerLoads, ThroughputMeter, utc_timestamp
-from sglang_lite.scheduler.policy import NewTokenRatio, PrefillBudget, order_waiting, plan_prefill, reserved_decode_tokens
+from sglang_lite.scheduler.policy import (
+    NewTokenRatio,
+    PrefillBudget,
+    order_waiting,
+    plan_prefill,
+    reserved_decode_tokens,
+)
 from sglang_lite.scheduler.request import FinishReason, Req, ReqOutput, ReqStatus
 from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 GB = 1024**3
 
 
-def validate_request(input_ids: list[int], params: SamplingParams, config: SchedulerConfig, has_tokenizer: bool) -> None:
+def validate_request(
+    input_ids: list[int], params: SamplingParams, config: SchedulerConfig, has_tokenizer: bool
+) -> None:
     """Raises ValueError naming the bad field; cheap, so a front end can call it before queueing."""
     if not input_ids or not all(isinstance(t, int) and 0 <= t < config.vocab_size for t in input_ids):
         raise ValueError(f"input_ids must be a non-empty list of token ids in [0, {config.vocab_size})")
@@ -191,7 +199,8 @@ class Scheduler:
         self._drop_finished()
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
-        banned = [sorted(r.stop_token_ids) if len(r.output_ids) < r.sampling_params.min_new_tokens else [] for r in reqs]
+        too_early = [len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs]
+        banned = [sorted(r.stop_token_ids) if early else [] for r, early in zip(reqs, too_early)]
         params = [r.sampling_params for r in reqs]
         return sample(logits, params, [r.generator for r in reqs], banned).tolist()
 
@@ -312,6 +321,10 @@ class Scheduler:
         assert self.pools.states.allocator.num_used == len(holders), "state slots leaked"
 
     # ---- load figures ------------------------------------------------------------------------------------------
+    def _tokens_to_prefill(self) -> int:
+        """Prompt tokens not yet in the cache: waiting requests and the rest of the chunked one."""
+        return sum(r.num_uncached for r in self.waiting) + (self.chunked.num_uncached if self.chunked else 0)
+
     def get_loads(self) -> SchedulerLoads:
         used = self.pools.kv.allocator.num_used
         total = self.config.max_total_tokens
@@ -322,7 +335,7 @@ class Scheduler:
             num_running_reqs=running,
             num_waiting_reqs=len(self.waiting),
             num_used_tokens=used,
-            num_total_tokens=used + sum(r.num_uncached for r in self.waiting),
+            num_total_tokens=used + self._tokens_to_prefill(),
             max_total_num_tokens=total,
             token_usage=used / total,
             gen_throughput=self._throughput.rate(time.monotonic()),
