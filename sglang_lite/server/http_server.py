@@ -41,8 +41,8 @@ def create_app(args: ServerArgs, manager: TokenizerManager | None = None) -> Fas
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await manager.start()
-        try:
+        try:  # a failed start still stops the ranks already spawned
+            await manager.start()
             yield
         finally:
             await manager.shutdown()
