@@ -93,7 +93,7 @@ async def run_policy(policy: str, server_urls: list[str], args: argparse.Namespa
     assert summary["failed"] == 0, f"{policy}: {summary['failed']} requests failed; see {out}"
     sampler.series.write_csv(out / f"loads_{policy}.csv")
     sampler.series.plot(out / f"loads_{policy}.png", title=f"{policy}, concurrency {args.concurrency}")
-    return sampler.series.stats()
+    return sampler.series.stats(min_total_outstanding=args.concurrency // 2)
 
 
 def simulate_like(args: argparse.Namespace, policies: list[str], out: Path) -> dict[str, BalanceStats]:
@@ -143,7 +143,7 @@ def main() -> None:
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--dp-size", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=12)
-    p.add_argument("--sessions", type=int, default=24)
+    p.add_argument("--sessions", type=int, default=48)
     p.add_argument("--kv-tokens", type=int, default=16384)
     p.add_argument("--poll-interval", type=float, default=0.5, help="the router's /v1/loads polling period")
     p.add_argument("--sample-interval", type=float, default=0.25, help="the balance sampler's period")

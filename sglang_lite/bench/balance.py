@@ -116,9 +116,14 @@ class LoadSeries:
         self.kv_used.append([int(e.get("num_used_tokens", 0)) for e in entries])
         self.gen_throughput.append([float(e.get("gen_throughput", 0.0)) for e in entries])
 
-    def stats(self, skip: int = 0) -> BalanceStats:
-        return balance_stats(np.array(self.outstanding[skip:]), np.array(self.running[skip:]),
-                             np.array(self.kv_tokens[skip:]))
+    def stats(self, min_total_outstanding: int = 0) -> BalanceStats:
+        """Statistics over the samples holding at least `min_total_outstanding` requests in all: a closed-loop
+        benchmark passes about half its concurrency to leave out the ramp-up and the drain at the end, where a
+        handful of requests on few ranks would dominate every CV."""
+        keep = [i for i, row in enumerate(self.outstanding) if sum(row) >= min_total_outstanding]
+        assert keep, f"no sample holds {min_total_outstanding} requests"
+        pick = lambda series: np.array([series[i] for i in keep])  # noqa: E731
+        return balance_stats(pick(self.outstanding), pick(self.running), pick(self.kv_tokens))
 
     def write_csv(self, path: str | Path) -> None:
         with open(path, "w", newline="") as f:

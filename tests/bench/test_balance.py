@@ -54,6 +54,8 @@ def test_series_drops_incomplete_polls_and_writes_csv(tmp_path):
     assert series.times == [0.0, 1.0]
     s = series.stats()
     assert s.outstanding_cv == pytest.approx(0.0) and s.busiest_batch == pytest.approx(1.5)
+    steady = series.stats(min_total_outstanding=3)  # only the first sample holds 3 requests (2 + 0 + 1 waiting)
+    assert steady.num_samples == 1 and steady.busiest_batch == pytest.approx(2.0)
     path = tmp_path / "loads.csv"
     series.write_csv(path)
     rows = list(csv.DictReader(open(path)))
