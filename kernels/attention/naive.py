@@ -17,10 +17,9 @@ def store_kv(
     v_cache[loc] = v.to(v_cache.dtype)
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[..., S] slots -> [..., H, S, hd] with KV heads repeated for GQA."""
-    kv = cache[slots].transpose(-3, -2)  # [..., KV, S, hd]
-    return kv.repeat_interleave(num_heads // cache.shape[1], dim=-3)
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[..., S] slots -> [..., KV, S, hd]; KV heads are not repeated: SDPA's enable_gqa shares them."""
+    return cache[slots].transpose(-3, -2)
 
 
 def extend_attention(
@@ -34,15 +33,16 @@ def extend_attention(
     scale: float,
 ) -> torch.Tensor:
     """New tokens ([T, H, hd], packed by request) attend causally to their request's prefix and to themselves."""
-    num_heads = q.shape[1]
     out = torch.empty_like(q)
     start = 0
     for row, prefix, extend in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
         slots = req_to_token[row, : prefix + extend].long()
-        keys, values = _gather(k_cache, slots, num_heads), _gather(v_cache, slots, num_heads)
+        keys, values = _gather(k_cache, slots), _gather(v_cache, slots)
         query = q[start : start + extend].transpose(0, 1)  # [H, E, hd]
         mask = torch.ones(extend, prefix + extend, dtype=torch.bool, device=q.device).tril(prefix)
-        o = F.scaled_dot_product_attention(query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(
+            query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+        )
         out[start : start + extend] = o.transpose(0, 1)
         start += extend
     return out
@@ -63,10 +63,11 @@ def decode_attention(
     # padding positions point at arbitrary slots (often slot 0); read slot 0 there and zero what was read, since a
     # masked NaN/inf (uninitialised pool memory) would still poison the softmax-weighted sum (0 * NaN = NaN)
     slots = req_to_token[req_pool_indices.long(), :max_len].long().where(mask, 0)  # [B, S]
-    keys, values = _gather(k_cache, slots, q.shape[1]), _gather(v_cache, slots, q.shape[1])
+    keys, values = _gather(k_cache, slots), _gather(v_cache, slots)
     keep = mask[:, None, :, None]
     keys, values = keys.where(keep, 0), values.where(keep, 0)
     o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
+        q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale,
+        enable_gqa=True,
     )
     return o.squeeze(2)

@@ -1,4 +1,6 @@
-"""Plain-PyTorch fused MoE; also the CPU path. Tokens are grouped by expert: one GEMM pair per expert hit.
+"""Plain-PyTorch fused MoE; also the CPU path. Rows are grouped by expert and run as one batched GEMM per
+projection over experts padded to a common size, plus one GEMM per overloaded expert (few ops: on the CPU the
+per-op cost, not the arithmetic, is what a per-expert loop pays for).
 
 Layouts: x [T, H]; w13 [E, 2I, H] (first I rows gate, next I up); w2 [E, H, I]; topk_weights [T, k] (fp32);
 topk_ids [T, k]. The shared expert can ride along as an extra expert id with its own per-token weight.
@@ -20,6 +22,47 @@ def topk_softmax(
     return weights, ids.to(torch.int32)
 
 
+def _capacity(counts: list[int]) -> int:
+    """Rows per expert in the padded batched GEMM: the largest load up to twice the mean load of the experts hit.
+
+    Heavier experts (a fused shared expert sees every token) overflow into their own GEMMs. Returns 0 (no batched
+    GEMM, one GEMM per expert hit) when padding every expert to that size would waste over a third of the work,
+    as with a few tokens spread over many experts.
+    """
+    hit = [c for c in counts if c]
+    if not hit:
+        return 0
+    limit = 2 * sum(hit) / len(hit)
+    capacity = max(c for c in hit if c <= limit)
+    useful = sum(min(c, capacity) for c in counts)
+    return capacity if len(counts) * capacity <= 1.5 * useful else 0
+
+
+def _layout(sorted_ids: torch.Tensor, counts: list[int], capacity: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Buffer row of every expert-sorted row: the first ``capacity`` rows of expert e go to e * capacity + rank
+    (the padded [E, capacity] block), the rest to an overflow region after it. Also the overflow (expert, begin,
+    end) ranges, in buffer rows."""
+    num_experts = len(counts)
+    overflow = [max(c - capacity, 0) for c in counts]
+    starts = torch.tensor([0] + counts[:-1]).cumsum(0)
+    ovf_starts = torch.tensor([0] + overflow[:-1]).cumsum(0) + num_experts * capacity
+    experts = sorted_ids.cpu().long() if sorted_ids.device.type != "cpu" else sorted_ids.long()
+    rank = torch.arange(experts.numel()) - starts[experts]
+    pos = torch.where(rank < capacity, experts * capacity + rank, ovf_starts[experts] + rank - capacity)
+    ranges = [(e, int(ovf_starts[e]), int(ovf_starts[e]) + n) for e, n in enumerate(overflow) if n]
+    return pos.to(sorted_ids.device), ranges
+
+
+def _grouped_mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, capacity: int, ranges) -> None:
+    """out = a @ w[e]^T per expert: one bmm over the padded block, one mm per overflow range."""
+    padded = w.shape[0] * capacity
+    if capacity:
+        torch.bmm(a[:padded].view(w.shape[0], capacity, -1), w.transpose(1, 2),
+                  out=out[:padded].view(w.shape[0], capacity, -1))
+    for expert, begin, end in ranges:
+        torch.mm(a[begin:end], w[expert].t(), out=out[begin:end])
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -29,18 +72,24 @@ def fused_moe(
 ) -> torch.Tensor:
     """``sum_i w_i * down_e(silu(gate_e(x)) * up_e(x))`` over each token's selected experts."""
     num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1).long()
-    order = torch.argsort(flat_ids, stable=True)
-    token_of = order // top_k
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    outputs = []
-    for expert, rows in zip(range(len(counts)), torch.split(token_of, counts)):
-        if rows.numel() == 0:
-            continue
-        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
-        outputs.append(F.linear(F.silu(gate) * up, w2[expert]))
-    expert_out = torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])
-    weighted = expert_out.float() * topk_weights.reshape(-1)[order].float().unsqueeze(-1)
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, token_of, weighted)
-    return out.to(x.dtype)
+    inter = w2.shape[2]
+    flat_ids = topk_ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # the one host read
+    capacity = _capacity(counts)
+    pos, ranges = _layout(sorted_ids, counts, capacity)
+    num_buffer_rows = w13.shape[0] * capacity + sum(end - begin for _, begin, end in ranges)
+    # token of every buffer row; padding rows compute token 0 and are never read back
+    token_of = torch.zeros(num_buffer_rows, dtype=torch.long, device=x.device)
+    token_of[pos] = order // top_k
+    gate_up = x.new_empty(num_buffer_rows, 2 * inter)
+    _grouped_mm(x[token_of], w13, gate_up, capacity, ranges)
+    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    expert_out = x.new_empty(num_buffer_rows, w2.shape[1])
+    _grouped_mm(act, w2, expert_out, capacity, ranges)
+    # (token, slot) order, then the weighted sum over slots as one fp32 bmm (cheaper than an index_add_ scatter)
+    buffer_row = torch.empty_like(pos)
+    buffer_row[order] = pos
+    rows = expert_out[buffer_row].view(num_tokens, top_k, -1).float()
+    out = torch.bmm(topk_weights.reshape(num_tokens, 1, top_k).float(), rows)
+    return out.view(num_tokens, -1).to(x.dtype)
