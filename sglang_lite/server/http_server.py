@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from sglang_lite.scheduler.loads import SECTIONS
 from sglang_lite.server import openai_serving
+from sglang_lite.server.dp_controller import requested_rank
 from sglang_lite.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RouteCountMiddleware
 from sglang_lite.server.openai_protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
 from sglang_lite.server.responses import (
@@ -147,7 +148,7 @@ def _generate_inputs(manager: TokenizerManager, body: GenerateRequest) -> tuple[
     prompts, batched = _prompt_ids(manager, body.text, body.input_ids)
     params = _per_prompt(body.sampling_params, len(prompts), "sampling_params")
     rids = _per_prompt(body.rid, len(prompts), "rid") if body.rid is not None else [None] * len(prompts)
-    rank = body.routed_dp_rank if body.routed_dp_rank is not None else body.data_parallel_rank
+    rank = requested_rank(body.routed_dp_rank, body.data_parallel_rank)
     return [GenerateInput(rid or uuid.uuid4().hex, ids, manager.sampling_params(p), rank)
             for ids, p, rid in zip(prompts, params, rids)], batched
 

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from sglang_lite.server.dp_controller import requested_rank
 from sglang_lite.server.openai_protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
 from sglang_lite.server.responses import SSEResponse, sse, until_disconnect
 from sglang_lite.server.tokenizer_manager import GenerateInput, RequestError, RequestStream, TokenizerManager, bad_request
@@ -62,7 +63,7 @@ def _completion_prompts(manager: TokenizerManager, prompt: Any) -> list[list[int
 
 def _inputs(manager: TokenizerManager, body: _OpenAISampling, prompts: list[list[int]], default_max: int | None) -> list[GenerateInput]:
     params = manager.sampling_params(body.sampling_dict(default_max))
-    rank = body.routed_dp_rank if body.routed_dp_rank is not None else body.data_parallel_rank
+    rank = requested_rank(body.routed_dp_rank, body.data_parallel_rank)
     if body.rid is not None and len(prompts) > 1:
         raise bad_request("rid names one request; send one prompt with it")
     return [GenerateInput(body.rid or uuid.uuid4().hex, ids, params, rank) for ids in prompts]

@@ -89,5 +89,7 @@ def test_server_info_reports_dp_size(server: ServerProcess, request: pytest.Fixt
     assert info["dp_size"] == (2 if "dp2" in request.node.name else 1)
     assert httpx.get(f"{server.url}/get_server_info").json()["dp_size"] == info["dp_size"]
     assert "api_key" not in info
+    plan = info["alt_stream_plan"]  # the model has sglang_lite.streams: its plan is reported; none overlaps on the CPU
+    assert plan["platform"] == "cpu" and plan["decode_captured"]["alt_stream"] is False
     model = httpx.get(f"{server.url}/model_info").json()
     assert model["is_generation"] is True and model["model_type"] == "qwen3_5_moe_text"
