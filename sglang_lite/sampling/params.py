@@ -38,8 +38,10 @@ class SamplingParams:
         for key in ("stop", "stop_token_ids"):
             if params.get(key) is None:
                 params.pop(key, None)
-            else:
+            elif isinstance(params[key], (list, tuple)):
                 params[key] = list(params[key])
+            else:
+                raise ValueError(f"sampling parameter {key} must be a list, got {params[key]!r}")
         return cls(**params)
 
     @property

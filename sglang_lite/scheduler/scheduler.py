@@ -79,7 +79,8 @@ class Scheduler:
         """Queues a request; raises ValueError (naming the field) and leaves the scheduler untouched if invalid."""
         params = SamplingParams.from_dict(sampling_params)
         validate_request(input_ids, params, self.config, self.tokenizer is not None)
-        assert self._find(rid) is None, f"request id {rid!r} is already in use"
+        if self._find(rid) is not None:
+            raise ValueError(f"rid {rid!r} is already in use by an unfinished request")
         req = self._new_req(rid, list(input_ids), params)
         if req.max_new_tokens == 0:
             self._finish(req, FinishReason("length", length=0))

@@ -115,3 +115,9 @@ def test_stop_matcher_releases_a_false_start():
     assert matcher.feed("xST") == "x"
     assert matcher.feed("ay") == "STay"
     assert matcher.flush() == "" and matcher.matched is None
+
+
+@pytest.mark.parametrize("params,field", [({"stop": 5}, "stop"), ({"stop_token_ids": 7}, "stop_token_ids")])
+def test_wrong_container_types_name_the_field(params, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams.from_dict(params)

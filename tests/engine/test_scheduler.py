@@ -161,6 +161,8 @@ def test_bad_request_raises_and_leaves_others_running(scheduler):
             scheduler.add_request("bad", prompt, params)
     with pytest.raises(ValueError, match="context length"):
         scheduler.add_request("bad", list(range(128)), GREEDY)
+    with pytest.raises(ValueError, match="rid 'good'"):
+        scheduler.add_request("good", prompt, GREEDY)  # in use: the running request is not disturbed
     drain(scheduler, outputs)
     assert [t for out in outputs["good"] for t in out.new_token_ids] == reference and "bad" not in outputs
     assert_empty(scheduler)
