@@ -62,10 +62,11 @@ class Router:
 
     async def _add_initial_workers(self) -> None:
         cfg = self.config
-        adds = [self.add_server(u, "regular") for u in cfg.worker_urls] if not cfg.pd_disaggregation else []
-        adds += [self.add_server(p.url, "prefill", p.bootstrap_port) for p in cfg.prefill]
-        adds += [self.add_server(u, "decode") for u in cfg.decode]
-        await asyncio.gather(*adds)
+        ready = [self._ready_server(u, "regular") for u in cfg.worker_urls] if not cfg.pd_disaggregation else []
+        ready += [self._ready_server(p.url, "prefill", p.bootstrap_port) for p in cfg.prefill]
+        ready += [self._ready_server(u, "decode") for u in cfg.decode]
+        for server in await asyncio.gather(*ready):  # registered in command-line order, whichever answered first
+            self._register(server)
 
     def _start_monitors(self) -> None:
         cfg = self.config
@@ -88,15 +89,21 @@ class Router:
 
     # ---- workers ---------------------------------------------------------------------------------------
     async def add_server(self, url: str, role: str, bootstrap_port: int | None = None) -> Server:
+        server = await self._ready_server(url, role, bootstrap_port)
+        self._register(server)
+        return server
+
+    async def _ready_server(self, url: str, role: str, bootstrap_port: int | None = None) -> Server:
         cfg = self.config
         url = normalize_url(url)
         dp_size = await self.wait_ready(url)
         breaker = CircuitBreaker(cfg.cb_failure_threshold, cfg.cb_success_threshold, cfg.cb_timeout_duration_secs,
                                  enabled=not cfg.disable_circuit_breaker)
-        server = Server(url, dp_size, breaker, role, bootstrap_port)
-        self.registries[role].add(server)
-        logger.info("added %s worker %s (dp_size=%s)", role, url, dp_size)
-        return server
+        return Server(url, dp_size, breaker, role, bootstrap_port)
+
+    def _register(self, server: Server) -> None:
+        self.registries[server.role].add(server)
+        logger.info("added %s worker %s (dp_size=%s)", server.role, server.url, server.dp_size)
 
     async def wait_ready(self, url: str) -> int | None:
         """Wait until the server answers its health check (and, under --dp-aware, reports dp_size)."""
