@@ -44,13 +44,14 @@ def _layout(sorted_ids: torch.Tensor, counts: list[int], capacity: int) -> tuple
     end) ranges, in buffer rows."""
     num_experts = len(counts)
     overflow = [max(c - capacity, 0) for c in counts]
-    starts = torch.tensor([0] + counts[:-1]).cumsum(0)
-    ovf_starts = torch.tensor([0] + overflow[:-1]).cumsum(0) + num_experts * capacity
-    experts = sorted_ids.cpu().long() if sorted_ids.device.type != "cpu" else sorted_ids.long()
-    rank = torch.arange(experts.numel()) - starts[experts]
-    pos = torch.where(rank < capacity, experts * capacity + rank, ovf_starts[experts] + rank - capacity)
-    ranges = [(e, int(ovf_starts[e]), int(ovf_starts[e]) + n) for e, n in enumerate(overflow) if n]
-    return pos.to(sorted_ids.device), ranges
+    ovf_starts = [num_experts * capacity + sum(overflow[:e]) for e in range(num_experts)]
+    ranges = [(e, ovf_starts[e], ovf_starts[e] + n) for e, n in enumerate(overflow) if n]
+    device = sorted_ids.device
+    starts = torch.tensor([0] + counts[:-1], device=device).cumsum(0)
+    experts = sorted_ids.long()
+    rank = torch.arange(experts.numel(), device=device) - starts[experts]
+    ovf = torch.tensor(ovf_starts, device=device)[experts] + rank - capacity
+    return torch.where(rank < capacity, experts * capacity + rank, ovf), ranges
 
 
 def _grouped_mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, capacity: int, ranges) -> None:
@@ -90,6 +91,6 @@ def fused_moe(
     # (token, slot) order, then the weighted sum over slots as one fp32 bmm (cheaper than an index_add_ scatter)
     buffer_row = torch.empty_like(pos)
     buffer_row[order] = pos
-    rows = expert_out[buffer_row].view(num_tokens, top_k, -1).float()
+    rows = expert_out[buffer_row].view(num_tokens, top_k, x.shape[1]).float()
     out = torch.bmm(topk_weights.reshape(num_tokens, 1, top_k).float(), rows)
-    return out.view(num_tokens, -1).to(x.dtype)
+    return out.view(num_tokens, x.shape[1]).to(x.dtype)

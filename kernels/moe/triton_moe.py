@@ -73,6 +73,8 @@ def topk_softmax(
         raise ValueError(f"top_k must be in [1, {num_experts}] (router_logits has {num_experts} experts), got {top_k}")
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens == 0:
+        return weights, ids
     block_t = 16
     _topk_softmax_kernel[(triton.cdiv(num_tokens, block_t),)](
         logits_ptr=router_logits, weights_ptr=weights, ids_ptr=ids, num_tokens=num_tokens,
