@@ -105,9 +105,12 @@ def simulate_like(args: argparse.Namespace, policies: list[str], out: Path) -> d
     obs = read_observations(out / f"loads_{policies[0]}.csv")
     if len(obs) >= 10:
         cost = fit_decode(obs, cost)
-    cluster = ClusterConfig(num_prefill=1, num_decode=args.servers, decode_dp_size=args.dp_size, gpus_per_server=1,
-                            rank_kv_tokens=args.kv_tokens, rank_max_running=16,
-                            poll_interval_s=args.poll_interval, sample_interval_s=args.sample_interval)
+    # sglang_lite's CPU ranks step independently (no DP-attention lockstep), so each rank is simulated as a decode
+    # server of its own; the policies still see servers x dp_size workers. It has no prefix cache either.
+    cluster = ClusterConfig(num_prefill=1, num_decode=args.servers * args.dp_size, decode_dp_size=1,
+                            gpus_per_server=1, rank_kv_tokens=args.kv_tokens, rank_max_running=16,
+                            prefill_cache_tokens=0, poll_interval_s=args.poll_interval,
+                            sample_interval_s=args.sample_interval)
     base = SimConfig(concurrency=args.concurrency, duration_s=600.0, warmup_s=30.0, seed=args.seed, cost=cost,
                      cluster=cluster, trace=SMALL_TRACE)
     return {p: simulate(dataclasses.replace(base, policy=p)).balance for p in policies}
