@@ -7,6 +7,8 @@ topk_ids [T, k]. The shared expert can ride along as an extra expert id with its
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 
@@ -44,7 +46,7 @@ def _layout(sorted_ids: torch.Tensor, counts: list[int], capacity: int) -> tuple
     end) ranges, in buffer rows."""
     num_experts = len(counts)
     overflow = [max(c - capacity, 0) for c in counts]
-    ovf_starts = [num_experts * capacity + sum(overflow[:e]) for e in range(num_experts)]
+    ovf_starts = list(accumulate(overflow[:-1], initial=num_experts * capacity))
     ranges = [(e, ovf_starts[e], ovf_starts[e] + n) for e, n in enumerate(overflow) if n]
     device = sorted_ids.device
     starts = torch.tensor([0] + counts[:-1], device=device).cumsum(0)
