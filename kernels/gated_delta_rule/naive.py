@@ -39,8 +39,14 @@ def _check_heads(k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def _chunk_one_sequence(q, k, v, g, beta, state, chunk_size):
-    """One request, heads first: q, k [H, L, dk], v [H, L, dv], g, beta [H, L], state [H, dk, dv] (fp32)."""
+    """One request, heads first: q, k [H, L, dk], v [H, L, dv], g, beta [H, L], state [H, dk, dv] (fp32).
+
+    Within a chunk the delta updates fold into one triangular solve (the UT transform); across chunks only the
+    state recursion is sequential, so the loop does two small matmuls per chunk and the outputs are computed
+    afterwards from the saved chunk-start states in two batched matmuls.
+    """
     H, L, dk = k.shape
+    dv = v.shape[-1]
     pad = (-L) % chunk_size
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -48,24 +54,27 @@ def _chunk_one_sequence(q, k, v, g, beta, state, chunk_size):
     n = (L + pad) // chunk_size
     q, k, v = (t.reshape(H, n, chunk_size, -1) for t in (q, k, v))
     g_cum = g.reshape(H, n, chunk_size).cumsum(-1)
+    g_exp = g_cum.exp()
     beta = beta.reshape(H, n, chunk_size, 1)
     lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    decay = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+    decay = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill_(~lower, float("-inf")).exp_()
     k_beta = k * beta
-    # (I + strictly_lower(k_beta k^T * decay)) is the UT system that folds the in-chunk delta updates together.
-    ut = (k_beta @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(ut, v * beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(ut, k_beta * g_cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
-    attn = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * g_cum.exp().unsqueeze(-1)
-    k_to_end = k * (g_cum[..., -1:] - g_cum).exp().unsqueeze(-1)
-    chunk_decay = g_cum[..., -1].exp()
-    out = torch.empty_like(v)
+    k_t = k.transpose(-1, -2)
+    # (I + strictly_lower(k_beta k^T * decay)) is the UT system; both right-hand sides go through one solve.
+    ut = (k_beta @ k_t).mul_(decay)
+    rhs = torch.cat([v * beta, k_beta * g_exp.unsqueeze(-1)], dim=-1)
+    uw = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
+    u, w = uw[..., :dv], uw[..., dv:]
+    k_to_end_t = (k * (g_cum[..., -1:] - g_cum).exp_().unsqueeze(-1)).transpose(-1, -2)
+    chunk_decay = g_exp[..., -1, None, None]
+    starts = torch.empty(H, n, dk, dv, dtype=state.dtype, device=state.device)
+    v_new = torch.empty_like(u)
     for i in range(n):
-        v_new = u[:, i] - w[:, i] @ state
-        out[:, i] = q_decayed[:, i] @ state + attn[:, i] @ v_new
-        state = state * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ v_new
-    return out.reshape(H, n * chunk_size, -1)[:, :L], state
+        starts[:, i] = state
+        torch.baddbmm(u[:, i], w[:, i], state, alpha=-1, out=v_new[:, i])
+        state = torch.baddbmm(state * chunk_decay[:, i], k_to_end_t[:, i], v_new[:, i])
+    out = (q * g_exp.unsqueeze(-1)) @ starts + (q @ k_t).mul_(decay) @ v_new
+    return out.reshape(H, n * chunk_size, dv)[:, :L], state
 
 
 def chunk_gated_delta_rule(
@@ -111,9 +120,10 @@ def fused_recurrent_gated_delta_rule(
     _check_heads(k, v)
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     qf, kf = _prepare_qk(q, k, v.shape[-2], scale, use_qk_l2norm)
-    state = ssm_states[state_indices].float() * g.float().exp()[..., None, None]
-    predicted = torch.einsum("bhkv,bhk->bhv", state, kf)
+    state = ssm_states[state_indices].float()  # [B, HV, dk, dv], a gathered copy
+    state.mul_(g.float().exp()[..., None, None])
+    predicted = (kf.unsqueeze(-2) @ state).squeeze(-2)  # S^T k
     delta = beta.float().unsqueeze(-1) * (v.float() - predicted)
-    state = state + kf.unsqueeze(-1) * delta.unsqueeze(-2)
+    state.add_(kf.unsqueeze(-1) * delta.unsqueeze(-2))
     ssm_states[state_indices] = state.to(ssm_states.dtype)
-    return torch.einsum("bhkv,bhk->bhv", state, qf).to(v.dtype)
+    return (qf.unsqueeze(-2) @ state).squeeze(-2).to(v.dtype)
