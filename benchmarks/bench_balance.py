@@ -136,6 +136,9 @@ async def main_async(args: argparse.Namespace) -> int:
         for proc in procs:
             stop(proc)
     print("\nreal servers (sampled /v1/loads):\n" + format_table(real, baseline=policies[0]))
+    for p, st in real.items():
+        print(f"  {p}: rank batch / mean {[round(x, 2) for x in st.rank_batch_ratio]}, "
+              f"busiest share {[round(x, 2) for x in st.busiest_share]}")
     sim = simulate_like(args, policies, out)
     print("\nsimulator configured like this setup:\n" + format_table(sim, baseline=policies[0]))
     agree = order_by_cv(real) == order_by_cv(sim)
