@@ -7,7 +7,6 @@ import torch
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import apply_rotary_pos_emb, eager_attention_forward
 
 from sglang_lite.kernels import attention, rotary
-from sglang_lite.kernels.attention import naive
 from sglang_lite.kernels.rotary import naive as naive_rotary
 
 from ._timing import time_ms

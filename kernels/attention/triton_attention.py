@@ -42,7 +42,8 @@ def _store_kv_kernel(k_cache_ptr, v_cache_ptr, loc_ptr, k_ptr, v_ptr, row_size, 
 
 def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 3 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache and v_cache must be equal [N, KV, hd], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+        raise ValueError(f"k_cache and v_cache must be equal [N, KV, hd], got {tuple(k_cache.shape)} {k_cache.dtype}, "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
 
@@ -122,7 +123,8 @@ def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
         raise ValueError(f"req_to_token must be [R, max_context] with contiguous rows, got {tuple(req_to_token.shape)}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with contiguous head dims, got {tuple(out.shape)} {out.dtype}")
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with contiguous head dims, "
+                         f"got {tuple(out.shape)} {out.dtype}")
 
 
 def extend_attention(
@@ -211,7 +213,8 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, head_dim, stride_
     dims = tl.arange(0, BLOCK_D)
     parts = tl.load(part_out_ptr + part[:, None] * BLOCK_D + dims[None, :])
     out = tl.sum(weights[:, None] * parts, axis=0) / tl.sum(weights, axis=0)
-    tl.store(out_ptr + req * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+    tl.store(out_ptr + req * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < head_dim)
 
 
 def decode_attention(

@@ -40,7 +40,9 @@ def _capacity(counts: list[int]) -> int:
     return capacity if len(counts) * capacity <= 1.5 * useful else 0
 
 
-def _layout(sorted_ids: torch.Tensor, counts: list[int], capacity: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+def _layout(
+    sorted_ids: torch.Tensor, counts: list[int], capacity: int
+) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
     """Buffer row of every expert-sorted row: the first ``capacity`` rows of expert e go to e * capacity + rank
     (the padded [E, capacity] block), the rest to an overflow region after it. Also the overflow (expert, begin,
     end) ranges, in buffer rows."""

@@ -1,4 +1,7 @@
-"""Partial NeoX rotary embedding; each call runs the Triton kernel or the PyTorch reference (``kernels/dispatch.py``)."""
+"""Partial NeoX rotary embedding.
+
+Each call runs the Triton kernel or the PyTorch reference (see ``kernels/dispatch.py``).
+"""
 from __future__ import annotations
 
 import torch

@@ -58,7 +58,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_ca
     if rotary_dim % 2 or not 0 < rotary_dim <= q.shape[2]:
         raise ValueError(f"rotary_dim must be even and in (0, head_dim={q.shape[2]}], got {rotary_dim}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != rotary_dim or cos_sin_cache.stride(1) != 1:
-        raise ValueError(f"cos_sin_cache must be [max_position, rotary_dim={rotary_dim}], got {tuple(cos_sin_cache.shape)}")
+        raise ValueError(f"cos_sin_cache must be [max_position, rotary_dim={rotary_dim}] with contiguous rows, "
+                         f"got {tuple(cos_sin_cache.shape)}")
 
 
 def apply_rotary(
@@ -76,7 +77,8 @@ def apply_rotary(
         stride_cache=cos_sin_cache.stride(0),
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
         stride_qot=q_out.stride(0), stride_qoh=q_out.stride(1), stride_kot=k_out.stride(0), stride_koh=k_out.stride(1),
-        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2), BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2), BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
+        BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         BLOCK_D=triton.next_power_of_2(q.shape[2]),
     )
     return q_out, k_out
