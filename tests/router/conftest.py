@@ -1,6 +1,9 @@
 """Process fixtures for the router tests: every server binds 127.0.0.1 on a free port and is always killed.
 
-To run the end-to-end tests against real sglang_lite servers, change `upstream_command` (one line).
+The end-to-end tests run against real sglang_lite servers (`python -m sglang_lite.launch_server`, the built-in
+tiny model on the CPU). Two dp-size-2 servers are shared by the whole session, since each takes tens of seconds to
+start on a small host; tests that kill a server start their own. The stand-in upstream (upstream.py) remains for
+what a real server cannot show: the exact bytes the router forwarded, and latency to a few milliseconds.
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,11 +24,21 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+SERVER_STARTUP_TIMEOUT = 180.0  # a cold start imports torch and builds the model: ~20-40 s on 2 loaded cores
+# Small pools keep every rank light; 1024 tokens of context leave room for the long generations some tests hold.
+SERVER_FLAGS = ["--context-length", "1024", "--max-total-tokens", "16384", "--max-running-requests", "32",
+                "--cpu-threads-per-rank", "1", "--log-level", "warning"]
 
 
 def upstream_command(port: int, dp_size: int, token_delay: float, name: str) -> list[str]:
     return [sys.executable, str(HERE / "upstream.py"), "--port", str(port), "--dp-size", str(dp_size),
             "--token-delay", str(token_delay), "--name", name]
+
+
+def server_command(port: int, dp_size: int, name: str) -> list[str]:
+    """A real sglang_lite server; `name` becomes its served model name, so OpenAI responses say who answered."""
+    return [sys.executable, "-m", "sglang_lite.launch_server", "--host", "127.0.0.1", "--port", str(port),
+            "--dp-size", str(dp_size), "--served-model-name", name, *SERVER_FLAGS]
 
 
 def free_port() -> int:
@@ -46,7 +61,7 @@ class Proc:
         return self.popen.poll() is None
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the whole process group (the server and anything it spawned), then reap it."""
+        """Signal the whole process group (the server and the ranks it spawned), then reap it."""
         if self.alive():
             try:
                 os.killpg(self.popen.pid, sig)
@@ -57,18 +72,41 @@ class Proc:
         except subprocess.TimeoutExpired:
             os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait(timeout=5)
+        try:  # a rank outliving its leader (it should not: it dies with its parent) still goes
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
+    def wait_healthy(self, timeout: float = SERVER_STARTUP_TIMEOUT) -> Proc:
+        """Poll GET /health until 200; on failure kill the process and raise with its log."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.alive():
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        text = self.output()
+        self.kill()
+        raise RuntimeError(f"{self.popen.args} did not become healthy:\n{text[-3000:]}")
 
-def launch(cmd: list[str], ready: re.Pattern, timeout: float = 20.0) -> Proc:
-    """Start `cmd` in its own process group with output to a file (a pipe could fill and block it); wait for
-    the `ready` line, whose first group is the bound port."""
+
+def spawn(cmd: list[str], port: int = 0) -> Proc:
+    """Start `cmd` in its own process group with output to a file (a pipe could fill and block it)."""
     log = Path(tempfile.mkstemp(prefix="router-test-", suffix=".log")[1])
     with open(log, "wb") as out:
         popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
-    proc = Proc(popen, 0, log)
+    return Proc(popen, port, log)
+
+
+def launch(cmd: list[str], ready: re.Pattern, timeout: float = 20.0) -> Proc:
+    """Spawn `cmd` and wait for the `ready` line, whose first group is the bound port."""
+    proc = spawn(cmd)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         match = ready.search(proc.output())
@@ -81,6 +119,12 @@ def launch(cmd: list[str], ready: re.Pattern, timeout: float = 20.0) -> Proc:
     text = proc.output()
     proc.kill()
     raise RuntimeError(f"{cmd} did not become ready:\n{text[-3000:]}")
+
+
+def spawn_server(dp_size: int, name: str, port: int | None = None) -> Proc:
+    """Start a real server without waiting, so several can start at once; call wait_healthy() on it."""
+    port = port or free_port()
+    return spawn(server_command(port, dp_size, name), port)
 
 
 def start_upstream(dp_size: int = 1, token_delay: float = 0.0, port: int = 0, name: str = "upstream") -> Proc:
@@ -99,14 +143,23 @@ class Procs:
         self.procs: list[Proc] = []
 
     def upstream(self, **kwargs) -> Proc:
-        proc = start_upstream(**kwargs)
+        return self.adopt(start_upstream(**kwargs))
+
+    def router(self, *args: str) -> Proc:
+        return self.adopt(start_router(*args))
+
+    def servers(self, names: list[str], dp_size: int = 1, port: int | None = None) -> list[Proc]:
+        """Real servers started together (one per name), each killed at teardown even if another fails to start."""
+        started = [self.adopt(spawn_server(dp_size, name, port)) for name in names]
+        return [proc.wait_healthy() for proc in started]
+
+    def adopt(self, proc: Proc) -> Proc:
         self.procs.append(proc)
         return proc
 
-    def router(self, *args: str) -> Proc:
-        proc = start_router(*args)
-        self.procs.append(proc)
-        return proc
+    def dump_logs(self) -> None:
+        for proc in self.procs:  # the servers' logs explain most failures
+            sys.stderr.write(f"\n--- {proc.popen.args[:5]} log ---\n{proc.output()[-4000:]}")
 
     def kill_all(self) -> None:
         for proc in self.procs:
@@ -121,8 +174,19 @@ def procs(request):
         yield group
     finally:
         if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
-            for proc in group.procs:  # the servers' logs explain most failures
-                sys.stderr.write(f"\n--- {proc.popen.args[:3]} log ---\n{proc.output()[-4000:]}")
+            group.dump_logs()
+        group.kill_all()
+
+
+@pytest.fixture(scope="session")
+def dp_pair(request) -> list[Proc]:
+    """Two real servers with dp-size 2, served model names s0 and s1, shared by the session's tests."""
+    group = Procs()
+    try:
+        yield group.servers(["s0", "s1"], dp_size=2)
+    finally:
+        if request.session.testsfailed:
+            group.dump_logs()
         group.kill_all()
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from dataclasses import dataclass
 
@@ -16,7 +17,13 @@ class Result:
     error: str | None = None  # transport error, or an SSE error event
     ttft: float | None = None
     elapsed: float = 0.0
-    upstream: str | None = None
+    upstream: str | None = None  # the stand-in's X-Upstream-Name header
+    body: dict | list | None = None  # a JSON response, or a stream's last JSON event
+
+    @property
+    def model(self) -> str | None:
+        """The served model name of an OpenAI response (the tests name each real server after itself)."""
+        return self.body.get("model") if isinstance(self.body, dict) else None
 
     @property
     def ok(self) -> bool:
@@ -34,7 +41,7 @@ async def generate(session: aiohttp.ClientSession, url: str, route: str = "/gene
             if stream and resp.status == 200:
                 await read_events(resp, result, start)
             else:
-                await resp.read()
+                result.body = json_or_none(await resp.read())
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         result = Result(0, error=repr(exc))
     result.elapsed = time.perf_counter() - start
@@ -48,23 +55,80 @@ async def read_events(resp: aiohttp.ClientResponse, result: Result, start: float
         if result.ttft is None:
             result.ttft = time.perf_counter() - start
         data = line[6:].strip()
-        if data != b"[DONE]" and "error" in json.loads(data):
-            result.error = json.loads(data)["error"]["message"]
+        if data != b"[DONE]":
+            result.body = json.loads(data)
+            if "error" in result.body:
+                result.error = result.body["error"]["message"]
         result.chunks += 1
 
 
+def json_or_none(raw: bytes) -> dict | list | None:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
 def payload(route: str, stream: bool, max_new_tokens: int, text: str) -> dict:
+    """Greedy, and ignore_eos so a real server generates exactly `max_new_tokens` tokens."""
     if route == "/generate":
-        return {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}, "stream": stream}
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+        return {"text": text, "sampling_params": params, "stream": stream}
+    common = {"model": "m", "max_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
     if route == "/v1/chat/completions":
-        return {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": max_new_tokens,
-                "stream": stream}
-    return {"model": "m", "prompt": text, "max_tokens": max_new_tokens, "stream": stream}
+        return {"messages": [{"role": "user", "content": text}], **common}
+    return {"prompt": text, **common}
+
+
+def finish_reason(result: Result) -> str | None:
+    """The finish reason of a /generate or OpenAI response (or of a stream's last event)."""
+    body = result.body if isinstance(result.body, dict) else {}
+    if "meta_info" in body:
+        reason = body["meta_info"].get("finish_reason")
+        return reason.get("type") if isinstance(reason, dict) else reason
+    choices = body.get("choices") or [{}]
+    return choices[0].get("finish_reason")
 
 
 async def get_json(session: aiohttp.ClientSession, url: str) -> dict:
     async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
         return await resp.json()
+
+
+async def get_text(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        return await resp.text()
+
+
+def parse_counter(metrics: str, name: str, **labels: str) -> dict[str, float]:
+    """Samples of Prometheus counter `name` whose labels include `labels`, keyed by their whole label text."""
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            key, value = line[len(name) + 1:].rsplit("} ", 1)
+            out[key] = float(value)
+    return out
+
+
+async def routed(session: aiohttp.ClientSession, server_url: str, **labels: str) -> dict[int, int]:
+    """Requests a real server dispatched to each DP rank so far (its /metrics routing counters); how="named"
+    counts only those whose body named the rank (routed_dp_rank), how="balanced" those it placed itself."""
+    metrics = await get_text(session, server_url + "/metrics")
+    counts: dict[int, int] = {}
+    for key, n in parse_counter(metrics, "sglang_lite_requests_routed_total", **labels).items():
+        rank = int(re.search(r'dp_rank="(\d+)"', key).group(1))
+        counts[rank] = counts.get(rank, 0) + int(n)
+    return counts
+
+
+def delta(after: dict[int, int], before: dict[int, int]) -> dict[int, int]:
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
+async def server_idle(session: aiohttp.ClientSession, server_url: str) -> bool:
+    """Every rank of a real server holds no request and no KV tokens."""
+    loads = (await get_json(session, server_url + "/v1/loads?include=core"))["loads"]
+    return all(l["num_running_reqs"] == l["num_waiting_reqs"] == l["num_total_tokens"] == 0 for l in loads)
 
 
 async def in_flight(session: aiohttp.ClientSession, router_url: str) -> dict[str, int]:

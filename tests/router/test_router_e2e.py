@@ -1,4 +1,6 @@
-"""End to end: real router process in front of two upstream servers with dp-size 2 each."""
+"""End to end: a real router process in front of two real sglang_lite servers with dp-size 2 each (`dp_pair`,
+served model names s0 and s1, shared by the session). What a test checks is what a user can see: response bodies,
+the servers' /metrics routing counters and /v1/loads, and the router's /workers."""
 from __future__ import annotations
 
 import asyncio
@@ -7,60 +9,86 @@ import statistics
 import aiohttp
 import pytest
 
-from .helpers import generate, get_json, in_flight, run, wait_for
+from .helpers import (
+    delta, finish_reason, generate, get_json, get_text, in_flight, parse_counter, routed, run, server_idle, wait_for,
+)
 
 FAST = ["--worker-startup-check-interval", "0.1", "--health-check-interval-secs", "0.5"]
 
 
 @pytest.fixture
-def dp_pair(procs):
-    return [procs.upstream(dp_size=2, token_delay=0.005, name=f"s{i}") for i in range(2)]
+def idle_pair(dp_pair):
+    """The shared servers with nothing left running from an earlier test."""
+
+    async def all_idle():
+        async with aiohttp.ClientSession() as s:
+            return await wait_for(lambda: _all_idle(s, dp_pair), timeout=20, interval=0.2)
+
+    assert run(all_idle()), "a server still runs requests of an earlier test"
+    return dp_pair
 
 
-def test_dp_aware_routing_spreads_over_all_four_ranks_and_keeps_bodies(procs, dp_pair):
-    router = procs.router("--worker-urls", *[u.url for u in dp_pair], "--dp-aware", "--policy", "round_robin", *FAST)
+async def _all_idle(s: aiohttp.ClientSession, servers) -> bool:
+    return all([await server_idle(s, u.url) for u in servers])
+
+
+def test_dp_aware_routing_spreads_over_all_four_ranks_and_keeps_bodies(procs, idle_pair):
+    router = procs.router("--worker-urls", *[u.url for u in idle_pair], "--dp-aware", "--policy", "round_robin", *FAST)
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
+            direct = await generate(s, idle_pair[0].url, max_new_tokens=2)
+            before = [await routed(s, u.url, how="named") for u in idle_pair]
             results = await asyncio.gather(*(generate(s, router.url, max_new_tokens=2) for _ in range(40)))
-            assert all(r.ok for r in results)
-            stats = [await get_json(s, u.url + "/_stats") for u in dp_pair]
+            after = [await routed(s, u.url, how="named") for u in idle_pair]
             workers = (await get_json(s, router.url + "/workers"))["workers"]
-        return stats, workers
+        return direct, results, [delta(a, b) for a, b in zip(after, before)], workers
 
-    stats, workers = run(scenario())
-    assert [w["url"] for w in workers] == [f"{u.url}@{r}" for u in dp_pair for r in (0, 1)]
-    assert [st["by_rank"] for st in stats] == [{"0": 10, "1": 10}, {"0": 10, "1": 10}]
-    body = stats[0]["bodies"][0]
-    assert body == {"text": "hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}, "stream": False,
-                    "routed_dp_rank": body["routed_dp_rank"]}  # unchanged apart from the routing field
+    direct, results, per_rank, workers = run(scenario())
+    assert [w["url"] for w in workers] == [f"{u.url}@{r}" for u in idle_pair for r in (0, 1)]
+    # each server ran ten requests on each rank, on the rank the router named (routed_dp_rank)
+    assert per_rank == [{0: 10, 1: 10}, {0: 10, 1: 10}]
+    assert all(r.ok for r in results), [r for r in results if not r.ok][:3]
+    assert sorted(r.body["meta_info"]["dp_rank"] for r in results) == [0] * 20 + [1] * 20
+    # The body reached the servers intact: same prompt, same sampling parameters, so the same greedy tokens.
+    assert {tuple(r.body["output_ids"]) for r in results} == {tuple(direct.body["output_ids"])}
+    assert all(r.body["meta_info"]["prompt_tokens"] == direct.body["meta_info"]["prompt_tokens"] for r in results)
 
 
-def test_load_monitor_sees_per_rank_tokens(procs, dp_pair):
-    router = procs.router("--worker-urls", *[u.url for u in dp_pair], "--dp-aware", "--policy", "power_of_two",
+def test_load_monitor_sees_per_rank_tokens(procs, idle_pair):
+    router = procs.router("--worker-urls", *[u.url for u in idle_pair], "--dp-aware", "--policy", "power_of_two",
                           "--p2c-load-metric", "tokens", *FAST)
+    target = f"{idle_pair[0].url}@1"
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
-            # Long requests straight to rank 1 of the first server: only that rank carries tokens.
-            busy = [asyncio.create_task(_direct(s, dp_pair[0].url, rank=1)) for _ in range(3)]
-            target = f"{dp_pair[0].url}@1"
-
             async def seen():
                 workers = (await get_json(s, router.url + "/workers"))["workers"]
                 return {w["url"]: w["polled_tokens"] for w in workers}
 
-            assert await wait_for(lambda: _positive(seen, target), timeout=5)
-            tokens = await seen()
-            for t in busy:
-                t.cancel()
-            await asyncio.gather(*busy, return_exceptions=True)
-            return tokens, target
+            assert await wait_for(lambda: _all_polled(seen), timeout=5), await seen()
+            idle = await seen()
+            # Long generations straight to rank 1 of the first server: only that rank carries tokens.
+            busy = [asyncio.create_task(_direct(s, idle_pair[0].url, rank=1)) for _ in range(3)]
+            try:
+                assert await wait_for(lambda: _positive(seen, target), timeout=20), await seen()
+                tokens = await seen()
+            finally:
+                for t in busy:
+                    t.cancel()  # the client hangs up: the server aborts them
+                await asyncio.gather(*busy, return_exceptions=True)
+            released = await wait_for(lambda: server_idle(s, idle_pair[0].url), timeout=20, interval=0.2)
+            return idle, tokens, released
 
-    tokens, target = run(scenario())
+    idle, tokens, released = run(scenario())
+    assert set(idle.values()) == {0}, idle
     assert all(v == 0 for k, v in tokens.items() if k != target), tokens
-    # num_total_tokens of three requests: prompt (1 token each) plus what they generated so far
-    assert tokens[target] >= 3
+    assert tokens[target] >= 3  # three prompts of at least one token, plus what was generated so far
+    assert released
+
+
+async def _all_polled(seen) -> bool:
+    return None not in (await seen()).values()
 
 
 async def _positive(seen, target) -> bool:
@@ -68,49 +96,62 @@ async def _positive(seen, target) -> bool:
 
 
 async def _direct(s: aiohttp.ClientSession, base: str, rank: int) -> None:
-    body = {"text": "x", "sampling_params": {"max_new_tokens": 2000}, "routed_dp_rank": rank}
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}, "routed_dp_rank": rank}
     async with s.post(base + "/generate", json=body) as resp:
         await resp.read()
 
 
-def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(procs):
-    ups = [procs.upstream(dp_size=2, token_delay=0.02, name=f"s{i}") for i in range(2)]
-    router = procs.router("--worker-urls", *[u.url for u in ups], "--dp-aware", "--policy", "round_robin",
-                          "--request-timeout-secs", "10", *FAST)
+def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(procs, idle_pair):
+    urls = [u.url for u in idle_pair]
+    router = procs.router("--worker-urls", *urls, "--dp-aware", "--policy", "round_robin", *FAST)
+    # The same servers behind a router with a 1 s request timeout: long streams fail with an error event.
+    strict = procs.router("--worker-urls", *urls, "--dp-aware", "--policy", "round_robin",
+                          "--request-timeout-secs", "1", *FAST)
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
-            # 1. complete: 16 streams of 10 tokens (0.2 s each) are counted while they run.
+            # 1. complete: 16 streams of 64 tokens are counted while they run, four on each rank.
             streams = [asyncio.create_task(generate(s, router.url, "/v1/chat/completions", stream=True,
-                                                    max_new_tokens=10)) for _ in range(16)]
-            await asyncio.sleep(0.1)
+                                                    max_new_tokens=64, timeout=60)) for _ in range(16)]
+            assert await wait_for(lambda: _total(s, router.url, 16), timeout=10)
             during = await in_flight(s, router.url)
             results = await asyncio.gather(*streams)
-            assert all(r.ok and r.chunks == 11 for r in results)
+            assert all(r.ok and finish_reason(r) == "length" for r in results), results[:2]
             assert sum(during.values()) == 16 and set(during.values()) == {4}, during
-            assert set((await in_flight(s, router.url)).values()) == {0}
+            assert await wait_for(lambda: _all_zero(s, router.url), timeout=3)
 
-            # 2. abandoned: read one event and hang up; the router releases and aborts upstream too.
+            # 2. abandoned: read one event and hang up; the router releases and the servers abort the requests.
+            aborts = [await _aborted(s, u) for u in urls]
             await asyncio.gather(*(_abandon(s, router.url) for _ in range(8)))
-            assert await wait_for(lambda: _all_zero(s, router.url), timeout=3)
-            aborted = [(await get_json(s, u.url + "/_stats"))["aborted"] for u in ups]
-            assert sum(aborted) == 8, aborted
+            assert await wait_for(lambda: _all_zero(s, router.url), timeout=3), await in_flight(s, router.url)
+            assert await wait_for(lambda: _all_idle(s, idle_pair), timeout=10, interval=0.2)
+            aborted = [await _aborted(s, u) - n for u, n in zip(urls, aborts)]
 
-            # 3. fail: the server dies mid-stream; its clients get an error, counts return to zero.
-            streams = [asyncio.create_task(generate(s, router.url, stream=True, max_new_tokens=50))
-                       for _ in range(8)]
-            await asyncio.sleep(0.2)
-            ups[1].kill()
-            results = await asyncio.gather(*streams)
-            assert await wait_for(lambda: _all_zero(s, router.url), timeout=3)
-            return results
+            # 3. fail: streams that outlive the router's request timeout end with an error event.
+            failed = await asyncio.gather(*(generate(s, strict.url, stream=True, max_new_tokens=900, timeout=10)
+                                            for _ in range(4)))
+            released = await wait_for(lambda: _all_zero(s, strict.url), timeout=3)
+            stopped = await wait_for(lambda: _all_idle(s, idle_pair), timeout=10, interval=0.2)
+            return aborted, failed, released, stopped
 
-    results = run(scenario())
-    assert sum(r.ok for r in results) == 4 and all("mid-stream" in r.error for r in results if not r.ok)
+    aborted, failed, released, stopped = run(scenario())
+    assert aborted == [4, 4], aborted  # round robin: two abandoned requests per rank
+    # a 504 if the head was late, else a final error event; either way within the timeout
+    assert all((r.status == 504 or "mid-stream" in (r.error or "")) and r.elapsed < 5 for r in failed), failed
+    assert released and stopped
+
+
+async def _total(s: aiohttp.ClientSession, url: str, n: int) -> bool:
+    return sum((await in_flight(s, url)).values()) == n
+
+
+async def _aborted(s: aiohttp.ClientSession, server_url: str) -> int:
+    metrics = await get_text(s, server_url + "/metrics")
+    return int(sum(parse_counter(metrics, "sglang_lite_requests_finished_total", reason="abort").values()))
 
 
 async def _abandon(s: aiohttp.ClientSession, url: str) -> None:
-    body = {"text": "bye", "sampling_params": {"max_new_tokens": 500}, "stream": True}
+    body = {"text": "bye", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}, "stream": True}
     async with s.post(url + "/generate", json=body) as resp:
         await resp.content.readline()
         resp.close()  # drop the connection mid-stream
@@ -125,102 +166,111 @@ def test_openai_routes_models_errors_and_metrics(procs, dp_pair):
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
+            replies = []
             for route in ("/v1/completions", "/v1/chat/completions"):
                 for stream in (False, True):
-                    r = await generate(s, router.url, route, stream=stream, max_new_tokens=3)
-                    assert r.ok and (r.chunks == 4 if stream else True), (route, stream, r)
+                    replies.append((route, stream, await generate(s, router.url, route, stream=stream,
+                                                                  max_new_tokens=3)))
             models = await get_json(s, router.url + "/v1/models")
             async with s.post(router.url + "/generate", data=b"{not json") as resp:
                 bad = (resp.status, await resp.json())
-            async with s.get(router.url + "/metrics") as resp:
-                metrics = await resp.text()
-        return models, bad, metrics
+            metrics = await get_text(s, router.url + "/metrics")
+        return replies, models, bad, metrics
 
-    models, bad, metrics = run(scenario())
-    assert models["data"][0]["id"] == "upstream"
+    replies, models, bad, metrics = run(scenario())
+    for route, stream, r in replies:
+        assert r.ok and finish_reason(r) == "length" and r.model in ("s0", "s1"), (route, stream, r)
+        if not stream:
+            assert r.body["usage"]["completion_tokens"] == 3
+    assert models["data"][0]["id"] == "s0"  # the first healthy worker answers
     assert bad[0] == 400 and "not valid JSON" in bad[1]["error"]["message"]
     assert 'sglang_router_requests_total{route="/v1/chat/completions",status="200"} 2' in metrics
     assert "sglang_router_worker_in_flight{worker=" in metrics and "sglang_router_worker_breaker_state" in metrics
     assert 'sglang_router_request_duration_seconds_count{route="/v1/completions"} 2' in metrics
 
 
-def test_api_key_and_admission_limits(procs):
-    up = procs.upstream(token_delay=0.05)
-    router = procs.router("--worker-urls", up.url, "--policy", "random", "--api-key", "sekrit",
+def test_api_key_and_admission_limits(procs, idle_pair):
+    router = procs.router("--worker-urls", idle_pair[0].url, "--policy", "random", "--api-key", "sekrit",
                           "--max-concurrent-requests", "2", "--queue-size", "2", "--queue-timeout-secs", "0.3", *FAST)
     auth = {"Authorization": "Bearer sekrit"}
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
             denied = await generate(s, router.url)
-            # 2 run, 2 queue, the rest are shed at once with 429; the queued ones time out (0.3 s < 0.5 s) -> 503
-            results = await asyncio.gather(*(generate(s, router.url, max_new_tokens=10, headers=auth)
+            # 2 run (60 tokens: well over 0.3 s), 2 queue and time out -> 503, the rest are shed at once -> 429
+            results = await asyncio.gather(*(generate(s, router.url, max_new_tokens=60, headers=auth, timeout=30)
                                              for _ in range(8)))
-            async with s.post(router.url + "/generate", json={"text": "x"}, headers=auth) as r:
-                pass
+            after = await generate(s, router.url, max_new_tokens=1, headers=auth)
             async with s.get(router.url + "/health") as health:
                 health_status = health.status
-        return denied, results, health_status
+        return denied, results, after, health_status
 
-    denied, results, health_status = run(scenario())
-    assert denied.status == 401 and health_status == 200
+    denied, results, after, health_status = run(scenario())
+    assert denied.status == 401 and health_status == 200 and after.ok
     assert sorted(r.status for r in results) == [200, 200, 429, 429, 429, 429, 503, 503]
+    assert all(r.body["meta_info"]["completion_tokens"] == 60 for r in results if r.status == 200)
 
 
-def test_add_and_remove_worker(procs):
-    a, b = procs.upstream(name="a"), procs.upstream(name="b")
+def test_add_and_remove_worker(procs, dp_pair):
+    a, b = dp_pair
     router = procs.router("--worker-urls", a.url, "--policy", "round_robin", *FAST)
+    route = "/v1/chat/completions"
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
             async with s.post(router.url + "/add_worker", params={"url": b.url}) as resp:
                 assert resp.status == 200
-            both = {(await generate(s, router.url)).upstream for _ in range(4)}
+            both = {(await generate(s, router.url, route, max_new_tokens=1)).model for _ in range(4)}
             async with s.post(router.url + "/remove_worker", params={"url": a.url}) as resp:
                 assert resp.status == 200
-            only_b = {(await generate(s, router.url)).upstream for _ in range(4)}
+            only_b = {(await generate(s, router.url, route, max_new_tokens=1)).model for _ in range(4)}
             async with s.post(router.url + "/remove_worker", params={"url": a.url}) as resp:
                 missing = resp.status
             listed = await get_json(s, router.url + "/list_workers")
         return both, only_b, missing, listed
 
     both, only_b, missing, listed = run(scenario())
-    assert both == {"a", "b"} and only_b == {"b"} and missing == 404 and listed == {"urls": [b.url]}
+    assert both == {"s0", "s1"} and only_b == {"s1"} and missing == 404 and listed == {"urls": [b.url]}
 
 
 def test_streaming_time_to_first_token_matches_direct(procs):
+    # The stand-in on purpose: this measures what the router adds to a few milliseconds, and a real server's
+    # prefill time varies by more than that on a loaded CPU, which would hide (or fake) a 40 ms Nagle stall.
     up = procs.upstream(token_delay=0.03)
     router = procs.router("--worker-urls", up.url, "--policy", "round_robin", *FAST)
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
-            direct, routed = [], []
+            direct, routed_ttft = [], []
             for _ in range(8):
                 direct.append((await generate(s, up.url, stream=True, max_new_tokens=2)).ttft)
-                routed.append((await generate(s, router.url, stream=True, max_new_tokens=2)).ttft)
-        return statistics.median(direct), statistics.median(routed)
+                routed_ttft.append((await generate(s, router.url, stream=True, max_new_tokens=2)).ttft)
+        return statistics.median(direct), statistics.median(routed_ttft)
 
-    direct, routed = run(scenario())
+    direct, routed_ttft = run(scenario())
     # A Nagle stall would add ~40 ms; allow a few ms for the extra hop.
-    assert routed - direct < 0.01, (direct, routed)
+    assert routed_ttft - direct < 0.01, (direct, routed_ttft)
 
 
-def test_client_errors_do_not_trip_the_breaker_and_timeouts_release(procs):
-    up = procs.upstream(token_delay=0.05)
-    router = procs.router("--worker-urls", up.url, "--policy", "round_robin", "--cb-failure-threshold", "2",
-                          "--request-timeout-secs", "0.3", *FAST)
+def test_client_errors_do_not_trip_the_breaker_and_timeouts_release(procs, idle_pair):
+    server = idle_pair[0]
+    router = procs.router("--worker-urls", server.url, "--policy", "round_robin", "--cb-failure-threshold", "2",
+                          "--request-timeout-secs", "1", *FAST)
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
             bad = [await generate(s, router.url, max_new_tokens=-1) for _ in range(5)]
             good = await generate(s, router.url, max_new_tokens=2)
-            slow = await generate(s, router.url, max_new_tokens=100)  # 5 s of tokens against a 0.3 s timeout
-            slow_stream = await generate(s, router.url, stream=True, max_new_tokens=100)
+            slow = await generate(s, router.url, max_new_tokens=900)  # many seconds of tokens against 1 s
+            slow_stream = await generate(s, router.url, stream=True, max_new_tokens=900)
             workers = (await get_json(s, router.url + "/workers"))["workers"]
-        return bad, good, slow, slow_stream, workers
+            stopped = await wait_for(lambda: server_idle(s, server.url), timeout=10, interval=0.2)
+        return bad, good, slow, slow_stream, workers, stopped
 
-    bad, good, slow, slow_stream, workers = run(scenario())
-    assert [r.status for r in bad] == [400] * 5 and good.ok
-    assert slow.status == 504 and slow.elapsed < 2
-    assert slow_stream.error is not None and slow_stream.elapsed < 2
+    bad, good, slow, slow_stream, workers, stopped = run(scenario())
+    assert [r.status for r in bad] == [400] * 5 and "max_new_tokens" in bad[0].body["error"]["message"]
+    assert good.ok  # with a breaker threshold of 2, the five 400s before it would otherwise have opened it
+    assert slow.status == 504 and slow.elapsed < 3
+    assert slow_stream.error is not None and slow_stream.elapsed < 3
     assert workers[0]["in_flight"] == 0 and workers[0]["errors"] == 2
+    assert stopped  # the router dropped the connections, so the server aborted both

@@ -1,4 +1,6 @@
-"""A small but honest stand-in for an sglang_lite server, for the router's end-to-end tests.
+"""A small but honest stand-in for an sglang_lite server, for the few router tests a real server cannot serve:
+it records the bodies it received (/_stats) and answers with millisecond-steady timing. The other end-to-end
+tests run against real sglang_lite servers (conftest.py).
 
 It serves the endpoints the router uses with the same schemas (router.md): /health, /server_info,
 /get_server_info, /v1/loads, /get_load, /generate, /v1/completions, /v1/chat/completions (with and without SSE
