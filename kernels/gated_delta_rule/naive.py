@@ -39,42 +39,68 @@ def _check_heads(k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def _chunk_one_sequence(q, k, v, g, beta, state, chunk_size):
-    """One request, heads first: q, k [H, L, dk], v [H, L, dv], g, beta [H, L], state [H, dk, dv] (fp32).
+    """One request, token-major: q, k [L, H, dk], v [L, H, dv], g, beta [L, H], state [H, dk, dv] (fp32).
 
-    Within a chunk the delta updates fold into one triangular solve (the UT transform); across chunks only the
-    state recursion is sequential, so the loop does two small matmuls per chunk and the outputs are computed
-    afterwards from the saved chunk-start states in two batched matmuls.
+    Tensors are laid out chunk-major ([n, H, C, ...]) so every per-chunk slice in the sequential loop is
+    contiguous. Within a chunk the delta updates fold into one triangular solve (the UT transform); across chunks
+    only the state recursion is sequential (two small matmuls per chunk), and the outputs are computed afterwards
+    from the saved chunk-start states in two batched matmuls. Padded positions have k = 0 and g = 0, so they
+    leave the state untouched.
     """
-    H, L, dk = k.shape
-    dv = v.shape[-1]
-    pad = (-L) % chunk_size
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
-    n = (L + pad) // chunk_size
-    q, k, v = (t.reshape(H, n, chunk_size, -1) for t in (q, k, v))
-    g_cum = g.reshape(H, n, chunk_size).cumsum(-1)
+    length, heads, dv = v.shape
+    n = -(-length // chunk_size)
+    q, k, v, g, beta = (_to_chunks(t, n, chunk_size) for t in (q, k, v, g, beta))
+    g_cum = g.cumsum(-1)
     g_exp = g_cum.exp()
-    beta = beta.reshape(H, n, chunk_size, 1)
     lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     decay = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill_(~lower, float("-inf")).exp_()
-    k_beta = k * beta
+    k_beta = k * beta.unsqueeze(-1)
     k_t = k.transpose(-1, -2)
     # (I + strictly_lower(k_beta k^T * decay)) is the UT system; both right-hand sides go through one solve.
     ut = (k_beta @ k_t).mul_(decay)
-    rhs = torch.cat([v * beta, k_beta * g_exp.unsqueeze(-1)], dim=-1)
-    uw = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
+    rhs = torch.empty(n, heads, chunk_size, dv + k.shape[-1], dtype=k.dtype, device=k.device)
+    torch.mul(v, beta.unsqueeze(-1), out=rhs[..., :dv])
+    torch.mul(k_beta, g_exp.unsqueeze(-1), out=rhs[..., dv:])
+    uw = _unit_lower_inverse(ut) @ rhs
     u, w = uw[..., :dv], uw[..., dv:]
     k_to_end_t = (k * (g_cum[..., -1:] - g_cum).exp_().unsqueeze(-1)).transpose(-1, -2)
     chunk_decay = g_exp[..., -1, None, None]
-    starts = torch.empty(H, n, dk, dv, dtype=state.dtype, device=state.device)
-    v_new = torch.empty_like(u)
-    for i in range(n):
-        starts[:, i] = state
-        torch.baddbmm(u[:, i], w[:, i], state, alpha=-1, out=v_new[:, i])
-        state = torch.baddbmm(state * chunk_decay[:, i], k_to_end_t[:, i], v_new[:, i])
-    out = (q * g_exp.unsqueeze(-1)) @ starts + (q @ k_t).mul_(decay) @ v_new
-    return out.reshape(H, n * chunk_size, dv)[:, :L], state
+    states = torch.empty((n + 1,) + tuple(state.shape), dtype=state.dtype, device=state.device)
+    states[0] = state
+    v_new = torch.empty_like(u, memory_format=torch.contiguous_format)
+    for i in range(n):  # contiguous out= slices: a strided out= makes baddbmm fall back to one call per head
+        torch.baddbmm(u[i], w[i], states[i], alpha=-1, out=v_new[i])
+        torch.baddbmm(states[i] * chunk_decay[i], k_to_end_t[i], v_new[i], out=states[i + 1])
+    out = (q * g_exp.unsqueeze(-1)) @ states[:n] + (q @ k_t).mul_(decay) @ v_new
+    state = states[n]
+    return out.transpose(1, 2).reshape(n * chunk_size, heads, dv)[:length], state
+
+
+def _unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
+    """Inverse of unit lower-triangular matrices (the strict upper part and diagonal of ``a`` are ignored).
+
+    2x2 blocks, [[A, 0], [C, B]]^-1 = [[A^-1, 0], [-B^-1 C A^-1, B^-1]], recursing down to 16x16 solves: on the
+    CPU batched matmuls beat one LAPACK solve per small matrix.
+    """
+    size = a.shape[-1]
+    if size <= 16 or size % 2:
+        eye = torch.eye(size, dtype=a.dtype, device=a.device).expand_as(a)
+        return torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
+    h = size // 2
+    top, bottom = _unit_lower_inverse(a[..., :h, :h]), _unit_lower_inverse(a[..., h:, h:])
+    out = torch.zeros_like(a)
+    out[..., :h, :h] = top
+    out[..., h:, h:] = bottom
+    out[..., h:, :h] = -(bottom @ a[..., h:, :h] @ top)
+    return out
+
+
+def _to_chunks(t: torch.Tensor, n: int, chunk_size: int) -> torch.Tensor:
+    """[L, H, ...] token-major -> [n, H, C, ...] chunk-major and contiguous, zero-padded to whole chunks."""
+    length = t.shape[0]
+    if length != n * chunk_size:
+        t = torch.cat([t, t.new_zeros((n * chunk_size - length,) + tuple(t.shape[1:]))])
+    return t.reshape((n, chunk_size) + tuple(t.shape[1:])).transpose(1, 2).contiguous()
 
 
 def chunk_gated_delta_rule(
@@ -98,9 +124,9 @@ def chunk_gated_delta_rule(
     bounds = cu_seqlens.tolist()
     for i, slot in enumerate(state_indices.tolist()):
         s, e = bounds[i], bounds[i + 1]
-        heads_first = [t[s:e].transpose(0, 1) for t in (qf, kf, v.float(), g.float(), beta.float())]
-        o, state = _chunk_one_sequence(*heads_first, ssm_states[slot].float(), chunk_size)
-        out[s:e] = o.transpose(0, 1).to(v.dtype)
+        pieces = [t[s:e] for t in (qf, kf, v.float(), g.float(), beta.float())]
+        o, state = _chunk_one_sequence(*pieces, ssm_states[slot].float(), chunk_size)
+        out[s:e] = o.to(v.dtype)
         ssm_states[slot] = state.to(ssm_states.dtype)
     return out
 
