@@ -120,15 +120,55 @@ def chunk_gated_delta_rule(
     _check_heads(k, v)
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     qf, kf = _prepare_qk(q, k, v.shape[-2], scale, use_qk_l2norm)
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     bounds = cu_seqlens.tolist()
+    lengths = [e - s for s, e in zip(bounds, bounds[1:])]
+    pieces = (qf, kf, v.float(), g.float(), beta.float())
+    if lengths and len(lengths) * max(lengths) <= 2 * bounds[-1]:
+        return _chunk_padded(pieces, ssm_states, state_indices, lengths, chunk_size).to(v.dtype)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     for i, slot in enumerate(state_indices.tolist()):
         s, e = bounds[i], bounds[i + 1]
-        pieces = [t[s:e] for t in (qf, kf, v.float(), g.float(), beta.float())]
-        o, state = _chunk_one_sequence(*pieces, ssm_states[slot].float(), chunk_size)
+        o, state = _chunk_one_sequence(*(t[s:e] for t in pieces), ssm_states[slot].float(), chunk_size)
         out[s:e] = o.to(v.dtype)
         ssm_states[slot] = state.to(ssm_states.dtype)
     return out
+
+
+def _chunk_padded(pieces, ssm_states, state_indices, lengths, chunk_size) -> torch.Tensor:
+    """All requests in one pass: each is zero-padded to the longest (padding leaves states untouched) and the heads
+    of all requests sit side by side, so the per-chunk loop runs once instead of once per request."""
+    num_seqs, max_len, heads = len(lengths), max(lengths), pieces[2].shape[1]
+    rows = _padded_rows(lengths, max_len, pieces[0].device)
+    padded = [_to_head_major(_pad(t, rows, num_seqs * max_len), num_seqs) for t in pieces]
+    slots = state_indices.long()
+    state = ssm_states[slots].float().flatten(0, 1)  # [B * HV, dk, dv]
+    o, state = _chunk_one_sequence(*padded, state, chunk_size)
+    ssm_states[slots] = state.view(num_seqs, heads, *state.shape[1:]).to(ssm_states.dtype)
+    o = o.view(max_len, num_seqs, heads, -1).transpose(0, 1).reshape(num_seqs * max_len, heads, -1)
+    return o if rows is None else o[rows]
+
+
+def _padded_rows(lengths: list[int], max_len: int, device: torch.device) -> torch.Tensor | None:
+    """Row of each packed token in the [B * max_len] padded layout; None when no request needs padding."""
+    if all(n == max_len for n in lengths):
+        return None
+    lens = torch.tensor(lengths, device=device)
+    starts = torch.arange(len(lengths), device=device) * max_len - (lens.cumsum(0) - lens)
+    return torch.arange(int(lens.sum()), device=device) + starts.repeat_interleave(lens)
+
+
+def _pad(t: torch.Tensor, rows: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+    if rows is None:
+        return t
+    out = t.new_zeros((num_rows,) + tuple(t.shape[1:]))
+    out[rows] = t
+    return out
+
+
+def _to_head_major(t: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """[B * L, H, ...] -> [L, B * H, ...]: the requests' heads become heads of one long sequence."""
+    t = t.view(num_seqs, -1, *t.shape[1:]).transpose(0, 1)
+    return t.reshape(t.shape[0], num_seqs * t.shape[2], *t.shape[3:])
 
 
 def fused_recurrent_gated_delta_rule(
