@@ -77,6 +77,8 @@ def fused_moe(
 ) -> torch.Tensor:
     """``sum_i w_i * down_e(silu(gate_e(x)) * up_e(x))`` over each token's selected experts."""
     num_tokens, top_k = topk_ids.shape
+    if num_tokens * top_k <= w13.shape[0]:
+        return _fused_moe_gathered(x, w13, w2, topk_weights, topk_ids)
     inter = w2.shape[2]
     flat_ids = topk_ids.reshape(-1)
     sorted_ids, order = torch.sort(flat_ids, stable=True)
@@ -97,4 +99,20 @@ def fused_moe(
     buffer_row[order] = pos
     rows = expert_out[buffer_row].view(num_tokens, top_k, x.shape[1]).float()
     out = torch.bmm(topk_weights.reshape(num_tokens, 1, top_k).float(), rows)
+    return out.view(num_tokens, x.shape[1]).to(x.dtype)
+
+
+def _fused_moe_gathered(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """Few (token, expert) pairs, as in small decode batches: gather each pair's expert weights and run all pairs
+    as one bmm per projection; no sort, no host read."""
+    num_tokens, top_k = topk_ids.shape
+    ids = topk_ids.reshape(-1)
+    inter = w2.shape[2]
+    rows = x.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+    gate_up = torch.bmm(w13[ids], rows)  # [T*k, 2I, 1]
+    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    expert_out = torch.bmm(w2[ids], act).view(num_tokens, top_k, x.shape[1]).float()
+    out = torch.bmm(topk_weights.reshape(num_tokens, 1, top_k).float(), expert_out)
     return out.view(num_tokens, x.shape[1]).to(x.dtype)
