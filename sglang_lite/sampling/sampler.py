@@ -19,6 +19,8 @@ def sample(
 ) -> torch.Tensor:
     """logits [B, V] -> next token ids [B] (int64). ``banned[i]`` are ids request i may not produce now."""
     assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators), "one row per request"
+    if all(p.is_greedy for p in params) and not (banned and any(banned)):
+        return logits.argmax(dim=-1)  # argmax is the same in the logits' dtype as in fp32
     logits = logits.float()
     if banned and any(banned):
         logits = _ban(logits.clone(), banned)
