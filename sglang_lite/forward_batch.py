@@ -100,20 +100,36 @@ def build_forward_batch(
     if slots is None:
         raise MemoryError(f"KV pool has {pools.kv.allocator.num_free} free slots, {sum(extend_lens)} needed")
     loc = torch.tensor(slots, dtype=torch.int64, device=device)
-    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, extend_lens)]).to(device)
-    start = 0
-    for row, prefix, n in zip(req_rows, prefix_lens, extend_lens):
-        pools.req_to_token.req_to_token[row, prefix : prefix + n] = loc[start : start + n]
-        start += n
+    rows = torch.tensor(req_rows, dtype=torch.int64, device=device)
+    positions = _token_positions(prefix_lens, extend_lens, device)
+    table = pools.req_to_token.req_to_token
+    table[_per_token(rows, extend_lens), positions] = loc.to(table.dtype)
     flat = [t for ids in token_ids for t in ids]
     return ForwardBatch(
         mode=mode,
         input_ids=torch.tensor(flat, dtype=torch.int64, device=device),
         positions=positions,
-        req_pool_indices=torch.tensor(req_rows, dtype=torch.int64, device=device),
+        req_pool_indices=rows,
         prefix_lens=list(prefix_lens),
         extend_lens=extend_lens,
         out_cache_loc=loc,
         state_slots=torch.tensor(state_slots, dtype=torch.int64, device=device),
         pools=pools,
     )
+
+
+def _per_token(values: torch.Tensor, extend_lens: list[int]) -> torch.Tensor:
+    """Each request's value repeated for each of its new tokens."""
+    if all(n == 1 for n in extend_lens):
+        return values
+    return values.repeat_interleave(torch.tensor(extend_lens, device=values.device))
+
+
+def _token_positions(prefix_lens: list[int], extend_lens: list[int], device: torch.device | str) -> torch.Tensor:
+    """[T] position of each new token in its request: prefix, prefix + 1, ... per request."""
+    prefixes = torch.tensor(prefix_lens, dtype=torch.int64, device=device)
+    if all(n == 1 for n in extend_lens):
+        return prefixes
+    starts = torch.tensor([0, *_cumsum(extend_lens)[:-1]], dtype=torch.int64, device=device)
+    offsets = _per_token(prefixes - starts, extend_lens)
+    return torch.arange(offsets.numel(), device=device) + offsets
