@@ -33,9 +33,12 @@ def extend_attention(
     scale: float,
 ) -> torch.Tensor:
     """New tokens ([T, H, hd], packed by request) attend causally to their request's prefix and to themselves."""
+    prefixes, extends = prefix_lens.tolist(), extend_lens.tolist()
+    if len(set(zip(prefixes, extends))) == 1:
+        return _extend_uniform(q, k_cache, v_cache, req_to_token[req_pool_indices.long()], prefixes[0], extends[0], scale)
     out = torch.empty_like(q)
     start = 0
-    for row, prefix, extend in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
+    for row, prefix, extend in zip(req_pool_indices.tolist(), prefixes, extends):
         slots = req_to_token[row, : prefix + extend].long()
         keys, values = _gather(k_cache, slots), _gather(v_cache, slots)
         query = q[start : start + extend].transpose(0, 1)  # [H, E, hd]
@@ -46,6 +49,21 @@ def extend_attention(
         out[start : start + extend] = o.transpose(0, 1)
         start += extend
     return out
+
+
+def _extend_uniform(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, prefix: int, extend: int,
+    scale: float,
+) -> torch.Tensor:
+    """Every request has the same prefix and extend lengths (a batch of equal prompts): one batched SDPA call."""
+    slots = rows[:, : prefix + extend].long()  # [B, S]
+    keys, values = _gather(k_cache, slots), _gather(v_cache, slots)  # [B, KV, S, hd]
+    query = q.view(rows.shape[0], extend, *q.shape[1:]).transpose(1, 2)  # [B, H, E, hd]
+    mask = torch.ones(extend, prefix + extend, dtype=torch.bool, device=q.device).tril(prefix)
+    o = F.scaled_dot_product_attention(
+        query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return o.transpose(1, 2).reshape(q.shape)
 
 
 def decode_attention(
