@@ -18,8 +18,11 @@ def store_kv(
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """[..., S] slots -> [..., KV, S, hd]; KV heads are not repeated: SDPA's enable_gqa shares them."""
-    return cache[slots].transpose(-3, -2)
+    """[..., S] slots -> [..., KV, S, hd]; KV heads are not repeated: SDPA's enable_gqa shares them.
+
+    index_select copies whole rows, several times faster on the CPU than advanced indexing."""
+    rows = cache.index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *cache.shape[1:]).transpose(-3, -2)
 
 
 def extend_attention(

@@ -18,9 +18,12 @@ def causal_conv1d_fn(
     activation: str | None = "silu",
 ) -> torch.Tensor:
     """Prefill: each request continues from its pooled state; its last K-1 inputs are written back to the pool."""
-    out = torch.empty_like(x)
     w = weight.float().unsqueeze(1)
     bounds = cu_seqlens.tolist()
+    lengths = {e - s for s, e in zip(bounds, bounds[1:])}
+    if len(lengths) == 1:
+        return _conv_equal_lengths(x, w, conv_states, state_indices, lengths.pop(), activation)
+    out = torch.empty_like(x)
     for i, slot in enumerate(state_indices.tolist()):
         start, end = bounds[i], bounds[i + 1]
         window = torch.cat([conv_states[slot].float(), x[start:end].t().float()], dim=1)  # [D, K-1+L]
@@ -28,6 +31,21 @@ def causal_conv1d_fn(
         out[start:end] = _activate(y, activation).t().to(x.dtype)
         conv_states[slot] = window[:, window.shape[1] - conv_states.shape[2] :].to(conv_states.dtype)
     return out
+
+
+def _conv_equal_lengths(
+    x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, state_indices: torch.Tensor, length: int,
+    activation: str | None,
+) -> torch.Tensor:
+    """Prefill of requests that all run ``length`` tokens: one conv1d over the batch of windows."""
+    x_t = x.view(-1, length, x.shape[1]).transpose(1, 2).float()  # [B, D, L]
+    window = torch.cat([conv_states.index_select(0, state_indices).float(), x_t], dim=2)  # [B, D, K-1+L]
+    taps = w.squeeze(1).unsqueeze(-1)  # [D, K, 1]
+    y = window[..., :length] * taps[:, 0]  # a depthwise conv of a few taps: shifted multiply-adds beat conv1d here
+    for j in range(1, taps.shape[1]):
+        y.addcmul_(window[..., j : j + length], taps[:, j])
+    conv_states[state_indices] = window[..., window.shape[2] - conv_states.shape[2] :].to(conv_states.dtype)
+    return _activate(y, activation).transpose(1, 2).reshape(x.shape).to(x.dtype)
 
 
 def causal_conv1d_update(
@@ -38,7 +56,7 @@ def causal_conv1d_update(
     activation: str | None = "silu",
 ) -> torch.Tensor:
     """Decode: one token per request ([B, D]); each request's pooled state is shifted by one in place."""
-    window = torch.cat([conv_states[state_indices].float(), x.float().unsqueeze(-1)], dim=-1)  # [B, D, K]
+    window = torch.cat([conv_states.index_select(0, state_indices).float(), x.float().unsqueeze(-1)], dim=-1)  # [B, D, K]
     y = (window * weight.float()).sum(-1)
     conv_states[state_indices] = window[..., 1:].to(conv_states.dtype)
     return _activate(y, activation).to(x.dtype)

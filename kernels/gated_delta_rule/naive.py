@@ -141,7 +141,7 @@ def _chunk_padded(pieces, ssm_states, state_indices, lengths, chunk_size) -> tor
     rows = _padded_rows(lengths, max_len, pieces[0].device)
     padded = [_to_head_major(_pad(t, rows, num_seqs * max_len), num_seqs) for t in pieces]
     slots = state_indices.long()
-    state = ssm_states[slots].float().flatten(0, 1)  # [B * HV, dk, dv]
+    state = ssm_states.index_select(0, slots).float().flatten(0, 1)  # [B * HV, dk, dv]
     o, state = _chunk_one_sequence(*padded, state, chunk_size)
     ssm_states[slots] = state.view(num_seqs, heads, *state.shape[1:]).to(ssm_states.dtype)
     o = o.view(max_len, num_seqs, heads, -1).transpose(0, 1).reshape(num_seqs * max_len, heads, -1)
@@ -186,7 +186,7 @@ def fused_recurrent_gated_delta_rule(
     _check_heads(k, v)
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     qf, kf = _prepare_qk(q, k, v.shape[-2], scale, use_qk_l2norm)
-    state = ssm_states[state_indices].float()  # [B, HV, dk, dv], a gathered copy
+    state = ssm_states.index_select(0, state_indices).float()  # [B, HV, dk, dv], a gathered copy
     state.mul_(g.float().exp()[..., None, None])
     predicted = (kf.unsqueeze(-2) @ state).squeeze(-2)  # S^T k
     delta = beta.float().unsqueeze(-1) * (v.float() - predicted)

@@ -111,8 +111,8 @@ def _fused_moe_gathered(
     ids = topk_ids.reshape(-1)
     inter = w2.shape[2]
     rows = x.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
-    gate_up = torch.bmm(w13[ids], rows)  # [T*k, 2I, 1]
+    gate_up = torch.bmm(w13.index_select(0, ids), rows)  # index_select: a fast row copy  # [T*k, 2I, 1]
     act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    expert_out = torch.bmm(w2[ids], act).view(num_tokens, top_k, x.shape[1]).float()
+    expert_out = torch.bmm(w2.index_select(0, ids), act).view(num_tokens, top_k, x.shape[1]).float()
     out = torch.bmm(topk_weights.reshape(num_tokens, 1, top_k).float(), expert_out)
     return out.view(num_tokens, x.shape[1]).to(x.dtype)

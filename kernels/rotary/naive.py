@@ -18,5 +18,5 @@ def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, hd], k [T, KV, hd], positions [T] -> rotated copies of q and k."""
-    cos, sin = cos_sin_cache[positions.long()].unsqueeze(1).chunk(2, dim=-1)
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
     return _rotate(q, cos, sin, rotary_dim), _rotate(k, cos, sin, rotary_dim)
