@@ -90,14 +90,14 @@ def fused_moe(
     token_of = torch.zeros(num_buffer_rows, dtype=torch.long, device=x.device)
     token_of[pos] = order // top_k
     gate_up = x.new_empty(num_buffer_rows, 2 * inter)
-    _grouped_mm(x[token_of], w13, gate_up, capacity, ranges)
+    _grouped_mm(x.index_select(0, token_of), w13, gate_up, capacity, ranges)
     act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     expert_out = x.new_empty(num_buffer_rows, w2.shape[1])
     _grouped_mm(act, w2, expert_out, capacity, ranges)
     # (token, slot) order, then the weighted sum over slots as one fp32 bmm (cheaper than an index_add_ scatter)
     buffer_row = torch.empty_like(pos)
     buffer_row[order] = pos
-    rows = expert_out[buffer_row].view(num_tokens, top_k, x.shape[1]).float()
+    rows = expert_out.index_select(0, buffer_row).view(num_tokens, top_k, x.shape[1]).float()
     out = torch.bmm(topk_weights.reshape(num_tokens, 1, top_k).float(), rows)
     return out.view(num_tokens, x.shape[1]).to(x.dtype)
 
