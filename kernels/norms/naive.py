@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 
-def _rms(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """``x * rsqrt(mean(x^2) + eps) [* weight]`` in fp32, as one fused op."""
-    return F.rms_norm(x.float(), x.shape[-1:], weight, eps)
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def gemma_rmsnorm(
@@ -16,7 +16,7 @@ def gemma_rmsnorm(
     """``x * rsqrt(mean(x^2) + eps) * (1 + w)``; with ``residual``, normalises ``x + residual`` and returns it too."""
     if residual is not None:
         x = x + residual
-    y = _rms(x, eps, 1.0 + weight.float()).to(x.dtype)
+    y = (_rms(x, eps) * (1.0 + weight.float())).to(x.dtype)
     return y if residual is None else (y, x)
 
 
@@ -31,4 +31,4 @@ def fused_qk_gemma_rmsnorm(
 
 def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``w * rmsnorm(o) * silu(z)`` over the last dim (one value head), plain weight (initialised to ones)."""
-    return (_rms(o, eps, weight.float()) * F.silu(z.float())).to(o.dtype)
+    return (_rms(o, eps) * weight.float() * F.silu(z.float())).to(o.dtype)
