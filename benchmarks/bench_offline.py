@@ -84,12 +84,14 @@ def run(args: argparse.Namespace) -> list[Row]:
     hf_model = build_hf_model(str(TINY_MODEL_DIR))
     vocab = hf_model.config.vocab_size
     rows = []
-    with Engine(None, max_running_requests=max(args.batch_sizes), max_total_tokens=args.max_total_tokens) as engine:
+    with Engine(None, max_running_requests=max(args.batch_sizes), max_total_tokens=args.max_total_tokens,
+                enable_torch_compile=args.torch_compile) as engine:
         warm = random_prompts(2, 16, vocab, seed=99)
         hf_generate(hf_model, warm, 4)
         engine_generate(engine, warm, 4)
         for batch_size in tqdm(args.batch_sizes, desc="batch sizes"):
             prompts = random_prompts(batch_size, args.input_len, vocab, seed=batch_size)
+            engine_generate(engine, random_prompts(batch_size, 16, vocab, seed=7), 4)  # compiles, when compiling
             tokens = batch_size * args.output_len
             runs = range(args.repeats)
             engine_speed = best([timed(lambda: engine_generate(engine, prompts, args.output_len), tokens) for _ in runs])
@@ -100,7 +102,8 @@ def run(args: argparse.Namespace) -> list[Row]:
 
 def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     print(f"\ntiny Qwen3.5-MoE, {args.input_len} prompt tokens, {args.output_len} new tokens, "
-          f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, load average "
+          f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, engine torch.compile "
+          f"{'on' if args.torch_compile else 'off'}, load average "
           f"{os.getloadavg()[0]:.1f} (best of {args.repeats})")
     print(f"{'':>6} {'wall clock tok/s':^36} {'tok per CPU-second':^36}")
     print(f"{'batch':>6} {'transformers':>13} {'sglang_lite':>12} {'ratio':>9} {'transformers':>13} {'sglang_lite':>12} "
@@ -118,6 +121,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--max-total-tokens", type=int, default=16384)
+    parser.add_argument("--torch-compile", action="store_true", help="engine decode steps through torch.compile")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -36,6 +36,8 @@ _HELP = {
     "disable_shared_experts_fusion": "Run the MoE shared expert separately instead of as an extra fused expert.",
     "skip_tokenizer_init": "Do not load a tokenizer: requests pass input_ids and get no text.",
     "disable_cuda_graph": "Run decode steps eagerly instead of replaying captured CUDA graphs.",
+    "enable_torch_compile": "CPU: run decode steps through torch.compile (compiled on first use, per batch-size "
+    "regime; prefill stays eager).",
     "cuda_graph_max_bs": "Largest decode batch captured into a CUDA graph.",
     "alt_stream_overlap": "flags: overlap as the SGLANG_*_ALT_STREAM flags say; auto: per captured batch size, time "
     "both variants and keep the faster.",
@@ -71,6 +73,7 @@ class ServerArgs:
     disable_shared_experts_fusion: bool = False
     skip_tokenizer_init: bool = False
     disable_cuda_graph: bool = False
+    enable_torch_compile: bool = False
     cuda_graph_max_bs: int = 64
     alt_stream_overlap: str = "flags"
     # the HTTP server (sglang_lite.launch_server)

@@ -22,13 +22,19 @@ class ModelRunner:
         if on_gpu and not args.disable_cuda_graph:
             max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
             self.graph_runner = CudaGraphRunner(model, pools, max_bs, auto=args.alt_stream_overlap == "auto")
+        # Decode steps only: prefill walks variable-length requests with host-side loops, which would keep
+        # recompiling. dynamic=True lets one graph serve every batch size after the first few.
+        self.compiled_body = None
+        if args.enable_torch_compile and not on_gpu:
+            self.compiled_body = torch.compile(model.model, dynamic=True)
         logger.info("stream plan: %s; CUDA graphs: %s", model.streams.describe(),
                     self.graph_runner.batch_sizes if self.graph_runner else "off")
 
     def forward_batch(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
         if self.graph_runner is not None and not all_logits and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
-        return self.model.forward_batch(batch, all_logits)
+        body = self.compiled_body if batch.is_decode else None
+        return self.model.forward_batch(batch, all_logits, body)
 
     def describe(self) -> dict:
         """What /get_server_info reports: the alt-stream plan and the captured decode sizes."""

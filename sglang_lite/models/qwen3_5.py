@@ -1,6 +1,8 @@
 """Qwen3.5 dense and MoE causal LMs: wiring of the shared layers (hybrid Gated DeltaNet + gated attention)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -84,11 +86,16 @@ class Qwen3_5ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
-    def forward_batch(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
-        """Logits [B, vocab] of each request's last new token, or [T, vocab] of every token with ``all_logits``."""
+    def forward_batch(
+        self, batch: ForwardBatch, all_logits: bool = False, body: Callable[[ForwardBatch], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Logits [B, vocab] of each request's last new token, or [T, vocab] of every token with ``all_logits``.
+
+        ``body`` replaces ``self.model`` for this forward (a compiled copy of it, for instance).
+        """
         captured_size = batch.batch_size if batch.is_decode else None  # the ``auto`` choice is per decode size
         batch.overlap = self.streams.context(batch.capturing, batch.num_tokens, captured_size)
-        hidden = self.model(batch)
+        hidden = (self.model if body is None else body)(batch)
         if not all_logits:
             hidden = hidden[batch.last_token_indices]
         return self.lm_head(hidden)
