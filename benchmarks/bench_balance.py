@@ -19,11 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 
 from sglang_lite.bench.balance import BalanceSampler, BalanceStats, format_table
 from sglang_lite.bench.replay import replay_closed_loop, summarize
 from sglang_lite.bench.traces import AgenticTraceConfig, agentic_trace
+from sglang_lite.utils.process import wait_until_healthy
 
 # Small enough for the tiny model on a CPU, still input-heavy and growing turn by turn.
 SMALL_TRACE = AgenticTraceConfig(first_input_mean=300, tool_output_mean=80, output_mean=8, output_max=24,
@@ -42,16 +42,10 @@ def start(cmd: list[str], log: Path) -> subprocess.Popen:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    if wait_until_healthy(url, proc, timeout):
+        return
+    if proc.poll() is not None:
+        raise RuntimeError(f"{url}: process exited with {proc.returncode}")
     raise TimeoutError(f"{url} not healthy after {timeout} s")
 
 

@@ -15,12 +15,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from sglang_lite.utils.process import wait_until_healthy
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -82,15 +82,8 @@ class Proc:
 
     def wait_healthy(self, timeout: float = SERVER_STARTUP_TIMEOUT) -> Proc:
         """Poll GET /health until 200; on failure kill the process and raise with its log."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.alive():
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.25)
+        if wait_until_healthy(self.url, self.popen, timeout, interval_s=0.25):
+            return self
         text = self.output()
         self.kill()
         raise RuntimeError(f"{self.popen.args} did not become healthy:\n{text[-3000:]}")

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from sglang_lite.utils.process import wait_until_healthy
+
 # Small limits keep every generation short on a 2-core CI machine; the engine uses the same ones for parity.
 COMMON_FLAGS = ["--context-length", "512", "--max-total-tokens", "8192", "--max-running-requests", "16"]
 STARTUP_TIMEOUT_S = 180.0
@@ -41,16 +43,10 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        if wait_until_healthy(self.url, self.process, STARTUP_TIMEOUT_S):
+            return
+        if self.process.poll() is not None:
+            raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
         raise TimeoutError(f"server not ready in {STARTUP_TIMEOUT_S} s:\n{self.log()}")
 
     def log(self) -> str:

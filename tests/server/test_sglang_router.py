@@ -6,13 +6,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
+from sglang_lite.utils.process import wait_until_healthy
 from tests.server.conftest import ServerProcess, free_port
 
 pytest.importorskip("sglang_router")
@@ -30,15 +30,9 @@ class RouterProcess:
         self.log_path = log_path
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, open(self.log_path).read()[-3000:]
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        if wait_until_healthy(self.url, self.process, timeout_s, path="/v1/models", interval_s=0.3):
+            return
+        assert self.process.poll() is None, open(self.log_path).read()[-3000:]
         raise TimeoutError(open(self.log_path).read()[-3000:])
 
     def kill(self) -> None:

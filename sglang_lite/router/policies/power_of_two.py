@@ -1,19 +1,19 @@
 """Power of two choices, with the load metric of SGLANG_ROUTER_P2C_LOAD_METRIC (or --p2c-load-metric)."""
 from __future__ import annotations
 
-import os
 import random
 from typing import Sequence
+
+from sglang_lite import envs
 
 from .base import Policy, RequestInfo, WorkerState, healthy_workers
 
 LOAD_METRICS = ("tokens", "requests", "least_requests")
-ENV_LOAD_METRIC = "SGLANG_ROUTER_P2C_LOAD_METRIC"
 
 
 def resolve_load_metric(explicit: str | None) -> str:
     """The flag wins over the environment; an unknown name falls back to `tokens`, as upstream does."""
-    name = explicit if explicit is not None else os.environ.get(ENV_LOAD_METRIC, "tokens")
+    name = explicit if explicit is not None else envs.SGLANG_ROUTER_P2C_LOAD_METRIC.get()
     name = name.strip().lower()
     return name if name in LOAD_METRICS else "tokens"
 
