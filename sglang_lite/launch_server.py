@@ -25,7 +25,7 @@ def run_server(args: ServerArgs) -> None:
     import uvicorn
 
     from sglang_lite.server.http_server import create_app
-    from sglang_lite.server.tokenizer_manager import stop_processes
+    from sglang_lite.utils.process import stop_processes
 
     app = create_app(args)
     manager = app.state.manager

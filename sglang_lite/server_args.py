@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,7 @@ _HELP = {
     "load_balance_method": "How the DP controller picks a rank for requests that name none.",
     "max_queued_requests": "Waiting requests per DP rank; beyond it new requests get 503 with Retry-After.",
     "max_request_body_bytes": "Largest accepted HTTP request body; larger gets 413.",
-    "cpu_threads_per_rank": "torch threads per scheduler process when the device is the CPU.",
+    "cpu_threads_per_rank": "torch threads per scheduler process when the device is the CPU (default: CPUs / dp_size).",
 }
 
 
@@ -84,14 +85,16 @@ class ServerArgs:
     load_balance_method: str = "round_robin"
     max_queued_requests: int = 1024
     max_request_body_bytes: int = 16 * 1024 * 1024
-    cpu_threads_per_rank: int = 1
+    cpu_threads_per_rank: int | None = None
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
         self._check_choice("load_format", LOAD_FORMATS)
         self._check_choice("schedule_policy", SCHEDULE_POLICIES)
         self._check_choice("load_balance_method", LOAD_BALANCE_METHODS)
-        self._check_positive("max_queued_requests", "max_request_body_bytes", "cpu_threads_per_rank")
+        self._check_positive("max_queued_requests", "max_request_body_bytes")
+        if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank <= 0:
+            raise ValueError(f"cpu_threads_per_rank must be positive, got {self.cpu_threads_per_rank}")
         self._check_choice("alt_stream_overlap", ALT_STREAM_OVERLAP)
         self._check_positive("max_running_requests", "max_prefill_tokens", "stream_interval", "dp_size")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
@@ -111,6 +114,11 @@ class ServerArgs:
         for name in names:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def cpu_threads(self) -> int:
+        """torch threads of one scheduler process on the CPU: the CPUs shared out over the DP ranks by default."""
+        return self.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // self.dp_size)
 
     @property
     def effective_prefill_chunk(self) -> int:

@@ -1,36 +1,39 @@
-"""The offline engine: one in-process scheduler driven by a background thread, with a blocking and a streaming
-``generate``.
+"""The offline engine: one scheduler process driven over ZMQ, with a blocking and a streaming ``generate``.
 
 Results follow SGLang: ``{"text", "output_ids", "meta_info": {"prompt_tokens", "completion_tokens",
 "finish_reason", ...}}`` per request. Streaming yields the same keys with only what is new in each piece.
+The scheduler runs in a child process (see ``driver.py`` for why), a fresh interpreter: scripts need no main guard.
 """
 from __future__ import annotations
 
-import gc
+import dataclasses
 import queue
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from sglang_lite.engine.driver import SchedulerProcess
+from sglang_lite.engine.launch import load_server_tokenizer
 from sglang_lite.sampling.params import SamplingParams
+from sglang_lite.scheduler.config import SchedulerConfig
+from sglang_lite.scheduler.loads import SECTIONS
 from sglang_lite.scheduler.request import ReqOutput
 from sglang_lite.scheduler.scheduler import validate_request
 from sglang_lite.server_args import ServerArgs
-from sglang_lite.engine.driver import SchedulerThread
-from sglang_lite.engine.launch import create_scheduler
 
 Prompt = str | list[str] | None
 InputIds = list[int] | list[list[int]] | None
 Params = dict[str, Any] | SamplingParams | list[dict[str, Any] | SamplingParams] | None
+UNBOUNDED_QUEUE = 2**31 - 1  # offline callers queue as much as they like; the HTTP server bounds its queue
 
 
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
+        server_args.setdefault("max_queued_requests", UNBOUNDED_QUEUE)
         self.server_args = ServerArgs(model_path=model_path, **server_args)
-        scheduler = create_scheduler(self.server_args)
-        self.config = scheduler.config
-        self.tokenizer = scheduler.tokenizer
-        self._driver: SchedulerThread | None = SchedulerThread(scheduler)
+        self.tokenizer = load_server_tokenizer(self.server_args)
+        self._driver: SchedulerProcess | None = SchedulerProcess(self.server_args)
+        self.config = SchedulerConfig.from_dict(self._driver.info["config"])
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(
@@ -42,7 +45,7 @@ class Engine:
         prompts, batched = self._prompts(prompt, input_ids)
         requests = self._validated(prompts, sampling_params)
         rids = [uuid.uuid4().hex for _ in requests]
-        streams = [self._running_driver().submit(rid, ids, p) for rid, (ids, p) in zip(rids, requests)]
+        streams = [self._submit(rid, ids, p) for rid, (ids, p) in zip(rids, requests)]
         try:
             results = [_collect(s) for s in streams]
         except BaseException:
@@ -61,7 +64,7 @@ class Engine:
             raise ValueError("generate_stream takes one prompt; call it once per prompt")
         ((ids, params),) = self._validated(prompts, sampling_params)
         rid = uuid.uuid4().hex
-        return self._stream(rid, self._running_driver().submit(rid, ids, params))
+        return self._stream(rid, self._submit(rid, ids, params))
 
     def _stream(self, rid: str, stream: queue.Queue) -> Iterator[dict[str, Any]]:
         finished = False
@@ -79,22 +82,24 @@ class Engine:
 
     def get_loads(self, include: tuple[str, ...] = ("core", "memory", "queues")) -> dict[str, Any]:
         """Live load figures of the scheduler, taken after every command sent before this call."""
-        return self._running_driver().call(lambda scheduler: scheduler.get_loads().to_dict(include))
+        unknown = sorted(set(include) - set(SECTIONS))
+        if unknown:
+            raise ValueError(f"include: unknown load section(s) {unknown}; known: {sorted(SECTIONS)}")
+        return self._running_driver().ask("loads", list(include))
 
     def check_invariants(self) -> None:
         """Asserts the pools hold exactly what the requests hold (for tests and debugging)."""
-        self._running_driver().call(lambda scheduler: scheduler.check_invariants())
+        error = self._running_driver().ask("check")
+        if error is not None:
+            raise AssertionError(error)
 
     # ---- lifetime ----------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stops the loop (unfinished requests fail) and drops the model, pools and tokenizer."""
+        """Stops the scheduler process (unfinished requests fail), which frees the model and pools."""
         if self._driver is None:
             return
-        self._driver.shutdown()
-        self._driver.scheduler = None
-        self._driver = None
-        self.tokenizer = None
-        gc.collect()
+        driver, self._driver = self._driver, None
+        driver.shutdown()
 
     def __enter__(self) -> Engine:
         return self
@@ -109,7 +114,10 @@ class Engine:
             pass
 
     # ---- helpers -----------------------------------------------------------------------------------------------
-    def _running_driver(self) -> SchedulerThread:
+    def _submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> queue.Queue:
+        return self._running_driver().submit(rid, input_ids, dataclasses.asdict(params))
+
+    def _running_driver(self) -> SchedulerProcess:
         if self._driver is None:
             raise RuntimeError("the engine is shut down")
         return self._driver

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Any
 
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.model_executor import ModelRunner
@@ -16,6 +17,11 @@ from sglang_lite.engine.memory import resolve_dtype, resolve_max_total_tokens
 
 def model_dir_of(args: ServerArgs) -> str:
     return args.model_path or str(TINY_MODEL_DIR)
+
+
+def load_server_tokenizer(args: ServerArgs) -> Any:
+    """The tokenizer the arguments name (the model's own by default), or None with ``skip_tokenizer_init``."""
+    return None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_dir_of(args))
 
 
 def eos_token_ids(model_dir: str, config_eos: tuple[int, ...]) -> tuple[int, ...]:
@@ -36,7 +42,7 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
     dtype = resolve_dtype(args, model_dir)
     model = load_model(args.model_path, dtype=dtype, device=args.device, load_format=args.load_format,
                        seed=args.random_seed, server_args=args)
-    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_dir)
+    tokenizer = load_server_tokenizer(args)
     context_length = args.context_length or model.config.max_position_embeddings
     max_total_tokens = resolve_max_total_tokens(args, model.config, dtype, context_length)
     config = SchedulerConfig.from_server_args(args, model.config, max_total_tokens, eos_token_ids(model_dir, model.config.eos_token_ids))

@@ -33,6 +33,11 @@ class SchedulerConfig:
         return min(self.context_length, self.max_total_tokens)
 
     @classmethod
+    def from_dict(cls, fields: dict) -> SchedulerConfig:
+        """Back from ``dataclasses.asdict`` after a trip through msgpack (which turns tuples into lists)."""
+        return cls(**dict(fields, eos_token_ids=tuple(fields["eos_token_ids"])))
+
+    @classmethod
     def from_server_args(
         cls, args: ServerArgs, model: ModelConfig, max_total_tokens: int, eos_token_ids: tuple[int, ...]
     ) -> SchedulerConfig:

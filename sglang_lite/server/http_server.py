@@ -23,7 +23,7 @@ from sglang_lite.scheduler.loads import SECTIONS
 from sglang_lite.server import openai_serving
 from sglang_lite.server.dp_controller import requested_rank
 from sglang_lite.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RouteCountMiddleware
-from sglang_lite.server.openai_protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
+from sglang_lite.server.openai_protocol import AbortRequest, GenerateRequest
 from sglang_lite.server.responses import (
     ClientDisconnected, SSEResponse, error_response, request_error_response, sse, until_disconnect,
 )

@@ -3,10 +3,13 @@
 Each rank binds a PULL socket for commands; the HTTP process binds one PULL socket that every rank PUSHes its
 replies to. A message is a msgpack list whose first item names its kind.
 
-HTTP process -> rank:  ["add", rid, input_ids, sampling_params]  ["abort", rid]  ["loads", query_id]  ["stop"]
+HTTP process -> rank:  ["add", rid, input_ids, sampling_params]  ["abort", rid]  ["stop"]
+                       ["loads", query_id(, sections)]  ["check", query_id]
 rank -> HTTP process:  ["ready", rank, info]  ["ack", rank, rid, status, message]  (status 200: queued)
                        ["out", rank, [[rid, new_ids, new_text, finished, meta_info], ...]]
-                       ["loads", rank, query_id, loads]  ["fatal", rank, message]
+                       ["loads", rank, query_id, loads]  ["checked", rank, query_id, error or None]
+                       ["fatal", rank, message]
+The offline Engine speaks the same protocol to its one scheduler process.
 """
 from __future__ import annotations
 

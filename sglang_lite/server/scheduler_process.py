@@ -2,14 +2,17 @@
 
 The loop reads: take commands -> step the scheduler -> send outputs. It blocks on commands only when the scheduler
 is idle, so loads asked for between steps are live. The process exits when told to, or when its parent is gone.
+Both the HTTP server and the offline Engine start ranks with ``spawn_scheduler_process``.
 """
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 from typing import Any
 
@@ -23,8 +26,22 @@ IDLE_POLL_MS = 500  # how often an idle rank checks that its parent still lives
 LOAD_SECTIONS = ("core", "memory", "queues")
 
 
+def spawn_scheduler_process(args: ServerArgs, dp_rank: int, command_address: str, reply_address: str) -> subprocess.Popen:
+    """Starts a rank as ``python -m sglang_lite.server.scheduler_process``: a fresh interpreter that, unlike
+    multiprocessing's spawn, never re-imports the caller's ``__main__`` (scripts need no main guard)."""
+    spec = {"args": dataclasses.asdict(args), "dp_rank": dp_rank, "command_address": command_address,
+            "reply_address": reply_address, "parent_pid": os.getpid()}
+    return subprocess.Popen([sys.executable, "-m", "sglang_lite.server.scheduler_process", json.dumps(spec)])
+
+
+def main(argv: list[str] | None = None) -> None:
+    spec = json.loads((argv or sys.argv[1:])[0])
+    args = ServerArgs(**spec["args"])
+    run_scheduler_process(args, spec["dp_rank"], spec["command_address"], spec["reply_address"], spec["parent_pid"])
+
+
 def run_scheduler_process(args: ServerArgs, dp_rank: int, command_address: str, reply_address: str, parent_pid: int) -> None:
-    """Entry point of a spawned rank process."""
+    """Body of a rank process."""
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"[rank {dp_rank}] %(asctime)s %(levelname)s %(message)s")
     context = zmq.Context()
@@ -84,10 +101,21 @@ class RankLoop:
         elif kind == "abort":
             self.scheduler.abort(command[1], message="aborted by the client")
         elif kind == "loads":
-            loads = self.scheduler.get_loads().to_dict(LOAD_SECTIONS)
+            sections = tuple(command[2]) if len(command) > 2 else LOAD_SECTIONS
+            loads = self.scheduler.get_loads().to_dict(sections)
             self.replies.send(pack(["loads", self.dp_rank, command[1], loads]))
+        elif kind == "check":
+            self.replies.send(pack(["checked", self.dp_rank, command[1], self.invariant_error()]))
         elif kind == "stop":
             self.stopped = True
+
+    def invariant_error(self) -> str | None:
+        """Why the pools do not hold exactly what the requests hold, or None when they do."""
+        try:
+            self.scheduler.check_invariants()
+        except AssertionError as error:
+            return str(error) or "scheduler invariants do not hold"
+        return None
 
     def add(self, rid: str, input_ids: list[int], params: dict[str, Any]) -> None:
         """Queues the request unless the waiting queue is full; always answers with an ack."""
@@ -114,7 +142,7 @@ def _create_scheduler(args: ServerArgs, dp_rank: int) -> Any:
     from sglang_lite.server_args import set_global_server_args
 
     if args.device == "cpu":
-        torch.set_num_threads(args.cpu_threads_per_rank)
+        torch.set_num_threads(args.cpu_threads)
     set_global_server_args(args)
     return create_scheduler(args, dp_rank=dp_rank)
 
@@ -135,3 +163,7 @@ def _die_with_parent() -> None:
     except OSError:
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
+
+
+if __name__ == "__main__":
+    main()

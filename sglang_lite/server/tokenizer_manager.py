@@ -9,8 +9,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import multiprocessing
-import os
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from sglang_lite.engine.launch import load_server_tokenizer
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.request import ReqOutput
@@ -26,8 +26,9 @@ from sglang_lite.scheduler.scheduler import validate_request
 from sglang_lite.server.dp_controller import DPController, InvalidRank
 from sglang_lite.server.ipc import ipc_addresses, pack, remove_ipc_files, unpack
 from sglang_lite.server.metrics import ServerMetrics
-from sglang_lite.server.scheduler_process import run_scheduler_process
+from sglang_lite.server.scheduler_process import spawn_scheduler_process
 from sglang_lite.server_args import ServerArgs
+from sglang_lite.utils.process import stop_processes
 
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0
@@ -102,14 +103,14 @@ class TokenizerManager:
         self.streams: dict[str, RequestStream] = {}
         self.in_flight = [0] * args.dp_size
         self.live = [False] * args.dp_size
-        self.processes: list[multiprocessing.process.BaseProcess] = []
+        self.processes: list[subprocess.Popen] = []
         self._loads_waiters: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
 
     # ---- lifetime ----------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.tokenizer = None if self.args.skip_tokenizer_init else _load_tokenizer(self.args)
+        self.tokenizer = load_server_tokenizer(self.args)
         self.command_addresses, self.reply_address = ipc_addresses(self.args.dp_size)
         self.zmq = zmq.asyncio.Context()
         self.replies = self.zmq.socket(zmq.PULL)
@@ -126,14 +127,8 @@ class TokenizerManager:
         socket.connect(address)
         return socket
 
-    def _spawn(self, rank: int) -> multiprocessing.process.BaseProcess:
-        context = multiprocessing.get_context("spawn")
-        process = context.Process(
-            target=run_scheduler_process, name=f"sglang-lite-rank{rank}", daemon=True,
-            args=(self.args, rank, self.command_addresses[rank], self.reply_address, os.getpid()),
-        )
-        process.start()
-        return process
+    def _spawn(self, rank: int) -> subprocess.Popen:
+        return spawn_scheduler_process(self.args, rank, self.command_addresses[rank], self.reply_address)
 
     async def _wait_ready(self) -> None:
         infos: dict[int, dict[str, Any]] = {}
@@ -148,14 +143,13 @@ class TokenizerManager:
             if message[0] == "ready":
                 infos[message[1]] = message[2]
         self.rank_info = [infos[r] for r in range(self.args.dp_size)]
-        config = dict(self.rank_info[0]["config"], eos_token_ids=tuple(self.rank_info[0]["config"]["eos_token_ids"]))
-        self.config = SchedulerConfig(**config)
+        self.config = SchedulerConfig.from_dict(self.rank_info[0]["config"])
         self.live = [True] * self.args.dp_size
 
     def _check_started(self, deadline: float) -> None:
-        dead = [p.name for p in self.processes if not p.is_alive()]
+        dead = [rank for rank, p in enumerate(self.processes) if p.poll() is not None]
         if dead:
-            raise RuntimeError(f"scheduler process(es) {dead} exited during start-up")
+            raise RuntimeError(f"the scheduler process(es) of DP rank(s) {dead} exited during start-up")
         if time.monotonic() > deadline:
             raise TimeoutError(f"DP ranks not ready after {STARTUP_TIMEOUT_S} s")
 
@@ -342,8 +336,8 @@ class TokenizerManager:
         while True:
             await asyncio.sleep(1.0)
             for rank, process in enumerate(self.processes):
-                if self.live[rank] and not process.is_alive():
-                    self._rank_died(rank, f"exit code {process.exitcode}")
+                if self.live[rank] and process.poll() is not None:
+                    self._rank_died(rank, f"exit code {process.returncode}")
 
     def _rank_died(self, rank: int, why: str) -> None:
         logger.error("DP rank %d died: %s", rank, why)
@@ -364,24 +358,3 @@ def _finish_kind(output: ReqOutput) -> str:
 
 def _send(socket: zmq.Socket, message: list[Any]) -> None:
     socket.send(pack(message), zmq.NOBLOCK)
-
-
-def _load_tokenizer(args: ServerArgs) -> Any:
-    from sglang_lite.engine.launch import model_dir_of
-    from sglang_lite.tokenizer.loader import load_tokenizer
-
-    return load_tokenizer(args.tokenizer_path or model_dir_of(args))
-
-
-def stop_processes(processes: list[multiprocessing.process.BaseProcess], grace_s: float = 3.0) -> None:
-    """Waits briefly for ranks told to stop, then terminates, then kills what is left."""
-    deadline = time.monotonic() + grace_s
-    for process in processes:
-        process.join(max(deadline - time.monotonic(), 0.0))
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-            process.join(1.0)
-        if process.is_alive():
-            process.kill()
-            process.join(1.0)

@@ -1,4 +1,4 @@
-"""Waiting for a server process to answer: shared by tests and benchmarks that start servers."""
+"""Child processes: waiting for a server to answer (tests, benchmarks) and stopping scheduler processes."""
 from __future__ import annotations
 
 import subprocess
@@ -23,3 +23,22 @@ def wait_until_healthy(
             pass
         time.sleep(interval_s)
     return False
+
+
+def stop_processes(processes: list[subprocess.Popen], grace_s: float = 3.0) -> None:
+    """Waits briefly for processes told to stop, then terminates, then kills what is left."""
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        _wait(process, deadline - time.monotonic())
+    for process in processes:
+        for stop in (process.terminate, process.kill):
+            if process.poll() is None:
+                stop()
+                _wait(process, 1.0)
+
+
+def _wait(process: subprocess.Popen, timeout_s: float) -> None:
+    try:
+        process.wait(max(timeout_s, 0.0))
+    except subprocess.TimeoutExpired:
+        pass

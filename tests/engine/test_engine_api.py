@@ -1,6 +1,11 @@
 """The offline Engine on the built-in tiny model: streaming, stop strings, abort, bad requests, shutdown."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
+
 import pytest
 
 from sglang_lite import Engine
@@ -92,3 +97,34 @@ def test_shutdown_releases_and_refuses_new_work():
     engine.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate(input_ids=[1, 2, 3])
+
+
+def test_a_dead_scheduler_process_fails_its_requests_with_a_clear_error():
+    engine = Engine(max_total_tokens=256, max_running_requests=2, skip_tokenizer_init=True)
+    try:
+        stream = engine.generate_stream(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 200})
+        next(stream)
+        engine._driver.process.kill()
+        with pytest.raises(RuntimeError, match="scheduler process died"):
+            list(stream)
+        with pytest.raises(RuntimeError, match="shut down"):
+            engine.generate(input_ids=[1, 2, 3])
+    finally:
+        engine.shutdown()
+
+
+def test_a_script_without_a_main_guard_can_build_an_engine():
+    """The scheduler process is a fresh interpreter: it never re-imports the caller's __main__."""
+    script = (
+        "from sglang_lite import Engine\n"
+        "engine = Engine(max_total_tokens=256, max_running_requests=2, skip_tokenizer_init=True)\n"
+        "print(len(engine.generate(input_ids=[1, 2, 3], sampling_params={'max_new_tokens': 3})['output_ids']))\n"
+        "engine.shutdown()\n"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "script.py")
+        with open(path, "w") as f:
+            f.write(script)
+        done = subprocess.run([sys.executable, path], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "3"
