@@ -78,15 +78,15 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query per request ([B, H, hd]) over its first ``seq_lens`` cached tokens, batched with padding."""
+    """One query per request ([B, H, hd]) over its first ``seq_lens`` (>= 1) cached tokens, batched with padding."""
     max_len = int(seq_lens.max()) if seq_lens.numel() else 0
     mask = torch.arange(max_len, device=q.device) < seq_lens.unsqueeze(1)  # [B, S]
-    # padding positions point at arbitrary slots (often slot 0); read slot 0 there and zero what was read, since a
-    # masked NaN/inf (uninitialised pool memory) would still poison the softmax-weighted sum (0 * NaN = NaN)
-    slots = req_to_token[req_pool_indices.long(), :max_len].long().where(mask, 0)  # [B, S]
+    # Padding positions re-read the request's first slot, which holds a real key and value: the table points them
+    # at arbitrary slots whose memory may be uninitialised, and a masked NaN would still poison the weighted sum
+    # (0 * NaN = NaN). Fixing the small index tensor is cheaper than zeroing the gathered keys and values.
+    slots = req_to_token[req_pool_indices.long(), :max_len]
+    slots = slots.where(mask, slots[:, :1]).long()  # [B, S]
     keys, values = _gather(k_cache, slots), _gather(v_cache, slots)
-    keep = mask[:, None, :, None]
-    keys, values = keys.where(keep, 0), values.where(keep, 0)
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale,
         enable_gqa=True,
