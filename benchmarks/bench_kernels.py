@@ -2,7 +2,9 @@
 
 On a GPU: our Triton kernels, median of CUDA-event timings, with the achieved bandwidth as a share of a measured
 device copy and TFLOP/s as a share of a measured bf16 matmul. On the CPU: our PyTorch path against the
-transformers reference functions on the same inputs. ``--quick`` shrinks the shapes.
+transformers reference functions on the same inputs, in a process that keeps freed heap memory (as our scheduler
+processes do) so that neither side's timings are page faults of fresh allocations. ``--quick`` shrinks the shapes;
+``--threads`` sets torch's CPU threads.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_cases import load_cases  # noqa: E402
 from kernel_cases._timing import time_ms  # noqa: E402
+
+from sglang_lite.utils.process import keep_freed_heap_memory  # noqa: E402
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -68,11 +72,16 @@ def run_table(device: torch.device, quick: bool) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer iterations")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
     if device.type == "cpu":
-        print("CPU: our PyTorch path ('ours') against the transformers reference functions")
+        keep_freed_heap_memory()
+        print(f"CPU, {torch.get_num_threads()} threads: our PyTorch path ('ours') against the transformers reference "
+              "functions")
     print(run_table(device, args.quick))
 
 

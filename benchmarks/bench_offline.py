@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from sglang_lite.utils.process import keep_freed_heap_memory
+
 
 @dataclass(frozen=True)
 class Speed:
@@ -144,6 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_heap_memory()  # as in the engine's scheduler process, so both sides allocate alike
     print_table(run(args), args)
 
 

@@ -66,7 +66,7 @@ def bench(device: torch.device, quick: bool) -> list[dict]:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     tokens = 8192 if on_gpu and not quick else 2048
     hk, hv, dk, dv = (16, 32, 128, 128) if on_gpu else (8, 8, 64, 64)
-    iters = 20 if on_gpu else 5
+    iters = 20
     q, k, v, g, beta, pool = _inputs(tokens, hk, hv, dk, dv, dtype, 2, device)
     one, cu = torch.tensor([1], device=device), _cu([tokens], device)
     batch = 64 if on_gpu else 8
@@ -76,7 +76,7 @@ def bench(device: torch.device, quick: bool) -> list[dict]:
     a, b = (torch.randn(tokens, hv, device=device, dtype=dtype) for _ in range(2))
 
     def t(fn):
-        return time_ms(fn, device, iters=iters, warmup=2)
+        return time_ms(fn, device, iters=iters, warmup=3)
 
     def hf_chunk():
         return torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial_state=pool[1:2],

@@ -26,11 +26,6 @@ def l2norm(x: torch.Tensor, scale: float = 1.0, eps: float = 1e-6) -> torch.Tens
     return x * _l2norm_factor(x, scale, eps)
 
 
-def l2norm_(x: torch.Tensor, scale: float = 1.0, eps: float = 1e-6) -> torch.Tensor:
-    """In-place ``l2norm``."""
-    return x.mul_(_l2norm_factor(x, scale, eps))
-
-
 def _l2norm_factor(x: torch.Tensor, scale: float, eps: float) -> torch.Tensor:
     return torch.linalg.vecdot(x, x).add_(eps).rsqrt_().mul_(scale).unsqueeze(-1)
 
@@ -62,15 +57,16 @@ def _chunk_one_sequence(q, k, v, g, beta, state, chunk_size, scale, use_qk_l2nor
     only the state recursion is sequential (three small matmuls per chunk: the output's read of the chunk-start
     state, v_new = u - w S, and the state update), and the intra-chunk outputs are added afterwards in one batched
     matmul. Padded positions have k = 0 and g = 0, so they leave the state untouched. The chunk-major copies are
-    private, so they are scaled in place.
+    private, so they are scaled in place; q and k are L2-normalised (when asked) as they are copied.
     """
     length, heads, dv = v.shape
     n = -(-length // chunk_size)
-    q, k, v, g, beta = (_to_chunks(t, n, chunk_size) for t in (q, k, v, g, beta))
-    if use_qk_l2norm:
-        q, k = l2norm_(q, scale), l2norm_(k)
+    if use_qk_l2norm:  # normalised while copied into the chunk-major layout
+        q_scale, k_scale = _l2norm_factor(q, scale, 1e-6), _l2norm_factor(k, 1.0, 1e-6)
     else:
-        q.mul_(scale)
+        q_scale, k_scale = q.new_full((*q.shape[:-1], 1), scale), None
+    q, k = _to_chunks(q, n, chunk_size, q_scale), _to_chunks(k, n, chunk_size, k_scale)
+    v, g, beta = (_to_chunks(t, n, chunk_size) for t in (v, g, beta))
     g_cum = g.cumsum_(-1)
     decay = _pairwise_decay(g_cum)
     to_end = _flushed_exp_(g_cum[..., -1:] - g_cum)
@@ -137,16 +133,27 @@ def _unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _to_chunks(t: torch.Tensor, n: int, chunk_size: int) -> torch.Tensor:
-    """[L, H, ...] token-major -> a new [n, H, C, ...] chunk-major tensor, zero-padded to whole chunks."""
+def _to_chunks(t: torch.Tensor, n: int, chunk_size: int, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[L, H, ...] token-major -> a new [n, H, C, ...] chunk-major tensor, zero-padded to whole chunks.
+
+    ``row_scale`` ([L, H, 1]) multiplies each row on the way, in the same pass as the copy."""
     out = t.new_empty((n, t.shape[1], chunk_size) + tuple(t.shape[2:]))
     tokens = out.transpose(1, 2)  # [n, C, H, ...] view
     full, rest = divmod(t.shape[0], chunk_size)
-    tokens[:full].copy_(t[: full * chunk_size].view(tokens[:full].shape))
+    split = full * chunk_size
+    _copy_rows(tokens[:full], t[:split], None if row_scale is None else row_scale[:split])
     if rest:
-        tokens[full, :rest].copy_(t[full * chunk_size :])
+        _copy_rows(tokens[full, :rest], t[split:], None if row_scale is None else row_scale[split:])
         tokens[full, rest:].zero_()
     return out
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor, row_scale: torch.Tensor | None) -> None:
+    src = src.view(dst.shape)
+    if row_scale is None:
+        dst.copy_(src)
+    else:
+        torch.mul(src, row_scale.view(*dst.shape[:-1], 1), out=dst)
 
 
 # Per-token work inside a chunk grows with its size while the sequential loop gets shorter: on the CPU, 32-token

@@ -20,6 +20,7 @@ import zmq
 
 from sglang_lite.server.ipc import pack, unpack
 from sglang_lite.server_args import ServerArgs
+from sglang_lite.utils.process import keep_freed_heap_memory
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500  # how often an idle rank checks that its parent still lives
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
 def run_scheduler_process(args: ServerArgs, dp_rank: int, command_address: str, reply_address: str, parent_pid: int) -> None:
     """Body of a rank process."""
     _die_with_parent()
-    _keep_freed_memory()
+    keep_freed_heap_memory()
     logging.basicConfig(level=logging.INFO, format=f"[rank {dp_rank}] %(asctime)s %(levelname)s %(message)s")
     context = zmq.Context()
     replies = context.socket(zmq.PUSH)
@@ -154,21 +155,6 @@ def _alt_stream_plan(model: Any) -> dict[str, Any] | None:
     streams = getattr(model, "streams", None) or getattr(getattr(model, "model", None), "streams", None)
     describe = getattr(streams, "describe", None)
     return describe() if callable(describe) else None
-
-
-def _keep_freed_memory() -> None:
-    """glibc only: serve large blocks from the heap and keep what is freed there. By default each block over 128 KiB
-    (the threshold adapts up to 32 MiB) is a fresh mmap whose pages fault in on first touch, and the heap top is
-    trimmed back to the OS, so every step of a CPU forward page-faults on its temporaries: this halves the faults
-    of the offline benchmark and cut its batch-32 prefill by ~25%. The process keeps its peak heap in return."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    libc.mallopt(m_mmap_threshold, 32 * 2**20)  # the largest glibc accepts
-    libc.mallopt(m_trim_threshold, 2**30)
-    libc.mallopt(m_top_pad, 64 * 2**20)
 
 
 def _die_with_parent() -> None:
