@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     vocab = hf_model.config.vocab_size
     rows = []
     with Engine(None, max_running_requests=max(args.batch_sizes), max_total_tokens=args.max_total_tokens,
-                enable_torch_compile=args.torch_compile) as engine:
+                enable_torch_compile=args.torch_compile, cpu_threads_per_rank=args.threads) as engine:
         warm = random_prompts(2, 16, vocab, seed=99)
         hf_generate(hf_model, warm, 4)
         engine_generate(engine, warm, 4)
@@ -140,7 +140,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of both sides (default: torch's choice here, the CPU count in the engine)")
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--torch-compile", action="store_true", help="engine decode steps through torch.compile")
     args = parser.parse_args()

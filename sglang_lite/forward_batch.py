@@ -39,6 +39,9 @@ class ForwardBatch:
     prefix_lens_t: torch.Tensor | None = None
     extend_lens_t: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None  # [B+1] int32
+    # Longest prefix + extend, known on the host when the lists are real (None from a CUDA-graph runner, whose lists
+    # are placeholders): spares the CPU attention path a read-back of seq_lens_t.
+    max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         assert len(self.prefix_lens) == len(self.extend_lens) == self.batch_size, "per-request lengths disagree"
@@ -112,6 +115,7 @@ def build_forward_batch(
         req_pool_indices=rows,
         prefix_lens=list(prefix_lens),
         extend_lens=extend_lens,
+        max_seq_len=max(p + e for p, e in zip(prefix_lens, extend_lens)) if extend_lens else 0,
         out_cache_loc=loc,
         state_slots=torch.tensor(state_slots, dtype=torch.int64, device=device),
         pools=pools,

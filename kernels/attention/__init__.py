@@ -50,11 +50,16 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    max_seq_len: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """One query per request ([B, H, hd]) over its first ``seq_lens`` cached tokens."""
-    impl = triton_attention if use_triton(q, backend) else naive
-    return impl.decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
+    """One query per request ([B, H, hd]) over its first ``seq_lens`` cached tokens.
+
+    ``max_seq_len``, when the caller knows it on the host, spares the PyTorch path reading ``seq_lens.max()`` back
+    (a sync, and a graph break under torch.compile); the Triton kernel does not need it."""
+    if use_triton(q, backend):
+        return triton_attention.decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
+    return naive.decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, max_seq_len)
 
 
 __all__ = ["store_kv", "extend_attention", "decode_attention"]

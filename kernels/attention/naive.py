@@ -77,9 +77,14 @@ def decode_attention(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """One query per request ([B, H, hd]) over its first ``seq_lens`` (>= 1) cached tokens, batched with padding."""
-    max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    """One query per request ([B, H, hd]) over its first ``seq_lens`` (>= 1) cached tokens, batched with padding
+    to ``max_seq_len`` (read from ``seq_lens`` when not given)."""
+    if max_seq_len is not None:
+        max_len = max_seq_len
+    else:
+        max_len = int(seq_lens.max()) if seq_lens.numel() else 0
     mask = torch.arange(max_len, device=q.device) < seq_lens.unsqueeze(1)  # [B, S]
     # Padding positions re-read the request's first slot, which holds a real key and value: the table points them
     # at arbitrary slots whose memory may be uninitialised, and a masked NaN would still poison the weighted sum

@@ -55,5 +55,6 @@ class Qwen3_5Attention(nn.Module):
         store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         table, rows = batch.pools.req_to_token.req_to_token, batch.req_pool_indices
         if batch.is_decode:
-            return decode_attention(q, k_cache, v_cache, table, rows, batch.seq_lens_t, self.scale)
+            return decode_attention(q, k_cache, v_cache, table, rows, batch.seq_lens_t, self.scale,
+                                    max_seq_len=batch.max_seq_len)
         return extend_attention(q, k_cache, v_cache, table, rows, batch.prefix_lens_t, batch.extend_lens_t, self.scale)

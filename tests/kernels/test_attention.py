@@ -125,6 +125,8 @@ def test_decode_attention(nan_allocations, seq_lens, heads, num_kv, head_dim, dt
     args = (q, pool.k_cache, pool.v_cache, pool.req_to_token, pool.rows, torch.tensor(seq_lens), head_dim**-0.5)
     want = naive.decode_attention(*args)
     assert_rel_close(attention.decode_attention(*args, backend="triton"), want, dtype)
+    # the host-known maximum (what the engine passes) reads the same padded window as the read-back
+    assert torch.equal(attention.decode_attention(*args, max_seq_len=max(seq_lens), backend="torch"), want)
     for i, n in enumerate(seq_lens):
         slots = pool.slots(i, 0, n)
         explicit = _explicit_attention(q[i : i + 1], pool.k_cache[slots], pool.v_cache[slots], n - 1, head_dim**-0.5)
