@@ -30,11 +30,11 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def matmul_peak(device: torch.device) -> float:
-    """FLOP/s of a large bf16 matmul."""
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+def matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 8192) -> float:
+    """FLOP/s of a large matmul."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
     ms = time_ms(lambda: a @ a, device, iters=20)
-    return 2 * 8192**3 / (ms * 1e-3)
+    return 2 * size**3 / (ms * 1e-3)
 
 
 def collect(device: torch.device, quick: bool) -> list[dict]:
@@ -45,18 +45,22 @@ def collect(device: torch.device, quick: bool) -> list[dict]:
 
 
 def format_table(rows: list[dict], bandwidth: float | None, peak: float | None) -> str:
+    """GPU: bandwidth and matmul-peak shares of our kernels. CPU (``peak`` only): our share of the matmul peak, and
+    the ceiling of ref/ours, peak over the reference's FLOP rate: no path doing the row's FLOPs can beat it."""
     header = f"{'kernel':34} {'shape':40} {'ours ms':>9} {'reference':34} {'ref ms':>9} {'ref/ours':>8}"
-    if bandwidth:
-        header += f" {'%copy BW':>8} {'%mm peak':>8}"
+    header += f" {'%copy BW':>8} {'%mm peak':>8}" if bandwidth else f" {'%mm peak':>8} {'ceiling':>8}" if peak else ""
     lines = [header, "-" * len(header)]
     for r in rows:
         line = (f"{r['kernel'][:34]:34} {r['shape'][:40]:40} {r['ours_ms']:9.3f} {r['ref_name'][:34]:34} "
                 f"{r['ref_ms']:9.3f} {r['ref_ms'] / r['ours_ms']:8.2f}")
+        seconds, flops = r["ours_ms"] * 1e-3, r.get("flops")
+        share = f"{100 * flops / seconds / peak:7.1f}%" if flops and peak else ""
         if bandwidth:
-            seconds = r["ours_ms"] * 1e-3
             bw = f"{100 * r['bytes'] / seconds / bandwidth:7.1f}%" if r.get("bytes") else ""
-            tf = f"{100 * r['flops'] / seconds / peak:7.1f}%" if r.get("flops") else ""
-            line += f" {bw:>8} {tf:>8}"
+            line += f" {bw:>8} {share:>8}"
+        elif peak:
+            ceiling = f"{peak * r['ref_ms'] * 1e-3 / flops:8.2f}" if flops else ""
+            line += f" {share:>8} {ceiling:>8}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -66,6 +70,9 @@ def run_table(device: torch.device, quick: bool) -> str:
     if device.type == "cuda":
         bandwidth, peak = copy_bandwidth(device), matmul_peak(device)
         print(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    else:
+        peak = matmul_peak(device, torch.float32, 2048)
+        print(f"fp32 matmul {peak / 1e9:.0f} GFLOP/s; 'ceiling': the best ref/ours any path doing the FLOPs can reach")
     return format_table(collect(device, quick), bandwidth, peak)
 
 
