@@ -32,7 +32,8 @@ def spawn_scheduler_process(args: ServerArgs, dp_rank: int, command_address: str
     multiprocessing's spawn, never re-imports the caller's ``__main__`` (scripts need no main guard)."""
     spec = {"args": dataclasses.asdict(args), "dp_rank": dp_rank, "command_address": command_address,
             "reply_address": reply_address, "parent_pid": os.getpid()}
-    return subprocess.Popen([sys.executable, "-m", "sglang_lite.server.scheduler_process", json.dumps(spec)])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # import what the caller imports, as spawn does
+    return subprocess.Popen([sys.executable, "-m", "sglang_lite.server.scheduler_process", json.dumps(spec)], env=env)
 
 
 def main(argv: list[str] | None = None) -> None:
