@@ -11,9 +11,23 @@ from typing import Any
 REPLACEMENT_CHAR = "\ufffd"
 
 
+def _fast_decoder(tokenizer: Any) -> Any:
+    """The Rust tokenizer behind a transformers fast tokenizer when decoding through it gives the same text (no
+    ``_decode`` override, no space clean-up), else None. A call costs a third of the wrapper's (1.8 vs 5.3 us on the
+    tiny tokenizer); two calls per token per request were ~0.3 ms of each batch-32 step."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    if not isinstance(tokenizer, TokenizersBackend) or type(tokenizer)._decode is not TokenizersBackend._decode:
+        return None
+    return None if tokenizer.clean_up_tokenization_spaces else tokenizer.backend_tokenizer
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self._decoder = _fast_decoder(tokenizer) or tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0  # start of the window decoded for context
@@ -37,7 +51,7 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text) :]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+        return self._decoder.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
 
 
 class StopStringMatcher:

@@ -103,6 +103,15 @@ def test_incremental_detokenizer_never_breaks_a_character(tokenizer):
     assert sum(1 for p in pieces if p) > 5  # it really streams
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_detokenizer_gives_the_wrappers_text_through_the_fast_decoder(tokenizer, skip_special_tokens):
+    ids = torch.randint(0, len(tokenizer), (400,), generator=torch.Generator().manual_seed(0)).tolist()
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+    assert detok._decoder is not tokenizer  # the built-in tokenizer takes the Rust path
+    text = "".join(detok.push([t]) for t in ids) + detok.flush()
+    assert text == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 def test_stop_string_spanning_pieces_is_found_and_not_emitted():
     matcher = StopStringMatcher(["STOP", "\n\n"])
     emitted = [matcher.feed(p) for p in ["abc S", "T", "OP and more"]]
