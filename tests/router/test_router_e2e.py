@@ -197,8 +197,9 @@ def test_api_key_and_admission_limits(procs, idle_pair):
     async def scenario():
         async with aiohttp.ClientSession() as s:
             denied = await generate(s, router.url)
-            # 2 run (60 tokens: well over 0.3 s), 2 queue and time out -> 503, the rest are shed at once -> 429
-            results = await asyncio.gather(*(generate(s, router.url, max_new_tokens=60, headers=auth, timeout=30)
+            # 2 run (300 tokens: over a second, well over the 0.3 s queue timeout even on a fast machine), 2 queue
+            # and time out -> 503, the rest are shed at once -> 429
+            results = await asyncio.gather(*(generate(s, router.url, max_new_tokens=300, headers=auth, timeout=60)
                                              for _ in range(8)))
             after = await generate(s, router.url, max_new_tokens=1, headers=auth)
             async with s.get(router.url + "/health") as health:
@@ -208,7 +209,7 @@ def test_api_key_and_admission_limits(procs, idle_pair):
     denied, results, after, health_status = run(scenario())
     assert denied.status == 401 and health_status == 200 and after.ok
     assert sorted(r.status for r in results) == [200, 200, 429, 429, 429, 429, 503, 503]
-    assert all(r.body["meta_info"]["completion_tokens"] == 60 for r in results if r.status == 200)
+    assert all(r.body["meta_info"]["completion_tokens"] == 300 for r in results if r.status == 200)
 
 
 def test_add_and_remove_worker(procs, dp_pair):
