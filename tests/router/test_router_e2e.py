@@ -110,9 +110,10 @@ def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
-            # 1. complete: 16 streams of 64 tokens are counted while they run, four on each rank.
+            # 1. complete: 16 streams of 256 tokens (long enough to be seen together) are counted while they run,
+            # four on each rank.
             streams = [asyncio.create_task(generate(s, router.url, "/v1/chat/completions", stream=True,
-                                                    max_new_tokens=64, timeout=60)) for _ in range(16)]
+                                                    max_new_tokens=256, timeout=60)) for _ in range(16)]
             assert await wait_for(lambda: _total(s, router.url, 16), timeout=10)
             during = await in_flight(s, router.url)
             results = await asyncio.gather(*streams)
@@ -128,7 +129,7 @@ def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(
             aborted = [await _aborted(s, u) - n for u, n in zip(urls, aborts)]
 
             # 3. fail: streams that outlive the router's request timeout end with an error event.
-            failed = await asyncio.gather(*(generate(s, strict.url, stream=True, max_new_tokens=900, timeout=10)
+            failed = await asyncio.gather(*(generate(s, strict.url, stream=True, max_new_tokens=3000, timeout=10)
                                             for _ in range(4)))
             released = await wait_for(lambda: _all_zero(s, strict.url), timeout=3)
             stopped = await wait_for(lambda: _all_idle(s, idle_pair), timeout=10, interval=0.2)
