@@ -41,23 +41,25 @@ class BalanceStats:
                 "busiest_batch": self.busiest_batch, "busiest_over_mean_kv": self.busiest_over_mean_kv}
 
 
-def mean_cv(series: np.ndarray) -> float:
-    """Mean over samples of the across-rank coefficient of variation; samples with an all-zero row are skipped."""
+def _mean_over_samples(series: np.ndarray, spread, empty: float) -> float:
+    """Mean over samples of ``spread(row) / mean(row)`` across ranks; all-zero samples are skipped (``empty`` when
+    every sample is)."""
     series = np.asarray(series, dtype=float)
     means = series.mean(axis=1)
     keep = means > 0
     if not keep.any():
-        return 0.0
-    return float((series[keep].std(axis=1) / means[keep]).mean())
+        return empty
+    return float((spread(series[keep], axis=1) / means[keep]).mean())
+
+
+def mean_cv(series: np.ndarray) -> float:
+    """Mean over samples of the across-rank coefficient of variation; samples with an all-zero row are skipped."""
+    return _mean_over_samples(series, np.std, 0.0)
 
 
 def busiest_over_mean(series: np.ndarray) -> float:
-    series = np.asarray(series, dtype=float)
-    means = series.mean(axis=1)
-    keep = means > 0
-    if not keep.any():
-        return 1.0
-    return float((series[keep].max(axis=1) / means[keep]).mean())
+    """Mean over samples of the busiest rank's value over the ranks' mean; 1 when nothing was ever loaded."""
+    return _mean_over_samples(series, np.max, 1.0)
 
 
 def busiest_share(running: np.ndarray) -> np.ndarray:

@@ -55,6 +55,7 @@ class SchedulerProcess:
         try:
             self.info = self._wait_ready(startup_timeout_s)
         except BaseException:
+            stop_processes([self.process], grace_s=0.0)
             self._close()
             raise
         self._receiver = threading.Thread(target=self._receive_loop, name="sglang-lite-receiver", daemon=True)
@@ -171,7 +172,7 @@ class SchedulerProcess:
             future.set_exception(error)
 
     def _close(self) -> None:
-        stop_processes([self.process], grace_s=0.0)
+        """Releases the sockets and their IPC files; the process is already stopped."""
         self._replies.close(0)
         self._commands.close(0)
         self._context.term()

@@ -5,8 +5,6 @@ import ctypes
 import subprocess
 import time
 
-import httpx
-
 
 def wait_until_healthy(
     url: str, process: subprocess.Popen, timeout_s: float, path: str = "/health", interval_s: float = 0.5
@@ -15,6 +13,8 @@ def wait_until_healthy(
 
     The caller raises its own error (with the process's log) on False.
     """
+    import httpx  # only the callers that poll servers pay for it, not every scheduler process importing this module
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
         try:
