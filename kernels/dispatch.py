@@ -7,6 +7,7 @@ the ``backend`` argument of each public kernel function forces it for a call and
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -24,6 +25,25 @@ def _requested(backend: str | None) -> str:
 
 def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` for a ``tl.dot`` whose operands hold ``dtype`` data (the kernel may have widened them).
+
+    float32 data keeps float32 accuracy (about 1e-6 relative): Triton's default, tf32, rounds operands to 10
+    mantissa bits (about 1e-3 per product). NVIDIA emulates "ieee" and takes minutes to compile it at 64-wide
+    tiles, so CUDA uses three tf32 products (hi*hi + hi*lo + lo*hi) on the tensor cores; AMD's matrix cores
+    multiply float32 natively ("ieee"). 16-bit data need no more than tf32, which AMD offers on gfx942 (MI300) only.
+    """
+    if torch.version.hip:
+        tf32_ok = dtype != torch.float32 and _hip_arch().startswith("gfx942")
+        return "tf32" if tf32_ok else "ieee"
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=None)
+def _hip_arch() -> str:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName if torch.cuda.is_available() else ""
 
 
 def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import triton_interpreting
+from ..dispatch import dot_precision, triton_interpreting
 
 _LOG2E = 1.4426950408889634
 # Decode splits each request's context into this many chunks (flash decoding) so short batches fill the GPU.
@@ -19,12 +19,12 @@ DECODE_SPLITS = 8
 
 
 @triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
+def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     # The Triton interpreter multiplies bf16 tiles as their raw uint16 bits; under TRITON_INTERPRET the operands
     # are widened to fp32 first, compiled kernels keep the input dtype for the tensor cores.
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b)
+    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -71,7 +71,8 @@ def store_kv(
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, req_to_token_ptr, req_pool_ptr, prefix_ptr, extend_ptr, q_start_ptr,
     scale_log2, head_dim, group, stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_ch, stride_req,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     req, head, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     extend = tl.load(extend_ptr + req)
@@ -98,14 +99,14 @@ def _extend_kernel(
         kv_mask = col_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + slots[:, None] * stride_cn + kv_head + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + slots[:, None] * stride_cn + kv_head + dims[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), UPCAST) * scale_log2
+        s = _dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2
         visible = col_ok[None, :] & (cols[None, :] <= prefix + rows[:, None])
         s = tl.where(visible, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
@@ -157,7 +158,8 @@ def extend_attention(
         scale_log2=scale * _LOG2E, head_dim=q.shape[2], group=q.shape[1] // k_cache.shape[1],
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_cn=k_cache.stride(0), stride_ch=k_cache.stride(1), stride_req=req_to_token.stride(0),
-        UPCAST=triton_interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(q.shape[2]),
+        UPCAST=triton_interpreting(), PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(q.shape[2]),
     )
     return out
 

@@ -3,8 +3,9 @@
 Layouts as in ``naive.py``: q, k [T, HK, dk]; v [T, HV, dv]; g, beta [T, HV]; state pool [S, HV, dk, dv].
 Head dims need not be powers of two: tiles are padded (to at least 16, the smallest ``tl.dot`` size) and masked.
 
-Prefill design: one program per (request, value head) walks the request chunk by chunk, keeping the [dk, dv] state
-in registers. Inside a chunk of BT tokens (cumulative log-decay c, decay D_ij = exp(c_i - c_j) for j <= i):
+Prefill design: one program per (request, value head, slice of up to 64 value columns) walks the request chunk by
+chunk, keeping its [dk, 64] part of the state in registers. Inside a chunk of BT tokens (cumulative log-decay c,
+decay D_ij = exp(c_i - c_j) for j <= i):
   A = strictly_lower(diag(beta) K K^T * D);  T = (I + A)^-1 by forward substitution (the UT transform);
   U = T diag(beta) V;  W = T diag(beta exp(c)) K;  V' = U - W S;
   O = diag(exp(c)) Q S + (Q K^T * D) V';  S <- exp(c_last) S + (diag(exp(c_last - c)) K)^T V'.
@@ -15,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ..dispatch import dot_precision
 
 @triton.jit
 def _l2norm_rows(x):
@@ -105,11 +108,11 @@ def _chunk_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    req, hv = tl.program_id(0), tl.program_id(1)
+    req, hv, vblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = hv // GROUP
     start = tl.load(cu_ptr + req)
     length = tl.load(cu_ptr + req + 1) - start
-    ks, vs, ts = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BT)
+    ks, vs, ts = tl.arange(0, BK), vblock * BV + tl.arange(0, BV), tl.arange(0, BT)
     s_ptrs = (states_ptr + tl.load(slots_ptr + req).to(tl.int64) * stride_ss + hv * stride_sh
               + ks[:, None] * stride_sk + vs[None, :])
     s_mask = (ks < DK)[:, None] & (vs < DV)[None, :]
@@ -241,16 +244,25 @@ def chunk_gated_delta_rule_triton(
     if cu_seqlens.shape != (state_indices.shape[0] + 1,):
         raise ValueError(f"cu_seqlens must be [{state_indices.shape[0] + 1}], got {tuple(cu_seqlens.shape)}")
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
+        raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")  # the largest tile used
     out = _output(v, out)
-    grid = (state_indices.shape[0], hv)
+    # Value columns split across programs: each keeps a [dk, 64] state slice, so a 128 x 128 head fits the
+    # registers and shared memory of one program; the keys' part (K K^T and its inverse) is redone per slice.
+    # The chunk tile shrinks as the key dim grows, since shared memory grows with tile x dk: on an H200 (Triton
+    # 3.6) a 64-token tile at dk = 128 in bf16 asked for 243 KB of the 227 KB there, and fp32 with three-pass tf32
+    # dots needs about twice the bf16 amount. Chunking only regroups the recurrence, so every tile gives the same
+    # result.
+    block_v = min(_pad(dv), 64)
+    budget = 2048 if q.dtype == torch.float32 else 4096
+    chunk_size = max(16, min(chunk_size, budget // _pad(dk)))
+    grid = (state_indices.shape[0], hv, triton.cdiv(dv, block_v))
     if grid[0]:
         _chunk_kernel[grid](
             q_ptr=q, k_ptr=k, v_ptr=v, g_ptr=g, beta_ptr=beta, out_ptr=out, states_ptr=ssm_states,
             slots_ptr=state_indices, cu_ptr=cu_seqlens, **_strides(q, k, v, g, beta, out, ssm_states),
-            scale=dk**-0.5 if scale is None else scale, GROUP=hv // hk, DK=dk, DV=dv, BK=_pad(dk), BV=_pad(dv),
+            scale=dk**-0.5 if scale is None else scale, GROUP=hv // hk, DK=dk, DV=dv, BK=_pad(dk), BV=block_v,
             BT=chunk_size, LOG2_BT=chunk_size.bit_length() - 1, L2NORM=use_qk_l2norm,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 dots are exact enough for 16-bit inputs
+            PRECISION=dot_precision(q.dtype),  # the tiles are widened to fp32; 16-bit data need no more than tf32
         )
     return out
 

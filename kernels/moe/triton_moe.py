@@ -13,19 +13,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch import triton_interpreting
+from ..dispatch import dot_precision, triton_interpreting
 
 # Rows per block of the grouped GEMM; every expert's row list is padded to a multiple of it.
 BLOCK_M = 16
 
 
 @triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr):
+def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     # The Triton interpreter multiplies bf16 tiles as their raw uint16 bits, so under TRITON_INTERPRET the
     # operands are widened to fp32 first; compiled kernels keep the input dtype for the tensor cores.
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    return tl.dot(a, b, acc)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -95,7 +95,9 @@ def align_by_expert(
     """
     flat = topk_ids.reshape(-1).long()
     num_rows = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads its input's max back to the host, which CUDA graphs forbid
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     order = torch.argsort(flat, stable=True)
@@ -115,6 +117,7 @@ def _gate_up_silu_kernel(
     x_ptr, w13_ptr, act_ptr, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
     num_rows, hidden, inter, stride_xt, stride_we, stride_wn, stride_at,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -135,8 +138,8 @@ def _gate_up_silu_kernel(
         w_mask = k_ok[:, None] & col_ok[None, :]
         w_gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(w_base + (cols[None, :] + inter) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        acc_gate = _dot(x, w_gate, acc_gate, UPCAST)
-        acc_up = _dot(x, w_up, acc_up, UPCAST)
+        acc_gate = _dot(x, w_gate, acc_gate, UPCAST, PRECISION)
+        acc_up = _dot(x, w_up, acc_up, UPCAST, PRECISION)
     act = acc_gate * tl.sigmoid(acc_gate) * acc_up
     tl.store(act_ptr + rows[:, None] * stride_at + cols[None, :], act.to(act_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
@@ -147,6 +150,7 @@ def _down_weighted_kernel(
     act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
     num_rows, hidden, inter, stride_at, stride_we, stride_wn, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -163,7 +167,7 @@ def _down_weighted_kernel(
         k_ok = ks < inter
         a = tl.load(act_ptr + rows[:, None] * stride_at + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = _dot(a, w, acc, UPCAST)
+        acc = _dot(a, w, acc, UPCAST, PRECISION)
     acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -206,12 +210,14 @@ def fused_moe(
         num_padded_ptr=num_padded, num_rows=num_rows, hidden=hidden, inter=inter, stride_xt=x.stride(0),
         stride_we=w13.stride(0), stride_wn=w13.stride(1), stride_at=act.stride(0), TOP_K=top_k,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=triton_interpreting(),
+        PRECISION=dot_precision(x.dtype),
     )
     _down_weighted_kernel[(block_expert.numel(), triton.cdiv(hidden, block_n))](
         act_ptr=act, w2_ptr=w2, weights_ptr=weights, out_ptr=rows_out, sorted_rows_ptr=sorted_rows,
         block_expert_ptr=block_expert, num_padded_ptr=num_padded, num_rows=num_rows, hidden=hidden, inter=inter,
         stride_at=act.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_ot=rows_out.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=triton_interpreting(),
+        PRECISION=dot_precision(x.dtype),
     )
     # each token's k' rows are summed here, in fp32 and in a fixed order (no atomics: deterministic)
     return rows_out.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)

@@ -60,6 +60,19 @@ def test_chunk_matches_reference(nan_allocations, dtype, hk, hv, lens):
     assert_rel_close(got_pool, want_pool, dtype, "state pool")  # final state written, other slots untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunk_wide_heads_value_slices(nan_allocations, dtype):
+    """dk 96 (padded to 128: the fp32 tile shrinks to 32 tokens) and dv 80 (two value slices, the second partial)."""
+    lens = [70, 33]
+    q, k, v, g, beta, pool = _inputs(sum(lens), 1, 2, 96, 80, dtype, slots=3, seed=3)
+    slots = torch.tensor([2, 0])
+    got_pool, want_pool = pool.clone(), pool.clone()
+    got = gdn.chunk_gated_delta_rule(q, k, v, g, beta, got_pool, slots, _cu(lens), backend="triton")
+    want = naive.chunk_gated_delta_rule(q, k, v, g, beta, want_pool, slots, _cu(lens))
+    assert_rel_close(got, want, dtype)
+    assert_rel_close(got_pool, want_pool, dtype, "state pool")
+
+
 @pytest.mark.parametrize("chunk_size", [16, 64])
 def test_chunk_options_strided_inputs(nan_allocations, chunk_size):
     # dk 48 > dv 20, no in-kernel l2norm, explicit scale, q/k/v as column slices of one packed projection
