@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
 
 import torch
 
@@ -22,7 +23,7 @@ def run_checks(device: torch.device) -> bool:
         try:
             results = module.check(device)
         except Exception as exc:  # a crash in one family must not hide the others' results
-            print(f"FAIL {family}: {type(exc).__name__}: {exc}")
+            print(f"FAIL {family}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-4)}")
             all_ok = False
             continue
         for r in results:

@@ -78,12 +78,16 @@ def bench(device: torch.device, quick: bool) -> list[dict]:
     def t(fn):
         return time_ms(fn, device, iters=iters, warmup=3)
 
+    # transformers' functions take as many key as value heads (its model repeats them first)
+    hq, hk_rep = (x.repeat_interleave(hv // hk, dim=1) for x in (q, k))
+    dq_rep, dk_rep = (x.repeat_interleave(hv // hk, dim=1) for x in (dq, dk_))
+
     def hf_chunk():
-        return torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial_state=pool[1:2],
+        return torch_chunk_gated_delta_rule(hq[None], hk_rep[None], v[None], g[None], beta[None], initial_state=pool[1:2],
                                             output_final_state=True, use_qk_l2norm_in_kernel=True)
 
     def hf_recurrent():  # one token per request: requests become the batch dimension
-        return torch_recurrent_gated_delta_rule(dq[:, None], dk_[:, None], dv_[:, None], dg[:, None], db[:, None],
+        return torch_recurrent_gated_delta_rule(dq_rep[:, None], dk_rep[:, None], dv_[:, None], dg[:, None], db[:, None],
                                                 initial_state=dpool[slots], output_final_state=True,
                                                 use_qk_l2norm_in_kernel=True)
 
