@@ -1,8 +1,9 @@
 """Triton causal depthwise conv1d (+ SiLU) over packed requests, with the conv state kept in a slot pool.
 
 Layouts as in ``naive.py``: x [T, D] (or [B, D] for decode), weight [D, K], conv_states [S, D, K-1].
-Prefill: one program per (request, channel block) walks the request's tokens in BLOCK_T tiles, so the initial state
-is read before the same program overwrites it with the final state (no other program touches that slot).
+Prefill: one program per (request, channel block, tile of BLOCK_T tokens), so a long request spreads over the GPU
+(one program walking all its tiles left most of an H200 idle: 0.77x of F.conv1d at T=2048). Tiles that start
+the request read the pooled initial state; a second launch writes the final state, after every read of the old one.
 """
 from __future__ import annotations
 
@@ -27,31 +28,56 @@ def _causal_conv1d_fwd_kernel(
     x_ptr, w_ptr, out_ptr, states_ptr, slots_ptr, cu_ptr,
     stride_x, stride_out, stride_w, stride_ss, stride_sd,
     D: tl.constexpr, K: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
+    req, dblock, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(cu_ptr + req)
+    length = tl.load(cu_ptr + req + 1) - start
+    if tile * BLOCK_T >= length:
+        return
+    state_ptr = states_ptr + tl.load(slots_ptr + req).to(tl.int64) * stride_ss
+    x_req = x_ptr + start.to(tl.int64) * stride_x
+    chans = dblock * BLOCK_D + tl.arange(0, BLOCK_D)
+    chan_ok = (chans < D)[None, :]
+    pos = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    x_tile = x_req + pos[:, None] * stride_x + chans[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for tap in tl.static_range(K):  # inputs from x; positions before the request start read as 0 here
+        shift = tap - (K - 1)
+        src_ok = ((pos + shift >= 0) & (pos + shift < length))[:, None] & chan_ok
+        w = tl.load(w_ptr + chans * stride_w + tap, mask=chans < D, other=0.0).to(tl.float32)
+        acc += tl.load(x_tile + shift * stride_x, mask=src_ok, other=0.0).to(tl.float32) * w[None, :]
+    if tile == 0:  # the first K-1 outputs also see the pooled inputs before the request
+        for tap in tl.static_range(K - 1):
+            shift = tap - (K - 1)
+            w = tl.load(w_ptr + chans * stride_w + tap, mask=chans < D, other=0.0).to(tl.float32)
+            in_state = ((pos + shift < 0) & (pos + shift >= 1 - K))[:, None] & chan_ok
+            old = tl.load(state_ptr + chans[None, :] * stride_sd + (pos + tap)[:, None], mask=in_state, other=0.0)
+            acc += old.to(tl.float32) * w[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    out_mask = (pos < length)[:, None] & (chans < D)[None, :]
+    tl.store(out_ptr + (start + pos).to(tl.int64)[:, None] * stride_out + chans[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _conv_state_after_prefill_kernel(
+    x_ptr, states_ptr, slots_ptr, cu_ptr, stride_x, stride_ss, stride_sd,
+    D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The new state is the request's last K-1 inputs (some from the old state when the request is shorter)."""
     req, dblock = tl.program_id(0), tl.program_id(1)
     start = tl.load(cu_ptr + req)
     length = tl.load(cu_ptr + req + 1) - start
     state_ptr = states_ptr + tl.load(slots_ptr + req).to(tl.int64) * stride_ss
-    x_req = x_ptr + start.to(tl.int64) * stride_x
     chans = dblock * BLOCK_D + tl.arange(0, BLOCK_D)
-    for t0 in range(0, length, BLOCK_T):
-        pos = t0 + tl.arange(0, BLOCK_T)
-        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        for tap in tl.static_range(K):
-            w = tl.load(w_ptr + chans * stride_w + tap, mask=chans < D, other=0.0).to(tl.float32)
-            acc += _load_input(x_req, state_ptr, pos + tap - (K - 1), chans, length, stride_x, stride_sd, K, D) * w[None, :]
-        if SILU:
-            acc = acc * tl.sigmoid(acc)
-        out_mask = (pos < length)[:, None] & (chans < D)[None, :]
-        tl.store(out_ptr + (start + pos).to(tl.int64)[:, None] * stride_out + chans[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    # The new state is the last K-1 inputs; gather all of it before overwriting the old state it may include.
     tail = length - (K - 1) + tl.arange(0, BLOCK_K)
+    x_req = x_ptr + start.to(tl.int64) * stride_x
     new_state = _load_input(x_req, state_ptr, tail, chans, length, stride_x, stride_sd, K, D)  # [BLOCK_K, BLOCK_D]
-    tl.debug_barrier()
+    tl.debug_barrier()  # all of the old state is read before any of it is overwritten
     dst = state_ptr + chans[None, :] * stride_sd + tl.arange(0, BLOCK_K)[:, None]
-    tl.store(dst, new_state.to(states_ptr.dtype.element_ty), mask=(tl.arange(0, BLOCK_K) < K - 1)[:, None] & (chans < D)[None, :])
+    keep = (tl.arange(0, BLOCK_K) < K - 1)[:, None] & (chans < D)[None, :]
+    tl.store(dst, new_state.to(states_ptr.dtype.element_ty), mask=keep)
 
 
 @triton.jit
@@ -127,13 +153,20 @@ def causal_conv1d_fn_triton(
     if out.shape != x.shape or out.stride(1) != 1:
         raise ValueError(f"out must be shaped like x {tuple(x.shape)} with a contiguous last dim")
     d, k = weight.shape
-    grid = (state_indices.shape[0], triton.cdiv(d, _block_d(d)))
-    if grid[0]:
+    block_t, block_d = 16, _block_d(d)  # 16 x 128: 128 registers a thread on sm_90 and no spills (64 x 128 spilled)
+    # as many token tiles as the whole batch has: no host read of the longest request; the surplus exits at once
+    grid = (state_indices.shape[0], triton.cdiv(d, block_d), triton.cdiv(x.shape[0], block_t))
+    if grid[0] and grid[2]:
         _causal_conv1d_fwd_kernel[grid](
             x_ptr=x, w_ptr=weight, out_ptr=out, states_ptr=conv_states, slots_ptr=state_indices, cu_ptr=cu_seqlens,
             stride_x=x.stride(0), stride_out=out.stride(0), stride_w=weight.stride(0),
             stride_ss=conv_states.stride(0), stride_sd=conv_states.stride(1),
-            D=d, K=k, SILU=_silu_flag(activation), BLOCK_T=64, BLOCK_D=_block_d(d),
+            D=d, K=k, SILU=_silu_flag(activation), BLOCK_T=block_t, BLOCK_D=block_d,
+        )
+    if grid[0]:
+        _conv_state_after_prefill_kernel[grid[:2]](
+            x_ptr=x, states_ptr=conv_states, slots_ptr=state_indices, cu_ptr=cu_seqlens, stride_x=x.stride(0),
+            stride_ss=conv_states.stride(0), stride_sd=conv_states.stride(1), D=d, K=k, BLOCK_D=block_d,
             BLOCK_K=triton.next_power_of_2(max(k - 1, 1)),
         )
     return out
