@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ..dispatch import dot_precision
 
+
 @triton.jit
 def _l2norm_rows(x):
     """Rows over the last axis, eps 1e-6 as in the reference l2norm (and FLA's)."""
@@ -244,7 +245,7 @@ def chunk_gated_delta_rule_triton(
     if cu_seqlens.shape != (state_indices.shape[0] + 1,):
         raise ValueError(f"cu_seqlens must be [{state_indices.shape[0] + 1}], got {tuple(cu_seqlens.shape)}")
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")  # the largest tile used
+        raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")  # an upper bound: see below
     out = _output(v, out)
     # Value columns split across programs: each keeps a [dk, 64] state slice, so a 128 x 128 head fits the
     # registers and shared memory of one program; the keys' part (K K^T and its inverse) is redone per slice.
