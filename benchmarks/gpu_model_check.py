@@ -13,7 +13,6 @@ Prints PASS/FAIL per check and exits non-zero when any fails. On a machine witho
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import tempfile
@@ -21,7 +20,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repository (for tests/) and benchmarks/
+from bench_alt_stream import overlap_flags  # noqa: E402
 from sglang_lite import Engine, load_model  # noqa: E402
 from sglang_lite.forward_batch import ForwardMode, build_forward_batch  # noqa: E402
 from sglang_lite.mem_cache.pools import ModelPools  # noqa: E402
@@ -32,7 +33,6 @@ from tests.hf_checkpoints import make_hf_model, save_checkpoint  # noqa: E402
 
 # float32 as on the CPU (the kernels' float32 dots keep float32 accuracy); bf16 weights lose about 1e-2.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
-OVERLAPS = ("SGLANG_ALT_STREAM", "SGLANG_GDN_QKVZ_BA_ALT_STREAM", "SGLANG_QK_NORM_ALT_STREAM")
 results: list[bool] = []
 _last = [time.perf_counter()]
 DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")  # "cpu" runs the same checks here, without graphs
@@ -50,17 +50,6 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
-@contextlib.contextmanager
-def overlaps(enabled: bool):
-    saved = {k: os.environ.get(k) for k in OVERLAPS}
-    os.environ.update({k: "1" if enabled else "0" for k in OVERLAPS})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-
-
 def check_logits(hf: torch.nn.Module, path: str, kind: str) -> None:
     ids = torch.randint(0, hf.config.vocab_size, (2, 200), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -74,7 +63,7 @@ def check_logits(hf: torch.nn.Module, path: str, kind: str) -> None:
 def check_graph_decode(path: str, kind: str, alt: bool) -> None:
     """Five requests of different lengths prefill packed, then decode 6 steps by CUDA-graph replay."""
     steps, lengths = 6, [1, 17, 64, 65, 100]
-    with overlaps(alt):
+    with overlap_flags(alt):
         model = load_model(path, dtype=torch.float32, device=DEVICE,
                            server_args=ServerArgs(device=DEVICE, disable_shared_experts_fusion=False))
     gen = torch.Generator().manual_seed(1)
