@@ -49,14 +49,11 @@ class Launch:
 
     @property
     def name(self) -> str:
-        consts = ", ".join(f"{k}={v}" for k, v in self.constexprs + self.options if k in self.declared_constexprs
-                           or k in LAUNCH_OPTIONS)
+        """Kernel, data type and the constexprs it declares plus launch options (not the specialised 1s)."""
+        declared = {p.name for p in self.kernel.params if p.is_constexpr}
+        shown = [(k, v) for k, v in self.constexprs if k in declared] + list(self.options)
         data = next((t[1:] for _, t in self.signature if t.startswith("*")), "")
-        return f"{self.kernel.fn.__name__} {data} [{consts}]"
-
-    @property
-    def declared_constexprs(self) -> set[str]:
-        return {p.name for p in self.kernel.params if p.is_constexpr}
+        return f"{self.kernel.fn.__name__} {data} [{', '.join(f'{k}={v}' for k, v in shown)}]"
 
 
 def record_launches(hip_version: str | None, arch: str) -> list[Launch]:

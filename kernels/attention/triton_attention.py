@@ -128,12 +128,6 @@ def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                          f"got {tuple(out.shape)} {out.dtype}")
 
 
-def _extend_warps(block_m: int, block_d: int) -> int:
-    """8 warps for 64 x 128 tiles on NVIDIA (4 spilled 952 bytes a thread on sm_90); AMD's 64-wide wavefronts
-    spill with 8 and fit with 4."""
-    return 8 if block_m * block_d >= 8192 and not torch.version.hip else 4
-
-
 def extend_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -157,7 +151,8 @@ def extend_attention(
         return out
     q_start = torch.cumsum(extend_lens, 0) - extend_lens
     # 64 x 64 tiles up to 256 bytes of head per row (bf16 head_dim 128); wider rows take 32 x 32, which keeps fp32
-    # within MI300's 64 KB of shared memory (80 KB at head_dim 80 -> 128) and off the stack on sm_90
+    # within MI300's 64 KB of shared memory (64 x 64 needed 80 KB at head_dim 80 -> 128) and cuts its spills on
+    # sm_90 from 592 to 32 bytes a thread (benchmarks/triton_resources.py)
     block_d = triton.next_power_of_2(q.shape[2])
     block_m, block_n = (32, 32) if block_d * q.element_size() > 256 else (64, 64)
     max_extend = int(extend_lens.max())  # one host read to size the grid
@@ -168,7 +163,7 @@ def extend_attention(
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_cn=k_cache.stride(0), stride_ch=k_cache.stride(1), stride_req=req_to_token.stride(0),
         UPCAST=triton_interpreting(), PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, num_warps=_extend_warps(block_m, block_d),
+        BLOCK_D=block_d,
     )
     return out
 
