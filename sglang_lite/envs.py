@@ -94,7 +94,11 @@ SGLANG_GDN_ALT_STREAM_MAX_TOKENS = EnvInt(
     "SGLANG_GDN_ALT_STREAM_MAX_TOKENS", 1024, "GDN projections overlap only for batches under this many tokens."
 )
 SGLANG_KERNEL_BACKEND = EnvChoice(
-    "SGLANG_KERNEL_BACKEND", "auto", ("auto", "triton", "torch"), "Force Triton or PyTorch kernels (kernels/dispatch.py)."
+    "SGLANG_KERNEL_BACKEND", "auto", ("auto", "triton", "torch"),
+    "Force Triton or PyTorch kernels (kernels/dispatch.py).",
+)
+TRITON_INTERPRET = EnvBool(
+    "TRITON_INTERPRET", False, "Triton's own flag: run Triton kernels on the CPU in its interpreter (how tests run them)."
 )
 SGLANG_ROUTER_P2C_LOAD_METRIC = EnvStr(
     "SGLANG_ROUTER_P2C_LOAD_METRIC", "tokens",
