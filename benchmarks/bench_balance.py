@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from sglang_lite.bench.balance import BalanceSampler, BalanceStats, format_table
 from sglang_lite.bench.replay import replay_closed_loop, summarize
 from sglang_lite.bench.traces import AgenticTraceConfig, agentic_trace

@@ -21,7 +21,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -187,15 +187,18 @@ def summarize(results: list[RequestResult], duration: float, concurrency: int) -
     }
 
 
+def _trio(stats: dict[str, float]) -> str:
+    return "/".join(f"{stats[p]:.1f}" for p in ("p50", "p90", "p99"))
+
+
 def format_table(levels: list[dict[str, Any]]) -> str:
     head = (f"{'conc':>5} {'ok':>5} {'fail':>4} {'req/s':>8} {'out tok/s':>10} | {'TTFT p50/p90/p99 ms':>22} | "
             f"{'TPOT p50/p90/p99 ms':>22} | {'ITL p50/p90/p99 ms':>22}")
     rows = [head, "-" * len(head)]
     for s in levels:
-        trio = lambda k: "/".join(f"{s[k][p]:.1f}" for p in ("p50", "p90", "p99"))  # noqa: E731
         rows.append(f"{s['concurrency']:>5} {s['completed']:>5} {s['failed']:>4} {s['request_throughput']:>8.2f} "
-                    f"{s['output_throughput']:>10.1f} | {trio('ttft_ms'):>22} | {trio('tpot_ms'):>22} | "
-                    f"{trio('itl_ms'):>22}")
+                    f"{s['output_throughput']:>10.1f} | {_trio(s['ttft_ms']):>22} | {_trio(s['tpot_ms']):>22} | "
+                    f"{_trio(s['itl_ms']):>22}")
     return "\n".join(rows)
 
 
@@ -204,7 +207,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:30000")
     parser.add_argument("--backend", choices=sorted(PATHS), default="openai")
-    parser.add_argument("--model", default=None, help="Model name for the OpenAI API; default: the first of /v1/models.")
+    parser.add_argument("--model", default=None,
+                        help="Model name for the OpenAI API; default: the first of /v1/models.")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--dataset", choices=("random", "fixed"), default="random")
     parser.add_argument("--num-prompts", type=int, default=64, help="Requests per concurrency level.")

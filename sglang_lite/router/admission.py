@@ -43,7 +43,8 @@ class Admission:
         self.waiting += 1
         try:
             await asyncio.wait_for(self._slots.acquire(), self.queue_timeout)
-        except asyncio.TimeoutError:
-            raise Shed(503, "timed out waiting in the router queue", retry_after=max(1, int(self.queue_timeout)))
+        except asyncio.TimeoutError as exc:
+            retry_after = max(1, int(self.queue_timeout))
+            raise Shed(503, "timed out waiting in the router queue", retry_after) from exc
         finally:
             self.waiting -= 1

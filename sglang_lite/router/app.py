@@ -11,14 +11,15 @@ import time
 import aiohttp
 from aiohttp import web
 
-from . import pd
 from .admission import Admission, Shed
 from .config import RouterConfig
+from .dispatch import Dispatcher, rank_fields, record_outcome
 from .health import HealthChecker, probe
 from .load_monitor import LoadMonitor
 from .metrics import RouterMetrics
+from .pd import PDForwarder
 from .policies import Policy, RequestInfo, create_policy
-from .proxy import UpstreamUnreachable, backoff_secs, forward_headers, json_error, open_upstream, relay, with_fields
+from .proxy import UpstreamUnreachable, backoff_secs, json_error, with_fields
 from .request_info import parse_body, request_info
 from .workers import CircuitBreaker, Server, Worker, WorkerRegistry, normalize_url
 
@@ -41,22 +42,29 @@ class Router:
             "prefill": create_policy(config.prefill_policy or config.policy, **opts),
             "decode": create_policy(config.decode_policy or config.policy, **opts),
         }
+        # Opened by start(), on the running loop; the dispatcher and PD forwarder send over this session.
         self.session: aiohttp.ClientSession | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.pd: PDForwarder | None = None  # only under --pd-disaggregation
         self.load_monitor: LoadMonitor | None = None
         self._tasks: list[asyncio.Task] = []
-        self.background: set[asyncio.Task] = set()  # PD prefill legs that outlive their handler
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.dispatcher = Dispatcher(self.session, self.config.request_timeout_secs)
+        if self.config.pd_disaggregation:
+            self.pd = PDForwarder(self.pick, self.dispatcher, self.rng)
         await self._add_initial_workers()
         self._start_monitors()
 
     async def close(self) -> None:
-        for task in self._tasks + list(self.background):
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self.background, return_exceptions=True)
+        if self.pd is not None:
+            await self.pd.close()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
 
@@ -126,14 +134,6 @@ class Router:
         chosen = self.policies[role].select(views, info, self.rng)
         return None if chosen is None else registry.by_url(chosen.url)
 
-    def record_outcome(self, worker: Worker, failed: bool) -> None:
-        # 4xx is the client's fault and 2xx/3xx a success: only transport failures and 5xx trip the breaker.
-        if failed:
-            worker.errors += 1
-            worker.server.breaker.record_failure(time.monotonic())
-        else:
-            worker.server.breaker.record_success()
-
     # ---- forwarding ------------------------------------------------------------------------------------
     async def forward(self, request: web.Request, raw: bytes, info: RequestInfo) -> web.StreamResponse:
         """Send to a chosen worker; a request that never reached one is retried elsewhere after a backoff."""
@@ -145,47 +145,15 @@ class Router:
             if worker is None:
                 break
             try:
-                return await self.send(request, worker, raw)
+                return await self.dispatcher.send(request, worker, with_fields(raw, rank_fields(worker)))
             except UpstreamUnreachable as exc:
                 logger.warning("worker %s unreachable: %s", worker.server.url, exc)
-                self.record_outcome(worker, failed=True)
+                record_outcome(worker, failed=True)
                 refused |= {w.url for w in self.registries["regular"].workers_of(worker.server)}
             if attempt < retries:
                 self.metrics.retries += 1
                 await asyncio.sleep(backoff_secs(attempt, cfg, self.rng))
         return json_error(503, "no healthy worker available", retry_after=1)
-
-    async def send(self, request: web.Request, worker: Worker, raw: bytes | None,
-                   add_rank: bool = True) -> web.StreamResponse:
-        """One dispatch; the worker's in-flight count covers it until the response body ends."""
-        payload = raw
-        if add_rank and raw is not None and worker.dp_rank is not None:
-            payload = with_fields(raw, {"routed_dp_rank": worker.dp_rank})
-        worker.acquire()
-        try:
-            return await self._exchange(request, worker, payload)
-        finally:
-            worker.release()
-
-    async def _exchange(self, request: web.Request, worker: Worker, payload: bytes | None) -> web.StreamResponse:
-        url = worker.server.url + request.rel_url.path_qs
-        try:
-            upstream = await open_upstream(self.session, request.method, url, payload,
-                                           forward_headers(request.headers), self.config.request_timeout_secs)
-        except asyncio.TimeoutError:
-            self.record_outcome(worker, failed=True)
-            return json_error(504, f"request timed out after {self.config.request_timeout_secs}s")
-        except aiohttp.ClientError as exc:  # reached the worker, then failed: not safe to retry
-            self.record_outcome(worker, failed=True)
-            return json_error(502, f"worker {worker.server.url} failed: {exc!r}")
-        try:
-            resp, failed = await relay(request, upstream)
-        except BaseException:
-            upstream.close()  # client gone or cancelled: drop the upstream connection so the worker aborts too
-            raise
-        upstream.release()
-        self.record_outcome(worker, failed or upstream.status >= 500)
-        return resp
 
     # ---- handlers --------------------------------------------------------------------------------------
     async def handle_inference(self, request: web.Request) -> web.StreamResponse:
@@ -213,7 +181,7 @@ class Router:
             return json_error(400, str(exc))
         info = request_info(body if self._needs_text() else None, request.headers)
         if self.config.pd_disaggregation:
-            return await pd.forward_pd(self, request, raw, body, info)
+            return await self.pd.forward(request, raw, body, info)
         return await self.forward(request, raw, info)
 
     def _needs_text(self) -> bool:
@@ -226,9 +194,9 @@ class Router:
         if worker is None:
             return json_error(503, "no healthy worker available", retry_after=1)
         try:
-            return await self.send(request, worker, None)
+            return await self.dispatcher.send(request, worker, None)
         except UpstreamUnreachable as exc:
-            self.record_outcome(worker, failed=True)
+            record_outcome(worker, failed=True)
             return json_error(502, f"worker {worker.server.url} unreachable: {exc}")
 
     async def handle_workers(self, request: web.Request) -> web.Response:

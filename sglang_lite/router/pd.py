@@ -7,23 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+import random
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
 
+from .dispatch import Dispatcher, rank_fields, record_outcome
 from .policies import RequestInfo
-from .proxy import UpstreamUnreachable, forward_headers, json_error, open_upstream, with_fields
+from .proxy import UpstreamUnreachable, json_error, with_fields
 from .request_info import batch_size
 from .workers import Worker
 
-if TYPE_CHECKING:
-    from .app import Router
-
 logger = logging.getLogger("sglang_lite.router")
 
+PickWorker = Callable[[str, RequestInfo], Worker | None]  # (role, request) -> a worker of that role, or None
 
-def bootstrap_fields(body: dict, prefill: Worker, room_of) -> dict:
+
+def bootstrap_fields(body: dict, prefill: Worker, room_of: Callable[[], int]) -> dict:
     """bootstrap_host/port/room; lists of them for a batched /generate (one room per prompt)."""
     server = prefill.server
     n = batch_size(body)
@@ -35,45 +36,63 @@ def bootstrap_fields(body: dict, prefill: Worker, room_of) -> dict:
 
 def leg_payload(raw: bytes, fields: dict, worker: Worker) -> bytes:
     """The client's bytes plus the bootstrap fields (and this leg's DP rank)."""
-    rank = {} if worker.dp_rank is None else {"routed_dp_rank": worker.dp_rank}
-    return with_fields(raw, {**fields, **rank})
+    return with_fields(raw, {**fields, **rank_fields(worker)})
 
 
-async def forward_pd(router: Router, request: web.Request, raw: bytes, body: dict,
-                     info: RequestInfo) -> web.StreamResponse:
-    prefill, decode = router.pick("prefill", info), router.pick("decode", info)
-    if prefill is None or decode is None:
-        return json_error(503, "no healthy prefill or decode worker available", retry_after=1)
-    fields = bootstrap_fields(body, prefill, lambda: router.rng.getrandbits(63))
-    prefill.acquire()
-    leg = asyncio.create_task(_prefill_leg(router, request, prefill, leg_payload(raw, fields, prefill)))
-    router.background.add(leg)
-    leg.add_done_callback(router.background.discard)
-    try:
-        return await router.send(request, decode, leg_payload(raw, fields, decode), add_rank=False)
-    except UpstreamUnreachable as exc:
-        router.record_outcome(decode, failed=True)
-        return json_error(502, f"decode worker {decode.server.url} unreachable: {exc}")
-    except asyncio.CancelledError:
-        leg.cancel()  # the client left: abort the prefill too
-        raise
+class PDForwarder:
+    """Sends each request to a prefill and a decode worker and returns the decode response.
 
+    The prefill leg runs as a task of its own that may outlive the handler; the forwarder keeps those tasks
+    and cancels them on close(). Workers come from `pick`; bootstrap rooms are random 63-bit ids from `rng`.
+    """
 
-async def _prefill_leg(router: Router, request: web.Request, worker: Worker, payload: bytes) -> None:
-    """Send to the prefill worker and drain its response; its in-flight count ends with that response."""
-    url = worker.server.url + request.rel_url.path_qs
-    failed = True
-    try:
-        upstream = await open_upstream(router.session, "POST", url, payload, forward_headers(request.headers),
-                                       router.config.request_timeout_secs)
-        async with upstream:
-            await upstream.read()
-            failed = upstream.status >= 500
-    except asyncio.CancelledError:
-        failed = False  # aborted because the client left; not the worker's fault
-        raise
-    except (UpstreamUnreachable, aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        logger.warning("prefill leg on %s failed: %r", worker.server.url, exc)
-    finally:
-        worker.release()
-        router.record_outcome(worker, failed)
+    def __init__(self, pick: PickWorker, dispatcher: Dispatcher, rng: random.Random) -> None:
+        self.pick = pick
+        self.dispatcher = dispatcher
+        self.rng = rng
+        self.prefill_legs: set[asyncio.Task] = set()
+
+    async def forward(self, request: web.Request, raw: bytes, body: dict, info: RequestInfo) -> web.StreamResponse:
+        prefill, decode = self.pick("prefill", info), self.pick("decode", info)
+        if prefill is None or decode is None:
+            return json_error(503, "no healthy prefill or decode worker available", retry_after=1)
+        fields = bootstrap_fields(body, prefill, lambda: self.rng.getrandbits(63))
+        leg = self._start_prefill_leg(request, prefill, leg_payload(raw, fields, prefill))
+        try:
+            return await self.dispatcher.send(request, decode, leg_payload(raw, fields, decode))
+        except UpstreamUnreachable as exc:
+            record_outcome(decode, failed=True)
+            return json_error(502, f"decode worker {decode.server.url} unreachable: {exc}")
+        except asyncio.CancelledError:
+            leg.cancel()  # the client left: abort the prefill too
+            raise
+
+    async def close(self) -> None:
+        legs = list(self.prefill_legs)
+        for leg in legs:
+            leg.cancel()
+        await asyncio.gather(*legs, return_exceptions=True)
+
+    def _start_prefill_leg(self, request: web.Request, worker: Worker, payload: bytes) -> asyncio.Task:
+        worker.acquire()  # counted from dispatch, before the task first runs
+        leg = asyncio.create_task(self._prefill_leg(request, worker, payload))
+        self.prefill_legs.add(leg)
+        leg.add_done_callback(self.prefill_legs.discard)
+        return leg
+
+    async def _prefill_leg(self, request: web.Request, worker: Worker, payload: bytes) -> None:
+        """Send to the prefill worker and drain its response; its in-flight count ends with that response."""
+        failed = True
+        try:
+            upstream = await self.dispatcher.open(request, worker, payload)
+            async with upstream:
+                await upstream.read()
+                failed = upstream.status >= 500
+        except asyncio.CancelledError:
+            failed = False  # aborted because the client left; not the worker's fault
+            raise
+        except (UpstreamUnreachable, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            logger.warning("prefill leg on %s failed: %r", worker.server.url, exc)
+        finally:
+            worker.release()
+            record_outcome(worker, failed)

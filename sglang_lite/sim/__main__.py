@@ -27,7 +27,8 @@ def base_config(args: argparse.Namespace) -> SimConfig:
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-file", default=None, help="cost model + cluster JSON (default: the packaged one)")
     p.add_argument("--duration", type=float, default=3600.0, help="simulated seconds per run")
-    p.add_argument("--warmup", type=float, default=None, help="seconds excluded from metrics (default min(300, duration/6))")
+    p.add_argument("--warmup", type=float, default=None,
+                   help="seconds excluded from metrics (default min(300, duration/6))")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--poll-interval", dest="poll_interval_s", type=float, default=None)
     p.add_argument("--dp-size", dest="decode_dp_size", type=int, default=None)

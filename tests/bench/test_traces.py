@@ -2,8 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_lite.bench.traces import (AgenticTraceConfig, agentic_trace, group_sessions, load_trace, output_share,
-                                      save_trace)
+from sglang_lite.bench.traces import (
+    AgenticTraceConfig,
+    agentic_trace,
+    group_sessions,
+    load_trace,
+    output_share,
+    save_trace,
+)
 
 
 def test_agentic_trace_is_seeded_and_input_heavy():

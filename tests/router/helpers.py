@@ -128,7 +128,7 @@ def delta(after: dict[int, int], before: dict[int, int]) -> dict[int, int]:
 async def server_idle(session: aiohttp.ClientSession, server_url: str) -> bool:
     """Every rank of a real server holds no request and no KV tokens."""
     loads = (await get_json(session, server_url + "/v1/loads?include=core"))["loads"]
-    return all(l["num_running_reqs"] == l["num_waiting_reqs"] == l["num_total_tokens"] == 0 for l in loads)
+    return all(rank["num_running_reqs"] == rank["num_waiting_reqs"] == rank["num_total_tokens"] == 0 for rank in loads)
 
 
 async def in_flight(session: aiohttp.ClientSession, router_url: str) -> dict[str, int]:

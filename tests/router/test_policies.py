@@ -7,8 +7,15 @@ from collections import Counter
 import pytest
 
 from sglang_lite.router.policies import (
-    CacheAwarePolicy, ConsistentHashingPolicy, PowerOfTwoPolicy, RadixTree, RandomPolicy, RequestInfo,
-    RoundRobinPolicy, WorkerState, create_policy,
+    CacheAwarePolicy,
+    ConsistentHashingPolicy,
+    PowerOfTwoPolicy,
+    RadixTree,
+    RandomPolicy,
+    RequestInfo,
+    RoundRobinPolicy,
+    WorkerState,
+    create_policy,
 )
 from sglang_lite.router.policies.consistent_hashing import HashRing
 

@@ -10,7 +10,17 @@ import aiohttp
 import pytest
 
 from .helpers import (
-    delta, finish_reason, generate, get_json, get_text, in_flight, parse_counter, routed, run, server_idle, wait_for,
+    delta,
+    finish_reason,
+    generate,
+    get_json,
+    get_text,
+    in_flight,
+    parse_counter,
+    routed,
+    run,
+    server_idle,
+    wait_for,
 )
 
 FAST = ["--worker-startup-check-interval", "0.1", "--health-check-interval-secs", "0.5"]

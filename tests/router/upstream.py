@@ -134,8 +134,9 @@ def make_app(state: State) -> web.Application:
         if body.get("stream"):
             return await stream(request, body)
         pieces, rank = [], 0
-        async for rank, piece in generate_tokens(state, body):
+        async for piece_rank, piece in generate_tokens(state, body):
             pieces.append(piece)
+            rank = piece_rank  # every piece comes from the request's one rank
         return web.json_response(full_json(request.path, "".join(pieces), rank, len(pieces)))
 
     async def stream(request: web.Request, body: dict) -> web.StreamResponse:
