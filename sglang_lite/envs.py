@@ -98,7 +98,7 @@ SGLANG_KERNEL_BACKEND = EnvChoice(
     "Force Triton or PyTorch kernels (kernels/dispatch.py).",
 )
 TRITON_INTERPRET = EnvBool(
-    "TRITON_INTERPRET", False, "Triton's own flag: run Triton kernels on the CPU in its interpreter (how tests run them)."
+    "TRITON_INTERPRET", False, "Triton's own flag: run Triton kernels on the CPU in its interpreter (as the tests do)."
 )
 SGLANG_ROUTER_P2C_LOAD_METRIC = EnvStr(
     "SGLANG_ROUTER_P2C_LOAD_METRIC", "tokens",

@@ -7,11 +7,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import AutoTokenizer
 
 from sglang_lite.forward_batch import ForwardMode, build_forward_batch
 from sglang_lite.mem_cache.pools import ModelPools
-from sglang_lite.models.loader import default_model_path, load_model
+from sglang_lite.models.loader import load_model
+from sglang_lite.tokenizer.loader import load_tokenizer
 
 
 @torch.no_grad()
@@ -40,8 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", default="The capital of France is")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
-    path = args.model_path or default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(args.model_path)
     model = load_model(args.model_path)
     ids = tokenizer(args.prompt)["input_ids"]
     output = greedy_generate(model, ids, args.max_new_tokens)

@@ -29,7 +29,12 @@ def run_server(args: ServerArgs) -> None:
 
     app = create_app(args)
     manager = app.state.manager
-    atexit.register(lambda: stop_processes(manager.processes, grace_s=0.0))  # even if uvicorn exits abnormally
+
+    def stop_ranks() -> None:  # even if uvicorn exits abnormally
+        if manager.client is not None:
+            stop_processes(manager.client.processes, grace_s=0.0)
+
+    atexit.register(stop_ranks)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30)
 
 

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_lite import assets
+
 SCHEDULE_POLICIES = ("fcfs", "sjf")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
@@ -116,6 +118,15 @@ class ServerArgs:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     @property
+    def model_dir(self) -> str:
+        """The checkpoint folder: ``model_path``, or the built-in tiny model's."""
+        return assets.model_dir(self.model_path)
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer_path or self.model_dir
+
+    @property
     def cpu_threads(self) -> int:
         """torch threads of one scheduler process on the CPU: the CPUs shared out over the DP ranks by default."""
         return self.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // self.dp_size)
@@ -158,8 +169,9 @@ def _parse_type(annotation: Any) -> type:
     return str
 
 
-# The process-global server arguments. Set by whoever starts serving (engine, scheduler process); read lazily, at
-# model construction, never at import: a module-level read once broke imports in unit tests upstream.
+# The process-global server arguments, the one upstream contract that is not passed explicitly: the scheduler
+# process sets them once (runtime/scheduler_process.py), model code reads them lazily, at construction, never at
+# import (a module-level read once broke imports in unit tests upstream). Nothing else sets or reads them.
 _global_server_args: ServerArgs | None = None
 
 
@@ -172,11 +184,12 @@ def get_global_server_args() -> ServerArgs:
     if _global_server_args is None:
         raise RuntimeError(
             "Global server args is not set yet: call sglang_lite.server_args.set_global_server_args(...) first "
-            "(the engine and the server do; standalone load_model uses ServerArgs() defaults)"
+            "(scheduler processes do; standalone load_model uses ServerArgs() defaults)"
         )
     return _global_server_args
 
 
 def server_args_or_default() -> ServerArgs:
-    """The global server arguments when set, else the defaults (standalone use of the model classes)."""
-    return _global_server_args if _global_server_args is not None else ServerArgs()
+    """For model code: the rank's server arguments, or the defaults when a model is built outside a rank (a script
+    or a test calling ``load_model``)."""
+    return get_global_server_args() if _global_server_args is not None else ServerArgs()

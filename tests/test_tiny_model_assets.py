@@ -67,7 +67,8 @@ def test_plain_encode_adds_no_bos_or_eos(tokenizer) -> None:
 def test_chat_template_renders_chatml(tokenizer) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    expected = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+                "<|im_start|>assistant\n")
     assert text == expected
     assert not tokenizer.apply_chat_template(messages, tokenize=False).endswith("<|im_start|>assistant\n")
 

@@ -1,4 +1,4 @@
-"""The offline engine: a scheduler in a background thread behind ``generate`` / ``generate_stream``."""
+"""The offline engine: a scheduler process behind ``generate`` / ``generate_stream``."""
 from sglang_lite.engine.engine import Engine
 
 __all__ = ["Engine"]

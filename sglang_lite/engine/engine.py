@@ -1,23 +1,25 @@
-"""The offline engine: one scheduler process driven over ZMQ, with a blocking and a streaming ``generate``.
+"""The offline engine: one scheduler process driven through the client core, with a blocking and a streaming
+``generate``.
 
 Results follow SGLang: ``{"text", "output_ids", "meta_info": {"prompt_tokens", "completion_tokens",
 "finish_reason", ...}}`` per request. Streaming yields the same keys with only what is new in each piece.
-The scheduler runs in a child process (see ``driver.py`` for why), a fresh interpreter: scripts need no main guard.
+The scheduler runs in a child process (see ``sync_client.py`` for why), a fresh interpreter: scripts need no main
+guard.
 """
 from __future__ import annotations
 
-import dataclasses
 import queue
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from sglang_lite.engine.driver import SchedulerProcess
-from sglang_lite.engine.launch import load_server_tokenizer
+from sglang_lite.engine.sync_client import SyncClient
+from sglang_lite.runtime.factory import load_server_tokenizer
+from sglang_lite.runtime.inputs import prompt_token_ids
+from sglang_lite.runtime.messages import CheckQuery, LoadsQuery
 from sglang_lite.sampling.params import SamplingParams
-from sglang_lite.scheduler.config import SchedulerConfig
-from sglang_lite.scheduler.loads import SECTIONS
-from sglang_lite.scheduler.request import ReqOutput
+from sglang_lite.scheduler.loads import LOAD_SECTIONS
+from sglang_lite.scheduler.request import ReqOutput, join_outputs
 from sglang_lite.scheduler.scheduler import validate_request
 from sglang_lite.server_args import ServerArgs
 
@@ -31,9 +33,12 @@ class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
         server_args.setdefault("max_queued_requests", UNBOUNDED_QUEUE)
         self.server_args = ServerArgs(model_path=model_path, **server_args)
+        if self.server_args.dp_size != 1:
+            raise ValueError(f"dp_size: the Engine runs one scheduler, got {self.server_args.dp_size}; "
+                             "serve DP ranks with sglang_lite.launch_server")
         self.tokenizer = load_server_tokenizer(self.server_args)
-        self._driver: SchedulerProcess | None = SchedulerProcess(self.server_args)
-        self.config = SchedulerConfig.from_dict(self._driver.info["config"])
+        self._client: SyncClient | None = SyncClient(self.server_args)
+        self.config = self._client.config
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(
@@ -47,7 +52,7 @@ class Engine:
         rids = [uuid.uuid4().hex for _ in requests]
         streams = [self._submit(rid, ids, p) for rid, (ids, p) in zip(rids, requests)]
         try:
-            results = [_collect(s) for s in streams]
+            results = [_result(join_outputs(_outputs(s))) for s in streams]
         except BaseException:
             for rid in rids:
                 self.abort(rid)
@@ -72,34 +77,34 @@ class Engine:
             while not finished:
                 output = _next_output(stream)
                 finished = output.finished
-                yield {"text": output.new_text, "output_ids": output.new_token_ids, "meta_info": output.meta_info}
+                yield _result(output)
         finally:
-            if not finished and self._driver is not None:
+            if not finished and self._client is not None:
                 self.abort(rid)
 
     def abort(self, rid: str) -> None:
-        self._running_driver().abort(rid)
+        self._running_client().abort(rid)
 
-    def get_loads(self, include: tuple[str, ...] = ("core", "memory", "queues")) -> dict[str, Any]:
+    def get_loads(self, include: tuple[str, ...] = LOAD_SECTIONS) -> dict[str, Any]:
         """Live load figures of the scheduler, taken after every command sent before this call."""
-        unknown = sorted(set(include) - set(SECTIONS))
+        unknown = sorted(set(include) - set(LOAD_SECTIONS))
         if unknown:
-            raise ValueError(f"include: unknown load section(s) {unknown}; known: {sorted(SECTIONS)}")
-        return self._running_driver().ask("loads", list(include))
+            raise ValueError(f"include: unknown load section(s) {unknown}; known: {list(LOAD_SECTIONS)}")
+        return self._running_client().ask(LoadsQuery, tuple(include)).loads
 
     def check_invariants(self) -> None:
         """Asserts the pools hold exactly what the requests hold (for tests and debugging)."""
-        error = self._running_driver().ask("check")
+        error = self._running_client().ask(CheckQuery).error
         if error is not None:
             raise AssertionError(error)
 
     # ---- lifetime ----------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stops the scheduler process (unfinished requests fail), which frees the model and pools."""
-        if self._driver is None:
+        if self._client is None:
             return
-        driver, self._driver = self._driver, None
-        driver.shutdown()
+        client, self._client = self._client, None
+        client.shutdown()
 
     def __enter__(self) -> Engine:
         return self
@@ -115,22 +120,16 @@ class Engine:
 
     # ---- helpers -----------------------------------------------------------------------------------------------
     def _submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> queue.Queue:
-        return self._running_driver().submit(rid, input_ids, dataclasses.asdict(params))
+        return self._running_client().submit(rid, input_ids, params)
 
-    def _running_driver(self) -> SchedulerProcess:
-        if self._driver is None:
+    def _running_client(self) -> SyncClient:
+        if self._client is None:
             raise RuntimeError("the engine is shut down")
-        return self._driver
+        return self._client
 
     def _prompts(self, prompt: Prompt, input_ids: InputIds) -> tuple[list[list[int]], bool]:
         """Token ids of each prompt, and whether the call was batched."""
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("pass exactly one of prompt and input_ids")
-        if input_ids is not None:
-            batched = bool(input_ids) and isinstance(input_ids[0], list)
-            return ([list(x) for x in input_ids] if batched else [list(input_ids)]), batched
-        batched = isinstance(prompt, list)
-        return [self._encode(p) for p in (prompt if batched else [prompt])], batched
+        return prompt_token_ids(prompt, input_ids, self._encode, text_name="prompt")
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -159,11 +158,13 @@ def _next_output(stream: queue.Queue) -> ReqOutput:
     return item
 
 
-def _collect(stream: queue.Queue) -> dict[str, Any]:
-    text, ids = [], []
-    while True:
-        output = _next_output(stream)
-        text.append(output.new_text)
-        ids.extend(output.new_token_ids)
-        if output.finished:
-            return {"text": "".join(text), "output_ids": ids, "meta_info": output.meta_info}
+def _outputs(stream: queue.Queue) -> list[ReqOutput]:
+    """Every output of one request, up to the finished one."""
+    outputs = [_next_output(stream)]
+    while not outputs[-1].finished:
+        outputs.append(_next_output(stream))
+    return outputs
+
+
+def _result(output: ReqOutput) -> dict[str, Any]:
+    return {"text": output.new_text, "output_ids": output.new_token_ids, "meta_info": output.meta_info}

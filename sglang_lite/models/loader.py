@@ -9,19 +9,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from sglang_lite import assets
 from sglang_lite.config import ModelConfig
 from sglang_lite.models.qwen3_5 import Qwen3_5ForCausalLM, model_class_for
 from sglang_lite.models.weights import load_checkpoint
-from sglang_lite.server_args import ServerArgs
-
-LOAD_FORMATS = ("auto", "dummy")
-
-
-def default_model_path() -> str:
-    """The built-in tiny Qwen3.5-MoE (config and tokenizer shipped in the package, dummy weights)."""
-    from sglang_lite.assets import TINY_MODEL_DIR
-
-    return str(TINY_MODEL_DIR)
+from sglang_lite.server_args import LOAD_FORMATS, ServerArgs
 
 
 def load_model(
@@ -40,8 +32,8 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if path is None:
-        path, load_format = default_model_path(), "dummy"
-    path = os.fspath(path)
+        load_format = "dummy"  # the built-in tiny model ships no weights
+    path = assets.model_dir(path)
     model = create_model(ModelConfig.from_hf(path), dtype, device, server_args)
     if load_format == "dummy":
         init_dummy_weights(model, seed)

@@ -14,8 +14,13 @@ SECTIONS = {
         "max_running_requests",
     ),
     "memory": ("weight_gb", "kv_cache_gb", "token_capacity"),
+    "disagg": (
+        "mode", "prefill_prealloc_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
+        "decode_transfer_queue_reqs", "decode_retracted_queue_reqs",
+    ),
     "queues": ("waiting", "paused", "retracted"),
 }
+LOAD_SECTIONS = tuple(SECTIONS)  # every section, the default wherever loads are asked for
 
 
 @dataclass(frozen=True)
@@ -39,12 +44,20 @@ class SchedulerLoads:
     paused: int
     retracted: int  # waiting requests that were retracted at least once
     num_retractions: int  # retractions since start
+    # prefill/decode disaggregation: none yet, so every queue is empty
+    mode: str = "null"
+    prefill_prealloc_queue_reqs: int = 0
+    prefill_inflight_queue_reqs: int = 0
+    decode_prealloc_queue_reqs: int = 0
+    decode_transfer_queue_reqs: int = 0
+    decode_retracted_queue_reqs: int = 0
 
-    def to_dict(self, include: tuple[str, ...] = ("core", "memory", "queues")) -> dict[str, Any]:
-        names = [n for section in include for n in SECTIONS[section]]
-        extra = ["num_retractions"] if "queues" in include else []
+    def to_dict(self, include: tuple[str, ...] = LOAD_SECTIONS) -> dict[str, Any]:
+        """The named sections' figures, always with ``dp_rank`` and ``timestamp``."""
+        names = ["dp_rank", "timestamp"] + [n for section in include for n in SECTIONS[section]]
+        names += ["num_retractions"] if "queues" in include else []
         values = dataclasses.asdict(self)
-        return {n: values[n] for n in names + extra}
+        return {n: values[n] for n in dict.fromkeys(names)}
 
 
 def utc_timestamp() -> str:

@@ -21,8 +21,9 @@ class FinishReason:
 
     def to_dict(self) -> dict[str, Any]:
         """The SGLang ``meta_info.finish_reason`` shape."""
-        field = {"stop": ("matched", self.matched), "length": ("length", self.length), "abort": ("message", self.message)}
-        key, value = field[self.kind]
+        detail = {"stop": ("matched", self.matched), "length": ("length", self.length),
+                  "abort": ("message", self.message)}
+        key, value = detail[self.kind]
         return {"type": self.kind, key: value}
 
 
@@ -104,3 +105,12 @@ class ReqOutput:
     new_text: str
     finished: bool
     meta_info: dict[str, Any]
+
+
+def join_outputs(outputs: list[ReqOutput]) -> ReqOutput:
+    """A request's outputs as one: every token and all text in order, the last ``meta_info``."""
+    assert outputs, "a finished request has at least one output"
+    ids = [token for output in outputs for token in output.new_token_ids]
+    text = "".join(output.new_text for output in outputs)
+    last = outputs[-1]
+    return ReqOutput(last.rid, ids, text, last.finished, last.meta_info)

@@ -154,7 +154,7 @@ class Scheduler:
 
     def _retraction_victim(self) -> Req:
         """The newest request holding memory, keeping at least one decoding request."""
-        candidates = (self.running if len(self.running) > 1 else []) + ([self.chunked] if self.chunked else [])
+        candidates = self.holders if len(self.running) > 1 else [r for r in self.holders if r is self.chunked]
         assert candidates, "one request alone always fits the KV pool (validated at admission)"
         return max(candidates, key=lambda r: r.admit_seq)
 
@@ -306,15 +306,16 @@ class Scheduler:
         )
 
     def _find(self, rid: str) -> Req | None:
-        holders = self.running + ([self.chunked] if self.chunked else [])
-        return next((r for r in self.waiting + holders if r.rid == rid), None)
+        return next((r for r in self.waiting + self.holders if r.rid == rid), None)
 
+    @property
     def holders(self) -> list[Req]:
+        """The requests holding memory: decoding, and the one part-way through its prefill."""
         return self.running + ([self.chunked] if self.chunked else [])
 
     def check_invariants(self) -> None:
         """Exact accounting between steps: the pools hold precisely what the requests say they hold."""
-        holders = self.holders()
+        holders = self.holders
         for req in holders + self.waiting:
             req.check()
         assert self.pools.kv.allocator.num_used == sum(r.num_cached for r in holders), "KV slots leaked or lost"
@@ -329,7 +330,7 @@ class Scheduler:
     def get_loads(self) -> SchedulerLoads:
         used = self.pools.kv.allocator.num_used
         total = self.config.max_total_tokens
-        running = len(self.holders())
+        running = len(self.holders)
         return SchedulerLoads(
             dp_rank=self.config.dp_rank,
             timestamp=utc_timestamp(),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 
-METHODS = ("round_robin", "shortest_queue")
+from sglang_lite.server_args import LOAD_BALANCE_METHODS
 
 
 class InvalidRank(ValueError):
@@ -21,7 +21,7 @@ def requested_rank(routed_dp_rank: int | None, data_parallel_rank: int | None) -
 
 class DPController:
     def __init__(self, dp_size: int, method: str) -> None:
-        assert method in METHODS, f"unknown load balance method {method!r}"
+        assert method in LOAD_BALANCE_METHODS, f"unknown load balance method {method!r}"
         self.dp_size, self.method = dp_size, method
         self._turns = itertools.count()
 

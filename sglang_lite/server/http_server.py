@@ -5,9 +5,6 @@ in the tokenizer manager, the OpenAI shapes in ``openai_serving``.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,21 +16,31 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from sglang_lite.scheduler.loads import SECTIONS
+from sglang_lite.runtime.inputs import prompt_token_ids
+from sglang_lite.scheduler.loads import LOAD_SECTIONS
 from sglang_lite.server import openai_serving
 from sglang_lite.server.dp_controller import requested_rank
 from sglang_lite.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RouteCountMiddleware
+from sglang_lite.server.model_info import VERSION, model_info_of, server_info_of
 from sglang_lite.server.openai_protocol import AbortRequest, GenerateRequest
 from sglang_lite.server.responses import (
-    ClientDisconnected, SSEResponse, error_response, request_error_response, sse, until_disconnect,
+    ClientDisconnected,
+    SSEResponse,
+    error_response,
+    request_error_response,
+    sse,
+    sse_error,
+    until_disconnect,
 )
-from sglang_lite.server.tokenizer_manager import GenerateInput, RequestError, RequestStream, TokenizerManager, bad_request
+from sglang_lite.server.tokenizer_manager import (
+    GenerateInput,
+    RequestError,
+    RequestStream,
+    TokenizerManager,
+    bad_request,
+)
 from sglang_lite.server_args import ServerArgs
 
-VERSION = "sglang_lite-0.1.0"
-LOAD_SECTIONS = ("core", "memory", "disagg", "queues")
-DISAGG_IDLE = {"mode": "null", "prefill_prealloc_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
-               "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0, "decode_retracted_queue_reqs": 0}
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
@@ -106,9 +113,7 @@ def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> No
     @app.get("/v1/loads")
     async def loads(include: list[str] = Query(default=["all"]), dp_rank: int | None = None) -> dict[str, Any]:
         sections = _parse_include(include)
-        ranks = _parse_dp_rank(dp_rank, args.dp_size)
-        per_rank = await manager.get_loads(ranks)
-        loads = [_select_sections(load, sections) for load in per_rank]
+        loads = await manager.get_loads(_parse_dp_rank(dp_rank, args.dp_size), sections)
         return {"timestamp": datetime.now(timezone.utc).isoformat(), "version": VERSION, "loads": loads}
 
     @app.get("/get_load")
@@ -136,8 +141,8 @@ def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> No
                 raise bad_request("stream supports one prompt per request")
             stream = await until_disconnect(request, manager.submit(inputs[0]))
             return SSEResponse(_native_events(stream))
-        results = await until_disconnect(request, openai_serving.run_all(manager, inputs))
-        payload = [_native_result(ids, text, meta) for ids, text, meta in results]
+        results = await until_disconnect(request, manager.run_all(inputs))
+        payload = [_native_result(r.new_token_ids, r.new_text, r.meta_info) for r in results]
         return JSONResponse(payload if batched else payload[0])
 
 
@@ -154,17 +159,10 @@ def _generate_inputs(manager: TokenizerManager, body: GenerateRequest) -> tuple[
 
 
 def _prompt_ids(manager: TokenizerManager, text: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
-    if (text is None) == (input_ids is None):
-        raise bad_request("pass exactly one of text and input_ids")
-    if text is not None:
-        batched = isinstance(text, list)
-        prompts = [manager.encode(t) for t in (text if batched else [text])]
-    else:
-        batched = bool(input_ids) and isinstance(input_ids[0], list)
-        prompts = [list(x) for x in input_ids] if batched else [list(input_ids)]
-    if batched and not prompts:
-        raise bad_request("the prompt list is empty")
-    return prompts, batched
+    try:
+        return prompt_token_ids(text, input_ids, manager.encode)
+    except ValueError as error:
+        raise bad_request(str(error)) from error
 
 
 def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
@@ -187,7 +185,7 @@ async def _native_events(stream: RequestStream) -> AsyncIterator[bytes]:
             text, ids = text + output.new_text, ids + output.new_token_ids
             yield sse(_native_result(ids, text, output.meta_info))
     except RequestError as error:
-        yield sse({"error": {"message": error.message, "code": error.status}})
+        yield sse_error(error)
     finally:
         stream.close()
     yield sse("[DONE]")
@@ -212,69 +210,17 @@ def _parse_dp_rank(dp_rank: int | None, dp_size: int) -> list[int] | None:
     return [dp_rank]
 
 
-def _select_sections(load: dict[str, Any], sections: tuple[str, ...]) -> dict[str, Any]:
-    out: dict[str, Any] = {"dp_rank": load["dp_rank"], "timestamp": load["timestamp"]}
-    for section in sections:
-        if section == "disagg":
-            out.update(DISAGG_IDLE)
-        else:
-            out.update({name: load[name] for name in SECTIONS[section]})
-    if "queues" in sections:
-        out["num_retractions"] = load["num_retractions"]
-    return out
-
-
-# ---- info and health -------------------------------------------------------------------------------------------
-def server_info_of(manager: TokenizerManager, args: ServerArgs) -> dict[str, Any]:
-    info = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
-    config = manager.config
-    info.update(
-        version=VERSION, dp_size=args.dp_size, model_path=_model_dir(args), served_model_name=served_model_name(args),
-        context_length=config.context_length, max_total_num_tokens=config.max_total_tokens,
-        max_running_requests=config.max_running_requests, is_generation=True,
-        scheduler_pids=[info["pid"] for info in manager.rank_info],
-    )
-    plan = manager.rank_info[0].get("alt_stream_plan") if manager.rank_info else None
-    if plan is not None:
-        info["alt_stream_plan"] = plan
-    return info
-
-
-def model_info_of(manager: TokenizerManager, args: ServerArgs) -> dict[str, Any]:
-    hf_config = _hf_config(args)
-    return {
-        "model_path": _model_dir(args), "tokenizer_path": args.tokenizer_path or _model_dir(args),
-        "served_model_name": served_model_name(args), "is_generation": True,
-        "model_type": hf_config.get("model_type"), "architectures": hf_config.get("architectures"),
-        "context_length": manager.config.context_length, "preferred_sampling_params": None,
-        "weight_version": "default", "has_image_understanding": False, "has_audio_understanding": False,
-    }
-
-
-def served_model_name(args: ServerArgs) -> str:
-    return args.served_model_name or os.path.basename(os.path.normpath(_model_dir(args)))
-
-
-def _model_dir(args: ServerArgs) -> str:
-    from sglang_lite.engine.launch import model_dir_of
-
-    return model_dir_of(args)
-
-
-def _hf_config(args: ServerArgs) -> dict[str, Any]:
-    with open(os.path.join(_model_dir(args), "config.json")) as f:
-        return json.load(f)
-
-
+# ---- health ----------------------------------------------------------------------------------------------------
 async def _health_generate(manager: TokenizerManager) -> Response:
     """One token on every live rank, each within the timeout."""
-    inputs = [GenerateInput(f"health_generate_{uuid.uuid4().hex}", [0], manager.sampling_params({"max_new_tokens": 1}), rank)
+    one_token = manager.sampling_params({"max_new_tokens": 1})
+    inputs = [GenerateInput(f"health_generate_{uuid.uuid4().hex}", [0], one_token, rank)
               for rank in range(len(manager.live)) if manager.live[rank]]
     if len(inputs) < len(manager.live):
         return error_response(503, f"DP ranks alive: {manager.live}")
     started = time.monotonic()
     try:
-        await openai_serving.run_all(manager, inputs, timeout=HEALTH_GENERATE_TIMEOUT_S)
+        await manager.run_all(inputs, timeout=HEALTH_GENERATE_TIMEOUT_S)
     except (RequestError, TimeoutError) as error:
         return error_response(503, f"health generation failed: {error}")
     return JSONResponse({"healthy": True, "seconds": round(time.monotonic() - started, 4)})

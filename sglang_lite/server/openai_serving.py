@@ -1,7 +1,6 @@
 """``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``: OpenAI shapes over the tokenizer manager."""
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -10,21 +9,25 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from sglang_lite.scheduler.request import ReqOutput
 from sglang_lite.server.dp_controller import requested_rank
+from sglang_lite.server.model_info import served_model_name
 from sglang_lite.server.openai_protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
-from sglang_lite.server.responses import SSEResponse, sse, until_disconnect
-from sglang_lite.server.tokenizer_manager import GenerateInput, RequestError, RequestStream, TokenizerManager, bad_request
+from sglang_lite.server.responses import SSEResponse, sse, sse_error, until_disconnect
+from sglang_lite.server.tokenizer_manager import (
+    GenerateInput,
+    RequestError,
+    RequestStream,
+    TokenizerManager,
+    bad_request,
+)
 from sglang_lite.server_args import ServerArgs
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat uses the server's (128)
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
-Result = tuple[list[int], str, dict[str, Any]]  # output ids, text, meta_info
-
 
 def add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> None:
-    from sglang_lite.server.http_server import served_model_name
-
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         model = {"id": served_model_name(args), "object": "model", "created": 0, "owned_by": "sglang_lite",
@@ -61,35 +64,13 @@ def _completion_prompts(manager: TokenizerManager, prompt: Any) -> list[list[int
     return [list(p) for p in prompt]
 
 
-def _inputs(manager: TokenizerManager, body: _OpenAISampling, prompts: list[list[int]], default_max: int | None) -> list[GenerateInput]:
+def _inputs(manager: TokenizerManager, body: _OpenAISampling, prompts: list[list[int]],
+            default_max: int | None) -> list[GenerateInput]:
     params = manager.sampling_params(body.sampling_dict(default_max))
     rank = requested_rank(body.routed_dp_rank, body.data_parallel_rank)
     if body.rid is not None and len(prompts) > 1:
         raise bad_request("rid names one request; send one prompt with it")
     return [GenerateInput(body.rid or uuid.uuid4().hex, ids, params, rank) for ids in prompts]
-
-
-async def run_all(manager: TokenizerManager, inputs: list[GenerateInput], timeout: float | None = None) -> list[Result]:
-    """Runs requests to the end; every one is dispatched before any is awaited, and all abort on failure."""
-    for request in inputs:
-        manager.validate(request)
-    streams: list[RequestStream] = []
-    try:
-        for request in inputs:
-            streams.append(await manager.submit(request))
-        return list(await asyncio.wait_for(asyncio.gather(*(_collect(s) for s in streams)), timeout))
-    finally:
-        for stream in streams:
-            stream.close()
-
-
-async def _collect(stream: RequestStream) -> Result:
-    ids, text, meta = [], [], {}
-    async for output in stream:
-        ids += output.new_token_ids
-        text.append(output.new_text)
-        meta = output.meta_info
-    return ids, "".join(text), meta
 
 
 class Shape:
@@ -104,9 +85,9 @@ class Shape:
     def is_chat(self) -> bool:
         return self.kind == "chat.completion"
 
-    def response(self, results: list[Result]) -> dict[str, Any]:
-        choices = [self._choice(i, text, meta) for i, (_, text, meta) in enumerate(results)]
-        return {**self._head(self.kind), "choices": choices, "usage": usage(results)}
+    def response(self, results: list[ReqOutput]) -> dict[str, Any]:
+        choices = [self._choice(i, r.new_text, r.meta_info) for i, r in enumerate(results)]
+        return {**self._head(self.kind), "choices": choices, "usage": usage([r.meta_info for r in results])}
 
     def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
         if self.is_chat:
@@ -116,8 +97,9 @@ class Shape:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head(self.kind + ".chunk" if self.is_chat else self.kind), "choices": [choice]}
 
-    def usage_chunk(self, results: list[Result]) -> dict[str, Any]:
-        return {**self._head(self.kind + ".chunk" if self.is_chat else self.kind), "choices": [], "usage": usage(results)}
+    def usage_chunk(self, meta: dict[str, Any]) -> dict[str, Any]:
+        head = self._head(self.kind + ".chunk" if self.is_chat else self.kind)
+        return {**head, "choices": [], "usage": usage([meta])}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -135,16 +117,16 @@ def finish_reason(meta: dict[str, Any]) -> str | None:
     return FINISH_REASONS.get(reason["type"]) if reason else None
 
 
-def usage(results: list[Result]) -> dict[str, int]:
-    prompt = sum(meta.get("prompt_tokens", 0) for _, _, meta in results)
-    completion = sum(meta.get("completion_tokens", 0) for _, _, meta in results)
+def usage(metas: list[dict[str, Any]]) -> dict[str, int]:
+    prompt = sum(meta.get("prompt_tokens", 0) for meta in metas)
+    completion = sum(meta.get("completion_tokens", 0) for meta in metas)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def _respond(request: Request, manager: TokenizerManager, body: _OpenAISampling, inputs: list[GenerateInput],
                    shape: Shape) -> Response:
     if not body.stream:
-        results = await until_disconnect(request, run_all(manager, inputs))
+        results = await until_disconnect(request, manager.run_all(inputs))
         return JSONResponse(shape.response(results))
     if len(inputs) != 1:
         raise bad_request("stream supports one prompt per request")
@@ -163,9 +145,9 @@ async def _events(stream: RequestStream, shape: Shape, include_usage: bool) -> A
                 yield sse(shape.chunk(output.new_text, reason, first=first and shape.is_chat))
                 first = False
     except RequestError as error:
-        yield sse({"error": {"message": error.message, "code": error.status}})
+        yield sse_error(error)
     finally:
         stream.close()
     if include_usage and meta:
-        yield sse(shape.usage_chunk([([], "", meta)]))
+        yield sse(shape.usage_chunk(meta))
     yield sse("[DONE]")

@@ -16,6 +16,8 @@ T = TypeVar("T")
 
 class ClientDisconnected(Exception):
     """The client hung up before its response was ready; its requests were aborted."""
+
+
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLarge",
                503: "ServiceUnavailable"}
 
@@ -36,6 +38,11 @@ def request_error_response(error: RequestError) -> JSONResponse:
 def sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n".encode()
+
+
+def sse_error(error: RequestError) -> bytes:
+    """The event that ends a stream whose request failed after the response started."""
+    return sse({"error": {"message": error.message, "code": error.status}})
 
 
 class SSEResponse(StreamingResponse):

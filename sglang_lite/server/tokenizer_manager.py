@@ -6,33 +6,27 @@ is validated here, with the ranks' own limits, before it is sent, so bad input i
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import itertools
 import logging
-import subprocess
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
-from sglang_lite.engine.launch import load_server_tokenizer
+from sglang_lite.runtime.client import SchedulerClient
+from sglang_lite.runtime.factory import load_server_tokenizer
+from sglang_lite.runtime.messages import UNAVAILABLE, AbortRequest, Ack, AddRequest, LoadsQuery, QueryReply
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.config import SchedulerConfig
-from sglang_lite.scheduler.request import ReqOutput
+from sglang_lite.scheduler.loads import LOAD_SECTIONS
+from sglang_lite.scheduler.request import ReqOutput, join_outputs
 from sglang_lite.scheduler.scheduler import validate_request
 from sglang_lite.server.dp_controller import DPController, InvalidRank
-from sglang_lite.server.ipc import ipc_addresses, pack, remove_ipc_files, unpack
 from sglang_lite.server.metrics import ServerMetrics
-from sglang_lite.server.scheduler_process import spawn_scheduler_process
 from sglang_lite.server_args import ServerArgs
-from sglang_lite.utils.process import stop_processes
 
 logger = logging.getLogger(__name__)
-STARTUP_TIMEOUT_S = 600.0
 LOADS_TIMEOUT_S = 5.0
+WATCH_INTERVAL_S = 1.0
 # Sampling keys other engines and sglang-router send; accepted at their neutral value, refused otherwise.
 NEUTRAL_SAMPLING = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1,
                     "no_stop_trim": False, "spaces_between_special_tokens": True, "logit_bias": {}}
@@ -96,74 +90,39 @@ class TokenizerManager:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.tokenizer: Any = None
+        self.client: SchedulerClient | None = None
         self.config: SchedulerConfig | None = None  # every rank's, but dp_rank
-        self.rank_info: list[dict[str, Any]] = []
         self.dp = DPController(args.dp_size, args.load_balance_method)
         self.metrics = ServerMetrics()
         self.streams: dict[str, RequestStream] = {}
         self.in_flight = [0] * args.dp_size
         self.live = [False] * args.dp_size
-        self.processes: list[subprocess.Popen] = []
-        self._loads_waiters: dict[int, asyncio.Future] = {}
-        self._query_ids = itertools.count()
+        self._queries: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
 
     # ---- lifetime ----------------------------------------------------------------------------------------------
     async def start(self) -> None:
         self.tokenizer = load_server_tokenizer(self.args)
-        self.command_addresses, self.reply_address = ipc_addresses(self.args.dp_size)
-        self.zmq = zmq.asyncio.Context()
-        self.replies = self.zmq.socket(zmq.PULL)
-        self.replies.bind(self.reply_address)
-        self.commands = [self._command_socket(a) for a in self.command_addresses]
-        self.processes = [self._spawn(rank) for rank in range(self.args.dp_size)]
-        await self._wait_ready()
+        self.client = SchedulerClient(self.args)  # spawned from the event loop's thread, which outlives the ranks
+        await asyncio.to_thread(self.client.wait_ready)
+        self.config = self.client.config
+        self.live = [True] * self.args.dp_size
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._watch_processes())]
 
-    def _command_socket(self, address: str) -> zmq.Socket:
-        socket = zmq.Context.instance().socket(zmq.PUSH)
-        socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block: a rank's inbox is bounded by admission instead
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(address)
-        return socket
+    @property
+    def rank_pids(self) -> list[int]:
+        return [ready.pid for ready in self.client.ready]
 
-    def _spawn(self, rank: int) -> subprocess.Popen:
-        return spawn_scheduler_process(self.args, rank, self.command_addresses[rank], self.reply_address)
-
-    async def _wait_ready(self) -> None:
-        infos: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(infos) < self.args.dp_size:
-            self._check_started(deadline)
-            if not await self.replies.poll(500):
-                continue
-            message = unpack(await self.replies.recv())
-            if message[0] == "fatal":
-                raise RuntimeError(f"DP rank {message[1]} failed to start: {message[2]}")
-            if message[0] == "ready":
-                infos[message[1]] = message[2]
-        self.rank_info = [infos[r] for r in range(self.args.dp_size)]
-        self.config = SchedulerConfig.from_dict(self.rank_info[0]["config"])
-        self.live = [True] * self.args.dp_size
-
-    def _check_started(self, deadline: float) -> None:
-        dead = [rank for rank, p in enumerate(self.processes) if p.poll() is not None]
-        if dead:
-            raise RuntimeError(f"the scheduler process(es) of DP rank(s) {dead} exited during start-up")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"DP ranks not ready after {STARTUP_TIMEOUT_S} s")
+    @property
+    def alt_stream_plan(self) -> dict[str, Any] | None:
+        return self.client.ready[0].alt_stream_plan
 
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for socket in getattr(self, "commands", []):
-            _send(socket, ["stop"])
-        stop_processes(self.processes)
-        for socket in getattr(self, "commands", []):
-            socket.close(0)
-        if hasattr(self, "zmq"):
-            self.zmq.destroy(linger=0)
-            remove_ipc_files([*self.command_addresses, self.reply_address])
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.client is not None:
+            self.client.shutdown()
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -175,7 +134,8 @@ class TokenizerManager:
         if self.tokenizer is None:
             raise bad_request("chat needs a tokenizer (the server skipped tokenizer init)")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      **template_kwargs)
         except Exception as error:  # a template rejecting the conversation is the request's fault
             raise bad_request(f"messages: the chat template failed: {error}") from error
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -213,26 +173,25 @@ class TokenizerManager:
         stream = RequestStream(self, request.rid, rank, len(request.input_ids))
         self.streams[request.rid] = stream
         self.in_flight[rank] += 1
-        params = dataclasses.asdict(request.sampling_params)
-        _send(self.commands[rank], ["add", request.rid, request.input_ids, params])
-        status, message = await self._acked(stream)
-        if status != 200:
-            headers = {"Retry-After": "1"} if status == 503 else {}
-            raise RequestError(status, message, headers)
+        self.client.send(rank, AddRequest(request.rid, request.input_ids, request.sampling_params))
+        ack = await self._acked(stream)
+        if not ack.queued:
+            headers = {"Retry-After": "1"} if ack.status == UNAVAILABLE else {}
+            raise RequestError(ack.status, ack.message, headers)
         self.metrics.routed[rank, "balanced" if request.requested_rank is None else "named"] += 1
         self.metrics.tokens[rank, "prompt"] += stream.prompt_tokens
         return stream
 
-    async def _acked(self, stream: RequestStream) -> tuple[int, str]:
+    async def _acked(self, stream: RequestStream) -> Ack:
         try:
-            status, message = await stream.ack
+            ack = await stream.ack
         except BaseException:
             stream.close()
             raise
-        if status != 200:
+        if not ack.queued:
             stream.finished = True  # nothing runs on the rank: closing sends no abort
             stream.close()
-        return status, message
+        return ack
 
     def _pick_rank(self, requested: int | None) -> int:
         live = [r for r in range(self.args.dp_size) if self.live[r]]
@@ -249,7 +208,7 @@ class TokenizerManager:
     def release(self, stream: RequestStream) -> None:
         """A stream's consumer is done: abort it on its rank unless it finished, and forget it."""
         if not stream.finished and self.live[stream.rank]:
-            _send(self.commands[stream.rank], ["abort", stream.rid])
+            self.client.send(stream.rank, AbortRequest(stream.rid))
         if self.streams.get(stream.rid) is stream:
             del self.streams[stream.rid]
             self.in_flight[stream.rank] -= 1
@@ -258,12 +217,12 @@ class TokenizerManager:
         stream = self.streams.get(rid)
         if stream is None:
             return False
-        _send(self.commands[stream.rank], ["abort", rid])
+        self.client.send(stream.rank, AbortRequest(rid))
         return True
 
     def abort_all(self) -> int:
         for stream in list(self.streams.values()):
-            _send(self.commands[stream.rank], ["abort", stream.rid])
+            self.client.send(stream.rank, AbortRequest(stream.rid))
         return len(self.streams)
 
     def record_output(self, stream: RequestStream, output: ReqOutput) -> None:
@@ -279,65 +238,81 @@ class TokenizerManager:
             self.metrics.finished[stream.rank, _finish_kind(output)] += 1
             self.metrics.observe("e2e_request_latency_seconds", stream.rank, now - stream.arrival)
 
+    async def run_all(self, inputs: list[GenerateInput], timeout: float | None = None) -> list[ReqOutput]:
+        """Runs requests to the end, each joined into one output; every one is dispatched before any is awaited,
+        and all abort on failure."""
+        for request in inputs:
+            self.validate(request)
+        streams: list[RequestStream] = []
+        try:
+            for request in inputs:
+                streams.append(await self.submit(request))
+            return list(await asyncio.wait_for(asyncio.gather(*(_joined(s) for s in streams)), timeout))
+        finally:
+            for stream in streams:
+                stream.close()
+
     # ---- loads -------------------------------------------------------------------------------------------------
-    async def get_loads(self, ranks: list[int] | None = None) -> list[dict[str, Any]]:
+    async def get_loads(self, ranks: list[int] | None = None,
+                        sections: tuple[str, ...] = LOAD_SECTIONS) -> list[dict[str, Any]]:
         """Each rank's load figures, asked of the rank now (after every command sent before this call)."""
         ranks = list(range(self.args.dp_size)) if ranks is None else ranks
         dead = [r for r in ranks if not self.live[r]]
         if dead:
             raise RequestError(503, f"DP rank(s) {dead} are not alive", {"Retry-After": "5"})
-        waiters = [self._ask_loads(rank) for rank in ranks]
+        waiters = [self._ask_loads(rank, sections) for rank in ranks]
         try:
-            return list(await asyncio.wait_for(asyncio.gather(*waiters), LOADS_TIMEOUT_S))
+            replies = await asyncio.wait_for(asyncio.gather(*waiters), LOADS_TIMEOUT_S)
         except asyncio.TimeoutError as error:
             raise RequestError(503, f"DP ranks did not report loads within {LOADS_TIMEOUT_S} s") from error
+        return [reply.loads for reply in replies]
 
-    def _ask_loads(self, rank: int) -> asyncio.Future:
-        query_id = next(self._query_ids)
+    def _ask_loads(self, rank: int, sections: tuple[str, ...]) -> asyncio.Future:
+        query_id = self.client.next_query_id()
         future = asyncio.get_running_loop().create_future()
-        self._loads_waiters[query_id] = future
-        future.add_done_callback(lambda _: self._loads_waiters.pop(query_id, None))
-        _send(self.commands[rank], ["loads", query_id])
+        self._queries[query_id] = future
+        future.add_done_callback(lambda _: self._queries.pop(query_id, None))
+        self.client.send(rank, LoadsQuery(query_id, sections))
         return future
 
     # ---- replies from the ranks --------------------------------------------------------------------------------
     async def _receive_loop(self) -> None:
         while True:
-            message = unpack(await self.replies.recv())
             try:
-                self._dispatch(message)
-            except Exception:  # one bad message must not stop every request
-                logger.exception("bad reply from a rank: %r", message[:2])
+                self.client.dispatch(await self.client.receive_async(), self)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one bad reply must not stop every request
+                logger.exception("bad reply from a rank")
 
-    def _dispatch(self, message: list[Any]) -> None:
-        kind = message[0]
-        if kind == "out":
-            for rid, new_ids, new_text, finished, meta in message[2]:
-                self._deliver(message[1], ReqOutput(rid, new_ids, new_text, finished, dict(meta, dp_rank=message[1])))
-        elif kind == "ack":
-            stream = self.streams.get(message[2])
-            if stream is not None and not stream.ack.done():
-                stream.ack.set_result((message[3], message[4]))
-        elif kind == "loads":
-            future = self._loads_waiters.get(message[2])
-            if future is not None and not future.done():
-                future.set_result(message[3])
-        elif kind == "fatal":
-            self._rank_died(message[1], message[2])
+    def on_outputs(self, rank: int, outputs: list[ReqOutput]) -> None:
+        for output in outputs:
+            output.meta_info["dp_rank"] = rank
+            stream = self.streams.get(output.rid)
+            if stream is not None:
+                stream.queue.put_nowait(output)
+            elif output.finished:  # its client left; the rank confirms the abort
+                self.metrics.finished[rank, _finish_kind(output)] += 1
 
-    def _deliver(self, rank: int, output: ReqOutput) -> None:
-        stream = self.streams.get(output.rid)
-        if stream is not None:
-            stream.queue.put_nowait(output)
-        elif output.finished:  # its client left; the rank confirms the abort
-            self.metrics.finished[rank, _finish_kind(output)] += 1
+    def on_ack(self, ack: Ack) -> None:
+        stream = self.streams.get(ack.rid)
+        if stream is not None and not stream.ack.done():
+            stream.ack.set_result(ack)
+
+    def on_query_reply(self, reply: QueryReply) -> None:
+        future = self._queries.get(reply.query_id)
+        if future is not None and not future.done():
+            future.set_result(reply)
+
+    def on_fatal(self, rank: int, message: str) -> None:
+        self._rank_died(rank, message)
 
     async def _watch_processes(self) -> None:
         while True:
-            await asyncio.sleep(1.0)
-            for rank, process in enumerate(self.processes):
-                if self.live[rank] and process.poll() is not None:
-                    self._rank_died(rank, f"exit code {process.returncode}")
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            for rank, code in self.client.exited_ranks().items():
+                if self.live[rank]:
+                    self._rank_died(rank, f"exit code {code}")
 
     def _rank_died(self, rank: int, why: str) -> None:
         logger.error("DP rank %d died: %s", rank, why)
@@ -345,16 +320,16 @@ class TokenizerManager:
         error = RequestError(503, f"DP rank {rank} died: {why}")
         for stream in [s for s in self.streams.values() if s.rank == rank]:
             if not stream.ack.done():
-                stream.ack.set_result((503, error.message))
+                stream.ack.set_result(Ack(rank, stream.rid, UNAVAILABLE, error.message))
             stream.queue.put_nowait(error)
-        for future in self._loads_waiters.values():
+        for future in self._queries.values():
             if not future.done():
                 future.set_exception(error)
 
 
+async def _joined(stream: RequestStream) -> ReqOutput:
+    return join_outputs([output async for output in stream])
+
+
 def _finish_kind(output: ReqOutput) -> str:
     return (output.meta_info.get("finish_reason") or {}).get("type", "unknown")
-
-
-def _send(socket: zmq.Socket, message: list[Any]) -> None:
-    socket.send(pack(message), zmq.NOBLOCK)

@@ -1,13 +1,13 @@
-"""Loads the Hugging Face tokenizer of a checkpoint (the built-in tiny model when no path is given)."""
+"""Loads the Hugging Face tokenizer of a checkpoint (the built-in tiny model's when no path is given)."""
 from __future__ import annotations
 
-from pathlib import Path
+import os
 from typing import Any
 
-TINY_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny_qwen3_5_moe"
+from sglang_lite.assets import model_dir
 
 
-def load_tokenizer(path: str | None) -> Any:
+def load_tokenizer(path: str | os.PathLike | None) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path or TINY_MODEL_DIR))
+    return AutoTokenizer.from_pretrained(model_dir(path))

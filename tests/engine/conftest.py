@@ -1,7 +1,6 @@
 """Tiny random transformers Qwen3.5 checkpoints (dense and MoE) and their transformers greedy outputs."""
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -42,20 +41,23 @@ class TinyCheckpoint:
         self.path = os.path.join(root, kind)
         self.model.save_pretrained(self.path)
         self.kind = kind
+        self._memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
-    @functools.lru_cache(maxsize=None)
-    def _greedy(self, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    def _generate(self, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = self.model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=0,
                 do_sample=False, eos_token_id=None, pad_token_id=0,
             )
-        return tuple(out[0, len(prompt) :].tolist())
+        return out[0, len(prompt) :].tolist()
 
     def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         """transformers ``generate`` of this prompt alone (no padding), ignoring eos."""
-        return list(self._greedy(tuple(prompt), max_new_tokens))
+        key = (tuple(prompt), max_new_tokens)
+        if key not in self._memo:
+            self._memo[key] = self._generate(*key)
+        return list(self._memo[key])
 
 
 @pytest.fixture(scope="session")

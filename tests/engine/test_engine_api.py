@@ -43,7 +43,8 @@ def test_stop_string_trims_the_text(engine):
 def test_batch_of_prompts_with_per_request_params(engine):
     results = engine.generate(["a = 1", "b = 2"], [{**GREEDY, "max_new_tokens": 3}, {**GREEDY, "max_new_tokens": 5}])
     assert [r["meta_info"]["completion_tokens"] for r in results] == [3, 5]
-    seeded = [engine.generate("x", {"max_new_tokens": 8, "temperature": 1.0, "seed": 11})["output_ids"] for _ in range(2)]
+    seeded_params = {"max_new_tokens": 8, "temperature": 1.0, "seed": 11}
+    seeded = [engine.generate("x", seeded_params)["output_ids"] for _ in range(2)]
     assert seeded[0] == seeded[1]
 
 
@@ -104,7 +105,7 @@ def test_a_dead_scheduler_process_fails_its_requests_with_a_clear_error():
     try:
         stream = engine.generate_stream(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 200})
         next(stream)
-        engine._driver.process.kill()
+        engine._client.core.processes[0].kill()
         with pytest.raises(RuntimeError, match="scheduler process died"):
             list(stream)
         with pytest.raises(RuntimeError, match="shut down"):

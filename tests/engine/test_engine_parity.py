@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from sglang_lite import Engine
-from sglang_lite.engine.launch import create_scheduler
+from sglang_lite.runtime.factory import create_scheduler
 from sglang_lite.server_args import ServerArgs
 from tests.engine.conftest import random_prompts
 
@@ -53,7 +53,10 @@ def test_engine_concurrent_requests_match_transformers(checkpoints, kind):
         stream = engine.generate_stream(input_ids=prompts[0], sampling_params=GREEDY)
         first = [next(stream)]  # prompt 0 is decoding
         late: dict = {}
-        thread = threading.Thread(target=lambda: late.update(out=engine.generate(input_ids=prompts[1:], sampling_params=GREEDY)))
+        def generate_late() -> None:
+            late.update(out=engine.generate(input_ids=prompts[1:], sampling_params=GREEDY))
+
+        thread = threading.Thread(target=generate_late)
         thread.start()
         first += list(stream)
         thread.join(timeout=120)

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from sglang_lite.engine.launch import create_scheduler
+from sglang_lite.runtime.factory import create_scheduler
 from sglang_lite.sampling import SamplingParams
 from sglang_lite.scheduler.loads import ThroughputMeter
 from sglang_lite.scheduler.policy import NewTokenRatio, PrefillBudget, order_waiting, plan_prefill
@@ -16,7 +16,8 @@ from tests.engine.conftest import random_prompts
 
 
 def req(rid: str, prompt_len: int, max_new: int = 10, arrival: float = 0.0) -> Req:
-    return Req(rid, list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=max_new), max_new, arrival_time=arrival)
+    prompt = list(range(1, prompt_len + 1))
+    return Req(rid, prompt, SamplingParams(max_new_tokens=max_new), max_new, arrival_time=arrival)
 
 
 def budget(**overrides) -> PrefillBudget:
@@ -86,7 +87,8 @@ def test_server_args_cli_defaults_come_from_the_dataclass():
     assert dataclasses.replace(args, dp_size=2).dp_size == 2
 
 
-@pytest.mark.parametrize("bad", [{"schedule_policy": "lifo"}, {"mem_fraction_static": 0.0}, {"max_running_requests": 0}])
+@pytest.mark.parametrize("bad", [{"schedule_policy": "lifo"}, {"mem_fraction_static": 0.0},
+                                 {"max_running_requests": 0}])
 def test_server_args_reject_bad_values(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         ServerArgs(**bad)
@@ -137,7 +139,8 @@ def test_abort_at_every_stage_frees_everything(scheduler):
     drain(scheduler, outputs)
     for rid in ("r0", "r5", decoding):
         assert outputs[rid][-1].finished and outputs[rid][-1].meta_info["finish_reason"]["type"] == "abort"
-    assert all(outputs[f"r{i}"][-1].meta_info["finish_reason"]["type"] == "length" for i in range(1, 5) if f"r{i}" != decoding)
+    others = [f"r{i}" for i in range(1, 5) if f"r{i}" != decoding]
+    assert all(outputs[rid][-1].meta_info["finish_reason"]["type"] == "length" for rid in others)
     assert_empty(scheduler)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
+from sglang_lite.assets import TINY_MODEL_DIR
 from sglang_lite.config import ModelConfig
-from sglang_lite.models.loader import default_model_path
 
 SMALL = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=32)
 
@@ -52,5 +52,5 @@ def test_unknown_model_type_is_named():
 
 
 def test_builtin_tiny_model_config():
-    cfg = ModelConfig.from_hf(default_model_path())
+    cfg = ModelConfig.from_hf(str(TINY_MODEL_DIR))
     assert cfg.is_moe and cfg.vocab_size == 4096 and cfg.eos_token_ids == (4095,)

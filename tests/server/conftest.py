@@ -117,7 +117,7 @@ def wait_idle(server: ServerProcess, timeout_s: float = 30.0) -> list[dict]:
     deadline = time.monotonic() + timeout_s
     while True:
         loads = get_loads(server)["loads"]
-        if all(l["num_running_reqs"] == l["num_waiting_reqs"] == l["num_used_tokens"] == 0 for l in loads):
+        if all(load["num_running_reqs"] == load["num_waiting_reqs"] == load["num_used_tokens"] == 0 for load in loads):
             return loads
         if time.monotonic() > deadline:
             raise AssertionError(f"ranks still busy after {timeout_s} s: {loads}")

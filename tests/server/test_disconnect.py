@@ -33,7 +33,8 @@ async def _hang_up_all(server: ServerProcess) -> list[bool]:
 def aborted_by_ranks(server: ServerProcess) -> float:
     """Requests the schedulers ended with an abort finish reason (counted from their own outputs)."""
     text = httpx.get(f"{server.url}/metrics").text
-    return sum(float(n) for n in re.findall(r'sglang_lite_requests_finished_total\{dp_rank="\d",reason="abort"\} (\S+)', text))
+    pattern = r'sglang_lite_requests_finished_total\{dp_rank="\d",reason="abort"\} (\S+)'
+    return sum(float(n) for n in re.findall(pattern, text))
 
 
 def test_fifty_hang_ups_leave_the_loads_at_zero(server_dp2: ServerProcess) -> None:
@@ -41,8 +42,8 @@ def test_fifty_hang_ups_leave_the_loads_at_zero(server_dp2: ServerProcess) -> No
     before = aborted_by_ranks(server_dp2)
     assert all(asyncio.run(_hang_up_all(server_dp2)))
     loads = wait_idle(server_dp2, timeout_s=30)
-    assert all(l["num_total_tokens"] == 0 and l["token_usage"] == 0 for l in loads)
-    assert sum(l["num_running_reqs"] for l in get_loads(server_dp2)["loads"]) == 0
+    assert all(load["num_total_tokens"] == 0 and load["token_usage"] == 0 for load in loads)
+    assert sum(load["num_running_reqs"] for load in get_loads(server_dp2)["loads"]) == 0
     assert aborted_by_ranks(server_dp2) - before == CLIENTS  # ended by abort, not by running to their length
 
 

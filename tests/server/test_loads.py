@@ -21,7 +21,7 @@ QUEUES = {"waiting", "paused", "retracted"}
 def test_loads_schema_all_sections(server_dp2: ServerProcess) -> None:
     body = get_loads(server_dp2)
     assert set(body) == {"timestamp", "version", "loads"}
-    assert [l["dp_rank"] for l in body["loads"]] == [0, 1]
+    assert [load["dp_rank"] for load in body["loads"]] == [0, 1]
     for load in body["loads"]:
         assert CORE | MEMORY | DISAGG | QUEUES <= set(load)
         assert load["max_total_num_tokens"] == 8192 and load["max_running_requests"] == 16
@@ -29,7 +29,8 @@ def test_loads_schema_all_sections(server_dp2: ServerProcess) -> None:
 
 
 @pytest.mark.parametrize("query,sections", [
-    ("?include=core", CORE), ("?include=core,memory", CORE | MEMORY), ("?include=memory&include=queues", MEMORY | QUEUES),
+    ("?include=core", CORE), ("?include=core,memory", CORE | MEMORY),
+    ("?include=memory&include=queues", MEMORY | QUEUES),
     ("?include=disagg", DISAGG), ("?include=all", CORE | MEMORY | DISAGG | QUEUES),
 ])
 def test_include_filter(server_dp2: ServerProcess, query: str, sections: set[str]) -> None:
@@ -39,7 +40,7 @@ def test_include_filter(server_dp2: ServerProcess, query: str, sections: set[str
 
 
 def test_dp_rank_filter_and_bad_queries(server_dp2: ServerProcess) -> None:
-    assert [l["dp_rank"] for l in get_loads(server_dp2, "?dp_rank=1&include=core")["loads"]] == [1]
+    assert [load["dp_rank"] for load in get_loads(server_dp2, "?dp_rank=1&include=core")["loads"]] == [1]
     unknown = httpx.get(f"{server_dp2.url}/v1/loads?include=core,bogus")
     assert unknown.status_code == 400 and "bogus" in unknown.json()["error"]["message"]
     assert httpx.get(f"{server_dp2.url}/v1/loads?dp_rank=7").status_code == 400
@@ -51,7 +52,8 @@ def _generate(server: ServerProcess, body: dict, results: list) -> None:
 
 
 @pytest.mark.parametrize("field,rank", [("routed_dp_rank", 1), ("data_parallel_rank", 0)])
-def test_named_rank_runs_the_requests_and_loads_return_to_zero(server_dp2: ServerProcess, field: str, rank: int) -> None:
+def test_named_rank_runs_the_requests_and_loads_return_to_zero(server_dp2: ServerProcess, field: str,
+                                                              rank: int) -> None:
     wait_idle(server_dp2)
     body = {"text": "count the loads", field: rank,
             "sampling_params": {"max_new_tokens": 300, "ignore_eos": True, "temperature": 0}}
@@ -63,12 +65,13 @@ def test_named_rank_runs_the_requests_and_loads_return_to_zero(server_dp2: Serve
     assert seen[rank]["num_used_tokens"] > 0 and seen[rank]["num_total_tokens"] >= seen[rank]["num_used_tokens"]
     assert seen[1 - rank]["num_running_reqs"] == seen[1 - rank]["num_waiting_reqs"] == 0
     legacy = httpx.get(f"{server_dp2.url}/get_load").json()
-    assert {e["dp_rank"] for e in legacy} == {0, 1} and set(legacy[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    assert {e["dp_rank"] for e in legacy} == {0, 1}
+    assert set(legacy[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
     for t in threads:
         t.join(120)
     assert [r["meta_info"]["dp_rank"] for r in results] == [rank] * 3
     assert all(r["meta_info"]["completion_tokens"] == 300 for r in results)
-    assert all(l["num_total_tokens"] == 0 for l in wait_idle(server_dp2))
+    assert all(load["num_total_tokens"] == 0 for load in wait_idle(server_dp2))
 
 
 def _wait_for_busy(server: ServerProcess, rank: int, expected: int, timeout_s: float = 60.0) -> list[dict]:

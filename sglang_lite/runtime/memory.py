@@ -13,13 +13,13 @@ from sglang_lite.server_args import ServerArgs
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(args: ServerArgs, model_dir: str) -> torch.dtype:
+def resolve_dtype(args: ServerArgs) -> torch.dtype:
     """auto: the checkpoint's float dtype on GPU; float32 on CPU, where half precision is slow."""
     if args.dtype != "auto":
         return FLOAT_DTYPES[args.dtype]
     if not args.device.startswith("cuda"):
         return torch.float32
-    return FLOAT_DTYPES.get(_checkpoint_dtype(model_dir), torch.bfloat16)
+    return FLOAT_DTYPES.get(_checkpoint_dtype(args.model_dir), torch.bfloat16)
 
 
 def _checkpoint_dtype(model_dir: str) -> str | None:

@@ -1,0 +1,155 @@
+"""The client core: a front end's side of its scheduler processes, shared by the offline Engine and the HTTP server.
+
+``SchedulerClient`` starts one scheduler process per DP rank, waits until each is ready, sends commands and receives
+typed replies; ``dispatch`` hands a reply to the front end's ``ReplyHandler``. The Engine receives on a thread
+(``receive``), the HTTP server's tokenizer manager on its event loop (``receive_async``); what each does with an
+output (a thread-safe queue, an asyncio queue and metrics) is theirs.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from sglang_lite.runtime.messages import (
+    Ack,
+    CheckReply,
+    Command,
+    Fatal,
+    LoadsReply,
+    QueryReply,
+    Ready,
+    Reply,
+    StepOutputs,
+    Stop,
+    decode,
+)
+from sglang_lite.runtime.scheduler_process import spawn_scheduler_process
+from sglang_lite.runtime.transport import ipc_addresses, pull_socket, push_socket, remove_ipc_files, send
+from sglang_lite.scheduler.config import SchedulerConfig
+from sglang_lite.scheduler.request import ReqOutput
+from sglang_lite.server_args import ServerArgs
+from sglang_lite.utils.process import stop_processes
+
+logger = logging.getLogger(__name__)
+STARTUP_TIMEOUT_S = 600.0
+POLL_MS = 200
+
+
+class ReplyHandler(Protocol):
+    """What a front end does with each kind of reply."""
+
+    def on_outputs(self, rank: int, outputs: list[ReqOutput]) -> None: ...
+
+    def on_ack(self, ack: Ack) -> None: ...
+
+    def on_query_reply(self, reply: QueryReply) -> None: ...
+
+    def on_fatal(self, rank: int, message: str) -> None: ...
+
+
+class SchedulerClient:
+    """Spawns the ranks on construction (from the calling thread: a rank dies with the thread that started it)."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.dp_size = args.dp_size
+        command_addresses, reply_address = ipc_addresses(args.dp_size)
+        self._addresses = [*command_addresses, reply_address]
+        self._context = zmq.Context()
+        self._replies = pull_socket(self._context, reply_address)
+        self._async_replies: zmq.asyncio.Socket | None = None
+        self._commands = [push_socket(self._context, address) for address in command_addresses]
+        self._send_lock = threading.Lock()  # zmq sockets are not thread-safe; Engine callers may be on several threads
+        self._query_ids = itertools.count()
+        self._closed = False
+        self.processes = [spawn_scheduler_process(args, rank, address, reply_address)
+                          for rank, address in enumerate(command_addresses)]
+        self.ready: list[Ready] = []
+
+    @property
+    def config(self) -> SchedulerConfig:
+        """Every rank's scheduler config, but ``dp_rank`` (rank 0's)."""
+        return self.ready[0].config
+
+    # ---- start-up ----------------------------------------------------------------------------------------------
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> list[Ready]:
+        """Blocks until every rank is ready. A rank that fails, exits or is late raises, and everything is stopped."""
+        try:
+            return self._wait_ready(timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> list[Ready]:
+        ready: dict[int, Ready] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(ready) < self.dp_size:
+            reply = self.receive(POLL_MS)
+            if isinstance(reply, Fatal):
+                raise RuntimeError(f"the scheduler process of DP rank {reply.rank} failed to start: {reply.message}")
+            if isinstance(reply, Ready):
+                ready[reply.rank] = reply
+            exited = self.exited_ranks() if reply is None else {}
+            if exited:
+                rank, code = next(iter(exited.items()))
+                raise RuntimeError(f"the scheduler process of DP rank {rank} exited during start-up (code {code})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the scheduler processes were not ready after {timeout_s} s")
+        self.ready = [ready[rank] for rank in range(self.dp_size)]
+        return self.ready
+
+    # ---- commands and replies ----------------------------------------------------------------------------------
+    def send(self, rank: int, command: Command) -> None:
+        with self._send_lock:
+            send(self._commands[rank], command)
+
+    def next_query_id(self) -> int:
+        return next(self._query_ids)
+
+    def receive(self, timeout_ms: int) -> Reply | None:
+        """The next reply, or None after ``timeout_ms``; one thread at a time."""
+        if not self._replies.poll(timeout_ms):
+            return None
+        return decode(self._replies.recv())
+
+    async def receive_async(self) -> Reply:
+        """The next reply, awaited on the running event loop (the reply socket shadowed for asyncio)."""
+        if self._async_replies is None:
+            self._async_replies = zmq.asyncio.Socket.shadow(self._replies.underlying)
+        return decode(await self._async_replies.recv())
+
+    def dispatch(self, reply: Reply, handler: ReplyHandler) -> None:
+        if isinstance(reply, StepOutputs):
+            handler.on_outputs(reply.rank, reply.outputs)
+        elif isinstance(reply, Ack):
+            handler.on_ack(reply)
+        elif isinstance(reply, (LoadsReply, CheckReply)):
+            handler.on_query_reply(reply)
+        elif isinstance(reply, Fatal):
+            handler.on_fatal(reply.rank, reply.message)
+        else:
+            logger.warning("unexpected %s from DP rank %s", type(reply).__name__, getattr(reply, "rank", "?"))
+
+    def exited_ranks(self) -> dict[int, int]:
+        """Exit code of each rank whose process has ended."""
+        return {rank: p.returncode for rank, p in enumerate(self.processes) if p.poll() is not None}
+
+    # ---- shutdown ----------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stops every rank (``Stop``, then terminate, then kill) and releases the sockets; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for rank, process in enumerate(self.processes):
+            if process.poll() is None:
+                self.send(rank, Stop())
+        stop_processes(self.processes)
+        for socket in [self._replies, *self._commands]:
+            socket.close(0)
+        self._context.term()
+        remove_ipc_files(self._addresses)
