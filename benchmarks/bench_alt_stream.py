@@ -78,7 +78,8 @@ class DecodeSession:
         args = ServerArgs(device="cuda", max_running_requests=concurrency, cuda_graph_max_bs=concurrency,
                           disable_cuda_graph=not graphs)
         self.runner = ModelRunner(model, self.pools, args)  # captures the decode graphs with the model's plan
-        self.rows, self.slots = self.pools.req_to_token.allocator.alloc(concurrency), self.pools.states.alloc(concurrency)
+        self.rows = self.pools.req_to_token.allocator.alloc(concurrency)
+        self.slots = self.pools.states.alloc(concurrency)
         gen = torch.Generator().manual_seed(concurrency)
         prompts = [torch.randint(0, config.vocab_size, (PROMPT_LEN,), generator=gen).tolist() for _ in self.rows]
         self.prefill_logits = self._forward(ForwardMode.EXTEND, prompts, [0] * concurrency)
@@ -122,7 +123,8 @@ def main() -> int:
         del model
         torch.cuda.empty_cache()
     platform = "ROCm" if torch.version.hip else "CUDA"
-    print(f"\nDecode TPOT on {torch.cuda.get_device_name()} ({platform}), {args.layers} layers, bf16, prompt {PROMPT_LEN}")
+    print(f"\nDecode TPOT on {torch.cuda.get_device_name()} ({platform}), {args.layers} layers, bf16, "
+          f"prompt {PROMPT_LEN}")
     print(f"{'concurrency':>11} | " + " | ".join(f"{n:>22}" for n in VARIANTS))
     for c in levels:
         base = tpot["baseline", c]

@@ -14,6 +14,7 @@ import argparse
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from tqdm import tqdm
@@ -100,7 +101,7 @@ def engine_generate(engine, prompts: list[list[int]], output_len: int) -> None:
 
 def run(args: argparse.Namespace) -> list[Row]:
     from sglang_lite import Engine
-    from sglang_lite.tokenizer.loader import TINY_MODEL_DIR
+    from sglang_lite.assets import TINY_MODEL_DIR
 
     hf_model = build_hf_model(str(TINY_MODEL_DIR))
     vocab = hf_model.config.vocab_size
@@ -115,8 +116,10 @@ def run(args: argparse.Namespace) -> list[Row]:
             engine_generate(engine, random_prompts(batch_size, 16, vocab, seed=7), 4)  # compiles, when compiling
             tokens = batch_size * args.output_len
             runs = range(args.repeats)
-            engine_speed = best([timed(lambda: engine_generate(engine, prompts, args.output_len), tokens) for _ in runs])
-            hf_speed = best([timed(lambda: hf_generate(hf_model, prompts, args.output_len), tokens) for _ in runs])
+            engine_run = partial(engine_generate, engine, prompts, args.output_len)
+            hf_run = partial(hf_generate, hf_model, prompts, args.output_len)
+            engine_speed = best([timed(engine_run, tokens) for _ in runs])
+            hf_speed = best([timed(hf_run, tokens) for _ in runs])
             rows.append(Row(batch_size, hf_speed, engine_speed))
     return rows
 
@@ -127,8 +130,8 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
           f"{'on' if args.torch_compile else 'off'}, load average "
           f"{os.getloadavg()[0]:.1f} (best of {args.repeats})")
     print(f"{'':>6} {'wall clock tok/s':^36} {'tok per CPU-second':^36}")
-    print(f"{'batch':>6} {'transformers':>13} {'sglang_lite':>12} {'ratio':>9} {'transformers':>13} {'sglang_lite':>12} "
-          f"{'ratio':>9}")
+    print(f"{'batch':>6} {'transformers':>13} {'sglang_lite':>12} {'ratio':>9} "
+          f"{'transformers':>13} {'sglang_lite':>12} {'ratio':>9}")
     for r in rows:
         print(f"{r.batch_size:>6} {r.hf.wall_tok_s:>13.1f} {r.engine.wall_tok_s:>12.1f} {r.ratio:>8.1f}x "
               f"{r.hf.cpu_tok_s:>13.1f} {r.engine.cpu_tok_s:>12.1f} {r.cpu_ratio:>8.1f}x")
@@ -140,7 +143,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads of both sides (default: torch's choice here, the CPU count in the engine)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of both sides (default: torch's choice here, the CPU count in the engine)")
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--torch-compile", action="store_true", help="engine decode steps through torch.compile")
     args = parser.parse_args()

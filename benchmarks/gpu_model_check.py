@@ -23,6 +23,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repository (for tests/) and benchmarks/
 from bench_alt_stream import overlap_flags  # noqa: E402
+
 from sglang_lite import Engine, load_model  # noqa: E402
 from sglang_lite.forward_batch import ForwardMode, build_forward_batch  # noqa: E402
 from sglang_lite.mem_cache.pools import ModelPools  # noqa: E402

@@ -1,8 +1,8 @@
 """Kernels of sglang_lite (installed as ``sglang_lite.kernels``): Triton kernels with PyTorch references.
 
 Each family lives in its own folder with ``naive.py`` (the reference and CPU path), the Triton kernel and a
-launcher; the functions exported here pick one per call (see ``dispatch.py``). This package imports only torch
-and triton.
+launcher; the functions exported here pick one per call (see ``dispatch.py``). This package imports only torch,
+triton, einops and ``sglang_lite.envs`` (stdlib only: the environment flags it reads when a kernel is called).
 """
 from .attention import decode_attention, extend_attention, store_kv
 from .conv1d import causal_conv1d_fn, causal_conv1d_update

@@ -8,23 +8,25 @@ the ``backend`` argument of each public kernel function forces it for a call and
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-BACKENDS = ("auto", "triton", "torch")
+from sglang_lite import envs
+
+BACKENDS = envs.SGLANG_KERNEL_BACKEND.choices
 
 
 def _requested(backend: str | None) -> str:
-    choice = backend if backend is not None else os.environ.get("SGLANG_KERNEL_BACKEND", "auto")
-    choice = choice.strip().lower()
+    if backend is None:
+        return envs.SGLANG_KERNEL_BACKEND.get()
+    choice = backend.strip().lower()
     if choice not in BACKENDS:
-        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {choice!r} (argument or SGLANG_KERNEL_BACKEND)")
+        raise ValueError(f"kernel backend argument must be one of {BACKENDS}, got {backend!r}")
     return choice
 
 
 def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return bool(envs.TRITON_INTERPRET.get())
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -43,7 +45,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _hip_arch() -> str:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName if torch.cuda.is_available() else ""
+    if not torch.cuda.is_available():
+        return ""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName
 
 
 def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:

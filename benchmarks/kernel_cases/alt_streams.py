@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import torch
-
 from bench_alt_stream import DecodeSession, build_model, mid_size_moe  # benchmarks/ is on sys.path in the drivers
 
 STEPS = 4

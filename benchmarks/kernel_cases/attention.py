@@ -68,7 +68,9 @@ def check(device: torch.device) -> list[dict]:
         batch = Batch([0, 65, 257, 3], [64, 1, 63, 130], 8, 2, 80, device, dtype)
         rows.append(_row(f"extend_attention hd80 GQA4 {dtype}", batch.extend("triton"), batch.extend("torch"), tol))
         rows.append(_row(f"decode_attention hd80 GQA4 {dtype}", batch.decode("triton"), batch.decode("torch"), tol))
-        q, k, pos = torch.randn(65, 8, 256, device=device, dtype=dtype), torch.randn(65, 2, 256, device=device, dtype=dtype), torch.arange(65, device=device)
+        q = torch.randn(65, 8, 256, device=device, dtype=dtype)
+        k = torch.randn(65, 2, 256, device=device, dtype=dtype)
+        pos = torch.arange(65, device=device)
         cache = torch.randn(128, 64, device=device)
         got = rotary.apply_rotary(q, k, pos, cache, 64, backend="triton")
         want = naive_rotary.apply_rotary(q, k, pos, cache, 64)
@@ -85,10 +87,12 @@ def _bench_extend(device, dtype, requests, prefix, extend, heads, kv_heads, head
     q, k, v, mask = batch.dense()
     module = _module(heads, kv_heads)
     keys_seen = extend * prefix + extend * (extend + 1) // 2  # per request and head, causal
-    return {"kernel": "extend_attention", "shape": f"B={requests} prefix={prefix} extend={extend} H={heads} KV={kv_heads} hd={head_dim}",
+    shape = f"B={requests} prefix={prefix} extend={extend} H={heads} KV={kv_heads} hd={head_dim}"
+    return {"kernel": "extend_attention", "shape": shape,
             "ours_ms": time_ms(batch.extend, device, iters=iters, warmup=2),
             "ref_name": "HF eager_attention_forward (causal mask)",
-            "ref_ms": time_ms(lambda: eager_attention_forward(module, q, k, v, mask, batch.scale), device, iters=iters, warmup=2),
+            "ref_ms": time_ms(lambda: eager_attention_forward(module, q, k, v, mask, batch.scale), device,
+                              iters=iters, warmup=2),
             "flops": 4 * requests * heads * head_dim * keys_seen}
 
 
@@ -99,7 +103,8 @@ def _bench_decode(device, dtype, requests, seq, heads, kv_heads, head_dim, iters
     return {"kernel": "decode_attention", "shape": f"B={requests} S={seq} H={heads} KV={kv_heads} hd={head_dim}",
             "ours_ms": time_ms(batch.decode, device, iters=iters, warmup=2),
             "ref_name": "HF eager_attention_forward",
-            "ref_ms": time_ms(lambda: eager_attention_forward(module, q, k, v, None, batch.scale), device, iters=iters, warmup=2),
+            "ref_ms": time_ms(lambda: eager_attention_forward(module, q, k, v, None, batch.scale), device,
+                              iters=iters, warmup=2),
             "bytes": 2 * requests * seq * kv_heads * head_dim * k.element_size()}
 
 
@@ -112,7 +117,8 @@ def _bench_rotary(device, dtype, tokens, heads, kv_heads, head_dim, rotary_dim, 
     cos, sin = torch.cat([cos, cos], -1)[None].to(dtype), torch.cat([sin, sin], -1)[None].to(dtype)
     q_hf, k_hf = q.transpose(0, 1)[None], k.transpose(0, 1)[None]
     return {"kernel": "apply_rotary", "shape": f"T={tokens} H={heads} KV={kv_heads} hd={head_dim} rot={rotary_dim}",
-            "ours_ms": time_ms(lambda: rotary.apply_rotary(q, k, positions, cache, rotary_dim), device, iters=iters, warmup=2),
+            "ours_ms": time_ms(lambda: rotary.apply_rotary(q, k, positions, cache, rotary_dim), device,
+                               iters=iters, warmup=2),
             "ref_name": "HF apply_rotary_pos_emb",
             "ref_ms": time_ms(lambda: apply_rotary_pos_emb(q_hf, k_hf, cos, sin), device, iters=iters, warmup=2),
             "bytes": 2 * (q.numel() + k.numel()) * q.element_size()}

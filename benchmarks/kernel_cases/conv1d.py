@@ -28,7 +28,8 @@ def check(device: torch.device) -> list[dict]:
         got_pool, want_pool = pool.clone(), pool.clone()
         got = conv1d.causal_conv1d_fn(x, w, got_pool, slots, _cu(lens, device), backend="triton")
         want = naive.causal_conv1d_fn(x, w, want_pool, slots, _cu(lens, device))
-        rows += [_row(f"causal_conv1d_fn {dtype}", got, want, tol), _row(f"conv state {dtype}", got_pool, want_pool, tol)]
+        rows.append(_row(f"causal_conv1d_fn {dtype}", got, want, tol))
+        rows.append(_row(f"conv state {dtype}", got_pool, want_pool, tol))
         xd = torch.randn(4, dim, device=device, dtype=dtype)
         got = conv1d.causal_conv1d_update(xd, w, got_pool, slots, backend="triton")
         want = naive.causal_conv1d_update(xd, w, want_pool, slots)

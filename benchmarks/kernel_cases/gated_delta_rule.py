@@ -83,12 +83,13 @@ def bench(device: torch.device, quick: bool) -> list[dict]:
     dq_rep, dk_rep = (x.repeat_interleave(hv // hk, dim=1) for x in (dq, dk_))
 
     def hf_chunk():
-        return torch_chunk_gated_delta_rule(hq[None], hk_rep[None], v[None], g[None], beta[None], initial_state=pool[1:2],
-                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return torch_chunk_gated_delta_rule(hq[None], hk_rep[None], v[None], g[None], beta[None],
+                                            initial_state=pool[1:2], output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)
 
     def hf_recurrent():  # one token per request: requests become the batch dimension
-        return torch_recurrent_gated_delta_rule(dq_rep[:, None], dk_rep[:, None], dv_[:, None], dg[:, None], db[:, None],
-                                                initial_state=dpool[slots], output_final_state=True,
+        return torch_recurrent_gated_delta_rule(dq_rep[:, None], dk_rep[:, None], dv_[:, None], dg[:, None],
+                                                db[:, None], initial_state=dpool[slots], output_final_state=True,
                                                 use_qk_l2norm_in_kernel=True)
 
     def hf_gating():

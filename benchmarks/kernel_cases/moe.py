@@ -1,6 +1,8 @@
 """Benchmark and GPU-check cases for the fused MoE family (top-k softmax routing, fused shared expert)."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
@@ -22,8 +24,8 @@ def _row(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> dict:
 
 
 def hf_block(hidden: int, inter: int, experts: int, top_k: int, device: torch.device, dtype: torch.dtype):
-    config = Qwen3_5MoeTextConfig(hidden_size=hidden, moe_intermediate_size=inter, shared_expert_intermediate_size=inter,
-                                  num_experts=experts, num_experts_per_tok=top_k)
+    config = Qwen3_5MoeTextConfig(hidden_size=hidden, moe_intermediate_size=inter,
+                                  shared_expert_intermediate_size=inter, num_experts=experts, num_experts_per_tok=top_k)
     block = Qwen3_5MoeSparseMoeBlock(config)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=hidden**-0.5)
@@ -39,7 +41,8 @@ class FusedSharedMoE:
         self.top_k, self.num_experts = block.gate.top_k, block.experts.num_experts
         # router and shared-expert gate in one projection: [E + 1, H]
         self.gate = torch.cat([block.gate.weight, block.shared_expert_gate.weight]).detach()
-        self.w13 = torch.cat([block.experts.gate_up_proj, torch.cat([shared.gate_proj.weight, shared.up_proj.weight])[None]]).detach()
+        shared_gate_up = torch.cat([shared.gate_proj.weight, shared.up_proj.weight])
+        self.w13 = torch.cat([block.experts.gate_up_proj, shared_gate_up[None]]).detach()
         self.w2 = torch.cat([block.experts.down_proj, shared.down_proj.weight[None]]).detach()
 
     def route(self, x: torch.Tensor, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,8 +98,8 @@ def bench(device: torch.device, quick: bool) -> list[dict]:
         ours = FusedSharedMoE(block)
         x = torch.randn(tokens, hidden, device=device, dtype=dtype)
         with torch.no_grad():
-            ours_ms = time_ms(lambda: ours(x), device, iters=iters, warmup=2)
-            ref_ms = time_ms(lambda: block(x[None]), device, iters=iters, warmup=2)
+            ours_ms = time_ms(partial(ours, x), device, iters=iters, warmup=2)
+            ref_ms = time_ms(partial(block, x[None]), device, iters=iters, warmup=2)
         rows.append({"kernel": "moe block (topk_softmax + fused_moe, shared expert fused)",
                      "shape": f"T={tokens} H={hidden} I={inter} E={experts} top{top_k}+shared",
                      "ours_ms": ours_ms, "ref_name": "HF Qwen3_5MoeSparseMoeBlock", "ref_ms": ref_ms,

@@ -36,9 +36,11 @@ def check(device: torch.device) -> list[dict]:
         got = norms.fused_qk_gemma_rmsnorm(q, k, qw, kw, EPS, 256, backend="triton")
         want = naive.fused_qk_gemma_rmsnorm(q, k, qw, kw, EPS, 256)
         rows += [_row(f"fused_qk_gemma_rmsnorm {n} {dtype}", a, b, tol) for n, a, b in zip("qk", got, want)]
-        o, z = torch.randn(65, 32, 128, device=device, dtype=dtype), torch.randn(65, 32, 128, device=device, dtype=dtype)
-        rows.append(_row(f"gated_rmsnorm {dtype}", norms.gated_rmsnorm(o, z, w[:128].contiguous(), EPS, backend="triton"),
-                         naive.gated_rmsnorm(o, z, w[:128].contiguous(), EPS), tol))
+        o = torch.randn(65, 32, 128, device=device, dtype=dtype)
+        z = torch.randn(65, 32, 128, device=device, dtype=dtype)
+        w_head = w[:128].contiguous()
+        rows.append(_row(f"gated_rmsnorm {dtype}", norms.gated_rmsnorm(o, z, w_head, EPS, backend="triton"),
+                         naive.gated_rmsnorm(o, z, w_head, EPS), tol))
     return rows
 
 
@@ -63,7 +65,8 @@ def bench(device: torch.device, quick: bool) -> list[dict]:
 
     with torch.no_grad():
         return [
-            {"kernel": "gemma_rmsnorm", "shape": f"[{tokens}, {hidden}]", "ours_ms": t(lambda: norms.gemma_rmsnorm(x, w, EPS)),
+            {"kernel": "gemma_rmsnorm", "shape": f"[{tokens}, {hidden}]",
+             "ours_ms": t(lambda: norms.gemma_rmsnorm(x, w, EPS)),
              "ref_name": "HF Qwen3_5MoeRMSNorm", "ref_ms": t(lambda: hf(x)), "bytes": 2 * x.numel() * size},
             {"kernel": "gemma_rmsnorm+residual", "shape": f"[{tokens}, {hidden}]",
              "ours_ms": t(lambda: norms.gemma_rmsnorm(x, w, EPS, r)), "ref_name": "add + HF Qwen3_5MoeRMSNorm",

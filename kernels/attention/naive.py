@@ -38,7 +38,8 @@ def extend_attention(
     """New tokens ([T, H, hd], packed by request) attend causally to their request's prefix and to themselves."""
     prefixes, extends = prefix_lens.tolist(), extend_lens.tolist()
     if len(set(zip(prefixes, extends))) == 1:
-        return _extend_uniform(q, k_cache, v_cache, req_to_token[req_pool_indices.long()], prefixes[0], extends[0], scale)
+        rows = req_to_token[req_pool_indices.long()]
+        return _extend_uniform(q, k_cache, v_cache, rows, prefixes[0], extends[0], scale)
     out = torch.empty_like(q)
     start = 0
     for row, prefix, extend in zip(req_pool_indices.tolist(), prefixes, extends):

@@ -12,19 +12,11 @@ import triton
 import triton.language as tl
 
 from ..dispatch import dot_precision, triton_interpreting
+from ..triton_utils import dot_accumulate
 
 _LOG2E = 1.4426950408889634
 # Decode splits each request's context into this many chunks (flash decoding) so short batches fill the GPU.
 DECODE_SPLITS = 8
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    # The Triton interpreter multiplies bf16 tiles as their raw uint16 bits; under TRITON_INTERPRET the operands
-    # are widened to fp32 first, compiled kernels keep the input dtype for the tensor cores.
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -90,6 +82,7 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    zero_scores = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # causal: the last query row of this block sees positions up to prefix + its index
     kv_end = tl.minimum(prefix + (m_block + 1) * BLOCK_M, prefix + extend)
     for n0 in range(0, kv_end, BLOCK_N):
@@ -99,14 +92,15 @@ def _extend_kernel(
         kv_mask = col_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + slots[:, None] * stride_cn + kv_head + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + slots[:, None] * stride_cn + kv_head + dims[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2
+        s = dot_accumulate(q, tl.trans(k), zero_scores, UPCAST, PRECISION) * scale_log2
         visible = col_ok[None, :] & (cols[None, :] <= prefix + rows[:, None])
         s = tl.where(visible, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
+        acc = acc * alpha[:, None]
+        acc = dot_accumulate(p.to(v.dtype), v, acc, UPCAST, PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],

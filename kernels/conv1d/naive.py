@@ -56,7 +56,8 @@ def causal_conv1d_update(
     activation: str | None = "silu",
 ) -> torch.Tensor:
     """Decode: one token per request ([B, D]); each request's pooled state is shifted by one in place."""
-    window = torch.cat([conv_states.index_select(0, state_indices).float(), x.float().unsqueeze(-1)], dim=-1)  # [B, D, K]
+    states = conv_states.index_select(0, state_indices).float()
+    window = torch.cat([states, x.float().unsqueeze(-1)], dim=-1)  # [B, D, K]
     y = (window * weight.float()).sum(-1)
     conv_states[state_indices] = window[..., 1:].to(conv_states.dtype)
     return _activate(y, activation).to(x.dtype)

@@ -92,7 +92,8 @@ def _causal_conv1d_update_kernel(
     chans = dblock * BLOCK_D + tl.arange(0, BLOCK_D)
     taps = tl.arange(0, BLOCK_K)  # window of K inputs: K-1 pooled ones, then this token
     chan_ok = (chans < D)[:, None]
-    old = tl.load(state_ptr + chans[:, None] * stride_sd + taps[None, :], mask=chan_ok & (taps < K - 1)[None, :], other=0.0)
+    old = tl.load(state_ptr + chans[:, None] * stride_sd + taps[None, :], mask=chan_ok & (taps < K - 1)[None, :],
+                  other=0.0)
     x = tl.load(x_ptr + req.to(tl.int64) * stride_x + chans, mask=chans < D, other=0.0)
     window = tl.where((taps == K - 1)[None, :], x.to(tl.float32)[:, None], old.to(tl.float32))
     w = tl.load(w_ptr + chans[:, None] * stride_w + taps[None, :], mask=chan_ok & (taps < K)[None, :], other=0.0)
@@ -120,7 +121,9 @@ def _silu_flag(activation: str | None) -> bool:
     raise ValueError(f"unsupported activation {activation!r}")
 
 
-def _check_common(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, state_indices: torch.Tensor) -> None:
+def _check_common(
+    x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, state_indices: torch.Tensor
+) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [tokens, D] with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}")
     d = x.shape[1]
@@ -128,9 +131,11 @@ def _check_common(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tens
         raise ValueError(f"weight must be [D={d}, K] with a contiguous last dim, got {tuple(weight.shape)}")
     k = weight.shape[1]
     if conv_states.dim() != 3 or conv_states.shape[1:] != (d, k - 1) or conv_states.stride(2) != 1:
-        raise ValueError(f"conv_states must be [slots, {d}, {k - 1}] with a contiguous last dim, got {tuple(conv_states.shape)}")
+        raise ValueError(f"conv_states must be [slots, {d}, {k - 1}] with a contiguous last dim, "
+                         f"got {tuple(conv_states.shape)}")
     if state_indices.dim() != 1 or state_indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"state_indices must be a 1-D integer tensor, got {tuple(state_indices.shape)} {state_indices.dtype}")
+        raise ValueError(f"state_indices must be a 1-D integer tensor, "
+                         f"got {tuple(state_indices.shape)} {state_indices.dtype}")
 
 
 def _block_d(d: int) -> int:

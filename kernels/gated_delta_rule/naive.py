@@ -11,6 +11,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 
 def fused_gdn_gating(
@@ -208,7 +209,7 @@ def _chunk_padded(pieces, ssm_states, state_indices, lengths, chunk_size, qk_nor
     state = ssm_states.index_select(0, slots).float().flatten(0, 1)  # [B * HV, dk, dv]
     o, state = _chunk_one_sequence(*padded, state, chunk_size, *qk_norm)
     ssm_states[slots] = state.view(num_seqs, heads, *state.shape[1:]).to(ssm_states.dtype)
-    o = o.view(max_len, num_seqs, heads, -1).transpose(0, 1).reshape(num_seqs * max_len, heads, -1)
+    o = rearrange(o, "l (b h) d -> (b l) h d", b=num_seqs)
     return o if rows is None else o[rows]
 
 

@@ -157,7 +157,8 @@ def _chunk_kernel(
 
 def _check_last_contiguous(t: torch.Tensor, name: str, dims: int) -> None:
     if t.dim() != dims or t.stride(-1) != 1:
-        raise ValueError(f"{name} must be {dims}-D with a contiguous last dim, got {tuple(t.shape)} strides {t.stride()}")
+        raise ValueError(f"{name} must be {dims}-D with a contiguous last dim, "
+                         f"got {tuple(t.shape)} strides {t.stride()}")
 
 
 def _pad(n: int) -> int:
@@ -204,9 +205,11 @@ def _check_gdn_inputs(q, k, v, g, beta, ssm_states, state_indices) -> tuple[int,
         if t.shape != (tokens, hv):
             raise ValueError(f"{name} must be [{tokens}, {hv}], got {tuple(t.shape)}")
     if ssm_states.dim() != 4 or ssm_states.shape[1:] != (hv, dk, dv) or ssm_states.stride(3) != 1:
-        raise ValueError(f"ssm_states must be [slots, {hv}, {dk}, {dv}] with a contiguous last dim, got {tuple(ssm_states.shape)}")
+        raise ValueError(f"ssm_states must be [slots, {hv}, {dk}, {dv}] with a contiguous last dim, "
+                         f"got {tuple(ssm_states.shape)}")
     if state_indices.dim() != 1 or state_indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"state_indices must be a 1-D integer tensor, got {tuple(state_indices.shape)} {state_indices.dtype}")
+        raise ValueError(f"state_indices must be a 1-D integer tensor, "
+                         f"got {tuple(state_indices.shape)} {state_indices.dtype}")
     return hk, hv, dk, dv
 
 
@@ -222,7 +225,8 @@ def _strides(q, k, v, g, beta, out, ssm_states) -> dict[str, int]:
 def _output(v: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
     if out.shape != v.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be shaped like v {tuple(v.shape)} with a contiguous last dim, got {tuple(out.shape)}")
+        raise ValueError(f"out must be shaped like v {tuple(v.shape)} with a contiguous last dim, "
+                         f"got {tuple(out.shape)}")
     return out
 
 

@@ -11,6 +11,7 @@ from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 
 def topk_softmax(
@@ -111,7 +112,7 @@ def fused_moe(
     # (token, slot) order, then the weighted sum over slots (cheaper than an index_add_ scatter)
     buffer_row = torch.empty_like(pos)
     buffer_row[order] = pos
-    rows = expert_out.index_select(0, buffer_row).view(num_tokens, top_k, x.shape[1]).float()
+    rows = rearrange(expert_out.index_select(0, buffer_row), "(t k) h -> t k h", k=top_k).float()
     return _weighted_sum(rows, topk_weights).to(x.dtype)
 
 

@@ -14,18 +14,10 @@ import triton
 import triton.language as tl
 
 from ..dispatch import dot_precision, triton_interpreting
+from ..triton_utils import dot_accumulate
 
 # Rows per block of the grouped GEMM; every expert's row list is padded to a multiple of it.
 BLOCK_M = 16
-
-
-@triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    # The Triton interpreter multiplies bf16 tiles as their raw uint16 bits, so under TRITON_INTERPRET the
-    # operands are widened to fp32 first; compiled kernels keep the input dtype for the tensor cores.
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -138,8 +130,8 @@ def _gate_up_silu_kernel(
         w_mask = k_ok[:, None] & col_ok[None, :]
         w_gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(w_base + (cols[None, :] + inter) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        acc_gate = _dot(x, w_gate, acc_gate, UPCAST, PRECISION)
-        acc_up = _dot(x, w_up, acc_up, UPCAST, PRECISION)
+        acc_gate = dot_accumulate(x, w_gate, acc_gate, UPCAST, PRECISION)
+        acc_up = dot_accumulate(x, w_up, acc_up, UPCAST, PRECISION)
     act = acc_gate * tl.sigmoid(acc_gate) * acc_up
     tl.store(act_ptr + rows[:, None] * stride_at + cols[None, :], act.to(act_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
@@ -167,7 +159,7 @@ def _down_weighted_kernel(
         k_ok = ks < inter
         a = tl.load(act_ptr + rows[:, None] * stride_at + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = _dot(a, w, acc, UPCAST, PRECISION)
+        acc = dot_accumulate(a, w, acc, UPCAST, PRECISION)
     acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 

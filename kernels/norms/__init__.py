@@ -12,7 +12,12 @@ from . import naive, triton_norms
 
 
 def gemma_rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *, backend: str | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     impl = triton_norms.gemma_rmsnorm_triton if use_triton(x, backend) else naive.gemma_rmsnorm
     return impl(x, weight, eps, residual)

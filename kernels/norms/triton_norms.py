@@ -75,7 +75,8 @@ def _fused_qk_kernel(
     """The first q_programs programs normalise q rows, the rest k rows: one launch for both."""
     pid = tl.program_id(0)
     if pid < q_programs:
-        _gemma_rows(q_ptr, qw_ptr, q_out_ptr, q_rows, q_heads, q_stride_t, q_stride_h, pid * ROWS_, eps, N, ROWS_, BLOCK_N)
+        row0 = pid * ROWS_
+        _gemma_rows(q_ptr, qw_ptr, q_out_ptr, q_rows, q_heads, q_stride_t, q_stride_h, row0, eps, N, ROWS_, BLOCK_N)
     else:
         row0 = (pid - q_programs) * ROWS_
         _gemma_rows(k_ptr, kw_ptr, k_out_ptr, k_rows, k_heads, k_stride_t, k_stride_h, row0, eps, N, ROWS_, BLOCK_N)
@@ -141,7 +142,8 @@ def gemma_rmsnorm_triton(
             )
         return y
     if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(f"residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}")
+        raise ValueError(f"residual must match x {tuple(x.shape)} {x.dtype}, "
+                         f"got {tuple(residual.shape)} {residual.dtype}")
     r2 = _as_rows(residual, n, "residual")
     new_residual = torch.empty_like(y)
     if x2.numel():

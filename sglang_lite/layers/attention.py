@@ -22,13 +22,14 @@ class Qwen3_5Attention(nn.Module):
         self.head_dim = hd = config.head_dim
         self.scale = hd**-0.5
         # q_proj rows are interleaved per head as [q_h | gate_h]
-        self.qkv_proj = PackedLinear(config.hidden_size, [2 * self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd])
+        kv_size = self.num_kv_heads * hd
+        self.qkv_proj = PackedLinear(config.hidden_size, [2 * self.num_heads * hd, kv_size, kv_size])
         self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=False)
         self.q_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
         self._rotary = (rotary,)  # shared table, owned by the model (a tuple keeps it out of this module's children)
 
-    def packed_shards(self, fused_experts: bool) -> ShardMap:
+    def packed_shards(self) -> ShardMap:
         return packed_rows("qkv_proj.weight", self.qkv_proj, ["q_proj.weight", "k_proj.weight", "v_proj.weight"])
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -40,8 +41,8 @@ class Qwen3_5Attention(nn.Module):
         q, k = self._qk_norm(q, k, batch.overlap)
         q, k = self._rotary[0](batch.positions, q, k)
         out = self._attend(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), batch)
-        out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
-        return self.o_proj(out)
+        # gated per head, then heads merged: gate is a strided view, which a merge first would have copied
+        return self.o_proj((out * torch.sigmoid(gate)).flatten(1))
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor, ctx: OverlapContext) -> tuple[torch.Tensor, torch.Tensor]:
         if ctx.plan.qk_norm:

@@ -37,10 +37,9 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
 
-    def packed_shards(self, fused_experts: bool) -> ShardMap:
-        return packed_rows("in_proj_qkvz.weight", self.in_proj_qkvz, ["in_proj_qkv.weight", "in_proj_z.weight"]) | packed_rows(
-            "in_proj_ba.weight", self.in_proj_ba, ["in_proj_b.weight", "in_proj_a.weight"]
-        )
+    def packed_shards(self) -> ShardMap:
+        qkvz = packed_rows("in_proj_qkvz.weight", self.in_proj_qkvz, ["in_proj_qkv.weight", "in_proj_z.weight"])
+        return qkvz | packed_rows("in_proj_ba.weight", self.in_proj_ba, ["in_proj_b.weight", "in_proj_a.weight"])
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = hidden.shape[0]

@@ -1,7 +1,8 @@
 """Packed projections: several checkpoint matrices stacked into one GEMM.
 
-A layer that packs declares, through ``packed_shards``, which checkpoint tensor fills which rows of which of its
-parameters; the loader (sglang_lite/models/weights.py) reads those declarations.
+A layer that packs declares, through ``packed_shards()``, which checkpoint tensor fills which rows of which of its
+parameters; an MoE block declares its experts once per checkpoint layout (``per_expert_shards()``,
+``fused_expert_shards()``). The loader (sglang_lite/models/weights.py) reads those declarations.
 """
 from __future__ import annotations
 

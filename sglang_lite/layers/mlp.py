@@ -19,7 +19,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = PackedLinear(hidden_size, [intermediate_size, intermediate_size])
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def packed_shards(self, fused_experts: bool) -> ShardMap:
+    def packed_shards(self) -> ShardMap:
         return packed_rows("gate_up_proj.weight", self.gate_up_proj, ["gate_proj.weight", "up_proj.weight"])
 
     def forward(self, x: torch.Tensor, ctx: OverlapContext = PLAIN) -> torch.Tensor:
@@ -59,20 +59,22 @@ class Qwen3_5SparseMoeBlock(nn.Module):
             self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def packed_shards(self, fused_experts: bool) -> ShardMap:
-        shards = self._expert_shards(fused_experts)
-        if self.fuse_shared_expert:
-            shards |= self._expert_rows("shared_expert", self.num_experts)
-        return shards
+    def packed_shards(self) -> ShardMap:
+        """A fused shared expert is one more row of the expert weights; the routed experts are declared apart, in
+        the layout the checkpoint uses (``per_expert_shards`` or ``fused_expert_shards``)."""
+        return self._expert_rows("shared_expert", self.num_experts) if self.fuse_shared_expert else {}
 
-    def _expert_shards(self, fused_experts: bool) -> ShardMap:
-        if fused_experts:  # transformers' fused layout: gate_up_proj [E, 2I, H], down_proj [E, H, I]
-            rows = slice(0, self.num_experts)
-            return {"experts.gate_up_proj": ("experts.w13", (rows,)), "experts.down_proj": ("experts.w2", (rows,))}
+    def per_expert_shards(self) -> ShardMap:
+        """One gate, up and down matrix per expert: ``experts.{e}.gate_proj.weight`` [I, H] and so on."""
         shards: ShardMap = {}
         for e in range(self.num_experts):
             shards |= self._expert_rows(f"experts.{e}", e)
         return shards
+
+    def fused_expert_shards(self) -> ShardMap:
+        """transformers' fused layout: ``experts.gate_up_proj`` [E, 2I, H] and ``experts.down_proj`` [E, H, I]."""
+        rows = slice(0, self.num_experts)
+        return {"experts.gate_up_proj": ("experts.w13", (rows,)), "experts.down_proj": ("experts.w2", (rows,))}
 
     def _expert_rows(self, prefix: str, row: int) -> ShardMap:
         inter = self.experts.w2.shape[-1]

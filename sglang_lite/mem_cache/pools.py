@@ -68,7 +68,8 @@ class TokenKVPool:
 class LinearStatePool:
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         conv_shape = (num_slots + 1, config.conv_dim, config.linear_conv_kernel_dim - 1)
-        ssm_shape = (num_slots + 1, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        head_shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        ssm_shape = (num_slots + 1, *head_shape)
         n = len(config.linear_attention_layers)
         self.conv_states = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in range(n)]
         self.ssm_states = [torch.zeros(ssm_shape, dtype=torch.float32, device=device) for _ in range(n)]

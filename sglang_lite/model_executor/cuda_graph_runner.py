@@ -36,7 +36,8 @@ class _StaticInputs:
             return torch.zeros(max_bs, dtype=dtype, device=device)
 
         self.input_ids, self.positions = zeros(torch.int64), zeros(torch.int64)
-        self.req_pool_indices, self.out_cache_loc, self.state_slots = zeros(torch.int64), zeros(torch.int64), zeros(torch.int64)
+        self.req_pool_indices, self.out_cache_loc = zeros(torch.int64), zeros(torch.int64)
+        self.state_slots = zeros(torch.int64)
         self.seq_lens, self.prefix_lens = zeros(torch.int32), zeros(torch.int32)
         self.extend_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=device)

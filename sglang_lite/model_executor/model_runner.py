@@ -35,8 +35,3 @@ class ModelRunner:
             return self.graph_runner.replay(batch)
         body = self.compiled_body if batch.is_decode else None
         return self.model.forward_batch(batch, all_logits, body)
-
-    def describe(self) -> dict:
-        """What /get_server_info reports: the alt-stream plan and the captured decode sizes."""
-        return {"alt_stream_plan": self.model.streams.describe(),
-                "cuda_graph_batch_sizes": self.graph_runner.batch_sizes if self.graph_runner else []}

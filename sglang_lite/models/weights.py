@@ -2,7 +2,8 @@
 
 Names are normalised first (``model.language_model.`` -> ``model.``; vision tower and MTP head skipped), then
 matched one to one against the checkpoint names the model expects, which each layer declares through
-``packed_shards``. Anything missing, unexpected or mis-shaped raises ``CheckpointError`` naming the tensor.
+``packed_shards`` (an MoE block declares its experts apart, in either checkpoint layout: ``per_expert_shards``,
+``fused_expert_shards``). Anything missing, unexpected or mis-shaped raises ``CheckpointError`` naming the tensor.
 """
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import json
 import os
 from dataclasses import dataclass
 
-import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
+
+from sglang_lite.layers.linear import ShardMap
 
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "visual.")
 INDEX_FILE = "model.safetensors.index.json"
@@ -54,17 +56,24 @@ def normalise_name(name: str) -> str | None:
 
 
 def expected_targets(model: nn.Module, fused_experts: bool) -> dict[str, Target]:
-    """Every checkpoint name the model needs, and where its tensor goes."""
+    """Every checkpoint name the model needs, and where its tensor goes. ``fused_experts``: the checkpoint stores
+    each MoE block's experts as two stacked tensors (transformers' fused layout), not one set of matrices each."""
     targets = {name: Target(name, ()) for name, _ in model.named_parameters()}
     for module_name, module in model.named_modules():
-        packed = getattr(module, "packed_shards", None)
-        if packed is None:
-            continue
         prefix = f"{module_name}." if module_name else ""
-        for ckpt_name, (param, index) in packed(fused_experts).items():
+        for ckpt_name, (param, index) in _declared_shards(module, fused_experts).items():
             targets.pop(prefix + param, None)
             targets[prefix + ckpt_name] = Target(prefix + param, index)
     return targets
+
+
+def _declared_shards(module: nn.Module, fused_experts: bool) -> ShardMap:
+    """The checkpoint tensors ``module`` packs into its own parameters; an MoE block's experts in the layout the
+    checkpoint uses."""
+    shards: ShardMap = module.packed_shards() if hasattr(module, "packed_shards") else {}
+    if hasattr(module, "per_expert_shards"):
+        shards = shards | (module.fused_expert_shards() if fused_experts else module.per_expert_shards())
+    return shards
 
 
 def load_checkpoint(model: nn.Module, path: str, tied_lm_head: bool) -> None:

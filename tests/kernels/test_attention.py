@@ -55,7 +55,8 @@ def _extend_batch(prefix_lens, extend_lens, heads, num_kv, head_dim, dtype):
     """Pool with every prefix and new token stored through store_kv, and the packed new-token queries."""
     pool = Pool([p + e for p, e in zip(prefix_lens, extend_lens)], num_kv, head_dim, dtype)
     for i, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
-        keys, values = _randn(p + e, num_kv, head_dim, dtype=dtype, seed=i), _randn(p + e, num_kv, head_dim, dtype=dtype, seed=100 + i)
+        keys = _randn(p + e, num_kv, head_dim, dtype=dtype, seed=i)
+        values = _randn(p + e, num_kv, head_dim, dtype=dtype, seed=100 + i)
         attention.store_kv(pool.k_cache, pool.v_cache, pool.slots(i, 0, p + e), keys, values, backend="triton")
     q = _randn(sum(extend_lens), heads, head_dim, dtype=dtype, seed=7)
     return pool, q, torch.tensor(prefix_lens), torch.tensor(extend_lens)
@@ -80,7 +81,8 @@ def test_extend_attention(nan_allocations, prefix_lens, extend_lens, heads, num_
     # the reference itself, request by request, against the explicit softmax(QK^T)V
     for i, (p, e, start) in enumerate(zip(prefix_lens, extend_lens, _starts(extend_lens))):
         slots = pool.slots(i, 0, p + e)
-        explicit = _explicit_attention(q[start : start + e], pool.k_cache[slots], pool.v_cache[slots], p, head_dim**-0.5)
+        explicit = _explicit_attention(q[start : start + e], pool.k_cache[slots], pool.v_cache[slots], p,
+                                       head_dim**-0.5)
         assert_rel_close(want[start : start + e], explicit, dtype, f"naive request {i}")
 
 
@@ -91,7 +93,8 @@ def test_extend_attention_varlen_matches_per_request_launches():
                                         0.1, backend="triton")
     for i, (e, start) in enumerate(zip(extend_lens, _starts(extend_lens))):
         alone = attention.extend_attention(q[start : start + e], pool.k_cache, pool.v_cache, pool.req_to_token,
-                                           pool.rows[i : i + 1], prefix[i : i + 1], extend[i : i + 1], 0.1, backend="triton")
+                                           pool.rows[i : i + 1], prefix[i : i + 1], extend[i : i + 1], 0.1,
+                                           backend="triton")
         torch.testing.assert_close(packed[start : start + e], alone, rtol=0, atol=0)
 
 
@@ -119,7 +122,8 @@ DECODE_CASES = [
 def test_decode_attention(nan_allocations, seq_lens, heads, num_kv, head_dim, dtype):
     pool = Pool(seq_lens, num_kv, head_dim, dtype)
     for i, n in enumerate(seq_lens):
-        keys, values = _randn(n, num_kv, head_dim, dtype=dtype, seed=i), _randn(n, num_kv, head_dim, dtype=dtype, seed=50 + i)
+        keys = _randn(n, num_kv, head_dim, dtype=dtype, seed=i)
+        values = _randn(n, num_kv, head_dim, dtype=dtype, seed=50 + i)
         attention.store_kv(pool.k_cache, pool.v_cache, pool.slots(i, 0, n), keys, values, backend="triton")
     q = _randn(len(seq_lens), heads, head_dim, dtype=dtype, seed=9)
     args = (q, pool.k_cache, pool.v_cache, pool.req_to_token, pool.rows, torch.tensor(seq_lens), head_dim**-0.5)
@@ -145,7 +149,8 @@ def test_store_kv_writes_exactly_the_given_slots(dtype):
 
 
 def test_store_kv_casts_to_the_pool_dtype():
-    k_cache, v_cache = poison_(torch.empty(20, 2, 64, dtype=torch.bfloat16)), poison_(torch.empty(20, 2, 64, dtype=torch.bfloat16))
+    k_cache = poison_(torch.empty(20, 2, 64, dtype=torch.bfloat16))
+    v_cache = poison_(torch.empty(20, 2, 64, dtype=torch.bfloat16))
     loc, k, v = torch.arange(5, 10), _randn(5, 2, 64, seed=1), _randn(5, 2, 64, seed=2)
     attention.store_kv(k_cache, v_cache, loc, k, v, backend="triton")
     # the interpreter truncates fp32 -> bf16 where a GPU rounds to nearest, hence a tolerance and not equality
@@ -156,5 +161,6 @@ def test_store_kv_casts_to_the_pool_dtype():
 def test_attention_rejects_mismatched_pool():
     q = torch.zeros(3, 4, 64)
     with pytest.raises(ValueError, match="q must be"):
-        attention.decode_attention(q, torch.zeros(8, 3, 64), torch.zeros(8, 3, 64), torch.zeros(3, 8, dtype=torch.int32),
-                                   torch.arange(3), torch.ones(3, dtype=torch.int64), 0.1, backend="triton")
+        attention.decode_attention(q, torch.zeros(8, 3, 64), torch.zeros(8, 3, 64),
+                                   torch.zeros(3, 8, dtype=torch.int32), torch.arange(3),
+                                   torch.ones(3, dtype=torch.int64), 0.1, backend="triton")

@@ -68,7 +68,8 @@ def test_prefill_then_decode_equals_longer_prefill():
     decode_pool, prefill_pool = pool.clone(), pool.clone()
     slot = torch.tensor([1])
     outs = [conv1d.causal_conv1d_fn(x[:6], weight, decode_pool, slot, _cu([6]), backend="triton")]
-    outs += [conv1d.causal_conv1d_update(x[t : t + 1], weight, decode_pool, slot, backend="triton") for t in range(6, 9)]
+    for t in range(6, 9):
+        outs.append(conv1d.causal_conv1d_update(x[t : t + 1], weight, decode_pool, slot, backend="triton"))
     whole = conv1d.causal_conv1d_fn(x, weight, prefill_pool, slot, _cu([9]), backend="triton")
     assert_rel_close(torch.cat(outs), whole, torch.float32)
     assert_rel_close(decode_pool, prefill_pool, torch.float32, "conv state pool")

@@ -146,7 +146,8 @@ def test_errors_name_the_bad_tensor():
     with pytest.raises(ValueError, match="ssm_states"):
         gdn.chunk_gated_delta_rule(q, k, v, g, beta, pool[:, :1], torch.tensor([1]), _cu([4]), backend="triton")
     with pytest.raises(ValueError, match="beta"):
-        gdn.fused_recurrent_gated_delta_rule(q, k, v, g, beta[:, :1], pool, torch.tensor([0, 1, 0, 1]), backend="triton")
+        gdn.fused_recurrent_gated_delta_rule(q, k, v, g, beta[:, :1], pool, torch.tensor([0, 1, 0, 1]),
+                                             backend="triton")
     with pytest.raises(ValueError, match="multiple of key heads"):
         two_heads = q.expand(4, 2, 20)  # 2 key heads cannot serve 3 value heads
         gdn.chunk_gated_delta_rule(two_heads, two_heads, v[:, :1].expand(4, 3, 48), g[:, :1].expand(4, 3),
@@ -168,6 +169,7 @@ def test_naive_matches_transformers(hk, hv):
     decode_pool = pool.clone()
     step = naive.fused_recurrent_gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], decode_pool, torch.tensor([1]))
     hf_step, hf_state = torch_recurrent_gated_delta_rule(
-        *(t[:, :1] for t in hf_args), initial_state=pool[1:2].clone(), output_final_state=True, use_qk_l2norm_in_kernel=True)
+        *(t[:, :1] for t in hf_args), initial_state=pool[1:2].clone(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True)
     assert_rel_close(step, hf_step[0], torch.float32, "decode step")
     assert_rel_close(decode_pool[1], hf_state[0], torch.float32, "decode state")

@@ -120,8 +120,9 @@ def test_align_by_expert_groups_every_row_once():
 
 
 def _hf_block(num_experts: int, top_k: int) -> Qwen3_5MoeSparseMoeBlock:
-    config = Qwen3_5MoeTextConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, shared_expert_intermediate_size=INTER,
-                                  num_experts=num_experts, num_experts_per_tok=top_k)
+    config = Qwen3_5MoeTextConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER,
+                                  shared_expert_intermediate_size=INTER, num_experts=num_experts,
+                                  num_experts_per_tok=top_k)
     block = Qwen3_5MoeSparseMoeBlock(config)
     for i, p in enumerate(block.parameters()):
         p.data = _randn(*p.shape, seed=10 + i, std=0.1)

@@ -105,6 +105,19 @@ def test_backend_choice(monkeypatch):
     assert calls == ["triton"]
 
 
+def test_backend_errors_name_their_source(monkeypatch):
+    x, w = torch.randn(4, 20), torch.randn(20)
+    with pytest.raises(ValueError, match="kernel backend argument must be one of .*, got 'cuda'"):
+        norms.gemma_rmsnorm(x, w, EPS, backend="cuda")
+    monkeypatch.setenv("SGLANG_KERNEL_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="SGLANG_KERNEL_BACKEND='cuda' must be one of"):
+        norms.gemma_rmsnorm(x, w, EPS)
+    norms.gemma_rmsnorm(x, w, EPS, backend="torch")  # an explicit argument never reads the variable
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="needs TRITON_INTERPRET=1"):
+        norms.gemma_rmsnorm(x, w, EPS, backend="triton")
+
+
 def test_naive_matches_transformers():
     x, w, z = torch.randn(7, 48), torch.randn(48), torch.randn(7, 48)
     hf = Qwen3_5MoeRMSNorm(48, eps=EPS)

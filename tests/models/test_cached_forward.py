@@ -25,7 +25,8 @@ class Session:
 
     def __init__(self, model, num_requests: int, max_len: int) -> None:
         self.model = model
-        self.pools = ModelPools.create(model.config, num_requests * max_len, num_requests, max_len, torch.float32, "cpu")
+        num_slots = num_requests * max_len
+        self.pools = ModelPools.create(model.config, num_slots, num_requests, max_len, torch.float32, "cpu")
         self.rows = self.pools.req_to_token.allocator.alloc(num_requests)
         self.slots = self.pools.states.alloc(num_requests)
         self.cached = [0] * num_requests
