@@ -10,6 +10,7 @@ process died) is put there as an exception, and a query's answer completes its f
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -22,6 +23,7 @@ from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.request import ReqOutput
 from sglang_lite.server_args import ServerArgs
 
+logger = logging.getLogger(__name__)
 RANK = 0  # the Engine runs one scheduler process
 
 
@@ -81,7 +83,11 @@ class SyncClient:
     # ---- the receiver thread -----------------------------------------------------------------------------------
     def _receive_loop(self) -> None:
         while not self._closing:
-            reply = self.core.receive(POLL_MS)
+            try:
+                reply = self.core.receive(POLL_MS)
+            except ValueError:  # an unreadable reply; the requests it may have carried wait on
+                logger.exception("bad reply from the scheduler process")
+                continue
             if reply is not None:
                 self.core.dispatch(reply, self)
             elif RANK in self.core.exited_ranks():

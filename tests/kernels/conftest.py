@@ -1,25 +1,11 @@
-"""Run the Triton kernels on the CPU through Triton's interpreter.
-
-``triton.jit`` decides between interpreted and compiled kernels when a kernel module is imported, so the variable
-is set here, before the test modules import any kernel; kernel modules that another test folder imported earlier
-are re-imported so that their kernels are interpreted too.
-"""
+"""Fixtures of the kernel tests. The kernels run in Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET
+before any test module imports them."""
 from __future__ import annotations
-
-import importlib
-import os
-import sys
 
 import pytest
 import torch
 
 from .utils import poison_
-
-os.environ["TRITON_INTERPRET"] = "1"
-
-for _name, _module in list(sys.modules.items()):
-    if _name.startswith("sglang_lite.kernels.") and hasattr(_module, "triton") and not hasattr(_module, "__path__"):
-        importlib.reload(_module)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ requests through the router, then restarted on the same port."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import aiohttp
@@ -25,16 +26,20 @@ def test_killed_server_is_avoided_requests_fail_over_and_it_rejoins(procs):
     async def scenario():
         async with aiohttp.ClientSession() as s:
             results: list[tuple[float, object]] = []  # (start time, result)
-            queue = iter(range(TOTAL))
+            numbers = itertools.count()
             kill_at: list[float] = []
 
             async def client() -> None:
-                for i in queue:
+                # at least TOTAL requests, and on until the detection window has passed, however fast they run
+                for i in numbers:
+                    if i >= TOTAL and monitor.done():
+                        return
                     if i == TOTAL // 4 and not kill_at:
                         victim.kill()  # SIGKILL to its process group: its in-flight connections are reset
                         kill_at.append(time.monotonic())
                     start = time.monotonic()
-                    r = await generate(s, router.url, stream=i % 2 == 0, max_new_tokens=4, timeout=TIMEOUT + 2)
+                    r = await generate(s, router.url, stream=i % 2 == 0, max_new_tokens=32,
+                                         timeout=TIMEOUT + 2)
                     results.append((start, r))
 
             async def selections_after_detection() -> int:
@@ -45,7 +50,6 @@ def test_killed_server_is_avoided_requests_fail_over_and_it_rejoins(procs):
 
             monitor = asyncio.create_task(selections_after_detection())
             await asyncio.gather(*(client() for _ in range(CONCURRENCY)))
-            assert monitor.done(), "the run ended before the detection window; make it longer"
             released = await wait_for(lambda: _all_zero(s, router.url), timeout=3)
             end = await _selections(s, router.url, victim.url)
             return results, kill_at[0], monitor.result(), end, released
@@ -54,7 +58,7 @@ def test_killed_server_is_avoided_requests_fail_over_and_it_rejoins(procs):
     assert selections_end == selections_detected, "the router kept sending to the dead server"
     assert released, "in-flight counts did not return to zero"
 
-    assert len(results) == TOTAL
+    assert len(results) >= TOTAL
     assert all(r.elapsed < TIMEOUT + 1 for _, r in results), "a request hung past the timeout"
     failed = [(t, r) for t, r in results if not r.ok]
     # Only requests already on the victim when it died may fail; they were dispatched before the kill, and they

@@ -58,7 +58,7 @@ def test_pd_with_real_servers_counts_both_sides_and_returns_decode(procs, dp_pai
         async with aiohttp.ClientSession() as s:
             before = [await routed(s, u.url) for u in dp_pair]
             streams = [asyncio.create_task(generate(s, router.url, "/v1/chat/completions", stream=True,
-                                                    max_new_tokens=48, timeout=60)) for _ in range(6)]
+                                                    max_new_tokens=256, timeout=60)) for _ in range(6)]
             assert await wait_for(lambda: _total(s, router.url, 12), timeout=10), await in_flight(s, router.url)
             during = await in_flight(s, router.url)
             results = await asyncio.gather(*streams)
