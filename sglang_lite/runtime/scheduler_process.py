@@ -83,6 +83,8 @@ class RankLoop:
                  parent_pid: int) -> None:
         self.args, self.dp_rank, self.parent_pid = args, dp_rank, parent_pid
         self.commands, self.replies = commands, replies
+        self.poller = zmq.Poller()  # one poller for the life of the loop: Socket.poll builds one per call
+        self.poller.register(commands, zmq.POLLIN)
         self.scheduler = _create_scheduler(args, dp_rank)
         self.stopped = False
 
@@ -99,7 +101,7 @@ class RankLoop:
 
     # ---- commands ----------------------------------------------------------------------------------------------
     def take_commands(self, block: bool) -> None:
-        if not self.commands.poll(IDLE_POLL_MS if block else 0):
+        if not self.poller.poll(IDLE_POLL_MS if block else 0):
             return
         while True:
             try:
