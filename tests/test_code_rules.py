@@ -26,14 +26,14 @@ def test_ruff_is_clean():
 
 
 def test_import_linter_contracts_are_kept():
-    done = run([str(BIN / "lint-imports")])
+    done = run([str(BIN / "lint-imports"), "--no-cache"])  # its cache can outlive an edit
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "0 broken" in done.stdout
 
 
 @pytest.fixture(scope="module")
 def graph() -> grimp.ImportGraph:
-    return grimp.build_graph("sglang_lite", exclude_type_checking_imports=True)
+    return grimp.build_graph("sglang_lite", exclude_type_checking_imports=True, cache_dir=None)
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
