@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from sglang_lite.engine.sync_client import SyncClient
-from sglang_lite.runtime.factory import load_server_tokenizer
 from sglang_lite.runtime.inputs import prompt_token_ids
 from sglang_lite.runtime.messages import CheckQuery, LoadsQuery
 from sglang_lite.sampling.params import SamplingParams
@@ -22,6 +21,7 @@ from sglang_lite.scheduler.loads import LOAD_SECTIONS
 from sglang_lite.scheduler.request import ReqOutput, join_outputs
 from sglang_lite.scheduler.scheduler import validate_request
 from sglang_lite.server_args import ServerArgs
+from sglang_lite.tokenizer.loader import load_server_tokenizer
 
 Prompt = str | list[str] | None
 InputIds = list[int] | list[list[int]] | None

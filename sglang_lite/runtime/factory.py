@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
 
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.model_executor import ModelRunner
@@ -13,12 +12,7 @@ from sglang_lite.runtime.memory import resolve_dtype, resolve_max_total_tokens
 from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.scheduler import Scheduler
 from sglang_lite.server_args import ServerArgs
-from sglang_lite.tokenizer.loader import load_tokenizer
-
-
-def load_server_tokenizer(args: ServerArgs) -> Any:
-    """The tokenizer the arguments name (the model's own by default), or None with ``skip_tokenizer_init``."""
-    return None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_dir)
+from sglang_lite.tokenizer.loader import load_server_tokenizer
 
 
 def eos_token_ids(model_dir: str, config_eos: tuple[int, ...]) -> tuple[int, ...]:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_lite.runtime.client import SchedulerClient
-from sglang_lite.runtime.factory import load_server_tokenizer
 from sglang_lite.runtime.messages import UNAVAILABLE, AbortRequest, Ack, AddRequest, LoadsQuery, QueryReply
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.config import SchedulerConfig
@@ -23,6 +22,7 @@ from sglang_lite.scheduler.scheduler import validate_request
 from sglang_lite.server.dp_controller import DPController, InvalidRank
 from sglang_lite.server.metrics import ServerMetrics
 from sglang_lite.server_args import ServerArgs
+from sglang_lite.tokenizer.loader import load_server_tokenizer
 
 logger = logging.getLogger(__name__)
 LOADS_TIMEOUT_S = 5.0
