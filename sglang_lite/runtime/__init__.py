@@ -3,7 +3,7 @@
 - ``messages``: the typed commands and replies, and their one encoder and decoder;
 - ``transport``: ZMQ sockets over IPC;
 - ``scheduler_process``: the body of a DP rank's process (take commands -> step -> send outputs);
-- ``factory``: builds a rank's scheduler (model, pools, limits) and the front end's tokenizer from ``ServerArgs``;
+- ``factory``: builds a rank's scheduler (model, pools, limits, tokenizer) from ``ServerArgs``;
 - ``client``: ``SchedulerClient``, the one client core both front ends wrap;
 - ``inputs``: prompt normalisation shared by the front ends.
 """
