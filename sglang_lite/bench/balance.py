@@ -10,18 +10,26 @@ Definitions (series are [samples, ranks]; a sample is one poll of every rank):
 - busiest/mean KV: mean over samples (with KV > 0) of max over ranks / mean over ranks of KV tokens.
 - rank batch ratio: each rank's mean running batch / the mean over all ranks.
 - busiest share: the share of samples in which each rank holds the largest running batch (ties split evenly).
+
+A poll that fails leaves a gap; it is logged (at most every LOG_EVERY_SECS per server) and counted per server in
+`LoadSeries.poll_failures`, which `stats()` carries into `BalanceStats.poll_failures` and `format_table` prints.
 """
 from __future__ import annotations
 
 import asyncio
 import csv
+import dataclasses
+import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+logger = logging.getLogger(__name__)
+LOG_EVERY_SECS = 30.0
 QUEUE_FIELDS = ("num_waiting_reqs", "decode_prealloc_queue_reqs", "decode_transfer_queue_reqs",
                 "decode_retracted_queue_reqs", "prefill_prealloc_queue_reqs", "prefill_inflight_queue_reqs")
 
@@ -35,6 +43,7 @@ class BalanceStats:
     rank_batch_ratio: tuple[float, ...]
     busiest_share: tuple[float, ...]
     num_samples: int
+    poll_failures: int = 0  # polls of a server that gave nothing (each leaves a gap in the series)
 
     def row(self) -> dict[str, float]:
         return {"outstanding_cv": self.outstanding_cv, "running_cv": self.running_cv,
@@ -103,6 +112,7 @@ class LoadSeries:
     kv_tokens: list[list[int]] = field(default_factory=list)
     kv_used: list[list[int]] = field(default_factory=list)
     gen_throughput: list[list[float]] = field(default_factory=list)
+    poll_failures: Counter = field(default_factory=Counter)  # server URL -> failed polls
 
     def add(self, t: float, per_rank: dict[str, dict]) -> None:
         """One poll; a poll that misses a known rank is dropped so that every row has every rank."""
@@ -125,7 +135,8 @@ class LoadSeries:
         keep = [i for i, row in enumerate(self.outstanding) if sum(row) >= min_total_outstanding]
         assert keep, f"no sample holds {min_total_outstanding} requests"
         pick = lambda series: np.array([series[i] for i in keep])  # noqa: E731
-        return balance_stats(pick(self.outstanding), pick(self.running), pick(self.kv_tokens))
+        stats = balance_stats(pick(self.outstanding), pick(self.running), pick(self.kv_tokens))
+        return dataclasses.replace(stats, poll_failures=sum(self.poll_failures.values()))
 
     def write_csv(self, path: str | Path) -> None:
         with open(path, "w", newline="") as f:
@@ -178,6 +189,7 @@ class BalanceSampler:
         self.series = LoadSeries()
         self._task: asyncio.Task | None = None
         self._start = 0.0
+        self._logged_at: dict[str, float] = {}
 
     async def __aenter__(self) -> BalanceSampler:
         import httpx
@@ -206,18 +218,28 @@ class BalanceSampler:
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - self._start - t)))
 
     async def _poll(self, url: str) -> dict[str, dict]:
+        import httpx
+
         try:
             resp = await self._client.get(f"{url}/v1/loads")
             resp.raise_for_status()
             return {f"{url}@{e['dp_rank']}": e for e in resp.json().get("loads", []) if "dp_rank" in e}
-        except Exception:  # a failed poll leaves a gap, as in the router's load monitor
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            self._record_failure(url, exc)  # a gap in the series, as in the router's load monitor, but counted
             return {}
+
+    def _record_failure(self, url: str, exc: Exception) -> None:
+        self.series.poll_failures[url] += 1
+        now = time.monotonic()
+        if now - self._logged_at.get(url, -LOG_EVERY_SECS) >= LOG_EVERY_SECS:
+            self._logged_at[url] = now
+            logger.warning("load poll of %s failed (%d so far): %r", url, self.series.poll_failures[url], exc)
 
 
 def format_table(rows: dict[str, BalanceStats], baseline: str | None = None) -> str:
     """One line per run; with `baseline`, each metric also shows its change against that run in percent."""
     names = ("outstanding_cv", "running_cv", "busiest_batch", "busiest_over_mean_kv")
-    lines = [f"{'policy':<18}" + "".join(f"{n:>26}" for n in names)]
+    lines = [f"{'policy':<18}" + "".join(f"{n:>26}" for n in names) + f"{'poll_failures':>15}"]
     base = rows.get(baseline) if baseline else None
     for label, s in rows.items():
         cells = []
@@ -225,7 +247,7 @@ def format_table(rows: dict[str, BalanceStats], baseline: str | None = None) -> 
             v = s.row()[n]
             delta = _pct(v, base.row()[n]) if base is not None and label != baseline else ""
             cells.append(f"{v:>14.3f}{delta:>12}")
-        lines.append(f"{label:<18}" + "".join(cells))
+        lines.append(f"{label:<18}" + "".join(cells) + f"{s.poll_failures:>15}")
     return "\n".join(lines)
 
 

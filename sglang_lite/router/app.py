@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import logging
 import random
 import sys
@@ -19,14 +20,18 @@ from .load_monitor import LoadMonitor
 from .metrics import RouterMetrics
 from .pd import PDForwarder
 from .policies import Policy, RequestInfo, create_policy
-from .proxy import UpstreamUnreachable, backoff_secs, json_error, with_fields
+from .proxy import UpstreamUnreachable, WorkerShed, backoff_secs, bearer, json_error, with_fields
 from .request_info import parse_body, request_info
 from .workers import CircuitBreaker, Server, Worker, WorkerRegistry, normalize_url
 
 logger = logging.getLogger("sglang_lite.router")
 
 INFERENCE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
-OPEN_ROUTES = frozenset({"/health", "/liveness", "/readiness", "/metrics"})  # no API key needed
+OPEN_ROUTES = frozenset({"/health", "/liveness", "/readiness"})  # no API key needed
+
+
+class WorkerAuthError(ValueError):
+    """A worker refused the router's key (401/403): a configuration error, not worth waiting for."""
 
 
 class Router:
@@ -52,8 +57,10 @@ class Router:
     # ---- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self.dispatcher = Dispatcher(self.session, self.config.request_timeout_secs)
+        # The worker key rides on every call to workers: probes, dp_size, load polls (forwarded requests set it too).
+        key = self.config.worker_key
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, headers=bearer(key))
+        self.dispatcher = Dispatcher(self.session, self.config.request_timeout_secs, key)
         if self.config.pd_disaggregation:
             self.pd = PDForwarder(self.pick, self.dispatcher, self.rng)
         await self._add_initial_workers()
@@ -83,7 +90,7 @@ class Router:
             self.load_monitor = LoadMonitor(self.session, polled, cfg.worker_startup_check_interval)
             self._tasks.append(asyncio.create_task(self.load_monitor.run()))
         if not cfg.disable_health_check:
-            checker = HealthChecker(self.session, self.all_servers, cfg)
+            checker = HealthChecker(self.session, self.all_servers, cfg)  # per-rank probes for degraded servers
             self._tasks.append(asyncio.create_task(checker.run()))
 
     def active_roles(self) -> tuple[str, ...]:
@@ -136,10 +143,12 @@ class Router:
 
     # ---- forwarding ------------------------------------------------------------------------------------
     async def forward(self, request: web.Request, raw: bytes, info: RequestInfo) -> web.StreamResponse:
-        """Send to a chosen worker; a request that never reached one is retried elsewhere after a backoff."""
+        """Send to a chosen worker. A request that never reached one, or that one shed (nothing was sent to the
+        client yet), is retried on another after a backoff; when none is left, the last shed answer goes back."""
         cfg = self.config
         retries = 0 if cfg.disable_retries else cfg.retry_max_retries
         refused: frozenset[str] = frozenset()
+        shed: WorkerShed | None = None
         for attempt in range(retries + 1):
             worker = self.pick("regular", info, refused)
             if worker is None:
@@ -149,10 +158,14 @@ class Router:
             except UpstreamUnreachable as exc:
                 logger.warning("worker %s unreachable: %s", worker.server.url, exc)
                 record_outcome(worker, failed=True)
-                refused |= {w.url for w in self.registries["regular"].workers_of(worker.server)}
+                refused |= {w.url for w in worker.server.workers}
+            except WorkerShed as exc:
+                shed, refused = exc, refused | {worker.url}  # that rank is full (or dead); its siblings may not be
             if attempt < retries:
                 self.metrics.retries += 1
                 await asyncio.sleep(backoff_secs(attempt, cfg, self.rng))
+        if shed is not None:
+            return shed.response
         return json_error(503, "no healthy worker available", retry_after=1)
 
     # ---- handlers --------------------------------------------------------------------------------------
@@ -195,12 +208,15 @@ class Router:
             return json_error(503, "no healthy worker available", retry_after=1)
         try:
             return await self.dispatcher.send(request, worker, None)
+        except WorkerShed as shed:
+            return shed.response
         except UpstreamUnreachable as exc:
             record_outcome(worker, failed=True)
             return json_error(502, f"worker {worker.server.url} unreachable: {exc}")
 
     async def handle_workers(self, request: web.Request) -> web.Response:
-        workers = [w.describe() for w in self.all_workers()]
+        now = time.monotonic()
+        workers = [w.describe(now) for w in self.all_workers()]
         polls = self.load_monitor.polls if self.load_monitor else None
         return web.json_response({"workers": workers, "policies": self._policy_names(), "load_polls": polls})
 
@@ -222,7 +238,7 @@ class Router:
         port = request.query.get("bootstrap_port")
         try:
             server = await self.add_server(url, role, int(port) if port else None)
-        except (ValueError, TimeoutError) as exc:
+        except (ValueError, TimeoutError) as exc:  # WorkerAuthError is a ValueError
             return json_error(400, str(exc))
         return web.json_response({"added": server.url, "dp_size": server.dp_size, "role": role})
 
@@ -262,19 +278,35 @@ class Router:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if request.path not in OPEN_ROUTES and request.headers.get("Authorization") != f"Bearer {self.config.api_key}":
-            return json_error(401, "missing or wrong API key")
+        if request.path not in OPEN_ROUTES and not key_matches(request.headers.get("Authorization"),
+                                                               self.config.api_key):
+            resp = json_error(401, "missing or wrong API key (Authorization: Bearer <key>)")
+            resp.headers["WWW-Authenticate"] = "Bearer"
+            return resp
         return await handler(request)
 
 
+def key_matches(header: str | None, key: str) -> bool:
+    """Constant-time comparison of an Authorization header with `Bearer <key>`."""
+    given = (header or "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, f"Bearer {key}".encode())
+
+
 async def fetch_dp_size(session: aiohttp.ClientSession, url: str) -> int | None:
-    """dp_size from /server_info, falling back to /get_server_info (older servers); None when neither answers."""
+    """dp_size from /server_info, falling back to /get_server_info (older servers); None when neither answers.
+
+    Raises WorkerAuthError when the worker refuses the router's key, which waiting would not fix."""
     for path in ("/server_info", "/get_server_info"):
         try:
             async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status in (401, 403):
+                    raise WorkerAuthError(f"worker {url} answered {resp.status} to {path}: the router's worker key "
+                                          "is missing or wrong (set --worker-api-key, default --api-key)")
                 if resp.status == 200:
                     info = await resp.json(content_type=None)
                     return int(info.get("dp_size") or 1)
+        except WorkerAuthError:
+            raise
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
             continue
     return None

@@ -40,7 +40,9 @@ class RouterConfig:
     queue_timeout_secs: float = 60.0
     request_timeout_secs: float = 1800.0
     max_payload_size: int = 512 * 1024 * 1024
-    api_key: str | None = None
+    api_key: str | None = None  # clients must send it (Bearer) on every route but /health, /liveness, /readiness
+    # The key the router sends to workers (its own calls and forwarded requests). None: --api-key; "": none.
+    worker_api_key: str | None = None
     # health checks
     health_check_interval_secs: float = 60.0
     health_check_timeout_secs: float = 5.0
@@ -73,6 +75,10 @@ class RouterConfig:
         for name in (self.policy, self.prefill_policy, self.decode_policy):
             assert name is None or name in POLICIES, f"unknown policy {name!r}"
         assert self.p2c_load_metric is None or self.p2c_load_metric in LOAD_METRICS
+
+    @property
+    def worker_key(self) -> str | None:
+        return self.api_key if self.worker_api_key is None else (self.worker_api_key or None)
 
     def policy_options(self) -> dict:
         return dict(

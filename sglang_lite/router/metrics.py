@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -59,19 +60,25 @@ class RouterMetrics:
 
 def _worker_lines(workers: list[Worker]) -> list[str]:
     labels = [f'worker="{w.url}"' for w in workers]
+    now = time.monotonic()
+    servers = list({id(w.server): w.server for w in workers}.values())
     return (
         _family("sglang_router_worker_in_flight", "gauge", "requests in flight", labels, [w.in_flight for w in workers])
         + _family("sglang_router_worker_selections_total", "counter", "times chosen", labels,
                   [w.selections for w in workers])
         + _family("sglang_router_worker_errors_total", "counter", "failed dispatches", labels,
                   [w.errors for w in workers])
-        + _family("sglang_router_worker_healthy", "gauge", "1 when healthy", labels,
-                  [int(w.server.healthy) for w in workers])
+        + _family("sglang_router_worker_sheds_total", "counter", "429/503 with Retry-After from the worker", labels,
+                  [w.sheds for w in workers])
+        + _family("sglang_router_worker_healthy", "gauge", "1 when its server is healthy and its DP rank up", labels,
+                  [int(w.server.healthy and w.rank_up(now)) for w in workers])
         + _family("sglang_router_worker_breaker_state", "gauge", "0 closed, 1 half-open, 2 open", labels,
                   [BREAKER_VALUE[w.server.breaker.state] for w in workers])
         + _family("sglang_router_worker_polled_tokens", "gauge", "num_total_tokens from /v1/loads",
                   [lab for lab, w in zip(labels, workers) if w.polled_tokens is not None],
                   [w.polled_tokens for w in workers if w.polled_tokens is not None])
+        + _family("sglang_router_load_poll_failures_total", "counter", "failed /v1/loads polls per server",
+                  [f'worker="{s.url}"' for s in servers], [s.load_poll_failures for s in servers])
     )
 
 

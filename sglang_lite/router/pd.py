@@ -15,7 +15,7 @@ from aiohttp import web
 
 from .dispatch import Dispatcher, rank_fields, record_outcome
 from .policies import RequestInfo
-from .proxy import UpstreamUnreachable, json_error, with_fields
+from .proxy import SHED_STATUSES, UpstreamUnreachable, WorkerShed, json_error, with_fields
 from .request_info import batch_size
 from .workers import Worker
 
@@ -60,6 +60,9 @@ class PDForwarder:
         leg = self._start_prefill_leg(request, prefill, leg_payload(raw, fields, prefill))
         try:
             return await self.dispatcher.send(request, decode, leg_payload(raw, fields, decode))
+        except WorkerShed as shed:  # no retries in PD mode: the decode worker's answer goes back, Retry-After too
+            leg.cancel()
+            return shed.response
         except UpstreamUnreachable as exc:
             record_outcome(decode, failed=True)
             return json_error(502, f"decode worker {decode.server.url} unreachable: {exc}")
@@ -87,7 +90,8 @@ class PDForwarder:
             upstream = await self.dispatcher.open(request, worker, payload)
             async with upstream:
                 await upstream.read()
-                failed = upstream.status >= 500
+                shed = upstream.status in SHED_STATUSES and "Retry-After" in upstream.headers
+                failed = upstream.status >= 500 and not shed  # load shedding is not a failure
         except asyncio.CancelledError:
             failed = False  # aborted because the client left; not the worker's fault
             raise

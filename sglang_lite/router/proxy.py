@@ -5,6 +5,8 @@ import asyncio
 import json
 import logging
 import random
+import re
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -17,12 +19,36 @@ _HOP = frozenset(h.lower() for h in (
     "Upgrade", "Host", "Content-Length"))
 
 
+SHED_STATUSES = (429, 503)
+MAX_SHED_BODY = 64 * 1024  # a shedding answer is a small, complete JSON error
+DEAD_RANK = re.compile(r"\bDP rank (\d+) (?:is not alive|died)")  # the server's words for a dead rank
+
+
 class UpstreamUnreachable(Exception):
     """The request never reached the worker (connection refused or failed): safe to retry elsewhere."""
 
 
-def forward_headers(headers) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP}
+@dataclass(eq=False)
+class WorkerShed(Exception):
+    """The worker refused the request before doing anything for the client: it shed load (429/503 with
+    Retry-After) or named one of its DP ranks dead. Safe to retry elsewhere; `response` is what the client gets
+    when no other worker takes it (the worker's status, body and Retry-After)."""
+
+    response: web.Response
+    retry_after: float | None
+    dead_rank: int | None
+
+
+def bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def forward_headers(headers, worker_key: str | None = None) -> dict[str, str]:
+    """The client's end-to-end headers; with a worker key, its Authorization is replaced by the worker key."""
+    out = {k: v for k, v in headers.items() if k.lower() not in _HOP}
+    if worker_key:
+        out = {k: v for k, v in out.items() if k.lower() != "authorization"} | bearer(worker_key)
+    return out
 
 
 def with_fields(raw: bytes, fields: dict) -> bytes:
@@ -59,6 +85,31 @@ async def open_upstream(session: aiohttp.ClientSession, method: str, url: str, p
                                      timeout=aiohttp.ClientTimeout(total=timeout))
     except aiohttp.ClientConnectorError as exc:
         raise UpstreamUnreachable(str(exc)) from exc
+
+
+def may_be_shed(upstream: aiohttp.ClientResponse) -> bool:
+    """A small complete 429/503 that may be load shedding or a dead rank (read its body to be sure)."""
+    size = upstream.content_length
+    return (upstream.status in SHED_STATUSES and not is_event_stream(upstream)
+            and size is not None and size <= MAX_SHED_BODY)
+
+
+def retry_after_secs(value: str | None) -> float | None:
+    """Retry-After in seconds (HTTP dates are not used by the servers we front: treated as absent)."""
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def shed_of(upstream: aiohttp.ClientResponse, body: bytes) -> WorkerShed | None:
+    """The shedding verdict on a read 429/503: Retry-After present, or the body names a dead DP rank."""
+    retry_after = retry_after_secs(upstream.headers.get("Retry-After"))
+    match = DEAD_RANK.search(body.decode("utf-8", "replace")) if upstream.status == 503 else None
+    if retry_after is None and match is None:
+        return None
+    response = web.Response(body=body, status=upstream.status, headers=_response_headers(upstream))
+    return WorkerShed(response, retry_after, int(match.group(1)) if match else None)
 
 
 def _response_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:

@@ -5,6 +5,7 @@ policy's selection and the increment that follows it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -62,6 +63,8 @@ class Server:
     healthy: bool = True
     health_failures: int = 0
     health_successes: int = 0
+    load_poll_failures: int = 0
+    workers: list[Worker] = field(default_factory=list, repr=False)  # its routing targets (one per DP rank)
 
     @property
     def host(self) -> str:
@@ -78,13 +81,26 @@ class Worker:
     polled_tokens: int | None = None
     selections: int = 0
     errors: int = 0
+    sheds: int = 0  # 429/503 with Retry-After answered by the worker (its own load shedding)
+    # A DP rank its server reports dead is skipped until this time (monotonic); the server stays in use.
+    down_until: float = 0.0
 
     @property
     def url(self) -> str:
         return self.server.url if self.dp_rank is None else f"{self.server.url}@{self.dp_rank}"
 
+    def rank_up(self, now: float) -> bool:
+        return now >= self.down_until
+
+    def mark_rank_down(self, now: float, for_secs: float = math.inf) -> None:
+        """Skip this rank for `for_secs` (a health probe: until a probe sees it alive again)."""
+        self.down_until = max(self.down_until, now + for_secs)
+
+    def mark_rank_up(self) -> None:
+        self.down_until = 0.0
+
     def view(self, now: float) -> WorkerState:
-        healthy = self.server.healthy and self.server.breaker.allows(now)
+        healthy = self.server.healthy and self.rank_up(now) and self.server.breaker.allows(now)
         return WorkerState(self.url, self.dp_rank, healthy, self.in_flight, self.polled_tokens)
 
     def acquire(self) -> None:
@@ -95,11 +111,12 @@ class Worker:
         assert self.in_flight > 0, f"in-flight underflow on {self.url}"
         self.in_flight -= 1
 
-    def describe(self) -> dict:
+    def describe(self, now: float) -> dict:
         s = self.server
         return {"url": self.url, "base_url": s.url, "dp_rank": self.dp_rank, "role": s.role, "healthy": s.healthy,
-                "in_flight": self.in_flight, "polled_tokens": self.polled_tokens, "selections": self.selections,
-                "errors": self.errors, "breaker": s.breaker.state}
+                "rank_up": self.rank_up(now), "in_flight": self.in_flight, "polled_tokens": self.polled_tokens,
+                "selections": self.selections, "errors": self.errors, "sheds": self.sheds, "breaker": s.breaker.state,
+                "load_poll_failures": s.load_poll_failures}
 
 
 def normalize_url(url: str) -> str:
@@ -108,9 +125,9 @@ def normalize_url(url: str) -> str:
 
 
 def expand(server: Server) -> list[Worker]:
-    if server.dp_size is None:
-        return [Worker(server, None)]
-    return [Worker(server, rank) for rank in range(server.dp_size)]
+    ranks = [None] if server.dp_size is None else range(server.dp_size)
+    server.workers = [Worker(server, rank) for rank in ranks]
+    return server.workers
 
 
 @dataclass

@@ -70,3 +70,29 @@ def test_table_shows_change_against_baseline():
     table = format_table({"round_robin": a, "least_requests": b}, baseline="round_robin")
     assert "(-100.0%)" in table  # CV 0.5 -> 0
     assert "(-33.3%)" in table  # busiest batch 3 -> 2
+
+
+def test_sampler_counts_and_logs_failed_polls(caplog):
+    import asyncio
+    import socket
+
+    from sglang_lite.bench.balance import BalanceSampler
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+
+    async def sample() -> BalanceSampler:
+        async with BalanceSampler([url], interval=0.02, timeout=0.5) as sampler:
+            await asyncio.sleep(0.2)
+        return sampler
+
+    sampler = asyncio.run(asyncio.wait_for(sample(), 10))
+    assert sampler.series.poll_failures[url] >= 3 and not sampler.series.times
+    assert sum("load poll of" in r.getMessage() for r in caplog.records) == 1  # rate-limited, not one per poll
+    stats = balance_stats(np.ones((1, 2)), np.ones((1, 2)), np.ones((1, 2)))
+    assert "poll_failures" in format_table({"p": stats})
+    series = LoadSeries()
+    series.add(0.0, {"a@0": _entry(0, 1)})
+    series.poll_failures["http://a"] += 2
+    assert series.stats().poll_failures == 2  # carried into the stats a benchmark prints

@@ -30,15 +30,15 @@ SERVER_FLAGS = ["--context-length", "1024", "--max-total-tokens", "16384", "--ma
                 "--cpu-threads-per-rank", "1", "--log-level", "warning"]
 
 
-def upstream_command(port: int, dp_size: int, token_delay: float, name: str) -> list[str]:
+def upstream_command(port: int, dp_size: int, token_delay: float, name: str, *extra: str) -> list[str]:
     return [sys.executable, str(HERE / "upstream.py"), "--port", str(port), "--dp-size", str(dp_size),
-            "--token-delay", str(token_delay), "--name", name]
+            "--token-delay", str(token_delay), "--name", name, *extra]
 
 
-def server_command(port: int, dp_size: int, name: str) -> list[str]:
+def server_command(port: int, dp_size: int, name: str, *extra: str) -> list[str]:
     """A real sglang_lite server; `name` becomes its served model name, so OpenAI responses say who answered."""
     return [sys.executable, "-m", "sglang_lite.launch_server", "--host", "127.0.0.1", "--port", str(port),
-            "--dp-size", str(dp_size), "--served-model-name", name, *SERVER_FLAGS]
+            "--dp-size", str(dp_size), "--served-model-name", name, *SERVER_FLAGS, *extra]
 
 
 def free_port() -> int:
@@ -114,14 +114,15 @@ def launch(cmd: list[str], ready: re.Pattern, timeout: float = 20.0) -> Proc:
     raise RuntimeError(f"{cmd} did not become ready:\n{text[-3000:]}")
 
 
-def spawn_server(dp_size: int, name: str, port: int | None = None) -> Proc:
+def spawn_server(dp_size: int, name: str, port: int | None = None, extra: tuple[str, ...] = ()) -> Proc:
     """Start a real server without waiting, so several can start at once; call wait_healthy() on it."""
     port = port or free_port()
-    return spawn(server_command(port, dp_size, name), port)
+    return spawn(server_command(port, dp_size, name, *extra), port)
 
 
-def start_upstream(dp_size: int = 1, token_delay: float = 0.0, port: int = 0, name: str = "upstream") -> Proc:
-    return launch(upstream_command(port, dp_size, token_delay, name), re.compile(r"READY port=(\d+)"))
+def start_upstream(dp_size: int = 1, token_delay: float = 0.0, port: int = 0, name: str = "upstream",
+                   extra: tuple[str, ...] = ()) -> Proc:
+    return launch(upstream_command(port, dp_size, token_delay, name, *extra), re.compile(r"READY port=(\d+)"))
 
 
 def start_router(*args: str) -> Proc:
@@ -141,9 +142,10 @@ class Procs:
     def router(self, *args: str) -> Proc:
         return self.adopt(start_router(*args))
 
-    def servers(self, names: list[str], dp_size: int = 1, port: int | None = None) -> list[Proc]:
+    def servers(self, names: list[str], dp_size: int = 1, port: int | None = None,
+                extra: tuple[str, ...] = ()) -> list[Proc]:
         """Real servers started together (one per name), each killed at teardown even if another fails to start."""
-        started = [self.adopt(spawn_server(dp_size, name, port)) for name in names]
+        started = [self.adopt(spawn_server(dp_size, name, port, extra)) for name in names]
         return [proc.wait_healthy() for proc in started]
 
     def adopt(self, proc: Proc) -> Proc:

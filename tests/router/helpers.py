@@ -19,6 +19,7 @@ class Result:
     elapsed: float = 0.0
     upstream: str | None = None  # the stand-in's X-Upstream-Name header
     body: dict | list | None = None  # a JSON response, or a stream's last JSON event
+    retry_after: str | None = None  # the Retry-After header
 
     @property
     def model(self) -> str | None:
@@ -37,7 +38,8 @@ async def generate(session: aiohttp.ClientSession, url: str, route: str = "/gene
     try:
         async with session.post(url + route, json=body, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            result = Result(resp.status, upstream=resp.headers.get("X-Upstream-Name"))
+            result = Result(resp.status, upstream=resp.headers.get("X-Upstream-Name"),
+                            retry_after=resp.headers.get("Retry-After"))
             if stream and resp.status == 200:
                 await read_events(resp, result, start)
             else:

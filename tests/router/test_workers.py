@@ -5,10 +5,11 @@ import json
 
 import pytest
 
+from sglang_lite.router.app import key_matches
 from sglang_lite.router.config import RouterConfig, config_from_args
 from sglang_lite.router.health import record_health
 from sglang_lite.router.load_monitor import apply_loads, parse_loads
-from sglang_lite.router.proxy import with_fields
+from sglang_lite.router.proxy import forward_headers, shed_of, with_fields
 from sglang_lite.router.request_info import batch_size, prompt_text
 from sglang_lite.router.workers import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, Server, WorkerRegistry, expand
 
@@ -116,3 +117,80 @@ def test_cli_help_imports_neither_torch_nor_the_http_stack():
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
     assert "--pd-disaggregation" in out.stdout
     assert not {m for m in imported if m.split(".")[0] in ("torch", "triton", "aiohttp")}
+
+
+def test_worker_key_defaults_to_the_api_key_and_empty_means_none():
+    assert RouterConfig(api_key="k").worker_key == "k"
+    assert RouterConfig(api_key="k", worker_api_key="w").worker_key == "w"
+    assert RouterConfig(api_key="k", worker_api_key="").worker_key is None
+    assert config_from_args(["--worker-api-key", "w"]).worker_key == "w"
+
+
+def test_forwarded_headers_carry_the_worker_key_instead_of_the_clients():
+    client = {"authorization": "Bearer client", "X-Trace": "1", "Host": "router"}
+    assert forward_headers(client) == {"authorization": "Bearer client", "X-Trace": "1"}  # no worker key: as sent
+    assert forward_headers(client, "wk") == {"X-Trace": "1", "Authorization": "Bearer wk"}
+    assert forward_headers({}, "wk") == {"Authorization": "Bearer wk"}
+
+
+def test_key_check_is_exact():
+    assert key_matches("Bearer s3cret", "s3cret")
+    assert not key_matches("Bearer s3creT", "s3cret") and not key_matches(None, "s3cret")
+    assert not key_matches("Bearer s3cret ", "s3cret") and not key_matches("Bearer \u00e9", "s3cret")
+
+
+class _Head:
+    def __init__(self, status: int, headers: dict) -> None:
+        self.status, self.headers = status, headers
+
+
+def test_shedding_needs_retry_after_or_a_dead_rank():
+    full = _Head(503, {"Retry-After": "2"})
+    shed = shed_of(full, b'{"error": {"message": "rank 0: the waiting queue is full"}}')
+    assert shed is not None and shed.retry_after == 2.0 and shed.dead_rank is None
+    assert shed.response.status == 503 and shed.response.headers["Retry-After"] == "2"
+    assert shed_of(_Head(429, {"Retry-After": "1"}), b"{}").retry_after == 1.0
+    dead = shed_of(_Head(503, {}), b'{"error": {"message": "DP rank 3 died: exit code -9"}}')
+    assert dead is not None and dead.dead_rank == 3 and dead.retry_after is None
+    assert shed_of(_Head(503, {}), b'{"error": "out of memory"}') is None  # a plain 503 is a failure
+    assert shed_of(_Head(429, {}), b"DP rank 1 is not alive") is None  # only a 503 names a dead rank
+
+
+def test_a_rank_marked_down_is_unhealthy_until_its_time_or_a_probe():
+    reg = WorkerRegistry()
+    server = Server("http://a:1", 2, CircuitBreaker())
+    reg.add(server)
+    server.workers[1].mark_rank_down(10.0, 5.0)
+    assert [v.healthy for v in reg.views(12.0)] == [True, False]
+    assert [v.healthy for v in reg.views(15.0)] == [True, True]
+    server.workers[1].mark_rank_down(20.0)  # a failed probe: until a probe sees it again
+    assert not reg.views(1e9)[1].healthy
+    server.workers[1].mark_rank_up()
+    assert reg.views(21.0)[1].healthy and server.healthy
+
+
+def test_rank_probes_mark_only_silent_ranks_and_only_while_the_server_answers(monkeypatch):
+    import asyncio
+
+    import sglang_lite.router.health as health
+
+    server = Server("http://a:1", 3, CircuitBreaker())
+    WorkerRegistry().add(server)
+    checker = health.HealthChecker(None, lambda: [server], RouterConfig())
+    answering: set[int] = set()
+
+    async def fake_probe(session, url, endpoint, timeout):  # /health fails; ranks in `answering` answer
+        return endpoint != "/health" and int(endpoint.rsplit("=", 1)[1]) in answering
+
+    monkeypatch.setattr(health, "probe", fake_probe)
+
+    def check(ranks: set[int]) -> list[bool]:
+        answering.clear()
+        answering.update(ranks)
+        asyncio.run(checker.check(server))
+        return [w.rank_up(1e9) for w in server.workers]
+
+    assert check({0, 2}) == [True, False, True] and server.healthy and server.health_failures == 0
+    assert check(set()) == [True, False, True]  # nothing answers: a server failure (1 of 3), no rank marked
+    assert server.health_failures == 1 and server.healthy
+    assert check({0, 1, 2}) == [True, True, True]

@@ -8,6 +8,12 @@ streaming) and /v1/models. "Generation" emits `max_new_tokens` tokens, one every
 DP rank named by `routed_dp_rank` (or `data_parallel_rank`), else on its least busy rank, as a DP controller
 would. /_stats (test-only) reports what it received.
 
+Failure modes, like a real server's: `--max-concurrency N` sheds a request arriving while N run (503 with
+`Retry-After: --retry-after`, as a full waiting queue does); `--api-key K` requires `Authorization: Bearer K` on every
+route but /health and the test-only ones; `POST /_rank?rank=N&alive=0|1` (test-only) kills or revives rank N: a
+request for it answers 503 "DP rank N is not alive" (Retry-After: 5), /health answers 503 while any rank is down,
+and /v1/loads answers 503 when it asks about a dead rank.
+
 Run: python tests/router/upstream.py --port 0 --dp-size 2 --token-delay 0.01   (prints "READY port=N")
 """
 from __future__ import annotations
@@ -42,6 +48,11 @@ class State:
     dp_size: int
     token_delay: float
     name: str
+    max_concurrency: int = 0  # 0: unlimited
+    retry_after: int = 1
+    api_key: str | None = None
+    dead: set[int] = field(default_factory=set)
+    shed: int = 0
     running: dict[int, Running] = field(default_factory=dict)
     by_rank: Counter = field(default_factory=Counter)
     completed: int = 0
@@ -54,7 +65,8 @@ class State:
         if isinstance(rank, int) and 0 <= rank < self.dp_size:
             return rank
         load = Counter(r.rank for r in self.running.values())
-        return min(range(self.dp_size), key=lambda r: load[r])
+        live = [r for r in range(self.dp_size) if r not in self.dead] or [0]
+        return min(live, key=lambda r: load[r])
 
     def rank_load(self, rank: int) -> dict:
         reqs = [r for r in self.running.values() if r.rank == rank]
@@ -129,6 +141,9 @@ def make_app(state: State) -> web.Application:
         except ValueError:
             return web.json_response({"error": "invalid JSON"}, status=400)
         state.bodies.append(body)
+        refusal = refuse(state, body)
+        if refusal is not None:
+            return refusal
         if max_tokens_of(body) < 0:  # the server validates sampling params: a client error, not a failure
             return web.json_response({"error": "max_new_tokens must be >= 0"}, status=400)
         if body.get("stream"):
@@ -159,6 +174,8 @@ def make_app(state: State) -> web.Application:
         ranks = range(state.dp_size)
         if "dp_rank" in request.query:
             ranks = [int(request.query["dp_rank"])]
+        if state.dead & set(ranks):
+            return error(503, f"DP rank(s) {sorted(state.dead & set(ranks))} are not alive", retry_after=5)
         now = datetime.datetime.now(datetime.timezone.utc).isoformat()
         return web.json_response({"timestamp": now, "version": "upstream-test",
                                   "loads": [state.rank_load(r) for r in ranks]})
@@ -178,12 +195,26 @@ def make_app(state: State) -> web.Application:
         return web.json_response({"object": "list", "data": [{"id": "upstream", "object": "model"}]})
 
     async def health(request: web.Request) -> web.Response:
+        if state.dead:
+            return error(503, f"DP ranks alive: {[r not in state.dead for r in range(state.dp_size)]}")
         return web.Response(text="OK")
+
+    async def set_rank(request: web.Request) -> web.Response:
+        rank, alive = int(request.query["rank"]), request.query.get("alive", "1") == "1"
+        (state.dead.discard if alive else state.dead.add)(rank)
+        return web.json_response({"dead": sorted(state.dead)})
 
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({"name": state.name, "by_rank": {str(k): v for k, v in state.by_rank.items()},
                                   "running": len(state.running), "completed": state.completed,
-                                  "aborted": state.aborted, "bodies": state.bodies[-50:]})
+                                  "aborted": state.aborted, "shed": state.shed, "bodies": state.bodies[-50:]})
+
+    @web.middleware
+    async def api_key(request: web.Request, handler):
+        open_path = request.path == "/health" or request.path.startswith("/_")
+        if state.api_key and not open_path and request.headers.get("Authorization") != f"Bearer {state.api_key}":
+            return error(401, "missing or wrong API key")
+        return await handler(request)
 
     @web.middleware
     async def name_header(request: web.Request, handler):
@@ -192,18 +223,37 @@ def make_app(state: State) -> web.Application:
             resp.headers["X-Upstream-Name"] = state.name  # lets a test see which server answered
         return resp
 
-    app = web.Application(middlewares=[name_header])
+    app = web.Application(middlewares=[name_header, api_key])
     for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
         app.router.add_post(path, infer)
     for path, handler in (("/v1/loads", loads), ("/get_load", get_load), ("/server_info", server_info),
                           ("/get_server_info", server_info), ("/v1/models", models), ("/health", health),
                           ("/_stats", stats)):
         app.router.add_get(path, handler)
+    app.router.add_post("/_rank", set_rank)
     return app
 
 
+def error(status: int, message: str, retry_after: int | None = None) -> web.Response:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return web.json_response({"error": {"message": message, "code": status}}, status=status, headers=headers)
+
+
+def refuse(state: State, body: dict) -> web.Response | None:
+    """The real server's refusals: a dead rank, and load shedding when too many requests run."""
+    rank = state.pick_rank(body)
+    if rank in state.dead:
+        return error(503, f"DP rank {rank} is not alive", retry_after=5)
+    if state.max_concurrency and len(state.running) >= state.max_concurrency:
+        state.shed += 1
+        return error(503, f"rank {rank}: the waiting queue is full ({state.max_concurrency} requests)",
+                     retry_after=state.retry_after)
+    return None
+
+
 async def main(args: argparse.Namespace) -> None:
-    state = State(args.dp_size, args.token_delay, args.name)
+    state = State(args.dp_size, args.token_delay, args.name, args.max_concurrency, args.retry_after,
+                  args.api_key or None)
     runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", args.port, reuse_address=True)
@@ -218,6 +268,9 @@ if __name__ == "__main__":
     parser.add_argument("--dp-size", type=int, default=1)
     parser.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token")
     parser.add_argument("--name", default="upstream")
+    parser.add_argument("--max-concurrency", type=int, default=0, help="shed beyond this many running (0: never)")
+    parser.add_argument("--retry-after", type=int, default=1, help="Retry-After of a shed request")
+    parser.add_argument("--api-key", default="")
     try:
         asyncio.run(main(parser.parse_args()))
     except KeyboardInterrupt:
