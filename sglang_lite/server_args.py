@@ -51,7 +51,11 @@ _HELP = {
     "load_balance_method": "How the DP controller picks a rank for requests that name none.",
     "max_queued_requests": "Waiting requests per DP rank; beyond it new requests get 503 with Retry-After.",
     "max_request_body_bytes": "Largest accepted HTTP request body; larger gets 413.",
+    "max_concurrent_requests": "HTTP requests in progress at once (streams until their last event; /health, "
+    "/metrics and the loads endpoints are not counted); beyond it 503 with Retry-After.",
     "cpu_threads_per_rank": "torch threads per scheduler process when the device is the CPU (default: CPUs / dp_size).",
+    "rank_hang_timeout_s": "A DP rank that leaves a loads query unanswered this long is hung: killed and restarted.",
+    "rank_max_restarts": "Restarts of one DP rank (dead or hung) over the server's life; then it stays down.",
 }
 
 
@@ -87,16 +91,22 @@ class ServerArgs:
     load_balance_method: str = "round_robin"
     max_queued_requests: int = 1024
     max_request_body_bytes: int = 16 * 1024 * 1024
+    max_concurrent_requests: int = 4096
     cpu_threads_per_rank: int | None = None
+    rank_hang_timeout_s: float = 60.0
+    rank_max_restarts: int = 5
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
         self._check_choice("load_format", LOAD_FORMATS)
         self._check_choice("schedule_policy", SCHEDULE_POLICIES)
         self._check_choice("load_balance_method", LOAD_BALANCE_METHODS)
-        self._check_positive("max_queued_requests", "max_request_body_bytes")
+        self._check_positive("max_queued_requests", "max_request_body_bytes", "max_concurrent_requests")
         if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank <= 0:
             raise ValueError(f"cpu_threads_per_rank must be positive, got {self.cpu_threads_per_rank}")
+        self._check_positive("rank_hang_timeout_s")
+        if self.rank_max_restarts < 0:
+            raise ValueError(f"rank_max_restarts must be >= 0, got {self.rank_max_restarts}")
         self._check_choice("alt_stream_overlap", ALT_STREAM_OVERLAP)
         self._check_positive("max_running_requests", "max_prefill_tokens", "stream_interval", "dp_size")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:

@@ -5,8 +5,9 @@ already used OpenMP run far slower (libgomp throttles its spin-waits once it man
 are CPUs: on 2 cores the offline benchmark ran 1.6-1.9x slower from a thread), and the caller's own Python would
 compete for the GIL with every step.
 
-A receiver thread dispatches replies: outputs go to their request's queue; an error for a request (refused, or the
-process died) is put there as an exception, and a query's answer completes its future.
+A receiver thread dispatches replies: outputs go to their request's queue; an error for a request (refused, failed
+inside the rank, or the process died) is put there as an exception, and a query's answer completes its future.
+The Engine's one rank is not restarted: once its process dies, every request fails and the Engine is unusable.
 """
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from sglang_lite.runtime.client import POLL_MS, SchedulerClient
-from sglang_lite.runtime.messages import REFUSED, AbortRequest, Ack, AddRequest, QueryReply
+from sglang_lite.runtime.messages import REFUSED, AbortRequest, Ack, AddRequest, QueryReply, Ready
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.config import SchedulerConfig
-from sglang_lite.scheduler.request import ReqOutput
+from sglang_lite.scheduler.request import ReqOutput, internal_error
 from sglang_lite.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,10 @@ class SyncClient:
             self._check_alive()
             query_id = self.core.next_query_id()
             self._queries[query_id] = future
-        self.core.send(RANK, query_type(query_id, *fields))
+        if not self.core.send(RANK, query_type(query_id, *fields)):
+            with self._lock:
+                self._queries.pop(query_id, None)
+            raise RuntimeError("the scheduler process is not taking commands (its queue is full)")
         return future.result()
 
     def shutdown(self) -> None:
@@ -100,8 +104,9 @@ class SyncClient:
             with self._lock:
                 streams = self._streams
                 stream = streams.pop(output.rid, None) if output.finished else streams.get(output.rid)
+            error = internal_error(output)
             if stream is not None:
-                stream.put(output)
+                stream.put(RuntimeError(f"the request failed in the scheduler: {error}") if error else output)
 
     def on_ack(self, ack: Ack) -> None:
         if ack.queued:
@@ -116,6 +121,9 @@ class SyncClient:
             future = self._queries.pop(reply.query_id, None)
         if future is not None:
             future.set_result(reply)
+
+    def on_ready(self, ready: Ready) -> None:  # the Engine never respawns its rank
+        pass
 
     def on_fatal(self, rank: int, message: str) -> None:
         self._fail_all(RuntimeError(f"the scheduler process failed: {message}"))

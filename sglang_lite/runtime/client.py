@@ -4,6 +4,11 @@
 typed replies; ``dispatch`` hands a reply to the front end's ``ReplyHandler``. The Engine receives on a thread
 (``receive``), the HTTP server's tokenizer manager on its event loop (``receive_async``); what each does with an
 output (a thread-safe queue, an asyncio queue and metrics) is theirs.
+
+Each rank's command queue is bounded (``transport.COMMAND_QUEUE_LIMIT``): an ``AddRequest`` that finds it full is
+answered at once with a 503 ``Ack``, looped back through the reply socket like a rank's own; other commands are
+dropped (``send`` returns False). ``respawn`` replaces one rank's process (a supervisor's restart); the reply
+socket stays, commands queued to the old process are discarded, and the new process's ``Ready`` is dispatched.
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ import zmq
 import zmq.asyncio
 
 from sglang_lite.runtime.messages import (
+    UNAVAILABLE,
     Ack,
+    AddRequest,
     CheckReply,
     Command,
     Fatal,
@@ -30,7 +37,14 @@ from sglang_lite.runtime.messages import (
     decode,
 )
 from sglang_lite.runtime.scheduler_process import spawn_scheduler_process
-from sglang_lite.runtime.transport import ipc_addresses, pull_socket, push_socket, remove_ipc_files, send
+from sglang_lite.runtime.transport import (
+    COMMAND_QUEUE_LIMIT,
+    ipc_addresses,
+    pull_socket,
+    push_socket,
+    remove_ipc_files,
+    send,
+)
 from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.request import ReqOutput
 from sglang_lite.server_args import ServerArgs
@@ -52,18 +66,23 @@ class ReplyHandler(Protocol):
 
     def on_fatal(self, rank: int, message: str) -> None: ...
 
+    def on_ready(self, ready: Ready) -> None: ...
+
 
 class SchedulerClient:
     """Spawns the ranks on construction (from the calling thread: a rank dies with the thread that started it)."""
 
     def __init__(self, args: ServerArgs) -> None:
+        self.args = args
         self.dp_size = args.dp_size
         command_addresses, reply_address = ipc_addresses(args.dp_size)
+        self._command_addresses, self._reply_address = command_addresses, reply_address
         self._addresses = [*command_addresses, reply_address]
         self._context = zmq.Context()
         self._replies = pull_socket(self._context, reply_address)
         self._async_replies: zmq.asyncio.Socket | None = None
-        self._commands = [push_socket(self._context, address) for address in command_addresses]
+        self._loopback = push_socket(self._context, reply_address)  # the client's own answers (a full queue)
+        self._commands = [self._command_socket(address) for address in command_addresses]
         self._send_lock = threading.Lock()  # zmq sockets are not thread-safe; Engine callers may be on several threads
         self._query_ids = itertools.count()
         self._closed = False
@@ -103,10 +122,20 @@ class SchedulerClient:
         self.ready = [ready[rank] for rank in range(self.dp_size)]
         return self.ready
 
+    def _command_socket(self, address: str) -> zmq.Socket:
+        return push_socket(self._context, address, limit=COMMAND_QUEUE_LIMIT)
+
     # ---- commands and replies ----------------------------------------------------------------------------------
-    def send(self, rank: int, command: Command) -> None:
+    def send(self, rank: int, command: Command) -> bool:
+        """Queues a command to a rank; False when its queue is full (an AddRequest is then acked 503)."""
         with self._send_lock:
-            send(self._commands[rank], command)
+            if send(self._commands[rank], command):
+                return True
+            logger.warning("the command queue of DP rank %d is full: %s not sent", rank, type(command).__name__)
+            if isinstance(command, AddRequest):
+                message = f"DP rank {rank} is not taking commands ({COMMAND_QUEUE_LIMIT} queued)"
+                send(self._loopback, Ack(rank, command.rid, UNAVAILABLE, message))
+            return False
 
     def next_query_id(self) -> int:
         return next(self._query_ids)
@@ -132,12 +161,33 @@ class SchedulerClient:
             handler.on_query_reply(reply)
         elif isinstance(reply, Fatal):
             handler.on_fatal(reply.rank, reply.message)
+        elif isinstance(reply, Ready):  # a respawned rank
+            self.ready[reply.rank] = reply
+            handler.on_ready(reply)
         else:
             logger.warning("unexpected %s from DP rank %s", type(reply).__name__, getattr(reply, "rank", "?"))
 
     def exited_ranks(self) -> dict[int, int]:
         """Exit code of each rank whose process has ended."""
         return {rank: p.returncode for rank, p in enumerate(self.processes) if p.poll() is not None}
+
+    def kill(self, rank: int) -> None:
+        """Ends a rank's process now (SIGKILL) and reaps it; a hung rank answers nothing else."""
+        process = self.processes[rank]
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+
+    def respawn(self, rank: int) -> None:
+        """Replaces a rank's process with a fresh one on the same command address; its ``Ready`` arrives through
+        ``dispatch``. Call from the thread that spawned the others (a rank dies with the thread that started it)."""
+        self.kill(rank)
+        with self._send_lock:
+            self._commands[rank].close(0)  # what the old process never read is dropped, not replayed to the new one
+            address = self._command_addresses[rank]
+            remove_ipc_files([address])
+            self.processes[rank] = spawn_scheduler_process(self.args, rank, address, self._reply_address)
+            self._commands[rank] = self._command_socket(address)
 
     # ---- shutdown ----------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -149,7 +199,7 @@ class SchedulerClient:
             if process.poll() is None:
                 self.send(rank, Stop())
         stop_processes(self.processes)
-        for socket in [self._replies, *self._commands]:
+        for socket in [self._replies, self._loopback, *self._commands]:
             socket.close(0)
         self._context.term()
         remove_ipc_files(self._addresses)

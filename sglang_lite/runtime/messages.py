@@ -19,7 +19,8 @@ from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.request import ReqOutput
 
 # Ack statuses, as HTTP status codes: the server answers with the same code.
-QUEUED, REFUSED, UNAVAILABLE = 200, 400, 503  # unavailable: the waiting queue is full, or the rank died
+# unavailable: the waiting queue or the command queue is full, or the rank died; failed: adding it raised in the rank
+QUEUED, REFUSED, FAILED, UNAVAILABLE = 200, 400, 500, 503
 
 
 class Message:
@@ -101,7 +102,7 @@ class Ready(Message):
 
 @dataclass(frozen=True)
 class Ack(Message):
-    """The answer to every ``AddRequest``: queued, refused (bad input) or queue full."""
+    """The answer to every ``AddRequest``: queued, refused (bad input), failed (the rank raised) or queue full."""
 
     rank: int
     rid: str
@@ -146,7 +147,7 @@ class CheckReply(Message):
 
 @dataclass(frozen=True)
 class Fatal(Message):
-    """The rank failed (at start-up or in a step) and exits."""
+    """The rank failed (at start-up, or its process broke: see ``scheduler.faults``) and exits."""
 
     rank: int
     message: str

@@ -1,8 +1,10 @@
 """One DP rank: a process that owns a model replica, its pools and a Scheduler, driven by typed messages.
 
 The loop reads: take commands -> step the scheduler -> send outputs. It blocks on commands only when the scheduler
-is idle, so loads asked for between steps are live. The process exits when told to, or when its parent is gone.
-Front ends start ranks with ``spawn_scheduler_process`` (through ``SchedulerClient``).
+is idle, so loads asked for between steps are live. The process exits when told to, when its parent is gone, or
+when it is broken (``scheduler.faults``); a failure of one request or one step fails only those requests.
+Front ends start ranks with ``spawn_scheduler_process`` (through ``SchedulerClient``). The rank's spec (every server
+argument, the API key included) travels on its stdin, never on the command line that ``ps`` shows.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 import zmq
 
 from sglang_lite.runtime.messages import (
+    FAILED,
     QUEUED,
     REFUSED,
     UNAVAILABLE,
@@ -37,6 +40,7 @@ from sglang_lite.runtime.messages import (
     decode,
 )
 from sglang_lite.runtime.transport import pull_socket, push_socket, send
+from sglang_lite.scheduler.faults import breaks_the_device, describe
 from sglang_lite.server_args import ServerArgs, set_global_server_args
 from sglang_lite.utils.process import keep_freed_heap_memory
 
@@ -51,11 +55,20 @@ def spawn_scheduler_process(args: ServerArgs, dp_rank: int, command_address: str
     spec = {"args": dataclasses.asdict(args), "dp_rank": dp_rank, "command_address": command_address,
             "reply_address": reply_address, "parent_pid": os.getpid()}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # import what the caller imports, as spawn does
-    return subprocess.Popen([sys.executable, "-m", "sglang_lite.runtime.scheduler_process", json.dumps(spec)], env=env)
+    process = subprocess.Popen([sys.executable, "-m", "sglang_lite.runtime.scheduler_process", f"--dp-rank={dp_rank}"],
+                               env=env, stdin=subprocess.PIPE)
+    try:
+        process.stdin.write(json.dumps(spec).encode())
+        process.stdin.close()  # the child reads to the end: one spec, then EOF
+    except BrokenPipeError:  # the child died at once; the front end sees it exit
+        pass
+    return process
 
 
-def main(argv: list[str] | None = None) -> None:
-    spec = json.loads((argv or sys.argv[1:])[0])
+def main() -> None:
+    """Reads the spec from stdin (see ``spawn_scheduler_process``); the ``--dp-rank`` argument only names the
+    process in ``ps``."""
+    spec = json.loads(sys.stdin.buffer.read())
     args = ServerArgs(**spec["args"])
     run_scheduler_process(args, spec["dp_rank"], spec["command_address"], spec["reply_address"], spec["parent_pid"])
 
@@ -116,6 +129,16 @@ class RankLoop:
             self.apply(command)
 
     def apply(self, command: Message) -> None:
+        """Runs one command; one that raises is logged and dropped (an AddRequest is acked as failed), unless the
+        error broke the device."""
+        try:
+            self._apply(command)
+        except Exception as error:
+            if breaks_the_device(error):
+                raise
+            logger.exception("rank %d: %s failed", self.dp_rank, type(command).__name__)
+
+    def _apply(self, command: Message) -> None:
         if isinstance(command, AddRequest):
             self.reply(self.add(command))
         elif isinstance(command, AbortRequest):
@@ -139,6 +162,11 @@ class RankLoop:
             self.scheduler.add_request(request.rid, request.input_ids, request.sampling_params)
         except (ValueError, TypeError, AssertionError) as error:
             return Ack(self.dp_rank, request.rid, REFUSED, str(error))
+        except Exception as error:  # not the input's fault as far as validation knows: fail it, keep the rank
+            if breaks_the_device(error):
+                raise
+            logger.exception("rank %d: adding %s failed", self.dp_rank, request.rid)
+            return Ack(self.dp_rank, request.rid, FAILED, describe(error))
         return Ack(self.dp_rank, request.rid, QUEUED)
 
     def invariant_error(self) -> str | None:

@@ -1,12 +1,31 @@
-"""Per-request sampling parameters (SGLang names) and their validation."""
+"""Per-request sampling parameters (SGLang names) and their validation.
+
+``validate`` is the one check of every value, for both HTTP APIs (through the tokenizer manager) and for the
+scheduler (``validate_request``): each field has a type and a range that the sampler, the scheduler's counters
+and the msgpack transport can carry, so a request that passes can never break a rank.
+"""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 # Treated as greedy: below this temperature sampling is argmax (avoids dividing logits by ~0).
 GREEDY_TEMPERATURE = 1e-6
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The limits (docs/reliability.md). Token counts fit the scheduler's int32 counters (it clips max_new_tokens to
+# what the context and the KV pool leave); temperatures far above 1 are already uniform sampling, and any value
+# must stay finite once the sampler turns it into float32.
+MAX_NEW_TOKENS = INT32_MAX
+MAX_TEMPERATURE = 1e4
+# The stop-string matcher runs on the rank's one thread for every token: its work grows with the count and the
+# square of each string's length, so both are bounded.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # all stop strings together
+MAX_STOP_TOKEN_IDS = 256
+MAX_REPR_CHARS = 60  # of a bad value quoted in an error message
 
 
 @dataclass
@@ -32,7 +51,7 @@ class SamplingParams:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+            raise ValueError(f"unknown sampling parameter(s) {_short(unknown)}; known: {sorted(known)}")
         if isinstance(params.get("stop"), str):
             params["stop"] = [params["stop"]]
         for key in ("stop", "stop_token_ids"):
@@ -41,7 +60,7 @@ class SamplingParams:
             elif isinstance(params[key], (list, tuple)):
                 params[key] = list(params[key])
             else:
-                raise ValueError(f"sampling parameter {key} must be a list, got {params[key]!r}")
+                raise ValueError(f"sampling parameter {key} must be a list, got {_short(params[key])}")
         return cls(**params)
 
     @property
@@ -50,27 +69,85 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raises ValueError naming the first bad field."""
-        for name in ("max_new_tokens", "min_new_tokens"):
-            value = getattr(self, name)
-            _check(_is_int(value) and value >= 0, name, "an integer >= 0", value)
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", "-1 (off) or >= 1", self.top_k)
-        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
-        _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
-        ids_ok = all(_is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size) for t in self.stop_token_ids)
-        _check(ids_ok, "stop_token_ids", f"token ids in [0, {vocab_size})", self.stop_token_ids)
+        _check_int(self.max_new_tokens, "max_new_tokens", 0, MAX_NEW_TOKENS)
+        _check_int(self.min_new_tokens, "min_new_tokens", 0, MAX_NEW_TOKENS)
+        _check_float(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
+        _check(_is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "a finite number in (0, 1]", self.top_p)
+        _check_float(self.min_p, "min_p", 0.0, 1.0)
+        top_k_max = vocab_size or INT32_MAX
+        top_k_ok = _is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= top_k_max)
+        _check(top_k_ok, "top_k", f"-1 (off) or an integer in [1, {top_k_max}]", self.top_k)
+        if self.seed is not None:
+            _check_int(self.seed, "seed", INT64_MIN, INT64_MAX)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
+        self._validate_stop()
+        self._validate_stop_token_ids(vocab_size)
+
+    def _validate_stop(self) -> None:
+        stop = self.stop
+        _check(isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS, "stop",
+               f"a list of at most {MAX_STOP_STRINGS} strings", _count(stop))
+        _check(all(isinstance(s, str) and s and _is_utf8(s) for s in stop), "stop", "non-empty UTF-8 strings", stop)
+        total = sum(len(s) for s in stop)
+        _check(total <= MAX_STOP_CHARS, "stop", f"at most {MAX_STOP_CHARS} characters in all", _Said(f"{total}"))
+
+    def _validate_stop_token_ids(self, vocab_size: int | None) -> None:
+        ids, top = self.stop_token_ids, (vocab_size or INT32_MAX + 1) - 1
+        _check(isinstance(ids, list) and len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"a list of at most {MAX_STOP_TOKEN_IDS} token ids", _count(ids))
+        _check(all(_is_int(t) and 0 <= t <= top for t in ids), "stop_token_ids", f"token ids in [0, {top}]", ids)
 
 
 def _check(ok: bool, name: str, expected: str, value: Any) -> None:
     if not ok:
-        raise ValueError(f"sampling parameter {name} must be {expected}, got {value!r}")
+        raise ValueError(f"sampling parameter {name} must be {expected}, got {_short(value)}")
+
+
+def _check_int(value: Any, name: str, low: int, high: int) -> None:
+    _check(_is_int(value) and low <= value <= high, name, f"an integer in [{low}, {high}]", value)
+
+
+def _check_float(value: Any, name: str, low: float, high: float) -> None:
+    _check(_is_finite(value) and low <= value <= high, name, f"a finite number in [{low:g}, {high:g}]", value)
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+def _is_finite(value: Any) -> bool:
+    """A number that stays finite as a float (JSON allows Infinity, NaN and integers of any size)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode()  # JSON can carry lone surrogates, which the msgpack transport cannot
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class _Said(str):
+    """Text quoted in an error message as it is."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _count(value: Any) -> Any:
+    return _Said(f"{len(value)} entries") if isinstance(value, list) else value
+
+
+def _short(value: Any) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an integer beyond Python's digit limit for str()
+        return "an integer too large to print"
+    return text if len(text) <= MAX_REPR_CHARS else text[:MAX_REPR_CHARS] + "..."

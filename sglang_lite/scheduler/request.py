@@ -11,6 +11,8 @@ import torch
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
+INTERNAL_ERROR = 500  # the status of a request that failed inside its rank
+
 
 @dataclass(frozen=True)
 class FinishReason:
@@ -18,13 +20,19 @@ class FinishReason:
     matched: int | str | None = None  # stop: the token id or stop string
     length: int | None = None  # length: completion tokens
     message: str | None = None  # abort: why
+    status_code: int | None = None  # abort: 500 when the request failed inside the rank (SGLang's shape)
 
     def to_dict(self) -> dict[str, Any]:
         """The SGLang ``meta_info.finish_reason`` shape."""
         detail = {"stop": ("matched", self.matched), "length": ("length", self.length),
                   "abort": ("message", self.message)}
         key, value = detail[self.kind]
-        return {"type": self.kind, key: value}
+        shape = {"type": self.kind, key: value}
+        return shape if self.status_code is None else {**shape, "status_code": self.status_code}
+
+    @property
+    def is_internal_error(self) -> bool:
+        return self.kind == "abort" and self.status_code == INTERNAL_ERROR
 
 
 class ReqStatus(enum.Enum):
@@ -105,6 +113,13 @@ class ReqOutput:
     new_text: str
     finished: bool
     meta_info: dict[str, Any]
+
+
+def internal_error(output: ReqOutput) -> str | None:
+    """The error message of an output whose request failed inside its rank, else None."""
+    reason = output.meta_info.get("finish_reason") or {}
+    failed = output.finished and reason.get("type") == "abort" and reason.get("status_code") == INTERNAL_ERROR
+    return (reason.get("message") or "internal error") if failed else None
 
 
 def join_outputs(outputs: list[ReqOutput]) -> ReqOutput:

@@ -5,9 +5,13 @@ continues, then waiting requests join while the token budget, the request rows a
 every decoding request runs one token; when the KV pool cannot hold that step, the newest requests are retracted
 (everything they hold is freed and they wait again, with their output so far kept for re-prefill).
 The scheduler is single-threaded and knows nothing of HTTP or threads; a driver feeds it and collects outputs.
+Failures stay as small as they can (``faults.py``): a request whose sampling, detokenising or stop matching raises
+ends alone (finish reason abort, status 500, the error as its message) and frees what it held; a forward that raises
+ends its batch; only ``RankBroken`` (a broken device, out-of-memory step after step) leaves ``step``.
 """
 from __future__ import annotations
 
+import logging
 import random
 import time
 from typing import Any
@@ -20,6 +24,7 @@ from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.sampling.sampler import make_generator, sample
 from sglang_lite.scheduler.batch import ScheduleBatch
 from sglang_lite.scheduler.config import SchedulerConfig
+from sglang_lite.scheduler.faults import MemoryFailures, RankBroken, breaks_the_device, describe, is_out_of_memory
 from sglang_lite.scheduler.loads import SchedulerLoads, ThroughputMeter, utc_timestamp
 from sglang_lite.scheduler.policy import (
     NewTokenRatio,
@@ -28,10 +33,11 @@ from sglang_lite.scheduler.policy import (
     plan_prefill,
     reserved_decode_tokens,
 )
-from sglang_lite.scheduler.request import FinishReason, Req, ReqOutput, ReqStatus
+from sglang_lite.scheduler.request import INTERNAL_ERROR, FinishReason, Req, ReqOutput, ReqStatus
 from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 GB = 1024**3
+logger = logging.getLogger(__name__)
 
 
 def validate_request(
@@ -73,6 +79,7 @@ class Scheduler:
         self._seeds = random.Random(config.random_seed)
         self._throughput = ThroughputMeter(start=time.monotonic())
         self._weight_bytes = _weight_bytes(model)
+        self._memory_failures = MemoryFailures()
 
     # ---- requests in, outputs out ----------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], sampling_params: SamplingParams | dict | None) -> None:
@@ -92,16 +99,47 @@ class Scheduler:
         req = self._find(rid)
         if req is None:
             return False
-        self._finish(req, FinishReason("abort", message=message))
+        try:
+            self._finish(req, FinishReason("abort", message=message))
+        except Exception as error:  # its detokeniser failed on the last text: it still ends, with the error
+            self._fail(req, error)
         self._drop_finished()
         return True
 
     def step(self) -> list[ReqOutput]:
+        """One schedule -> run -> process results. A failure fails only the requests it touches (see ``faults``);
+        ``RankBroken`` (or a BaseException) means the process cannot go on."""
         batch = self.schedule()
         if batch is not None:
-            logits = self.run(batch)
-            self.process_results(batch, logits)
+            self._run_batch(batch)
         return self._take_outputs()
+
+    def _run_batch(self, batch: ScheduleBatch) -> None:
+        kv_used = self.pools.kv.allocator.num_used
+        try:
+            logits = self.run(batch)
+        except Exception as error:
+            if self.pools.kv.allocator.num_used == kv_used + batch.num_tokens:  # its new tokens hold KV slots now
+                _advance(batch)
+            self._fail_step(batch.reqs, error)
+            return
+        try:
+            self.process_results(batch, logits)
+        except Exception as error:  # not one request's fault (those are isolated inside): the batch fails
+            self._fail_step(batch.reqs, error)
+            return
+        self._memory_failures.on_step_ok()
+
+    def _fail_step(self, reqs: list[Req], error: Exception) -> None:
+        if breaks_the_device(error):
+            raise RankBroken(describe(error)) from error
+        if is_out_of_memory(error):
+            self._memory_failures.on_out_of_memory(error)  # raises RankBroken when it keeps happening
+        logger.exception("a step failed; its %d requests fail, the rank goes on", len(reqs))
+        for req in reqs:
+            if not req.finished:
+                self._fail(req, error)
+        self._drop_finished()
 
     @property
     def has_work(self) -> bool:
@@ -187,23 +225,40 @@ class Scheduler:
     # ---- process results ---------------------------------------------------------------------------------------
     def process_results(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
         completes = batch.completes()
-        for req, n in zip(batch.reqs, batch.extend_lens):
-            req.num_cached += n
+        _advance(batch)
         sampled = [r for r, done in zip(batch.reqs, completes) if done]
         if sampled:
             rows = logits if len(sampled) == len(batch.reqs) else logits[[i for i, d in enumerate(completes) if d]]
-            self._append_tokens(sampled, self._sample(sampled, rows))
+            kept = [(r, t) for r, t in zip(sampled, self._sample(sampled, rows)) if t is not None]
+            self._append_tokens([r for r, _ in kept], [t for _, t in kept])
         if batch.is_decode:
             self.new_token_ratio.on_decode_step()
         else:
             self._place_prefilled(batch.reqs, completes)
         self._drop_finished()
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int | None]:
+        """Each request's next token; None for a request whose sampling failed (it is failed here). The batch is
+        sampled at once; only when that raises is each row sampled alone, to find the culprits."""
+        try:
+            return self._sample_rows(reqs, logits).tolist()
+        except Exception as error:
+            if breaks_the_device(error):
+                raise
+            return [self._sample_one(req, logits[i : i + 1]) for i, req in enumerate(reqs)]
+
+    def _sample_one(self, req: Req, logits: torch.Tensor) -> int | None:
+        try:
+            return int(self._sample_rows([req], logits)[0])
+        except Exception as error:
+            self._fail_request(req, error)
+            return None
+
+    def _sample_rows(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
         too_early = [len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs]
         banned = [sorted(r.stop_token_ids) if early else [] for r, early in zip(reqs, too_early)]
         params = [r.sampling_params for r in reqs]
-        return sample(logits, params, [r.generator for r in reqs], banned).tolist()
+        return sample(logits, params, [r.generator for r in reqs], banned)
 
     def _append_tokens(self, reqs: list[Req], token_ids: list[int]) -> None:
         now = time.monotonic()
@@ -211,7 +266,10 @@ class Scheduler:
             req.first_token_time = req.first_token_time or now
             req.output_ids.append(token)
             req.unsent_ids.append(token)
-            self._update_text_and_finish(req, token)
+            try:
+                self._update_text_and_finish(req, token)
+            except Exception as error:  # detokenising or stop matching raised: this request's fault alone
+                self._fail_request(req, error)
             if not req.finished and len(req.unsent_ids) >= self.config.stream_interval:
                 self._emit(req)
         self._throughput.record(now, len(reqs))
@@ -245,6 +303,20 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> None:
         if not (reason.kind == "stop" and isinstance(reason.matched, str)):
             self._flush_text(req)  # a stop string already emitted the text before it and dropped the rest
+        self._end(req, reason)
+
+    def _fail_request(self, req: Req, error: Exception) -> None:
+        """One request raised: it fails alone, unless the error broke the device (then the rank must go)."""
+        if breaks_the_device(error) or is_out_of_memory(error):
+            raise error
+        logger.warning("request %s failed: %s: %s", req.rid, type(error).__name__, error, exc_info=error)
+        self._fail(req, error)
+
+    def _fail(self, req: Req, error: Exception) -> None:
+        """Ends a request with the error; no text flush (the detokeniser may be what failed)."""
+        self._end(req, FinishReason("abort", message=describe(error), status_code=INTERNAL_ERROR))
+
+    def _end(self, req: Req, reason: FinishReason) -> None:
         if req.holds_memory:
             self._release(req)
         if req in self.waiting:
@@ -352,3 +424,9 @@ class Scheduler:
             retracted=sum(1 for r in self.waiting if r.num_retractions),
             num_retractions=self.num_retractions,
         )
+
+
+def _advance(batch: ScheduleBatch) -> None:
+    """The batch's new tokens are in the cache (their KV slots are recorded in the requests' rows)."""
+    for req, n in zip(batch.reqs, batch.extend_lens):
+        req.num_cached += n

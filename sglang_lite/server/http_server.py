@@ -15,12 +15,18 @@ from typing import Any
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sglang_lite.runtime.inputs import prompt_token_ids
+from sglang_lite.runtime.inputs import split_prompts
 from sglang_lite.scheduler.loads import LOAD_SECTIONS
 from sglang_lite.server import openai_serving
 from sglang_lite.server.dp_controller import requested_rank
-from sglang_lite.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RouteCountMiddleware
+from sglang_lite.server.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    ConcurrencyLimitMiddleware,
+    RouteCountMiddleware,
+)
 from sglang_lite.server.model_info import VERSION, model_info_of, server_info_of
 from sglang_lite.server.openai_protocol import AbortRequest, GenerateRequest
 from sglang_lite.server.responses import (
@@ -42,6 +48,8 @@ from sglang_lite.server.tokenizer_manager import (
 from sglang_lite.server_args import ServerArgs
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+# Monitoring answers even when generation is saturated: never counted against --max-concurrent-requests.
+UNLIMITED_PATHS = ("/health", "/metrics", "/v1/loads", "/get_load")
 
 
 def create_app(args: ServerArgs, manager: TokenizerManager | None = None) -> FastAPI:
@@ -58,6 +66,8 @@ def create_app(args: ServerArgs, manager: TokenizerManager | None = None) -> Fas
     app = FastAPI(title="sglang_lite", version=VERSION, lifespan=lifespan)
     app.state.manager, app.state.args = manager, args
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
+    app.add_middleware(ConcurrencyLimitMiddleware, max_requests=args.max_concurrent_requests,
+                       exempt_paths=UNLIMITED_PATHS)  # outside the body limit: refuses before reading a body
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, open_paths=("/health",))
     app.add_middleware(RouteCountMiddleware, metrics=manager.metrics)  # outermost: counts 401s and 413s too
@@ -71,6 +81,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         return error_response(400, _describe_validation(error))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> Response:
+        if error.status_code < 400:
+            return Response(status_code=error.status_code, headers=error.headers)
+        return error_response(error.status_code, str(error.detail), error.headers)  # e.g. an unparsable body
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, error: RequestError) -> JSONResponse:
@@ -92,9 +108,11 @@ def _describe_validation(error: RequestValidationError) -> str:
 def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> None:
     @app.get("/health")
     async def health() -> Response:
+        """200 while every rank is up; else 503, degraded, with each rank's state (up, starting, down, failed)."""
         if all(manager.live):
             return Response(status_code=200)
-        return error_response(503, f"DP ranks alive: {manager.live}")
+        error = {"message": f"degraded: DP ranks alive: {manager.live}", "type": "ServiceUnavailable", "code": 503}
+        return JSONResponse({"error": error, "status": "degraded", "ranks": manager.rank_states()}, status_code=503)
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
@@ -135,7 +153,7 @@ def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> No
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
-        inputs, batched = _generate_inputs(manager, body)
+        inputs, batched = await _generate_inputs(manager, body)
         if body.stream:
             if batched:
                 raise bad_request("stream supports one prompt per request")
@@ -147,22 +165,18 @@ def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> No
 
 
 # ---- /generate -------------------------------------------------------------------------------------------------
-def _generate_inputs(manager: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateInput], bool]:
+async def _generate_inputs(manager: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateInput], bool]:
     if body.return_logprob is True or (isinstance(body.return_logprob, list) and any(body.return_logprob)):
         raise bad_request("return_logprob is not supported")
-    prompts, batched = _prompt_ids(manager, body.text, body.input_ids)
-    params = _per_prompt(body.sampling_params, len(prompts), "sampling_params")
-    rids = _per_prompt(body.rid, len(prompts), "rid") if body.rid is not None else [None] * len(prompts)
-    rank = requested_rank(body.routed_dp_rank, body.data_parallel_rank)
-    return [GenerateInput(rid or uuid.uuid4().hex, ids, manager.sampling_params(p), rank)
-            for ids, p, rid in zip(prompts, params, rids)], batched
-
-
-def _prompt_ids(manager: TokenizerManager, text: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
     try:
-        return prompt_token_ids(text, input_ids, manager.encode)
+        prompts, is_text, batched = split_prompts(body.text, body.input_ids)
     except ValueError as error:
         raise bad_request(str(error)) from error
+    params = [manager.sampling_params(p) for p in _per_prompt(body.sampling_params, len(prompts), "sampling_params")]
+    rids = _per_prompt(body.rid, len(prompts), "rid") if body.rid is not None else [None] * len(prompts)
+    rank = requested_rank(body.routed_dp_rank, body.data_parallel_rank)
+    ids = [await manager.encode(p) for p in prompts] if is_text else prompts  # the sampling checks come first
+    return [GenerateInput(rid or uuid.uuid4().hex, i, p, rank) for i, p, rid in zip(ids, params, rids)], batched
 
 
 def _per_prompt(value: Any, n: int, name: str) -> list[Any]:

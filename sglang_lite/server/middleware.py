@@ -1,4 +1,5 @@
-"""ASGI middleware: the API key, the request body limit, and per-route request counts."""
+"""ASGI middleware: the API key, the request body limit, the bound on requests in progress, and per-route
+request counts."""
 from __future__ import annotations
 
 import hmac
@@ -82,6 +83,30 @@ def _replay(body: bytes, receive: Any) -> Any:
         return await receive()
 
     return replayed
+
+
+class ConcurrencyLimitMiddleware:
+    """At most ``max_requests`` HTTP requests in progress (a stream until its last event); beyond it 503 with
+    Retry-After, at once and before the body is read. The exempt paths (health, loads, metrics) always answer, so
+    a router and a monitor can still see a saturated server."""
+
+    def __init__(self, app: Any, max_requests: int, exempt_paths: tuple[str, ...]) -> None:
+        self.app, self.max_requests, self.exempt_paths = app, max_requests, exempt_paths
+        self.active = 0
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in self.exempt_paths:
+            await self.app(scope, receive, send)
+            return
+        if self.active >= self.max_requests:
+            await _reply(send, 503, f"the server is handling {self.active} requests, its limit; retry later",
+                         [(b"retry-after", b"1")])
+            return
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
 
 
 class RouteCountMiddleware:

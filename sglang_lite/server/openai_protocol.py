@@ -1,11 +1,24 @@
 """Request bodies as pydantic models: FastAPI validates them (a wrong type is a 400 naming the field) and the
 OpenAPI spec at /openapi.json describes them. Unknown fields are ignored, as OpenAI clients and sglang-router
-send extras (``model: null``, ``log_metrics``, ``return_hidden_states`` ...)."""
+send extras (``model: null``, ``log_metrics``, ``return_hidden_states`` ...).
+
+The sampling fields carry the static bounds of ``SamplingParams.validate`` (so /openapi.json states them); the
+bounds that depend on the model (the vocabulary) and the stop strings' total length are checked there alone."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from sglang_lite.sampling.params import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_NEW_TOKENS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+)
 
 
 class _Request(BaseModel):
@@ -32,20 +45,20 @@ class StreamOptions(_Request):
 
 class _OpenAISampling(_Request):
     model: StrictStr | None = None
-    max_tokens: StrictInt | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: StrictInt | None = None
-    min_p: float | None = Field(None, ge=0, le=1)
-    min_tokens: StrictInt | None = Field(None, ge=0)
+    max_tokens: StrictInt | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: StrictInt | None = Field(None, ge=-1, le=INT32_MAX, description="-1 (off) or 1 to the vocabulary size.")
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    min_tokens: StrictInt | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
     n: StrictInt = Field(1, ge=1, le=1, description="Only 1 is supported.")
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    seed: StrictInt | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    seed: StrictInt | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
-    frequency_penalty: float | None = Field(None, ge=0, le=0, description="Only 0 is supported.")
-    presence_penalty: float | None = Field(None, ge=0, le=0, description="Only 0 is supported.")
+    frequency_penalty: float | None = Field(None, ge=0, le=0, allow_inf_nan=False, description="Only 0 is supported.")
+    presence_penalty: float | None = Field(None, ge=0, le=0, allow_inf_nan=False, description="Only 0 is supported.")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
@@ -90,7 +103,7 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=0)
+    max_completion_tokens: StrictInt | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
     logprobs: StrictBool = Field(False, description="Log probabilities are not supported (false only).")
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.request import ReqOutput
 from sglang_lite.server.dp_controller import requested_rank
 from sglang_lite.server.model_info import served_model_name
@@ -36,8 +37,8 @@ def add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> Non
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prompts = _completion_prompts(manager, body.prompt)
-        inputs = _inputs(manager, body, prompts, COMPLETION_DEFAULT_MAX_TOKENS)
+        params = manager.sampling_params(body.sampling_dict(COMPLETION_DEFAULT_MAX_TOKENS))
+        inputs = _inputs(body, await _completion_prompts(manager, body.prompt), params)
         return await _respond(request, manager, body, inputs, Shape("text_completion", served_model_name(args)))
 
     @app.post("/v1/chat/completions")
@@ -46,27 +47,26 @@ def add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> Non
             raise bad_request("logprobs is not supported")
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
+        params = manager.sampling_params(body.sampling_dict(None))
         messages = [m.to_template() for m in body.messages]
-        ids = manager.encode_chat(messages, body.chat_template_kwargs or {})
-        inputs = _inputs(manager, body, [ids], None)
+        ids = await manager.encode_chat(messages, body.chat_template_kwargs or {})
+        inputs = _inputs(body, [ids], params)
         return await _respond(request, manager, body, inputs, Shape("chat.completion", served_model_name(args)))
 
 
-def _completion_prompts(manager: TokenizerManager, prompt: Any) -> list[list[int]]:
+async def _completion_prompts(manager: TokenizerManager, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [manager.encode(prompt)]
+        return [await manager.encode(prompt, "prompt")]
     if not prompt:
         raise bad_request("prompt: the list is empty")
     if isinstance(prompt[0], str):
-        return [manager.encode(p) for p in prompt]
+        return [await manager.encode(p, "prompt") for p in prompt]
     if isinstance(prompt[0], int):
         return [list(prompt)]
     return [list(p) for p in prompt]
 
 
-def _inputs(manager: TokenizerManager, body: _OpenAISampling, prompts: list[list[int]],
-            default_max: int | None) -> list[GenerateInput]:
-    params = manager.sampling_params(body.sampling_dict(default_max))
+def _inputs(body: _OpenAISampling, prompts: list[list[int]], params: SamplingParams) -> list[GenerateInput]:
     rank = requested_rank(body.routed_dp_rank, body.data_parallel_rank)
     if body.rid is not None and len(prompts) > 1:
         raise bad_request("rid names one request; send one prompt with it")

@@ -2,6 +2,11 @@
 
 Scheduler processes detokenise (their outputs carry text deltas); this side only encodes prompts. Every request
 is validated here, with the ranks' own limits, before it is sent, so bad input is a 400 and never reaches a rank.
+
+The manager also supervises the ranks (``_supervise``, once a second): a rank whose process exited, that reported
+``Fatal``, or that leaves a loads query unanswered for ``--rank-hang-timeout-s`` (hung: it is killed) is down; its
+requests fail at once with 503, and it is restarted after a backoff (1 s, doubling, at most 30 s) up to
+``--rank-max-restarts`` times, then stays failed. A request that failed inside its rank ends with a 500.
 """
 from __future__ import annotations
 
@@ -13,11 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_lite.runtime.client import SchedulerClient
-from sglang_lite.runtime.messages import UNAVAILABLE, AbortRequest, Ack, AddRequest, LoadsQuery, QueryReply
+from sglang_lite.runtime.inputs import max_prompt_chars
+from sglang_lite.runtime.messages import UNAVAILABLE, AbortRequest, Ack, AddRequest, LoadsQuery, QueryReply, Ready
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.loads import LOAD_SECTIONS
-from sglang_lite.scheduler.request import ReqOutput, join_outputs
+from sglang_lite.scheduler.request import ReqOutput, internal_error, join_outputs
 from sglang_lite.scheduler.scheduler import validate_request
 from sglang_lite.server.dp_controller import DPController, InvalidRank
 from sglang_lite.server.metrics import ServerMetrics
@@ -27,7 +33,11 @@ from sglang_lite.tokenizer.loader import load_server_tokenizer
 logger = logging.getLogger(__name__)
 LOADS_TIMEOUT_S = 5.0
 WATCH_INTERVAL_S = 1.0
+RESTART_BACKOFF_S, RESTART_BACKOFF_MAX_S = 1.0, 30.0
+RESTART_TIMEOUT_S = 300.0  # a restarted rank not ready by then counts as a failed restart
+UP, STARTING, DOWN, FAILED = "up", "starting", "down", "failed"  # FAILED: down for good (no restarts left)
 # Sampling keys other engines and sglang-router send; accepted at their neutral value, refused otherwise.
+MAX_RID_CHARS = 256
 NEUTRAL_SAMPLING = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1,
                     "no_stop_trim": False, "spaces_between_special_tokens": True, "logit_bias": {}}
 
@@ -50,6 +60,24 @@ class GenerateInput:
     input_ids: list[int]
     sampling_params: SamplingParams
     requested_rank: int | None = None
+
+
+@dataclass
+class RankHealth:
+    """What the supervisor knows of one rank."""
+
+    state: str = UP
+    restarts: int = 0
+    since: float = field(default_factory=time.monotonic)  # of the state
+    next_restart: float = 0.0
+    probe: tuple[int, float] | None = None  # the unanswered loads query: id, when sent
+    why: str = ""  # of the last death
+
+    def set(self, state: str, now: float) -> None:
+        self.state, self.since, self.probe = state, now, None
+
+    def backoff(self) -> float:
+        return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2**self.restarts)
 
 
 @dataclass
@@ -87,6 +115,8 @@ class RequestStream:
 
 
 class TokenizerManager:
+    _prompt_chars_limit: int | None = None  # of a text prompt; from the tokenizer, on first use
+
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.tokenizer: Any = None
@@ -96,8 +126,10 @@ class TokenizerManager:
         self.metrics = ServerMetrics()
         self.streams: dict[str, RequestStream] = {}
         self.in_flight = [0] * args.dp_size
-        self.live = [False] * args.dp_size
+        self.ranks = [RankHealth(state=STARTING) for _ in range(args.dp_size)]
         self._queries: dict[int, asyncio.Future] = {}
+        self._query_ranks: dict[int, int] = {}
+        self._probes: dict[int, int] = {}  # the supervisor's loads queries: id -> rank
         self._tasks: list[asyncio.Task] = []
 
     # ---- lifetime ----------------------------------------------------------------------------------------------
@@ -106,8 +138,18 @@ class TokenizerManager:
         self.client = SchedulerClient(self.args)  # spawned from the event loop's thread, which outlives the ranks
         await asyncio.to_thread(self.client.wait_ready)
         self.config = self.client.config
-        self.live = [True] * self.args.dp_size
-        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._watch_processes())]
+        for health in self.ranks:
+            health.set(UP, time.monotonic())
+        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._supervise())]
+
+    @property
+    def live(self) -> list[bool]:
+        return [health.state == UP for health in self.ranks]
+
+    def rank_states(self) -> list[dict[str, Any]]:
+        """Each rank's state for ``/health``."""
+        return [{"dp_rank": rank, "state": h.state, "restarts": h.restarts, "pid": self.client.processes[rank].pid,
+                 "last_error": h.why or None} for rank, h in enumerate(self.ranks)]
 
     @property
     def rank_pids(self) -> list[int]:
@@ -125,20 +167,41 @@ class TokenizerManager:
             self.client.shutdown()
 
     # ---- requests ----------------------------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, name: str = "text") -> list[int]:
+        """Token ids of a text prompt, tokenised on a worker thread so a long text never stalls the event loop."""
         if self.tokenizer is None:
             raise bad_request("text prompts need a tokenizer (the server skipped tokenizer init); pass input_ids")
-        return self.tokenizer.encode(text)
+        self._check_prompt_chars(len(text), name)
+        return await asyncio.to_thread(self._tokenize, text, name, {})
 
-    def encode_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("chat needs a tokenizer (the server skipped tokenizer init)")
+        self._check_prompt_chars(sum(len(m.get("content") or "") for m in messages), "messages")
+        return await asyncio.to_thread(self._encode_chat, messages, template_kwargs)
+
+    def _encode_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                       **template_kwargs)
         except Exception as error:  # a template rejecting the conversation is the request's fault
             raise bad_request(f"messages: the chat template failed: {error}") from error
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._tokenize(text, "messages", {"add_special_tokens": False})
+
+    def _tokenize(self, text: str, name: str, options: dict[str, Any]) -> list[int]:
+        try:
+            text.encode()  # JSON can carry lone surrogates, which the tokenizer refuses with a TypeError
+        except UnicodeEncodeError as error:
+            raise bad_request(f"{name}: the text is not valid Unicode: {error}") from error
+        return self.tokenizer.encode(text, **options)
+
+    def _check_prompt_chars(self, chars: int, name: str) -> None:
+        """The cheap check before tokenising: a text that cannot fit in the context is a 400 at once."""
+        if self._prompt_chars_limit is None:
+            self._prompt_chars_limit = max_prompt_chars(self.tokenizer, self.config.max_request_tokens)
+        if chars > self._prompt_chars_limit:
+            raise bad_request(f"{name}: the prompt has {chars} characters, more than the context length "
+                              f"({self.config.max_request_tokens} tokens) can hold")
 
     def sampling_params(self, raw: dict[str, Any] | None) -> SamplingParams:
         """SGLang sampling parameters from a request, validated; None values mean the default."""
@@ -150,7 +213,8 @@ class TokenizerManager:
                 raise bad_request(f"sampling parameter {key} is not supported (only {NEUTRAL_SAMPLING[key]!r})")
         for key in ("stop", "stop_token_ids"):
             if not isinstance(params.get(key, []), (str, list)):
-                raise bad_request(f"sampling parameter {key} must be a string or a list, got {params[key]!r}")
+                kind = type(params[key]).__name__
+                raise bad_request(f"sampling parameter {key} must be a string or a list, got {kind}")
         try:
             result = SamplingParams.from_dict(params)
             result.validate(self.config.vocab_size)
@@ -159,6 +223,8 @@ class TokenizerManager:
         return result
 
     def validate(self, request: GenerateInput) -> None:
+        if not _valid_rid(request.rid):
+            raise bad_request(f"rid must be a UTF-8 string of 1 to {MAX_RID_CHARS} characters")
         try:
             validate_request(request.input_ids, request.sampling_params, self.config, self.tokenizer is not None)
         except (ValueError, TypeError) as error:
@@ -173,7 +239,12 @@ class TokenizerManager:
         stream = RequestStream(self, request.rid, rank, len(request.input_ids))
         self.streams[request.rid] = stream
         self.in_flight[rank] += 1
-        self.client.send(rank, AddRequest(request.rid, request.input_ids, request.sampling_params))
+        try:
+            self.client.send(rank, AddRequest(request.rid, request.input_ids, request.sampling_params))
+        except BaseException:  # never sent: nothing to abort on the rank, but nothing may stay registered
+            stream.finished = True
+            stream.close()
+            raise
         ack = await self._acked(stream)
         if not ack.queued:
             headers = {"Retry-After": "1"} if ack.status == UNAVAILABLE else {}
@@ -214,15 +285,18 @@ class TokenizerManager:
             self.in_flight[stream.rank] -= 1
 
     def abort(self, rid: str) -> bool:
+        """Aborts a request on its rank; a request of a rank that is down has already failed, nothing is sent."""
         stream = self.streams.get(rid)
         if stream is None:
             return False
-        self.client.send(stream.rank, AbortRequest(rid))
+        if self.live[stream.rank]:
+            self.client.send(stream.rank, AbortRequest(rid))
         return True
 
     def abort_all(self) -> int:
         for stream in list(self.streams.values()):
-            self.client.send(stream.rank, AbortRequest(stream.rid))
+            if self.live[stream.rank]:
+                self.client.send(stream.rank, AbortRequest(stream.rid))
         return len(self.streams)
 
     def record_output(self, stream: RequestStream, output: ReqOutput) -> None:
@@ -270,8 +344,8 @@ class TokenizerManager:
     def _ask_loads(self, rank: int, sections: tuple[str, ...]) -> asyncio.Future:
         query_id = self.client.next_query_id()
         future = asyncio.get_running_loop().create_future()
-        self._queries[query_id] = future
-        future.add_done_callback(lambda _: self._queries.pop(query_id, None))
+        self._queries[query_id], self._query_ranks[query_id] = future, rank
+        future.add_done_callback(lambda _: (self._queries.pop(query_id, None), self._query_ranks.pop(query_id, None)))
         self.client.send(rank, LoadsQuery(query_id, sections))
         return future
 
@@ -289,7 +363,11 @@ class TokenizerManager:
         for output in outputs:
             output.meta_info["dp_rank"] = rank
             stream = self.streams.get(output.rid)
-            if stream is not None:
+            error = internal_error(output)
+            if stream is not None and error is not None:  # it failed inside the rank, which goes on
+                self.metrics.finished[rank, _finish_kind(output)] += 1
+                stream.queue.put_nowait(RequestError(500, error))
+            elif stream is not None:
                 stream.queue.put_nowait(output)
             elif output.finished:  # its client left; the rank confirms the abort
                 self.metrics.finished[rank, _finish_kind(output)] += 1
@@ -300,30 +378,92 @@ class TokenizerManager:
             stream.ack.set_result(ack)
 
     def on_query_reply(self, reply: QueryReply) -> None:
+        rank = self._probes.pop(reply.query_id, None)
+        if rank is not None:
+            health = self.ranks[rank]
+            if health.probe is not None and health.probe[0] == reply.query_id:
+                health.probe = None
+            return
         future = self._queries.get(reply.query_id)
         if future is not None and not future.done():
             future.set_result(reply)
 
     def on_fatal(self, rank: int, message: str) -> None:
-        self._rank_died(rank, message)
+        if self.ranks[rank].state == STARTING:
+            self._restart_failed(rank, f"failed to start: {message}")
+        elif self.ranks[rank].state == UP:
+            self._rank_died(rank, message)
 
-    async def _watch_processes(self) -> None:
+    def on_ready(self, ready: Ready) -> None:
+        health = self.ranks[ready.rank]
+        if health.state == STARTING:
+            logger.warning("DP rank %d is back (restart %d, pid %d)", ready.rank, health.restarts, ready.pid)
+            health.set(UP, time.monotonic())
+
+    # ---- the supervisor ----------------------------------------------------------------------------------------
+    async def _supervise(self) -> None:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            for rank, code in self.client.exited_ranks().items():
-                if self.live[rank]:
-                    self._rank_died(rank, f"exit code {code}")
+            try:
+                self._check_ranks(time.monotonic())
+            except Exception:  # the supervisor must outlive any one mistake
+                logger.exception("the rank supervisor failed a round")
+
+    def _check_ranks(self, now: float) -> None:
+        exited = self.client.exited_ranks()
+        for rank, health in enumerate(self.ranks):
+            code = exited.get(rank)
+            if health.state == UP:
+                self._check_up(rank, health, code, now)
+            elif health.state == STARTING and (code is not None or now - health.since > RESTART_TIMEOUT_S):
+                self._restart_failed(rank, f"exit code {code}" if code is not None else "not ready in time")
+            elif health.state == DOWN and now >= health.next_restart:
+                self._restart(rank, health, now)
+
+    def _check_up(self, rank: int, health: RankHealth, code: int | None, now: float) -> None:
+        timeout = self.args.rank_hang_timeout_s
+        if code is not None:
+            self._rank_died(rank, f"exit code {code}")
+        elif health.probe is not None and now - health.probe[1] > timeout:
+            self._rank_died(rank, f"hung: no answer to a loads query in {timeout:g} s")
+        elif health.probe is None:
+            query_id = self.client.next_query_id()
+            health.probe, self._probes[query_id] = (query_id, now), rank
+            self.client.send(rank, LoadsQuery(query_id, ("core",)))  # unsent (queue full): it times out, as hung
+
+    def _restart(self, rank: int, health: RankHealth, now: float) -> None:
+        if health.restarts >= self.args.rank_max_restarts:
+            logger.error("DP rank %d stays down: %d restarts used", rank, health.restarts)
+            health.set(FAILED, now)
+            return
+        health.restarts += 1
+        logger.warning("restarting DP rank %d (restart %d of %d)", rank, health.restarts, self.args.rank_max_restarts)
+        health.set(STARTING, now)
+        self.client.respawn(rank)
+
+    def _restart_failed(self, rank: int, why: str) -> None:
+        logger.error("DP rank %d did not come back: %s", rank, why)
+        self._mark_down(rank, why)
+
+    def _mark_down(self, rank: int, why: str) -> None:
+        health, now = self.ranks[rank], time.monotonic()
+        self.client.kill(rank)  # a hung process answers nothing; a dead one is reaped
+        self._probes = {q: r for q, r in self._probes.items() if r != rank}
+        health.why = why
+        health.set(DOWN, now)
+        health.next_restart = now + health.backoff()
 
     def _rank_died(self, rank: int, why: str) -> None:
         logger.error("DP rank %d died: %s", rank, why)
-        self.live[rank] = False
-        error = RequestError(503, f"DP rank {rank} died: {why}")
+        self._mark_down(rank, why)
+        error = RequestError(503, f"DP rank {rank} died: {why}", {"Retry-After": "1"})
         for stream in [s for s in self.streams.values() if s.rank == rank]:
             if not stream.ack.done():
                 stream.ack.set_result(Ack(rank, stream.rid, UNAVAILABLE, error.message))
             stream.queue.put_nowait(error)
-        for future in self._queries.values():
-            if not future.done():
+        for query_id in [q for q, r in self._query_ranks.items() if r == rank]:
+            future = self._queries.get(query_id)
+            if future is not None and not future.done():
                 future.set_exception(error)
 
 
@@ -333,3 +473,14 @@ async def _joined(stream: RequestStream) -> ReqOutput:
 
 def _finish_kind(output: ReqOutput) -> str:
     return (output.meta_info.get("finish_reason") or {}).get("type", "unknown")
+
+
+def _valid_rid(rid: Any) -> bool:
+    """The msgpack transport carries UTF-8 only, and a rid is a key, not a payload."""
+    if not (isinstance(rid, str) and 0 < len(rid) <= MAX_RID_CHARS):
+        return False
+    try:
+        rid.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -205,3 +205,132 @@ def test_throughput_meter_counts_the_recent_window():
     assert meter.rate(2.0) == pytest.approx(15.0)  # 30 tokens in the 2 s since start
     meter.record(11.5, 20)
     assert meter.rate(12.0) == pytest.approx(2.0)  # the first event left the window: 20 tokens / 10 s
+
+
+# ---- error isolation: a request's failure fails that request, a step's failure its batch, only a broken device
+# ends the rank ----------------------------------------------------------------------------------------------------
+POISONED_SEED = 13
+
+
+def tokens_of(outputs: list) -> list[int]:
+    return [t for out in outputs for t in out.new_token_ids]
+
+
+def assert_failed_with(outputs: list, text: str) -> None:
+    reason = outputs[-1].meta_info["finish_reason"]
+    assert outputs[-1].finished and reason["type"] == "abort" and reason["status_code"] == 500, reason
+    assert text in reason["message"], reason
+
+
+def reference_tokens(scheduler, prompt: list[int]) -> list[int]:
+    scheduler.add_request("reference", prompt, {**GREEDY, "max_new_tokens": 6})
+    return tokens_of(drain(scheduler)["reference"])
+
+
+def test_a_request_whose_sampling_raises_fails_alone(scheduler, monkeypatch):
+    from sglang_lite.scheduler import scheduler as scheduler_module
+
+    prompt = random_prompts([9], vocab=4000, seed=7)[0]
+    reference = reference_tokens(scheduler, prompt)
+    real_sample = scheduler_module.sample
+
+    def poisoned_sample(logits, params, generators, banned=None):
+        if any(p.seed == POISONED_SEED for p in params):
+            raise RuntimeError("probability tensor contains inf")
+        return real_sample(logits, params, generators, banned)
+
+    monkeypatch.setattr(scheduler_module, "sample", poisoned_sample)
+    scheduler.add_request("good", prompt, {**GREEDY, "max_new_tokens": 6})
+    scheduler.add_request("bad", prompt, {"max_new_tokens": 6, "temperature": 0.7, "seed": POISONED_SEED})
+    outputs = drain(scheduler)  # checks the invariants after every step
+    assert tokens_of(outputs["good"]) == reference
+    assert outputs["good"][-1].meta_info["finish_reason"]["type"] == "length"
+    assert_failed_with(outputs["bad"], "RuntimeError: probability tensor contains inf")
+    assert_empty(scheduler)
+
+
+def test_a_request_whose_detokeniser_raises_fails_alone_mid_decode(scheduler):
+    prompt = random_prompts([7], vocab=4000, seed=8)[0]
+    reference = reference_tokens(scheduler, prompt)
+    scheduler.add_request("good", prompt, {**GREEDY, "max_new_tokens": 6})
+    scheduler.add_request("bad", prompt, {**GREEDY, "max_new_tokens": 6})
+    outputs: dict[str, list] = {}
+    drain_step(scheduler, outputs)  # both prefilled and decoding
+    bad = next(r for r in scheduler.running if r.rid == "bad")
+
+    def broken_push(ids):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    bad.detokenizer.push = broken_push
+    drain(scheduler, outputs)
+    assert tokens_of(outputs["good"]) == reference
+    assert_failed_with(outputs["bad"], "UnicodeDecodeError")
+    assert_empty(scheduler)
+
+
+def test_a_failing_forward_fails_its_batch_and_the_rank_goes_on(scheduler, monkeypatch):
+    first, second = random_prompts([6, 12], vocab=4000, seed=9)
+    reference = reference_tokens(scheduler, first)
+    scheduler.add_request("survivor", first, {**GREEDY, "max_new_tokens": 6})
+    outputs: dict[str, list] = {}
+    drain_step(scheduler, outputs)  # the survivor decodes from now on
+    real_forward = scheduler.model.forward_batch
+    calls = []
+
+    def forward_failing_once(forward_batch):
+        calls.append(forward_batch)
+        if len(calls) == 1:  # the prefill of "victim" alone: its KV slots are already allocated
+            raise RuntimeError("a kernel raised")
+        return real_forward(forward_batch)
+
+    monkeypatch.setattr(scheduler.model, "forward_batch", forward_failing_once)
+    scheduler.add_request("victim", second, {**GREEDY, "max_new_tokens": 6})
+    drain_step(scheduler, outputs)
+    assert_failed_with(outputs["victim"], "RuntimeError: a kernel raised")
+    drain(scheduler, outputs)
+    assert tokens_of(outputs["survivor"]) == reference
+    assert_empty(scheduler)
+    assert reference_tokens(scheduler, first) == reference  # the rank serves new requests as before
+
+
+@pytest.fixture(scope="module")
+def doomed_scheduler():
+    """A scheduler that tests may leave broken."""
+    return create_scheduler(ServerArgs(max_total_tokens=256, max_running_requests=2, context_length=64,
+                                       skip_tokenizer_init=True))
+
+
+def failing_forward(monkeypatch, scheduler, errors: list[BaseException]) -> None:
+    real_forward = scheduler.model.forward_batch
+
+    def forward(forward_batch):
+        if errors:
+            raise errors.pop(0)
+        return real_forward(forward_batch)
+
+    monkeypatch.setattr(scheduler.model, "forward_batch", forward)
+
+
+def test_out_of_memory_fails_the_batch_until_it_keeps_happening(doomed_scheduler, monkeypatch):
+    from sglang_lite.scheduler.faults import MAX_MEMORY_FAILURES, RankBroken
+
+    failing_forward(monkeypatch, doomed_scheduler, [MemoryError("out of memory")] * MAX_MEMORY_FAILURES)
+    for i in range(MAX_MEMORY_FAILURES - 1):  # survivable: each batch fails alone
+        doomed_scheduler.add_request(f"m{i}", [1, 2, 3], {**GREEDY, "max_new_tokens": 4})
+        outputs = drain(doomed_scheduler)
+        assert_failed_with(outputs[f"m{i}"], "MemoryError: out of memory")
+        assert_empty(doomed_scheduler)
+    doomed_scheduler.add_request("last", [1, 2, 3], {**GREEDY, "max_new_tokens": 4})
+    with pytest.raises(RankBroken, match="3 steps in a row ran out of memory"):
+        doomed_scheduler.step()
+
+
+def test_a_cuda_error_breaks_the_rank(doomed_scheduler, monkeypatch):
+    from sglang_lite.scheduler.faults import RankBroken
+
+    doomed_scheduler.waiting.clear()  # whatever the previous test left
+    error = RuntimeError("CUDA error: an illegal memory access was encountered")
+    failing_forward(monkeypatch, doomed_scheduler, [error])
+    doomed_scheduler.add_request("x", [1, 2, 3], {**GREEDY, "max_new_tokens": 4})
+    with pytest.raises(RankBroken, match="illegal memory access"):
+        doomed_scheduler.step()

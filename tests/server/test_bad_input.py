@@ -1,16 +1,19 @@
 """Bad input is a 4xx with a message, never a 5xx; an OpenAPI-driven fuzz run finds no 5xx either."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, wait_idle
 
 LONG_TEXT = "word " * 1000  # ~1000 tokens, over the servers' 512-token context
 CASES = [
     ("/generate", b"{not json", "json"),
     ("/generate", b"[1, 2]", "body"),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": ', "json"),
+    ("/generate", b'{"text": "hi", "sampling_params": {"top_k": ' + b"9" * 5000 + b"}}", "body"),  # json's digit cap
     ("/generate", {"sampling_params": {"max_new_tokens": 4}}, "exactly one of text and input_ids"),
     ("/generate", {"text": "hi", "input_ids": [1]}, "exactly one"),
     ("/generate", {"text": 5}, "text"),
@@ -44,6 +47,88 @@ CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_TEXT}]}, "context length"),
     ("/abort_request", {"rid": 5}, "rid"),
 ]
+
+
+# Values at and beyond every bound of docs/reliability.md (the servers' tiny model has a 4096-token vocabulary).
+INF, NAN = float("inf"), float("nan")
+VOCAB = 4096
+BEYOND_INT64 = [2**63, 2**64, -(2**63) - 1]
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def _native(**params: object) -> dict:
+    return {"text": "hi", "sampling_params": params}
+
+
+HOSTILE = [
+    *[("/generate", _native(temperature=v, min_new_tokens=3), "temperature") for v in (INF, -INF, NAN)],
+    *[("/generate", _native(**{name: v}), name) for name in ("top_p", "min_p") for v in (INF, NAN, -INF)],
+    *[("/generate", _native(**{name: v}), name) for name in ("top_k", "max_new_tokens", "min_new_tokens", "seed")
+      for v in BEYOND_INT64],
+    ("/generate", _native(top_k=VOCAB + 1), "top_k"),
+    ("/generate", _native(max_new_tokens=2**31), "max_new_tokens"),
+    ("/generate", _native(temperature=10**400), "temperature"),
+    ("/generate", _native(stop=["s"] * 17), "stop"),
+    ("/generate", _native(stop=[f"stop{i}" for i in range(5000)]), "stop"),
+    ("/generate", _native(stop=["x" * 1025]), "stop"),
+    ("/generate", _native(stop_token_ids=[VOCAB]), "stop_token_ids"),
+    ("/generate", _native(stop_token_ids=[2**64]), "stop_token_ids"),
+    ("/generate", _native(stop_token_ids=list(range(257))), "stop_token_ids"),
+    ("/generate", _native(ignore_eos="yes"), "ignore_eos"),
+    ("/generate", _native(n=NAN), "n"),
+    ("/generate", _native(frequency_penalty=INF), "frequency_penalty"),
+    ("/generate", {"text": "hi", "rid": "r" * 257}, "rid"),
+    ("/generate", {"text": "a" * 2_000_000}, "text"),
+    ("/generate", {"text": "lone \ud800 surrogate"}, "text"),
+    ("/generate", _native(stop=["\udfff"]), "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ("/generate", {"text": ["hi", "a" * 2_000_000]}, "context length"),
+    *[("/v1/completions", {"prompt": "hi", name: v}, name) for name in ("temperature", "top_p", "min_p")
+      for v in (INF, NAN)],
+    *[("/v1/completions", {"prompt": "hi", name: v}, name) for name in ("max_tokens", "seed", "top_k", "min_tokens")
+      for v in BEYOND_INT64],
+    ("/v1/completions", {"prompt": "hi", "top_k": VOCAB + 1}, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["s"] * 17}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": "x" * 1025}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [VOCAB]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "a" * 2_000_000}, "prompt"),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": NAN}, "temperature"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 2**64}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "seed": -(2**63) - 1}, "seed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 2_000_000}]}, "messages"),
+]
+
+
+def post_json(server: ServerProcess, path: str, body: object, timeout: float = 30) -> httpx.Response:
+    """Posts ``body`` as Python's json writes it: Infinity and NaN included, as a hostile client sends them."""
+    return httpx.post(f"{server.url}{path}", content=json.dumps(body).encode(), timeout=timeout,
+                      headers={"content-type": "application/json", **server.headers})
+
+
+@pytest.mark.parametrize("path,body,needle", HOSTILE, ids=[f"{i}-{c[0]}-{c[2]}" for i, c in enumerate(HOSTILE)])
+def test_hostile_value_is_400_naming_the_field(server_dp1: ServerProcess, path: str, body: object,
+                                               needle: str) -> None:
+    response = post_json(server_dp1, path, body)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert needle.lower() in message.lower(), message
+    assert len(message) < 2000, "the error quotes a bounded part of the value"
+
+
+def test_after_hostile_requests_nothing_is_registered_and_ranks_serve(server_dp2: ServerProcess) -> None:
+    """Each refused request leaves no trace: its rid is free again, the ranks hold nothing, both still serve."""
+    for path, body, _ in HOSTILE[::3]:
+        if path == "/generate" and isinstance(body, dict) and "rid" not in body:
+            body = {**body, "rid": "reused-rid"}
+        assert post_json(server_dp2, path, body).status_code == 400
+    normal = {"text": "hi", "rid": "reused-rid", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    assert post_json(server_dp2, "/generate", normal).status_code == 200
+    for rank in (0, 1):
+        body = {"text": "hi", "routed_dp_rank": rank, "sampling_params": {"max_new_tokens": 2}}
+        response = post_json(server_dp2, "/generate", body)
+        assert response.status_code == 200 and response.json()["meta_info"]["completion_tokens"] == 2
+    wait_idle(server_dp2)
+    assert httpx.get(f"{server_dp2.url}/health").status_code == 200
 
 
 @pytest.mark.parametrize("path,body,needle", CASES, ids=[f"{i}-{c[0]}" for i, c in enumerate(CASES)])
