@@ -33,6 +33,6 @@ setup(
         "matplotlib",
         "uvloop; sys_platform != 'win32'",  # the router's event loop: about 20% less CPU per request
     ],
-    extras_require={"test": ["pytest", "pytest-timeout", "openai", "sglang-router==0.3.2", "schemathesis", "ruff",
-                             "import-linter"]},
+    extras_require={"test": ["pytest", "pytest-timeout", "openai", "sglang-router==0.3.2", "schemathesis",
+                             "hypothesis", "ruff", "import-linter"]},
 )
