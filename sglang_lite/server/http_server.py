@@ -172,6 +172,7 @@ async def _generate_inputs(manager: TokenizerManager, body: GenerateRequest) -> 
         prompts, is_text, batched = split_prompts(body.text, body.input_ids)
     except ValueError as error:
         raise bad_request(str(error)) from error
+    manager.check_prompt_count(len(prompts), "text" if is_text else "input_ids")
     params = [manager.sampling_params(p) for p in _per_prompt(body.sampling_params, len(prompts), "sampling_params")]
     rids = _per_prompt(body.rid, len(prompts), "rid") if body.rid is not None else [None] * len(prompts)
     rank = requested_rank(body.routed_dp_rank, body.data_parallel_rank)

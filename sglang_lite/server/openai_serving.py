@@ -59,6 +59,8 @@ async def _completion_prompts(manager: TokenizerManager, prompt: Any) -> list[li
         return [await manager.encode(prompt, "prompt")]
     if not prompt:
         raise bad_request("prompt: the list is empty")
+    if not isinstance(prompt[0], int):
+        manager.check_prompt_count(len(prompt), "prompt")
     if isinstance(prompt[0], str):
         return [await manager.encode(p, "prompt") for p in prompt]
     if isinstance(prompt[0], int):

@@ -203,6 +203,12 @@ class TokenizerManager:
             raise bad_request(f"{name}: the prompt has {chars} characters, more than the context length "
                               f"({self.config.max_request_tokens} tokens) can hold")
 
+    def check_prompt_count(self, count: int, name: str) -> None:
+        """A batched request carries at most ``--max-queued-requests`` prompts: more could never be queued."""
+        if count > self.args.max_queued_requests:
+            raise bad_request(f"{name}: {count} prompts in one request, more than --max-queued-requests "
+                              f"({self.args.max_queued_requests})")
+
     def sampling_params(self, raw: dict[str, Any] | None) -> SamplingParams:
         """SGLang sampling parameters from a request, validated; None values mean the default."""
         if raw is not None and not isinstance(raw, dict):

@@ -46,6 +46,9 @@ CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_TEXT}]}, "context length"),
     ("/abort_request", {"rid": 5}, "rid"),
+    ("/generate", {"text": ["a"] * 1025}, "text: 1025 prompts in one request"),  # over --max-queued-requests
+    ("/generate", {"input_ids": [[1]] * 1025}, "input_ids: 1025 prompts in one request"),
+    ("/v1/completions", {"prompt": ["a"] * 1025}, "prompt: 1025 prompts in one request"),
 ]
 
 
