@@ -23,9 +23,9 @@ FAST = ["--worker-startup-check-interval", "0.1", "--health-check-interval-secs"
 RETRIES = ["--retry-max-retries", "3", "--retry-initial-backoff-ms", "5"]
 VICTIM = 1
 STREAMS = 8  # round robin: four on each rank
-STREAM_TOKENS = 600  # long enough to be mid-stream at the kill (context 1024), short enough for the survivors
+STREAM_TOKENS = 900  # long enough to be mid-stream at the kill (context 1024), short enough for the survivors
 GRACE_S = 1.0  # requests sent within this long after the kill may fail; every later one must succeed
-RESTART_TIMEOUT_S = 40.0  # 1 s backoff, then a rank's start-up (imports torch, builds the model) on 2 busy cores
+RESTART_TIMEOUT_S = 30.0  # 1 s backoff, then a rank's start-up (imports torch, builds the model) on 2 busy cores
 
 
 async def stream(s: aiohttp.ClientSession, router_url: str, i: int, started: asyncio.Event, out: dict) -> Result:
@@ -82,7 +82,10 @@ def test_a_killed_rank_behind_the_router_fails_only_its_streams_and_is_used_agai
             results = await asyncio.wait_for(asyncio.gather(*streams), 45)
             streams_done = time.monotonic() - killed_at
 
+            seen_down = []  # the router's view of the victim rank while the server restarts it
+
             async def restarted() -> bool:
+                seen_down.append(not (await get_json(s, router.url + "/workers"))["workers"][VICTIM]["rank_up"])
                 async with s.get(server.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                     if resp.status != 200:
                         return False
@@ -108,7 +111,8 @@ def test_a_killed_rank_behind_the_router_fails_only_its_streams_and_is_used_agai
                 return await router_idle() and await server_idle(s, server.url)
             settled = await wait_for(idle, timeout=10, interval=0.1)
             return dict(old_pids=old_pids, new_pids=new_pids, killed_at=killed_at, results=results, ranks=ranks,
-                        sent=sent, back=back, rank_back=rank_back, again=again, spread=spread, settled=settled,
+                        sent=sent, back=back, seen_down=any(seen_down), rank_back=rank_back, again=again,
+                        spread=spread, settled=settled,
                         streams_done=streams_done, back_after=back_after,
                         workers=(await get_json(s, router.url + "/workers"))["workers"],
                         flights=await in_flight(s, router.url))
@@ -131,11 +135,17 @@ def test_a_killed_rank_behind_the_router_fails_only_its_streams_and_is_used_agai
     before_kill = [res for at, res in r["sent"] if at < r["killed_at"]]
     in_the_instant = [res for at, res in r["sent"] if r["killed_at"] <= at < r["killed_at"] + GRACE_S]
     after = [res for at, res in r["sent"] if at >= r["killed_at"] + GRACE_S]
+    outage = [res for at, res in r["sent"] if r["killed_at"] + GRACE_S <= at < r["killed_at"] + r["back_after"]]
+    print(f"trickle: {len(before_kill)} before the kill, {len(in_the_instant)} in the instant "
+          f"({sum(not res.ok for res in in_the_instant)} failed), {len(outage)} while the rank was away, "
+          f"{len(after)} after the grace")
     assert all(res.ok for res in before_kill), before_kill
     assert sum(not res.ok for res in in_the_instant) <= 2, in_the_instant
     assert after and all(res.ok for res in after), [res for res in after if not res.ok]
     served_by = {res.body["meta_info"]["dp_rank"] for res in after}
     assert 1 - VICTIM in served_by, served_by  # the live rank carried the load while the victim was away
+    assert len(outage) >= 3, "the trickle sent too little while the rank was away to show anything"
+    assert r["seen_down"], "the router never marked the dead rank down"
 
     assert r["back"], "the supervisor did not restart the killed rank in time"
     assert r["new_pids"][VICTIM] != r["old_pids"][VICTIM] and r["new_pids"][1 - VICTIM] == r["old_pids"][1 - VICTIM]
