@@ -35,6 +35,8 @@ def test_killed_server_is_avoided_requests_fail_over_and_it_rejoins(procs):
                     if i >= TOTAL and monitor.done():
                         return
                     if i == TOTAL // 4 and not kill_at:
+                        # the kill lands while the victim holds requests, so the failure path is exercised
+                        await wait_for(lambda: _victim_busy(s, router.url, victim.url), timeout=5, interval=0.005)
                         victim.kill()  # SIGKILL to its process group: its in-flight connections are reset
                         kill_at.append(time.monotonic())
                     start = time.monotonic()
@@ -106,3 +108,7 @@ async def _healthy(s: aiohttp.ClientSession, router_url: str, base: str) -> bool
 
 async def _all_zero(s: aiohttp.ClientSession, url: str) -> bool:
     return set((await in_flight(s, url)).values()) == {0}
+
+
+async def _victim_busy(s: aiohttp.ClientSession, router_url: str, victim_url: str) -> bool:
+    return (await in_flight(s, router_url)).get(victim_url, 0) > 0
