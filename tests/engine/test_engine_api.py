@@ -15,7 +15,7 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine(max_total_tokens=1024, max_running_requests=4, context_length=256) as engine:
+    with Engine(load_format="dummy", max_total_tokens=1024, max_running_requests=4, context_length=256) as engine:
         yield engine
 
 
@@ -92,7 +92,7 @@ def test_prompt_longer_than_the_context_is_rejected(engine):
 
 
 def test_shutdown_releases_and_refuses_new_work():
-    engine = Engine(max_total_tokens=256, max_running_requests=2, skip_tokenizer_init=True)
+    engine = Engine(load_format="dummy", max_total_tokens=256, max_running_requests=2, skip_tokenizer_init=True)
     assert engine.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": 2})["text"] == ""
     engine.shutdown()
     engine.shutdown()  # idempotent
@@ -101,7 +101,7 @@ def test_shutdown_releases_and_refuses_new_work():
 
 
 def test_a_dead_scheduler_process_fails_its_requests_with_a_clear_error():
-    engine = Engine(max_total_tokens=256, max_running_requests=2, skip_tokenizer_init=True)
+    engine = Engine(load_format="dummy", max_total_tokens=256, max_running_requests=2, skip_tokenizer_init=True)
     try:
         stream = engine.generate_stream(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 200})
         next(stream)
@@ -118,7 +118,7 @@ def test_a_script_without_a_main_guard_can_build_an_engine():
     """The scheduler process is a fresh interpreter: it never re-imports the caller's __main__."""
     script = (
         "from sglang_lite import Engine\n"
-        "engine = Engine(max_total_tokens=256, max_running_requests=2, skip_tokenizer_init=True)\n"
+        "engine = Engine(load_format='dummy', max_total_tokens=256, max_running_requests=2, skip_tokenizer_init=True)\n"
         "print(len(engine.generate(input_ids=[1, 2, 3], sampling_params={'max_new_tokens': 3})['output_ids']))\n"
         "engine.shutdown()\n"
     )

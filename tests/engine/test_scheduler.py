@@ -100,8 +100,8 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def scheduler():
-    return create_scheduler(ServerArgs(max_total_tokens=512, max_running_requests=4, chunked_prefill_size=8,
-                                       max_prefill_tokens=16, context_length=128))
+    return create_scheduler(ServerArgs(load_format="dummy", max_total_tokens=512, max_running_requests=4,
+                                       chunked_prefill_size=8, max_prefill_tokens=16, context_length=128))
 
 
 def drain(scheduler, outputs=None, max_steps=500) -> dict[str, list]:
@@ -191,8 +191,8 @@ def test_stop_token_min_new_tokens_and_zero_max_new(scheduler):
 
 
 def test_stream_interval_groups_tokens():
-    scheduler = create_scheduler(ServerArgs(max_total_tokens=256, max_running_requests=2, stream_interval=4,
-                                            skip_tokenizer_init=True))
+    scheduler = create_scheduler(ServerArgs(load_format="dummy", max_total_tokens=256, max_running_requests=2,
+                                            stream_interval=4, skip_tokenizer_init=True))
     scheduler.add_request("a", [1, 2, 3], {**GREEDY, "max_new_tokens": 10})
     outs = drain(scheduler)["a"]
     assert [len(o.new_token_ids) for o in outs] == [4, 4, 2] and outs[-1].finished
@@ -296,8 +296,8 @@ def test_a_failing_forward_fails_its_batch_and_the_rank_goes_on(scheduler, monke
 @pytest.fixture(scope="module")
 def doomed_scheduler():
     """A scheduler that tests may leave broken."""
-    return create_scheduler(ServerArgs(max_total_tokens=256, max_running_requests=2, context_length=64,
-                                       skip_tokenizer_init=True))
+    return create_scheduler(ServerArgs(load_format="dummy", max_total_tokens=256, max_running_requests=2,
+                                       context_length=64, skip_tokenizer_init=True))
 
 
 def failing_forward(monkeypatch, scheduler, errors: list[BaseException]) -> None:

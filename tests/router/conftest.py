@@ -27,7 +27,7 @@ REPO = HERE.parent.parent
 SERVER_STARTUP_TIMEOUT = 180.0  # a cold start imports torch and builds the model: ~20-40 s on 2 loaded cores
 # Small pools keep every rank light; 1024 tokens of context leave room for the long generations some tests hold.
 SERVER_FLAGS = ["--context-length", "1024", "--max-total-tokens", "16384", "--max-running-requests", "32",
-                "--cpu-threads-per-rank", "1", "--log-level", "warning"]
+                "--cpu-threads-per-rank", "1", "--log-level", "warning", "--load-format", "dummy"]  # random weights
 
 
 def upstream_command(port: int, dp_size: int, token_delay: float, name: str, *extra: str) -> list[str]:

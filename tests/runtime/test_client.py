@@ -26,8 +26,8 @@ def test_a_rank_that_fails_to_start_is_reported_and_every_rank_is_stopped(tmp_pa
 
 
 def test_queries_are_answered_by_the_rank_they_were_sent_to():
-    client = SchedulerClient(ServerArgs(max_total_tokens=256, max_running_requests=2, skip_tokenizer_init=True,
-                                        dp_size=2, cpu_threads_per_rank=1))
+    client = SchedulerClient(ServerArgs(load_format="dummy", max_total_tokens=256, max_running_requests=2,
+                                        skip_tokenizer_init=True, dp_size=2, cpu_threads_per_rank=1))
     try:
         ready = client.wait_ready(timeout_s=300)
         assert [r.rank for r in ready] == [0, 1] and client.config.max_total_tokens == 256
@@ -66,8 +66,8 @@ def next_reply(client, kind, timeout_s: float = 120.0):
 def test_a_stuck_rank_gets_a_bounded_queue_and_is_respawned_without_the_key_on_its_command_line(monkeypatch):
     key = "sk-do-not-leak-4711"
     monkeypatch.setattr(client_module, "COMMAND_QUEUE_LIMIT", 16)
-    client = SchedulerClient(ServerArgs(max_total_tokens=256, max_running_requests=2, skip_tokenizer_init=True,
-                                        cpu_threads_per_rank=1, api_key=key))
+    client = SchedulerClient(ServerArgs(load_format="dummy", max_total_tokens=256, max_running_requests=2,
+                                        skip_tokenizer_init=True, cpu_threads_per_rank=1, api_key=key))
     try:
         client.wait_ready(timeout_s=300)
         old = client.processes[0]

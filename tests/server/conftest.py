@@ -15,7 +15,9 @@ import pytest
 from sglang_lite.utils.process import wait_until_healthy
 
 # Small limits keep every generation short on a 2-core CI machine; the engine uses the same ones for parity.
-COMMON_FLAGS = ["--context-length", "512", "--max-total-tokens", "8192", "--max-running-requests", "16"]
+# the built-in model with random weights: serving mechanics should not change when the shipped weights are retrained
+COMMON_FLAGS = ["--context-length", "512", "--max-total-tokens", "8192", "--max-running-requests", "16",
+                "--load-format", "dummy"]
 STARTUP_TIMEOUT_S = 180.0
 
 

@@ -17,7 +17,8 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    with Engine(None, context_length=512, max_total_tokens=8192, max_running_requests=16) as offline:
+    with Engine(None, load_format="dummy", context_length=512, max_total_tokens=8192,
+                max_running_requests=16) as offline:
         yield offline
 
 
