@@ -20,7 +20,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 ALT_STREAM_OVERLAP = ("flags", "auto")
 
 _HELP = {
-    "model_path": "Checkpoint folder; empty = the built-in tiny Qwen3.5 MoE model (dummy weights).",
+    "model_path": "Checkpoint folder; empty = the built-in tiny Qwen3.5 MoE model (trained on Python's stdlib).",
     "tokenizer_path": "Tokenizer folder; defaults to the model folder.",
     "load_format": "auto: read the checkpoint weights; dummy: random weights of the checkpoint's shapes.",
     "dtype": "Weight and activation dtype; auto: the checkpoint's on GPU, float32 on CPU.",

@@ -1,9 +1,10 @@
 """Files shipped with the package.
 
 `TINY_MODEL_DIR` holds the built-in tiny Qwen3.5-MoE model: a Hugging Face style folder with config.json, a
-trained 4096-token byte-level BPE tokenizer (ChatML chat template) and generation_config.json, but no weights;
-the loader fills the model with seeded dummy weights. The tokenizer files are made by
-scripts/make_tiny_tokenizer.py; config.json is kept by hand.
+4096-token byte-level BPE tokenizer (ChatML chat template), generation_config.json, and weights trained on the
+Python standard library's source (model.safetensors in bfloat16, with training.json recording the run). The
+tokenizer files are made by scripts/make_tiny_tokenizer.py, the weights by scripts/train_tiny_model.py;
+config.json is kept by hand. ``load_format="dummy"`` gives the same shape with seeded random weights.
 """
 from __future__ import annotations
 

@@ -24,15 +24,14 @@ def load_model(
     seed: int = 0,
     server_args: ServerArgs | None = None,
 ) -> Qwen3_5ForCausalLM:
-    """Builds the model described by ``path/config.json`` (None: the built-in tiny model, dummy weights).
+    """Builds the model described by ``path/config.json`` (None: the built-in tiny model, trained on the Python
+    standard library by scripts/train_tiny_model.py).
 
     ``load_format="auto"`` reads safetensors from ``path``; ``"dummy"`` fills seeded random weights.
     ``server_args`` (default: the global ones, else defaults) decide shared-expert fusion and the stream plan.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    if path is None:
-        load_format = "dummy"  # the built-in tiny model ships no weights
     path = assets.model_dir(path)
     model = create_model(ModelConfig.from_hf(path), dtype, device, server_args)
     if load_format == "dummy":
