@@ -80,6 +80,8 @@ class SchedulerClient:
         self._addresses = [*command_addresses, reply_address]
         self._context = zmq.Context()
         self._replies = pull_socket(self._context, reply_address)
+        self._reply_poller = zmq.Poller()  # one for the client's life: Socket.poll builds one per call
+        self._reply_poller.register(self._replies, zmq.POLLIN)
         self._async_replies: zmq.asyncio.Socket | None = None
         self._loopback = push_socket(self._context, reply_address)  # the client's own answers (a full queue)
         self._commands = [self._command_socket(address) for address in command_addresses]
@@ -142,7 +144,7 @@ class SchedulerClient:
 
     def receive(self, timeout_ms: int) -> Reply | None:
         """The next reply, or None after ``timeout_ms``; one thread at a time."""
-        if not self._replies.poll(timeout_ms):
+        if not self._reply_poller.poll(timeout_ms):
             return None
         return decode(self._replies.recv())
 

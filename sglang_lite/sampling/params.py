@@ -88,7 +88,7 @@ class SamplingParams:
         stop = self.stop
         _check(isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS, "stop",
                f"a list of at most {MAX_STOP_STRINGS} strings", _count(stop))
-        _check(all(isinstance(s, str) and s and _is_utf8(s) for s in stop), "stop", "non-empty UTF-8 strings", stop)
+        _check(all(isinstance(s, str) and s and is_utf8(s) for s in stop), "stop", "non-empty UTF-8 strings", stop)
         total = sum(len(s) for s in stop)
         _check(total <= MAX_STOP_CHARS, "stop", f"at most {MAX_STOP_CHARS} characters in all", _Said(f"{total}"))
 
@@ -126,9 +126,10 @@ def _is_finite(value: Any) -> bool:
         return False
 
 
-def _is_utf8(text: str) -> bool:
+def is_utf8(text: str) -> bool:
+    """Whether the text can be encoded as UTF-8: JSON can carry lone surrogates, which msgpack and tokenizers cannot."""
     try:
-        text.encode()  # JSON can carry lone surrogates, which the msgpack transport cannot
+        text.encode()
     except UnicodeEncodeError:
         return False
     return True

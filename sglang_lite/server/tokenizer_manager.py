@@ -20,7 +20,7 @@ from typing import Any
 from sglang_lite.runtime.client import SchedulerClient
 from sglang_lite.runtime.inputs import max_prompt_chars
 from sglang_lite.runtime.messages import UNAVAILABLE, AbortRequest, Ack, AddRequest, LoadsQuery, QueryReply, Ready
-from sglang_lite.sampling.params import SamplingParams
+from sglang_lite.sampling.params import SamplingParams, is_utf8
 from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.loads import LOAD_SECTIONS
 from sglang_lite.scheduler.request import ReqOutput, internal_error, join_outputs
@@ -127,8 +127,7 @@ class TokenizerManager:
         self.streams: dict[str, RequestStream] = {}
         self.in_flight = [0] * args.dp_size
         self.ranks = [RankHealth(state=STARTING) for _ in range(args.dp_size)]
-        self._queries: dict[int, asyncio.Future] = {}
-        self._query_ranks: dict[int, int] = {}
+        self._queries: dict[int, tuple[asyncio.Future, int]] = {}  # query id -> (its answer, the rank asked)
         self._probes: dict[int, int] = {}  # the supervisor's loads queries: id -> rank
         self._tasks: list[asyncio.Task] = []
 
@@ -189,10 +188,8 @@ class TokenizerManager:
         return self._tokenize(text, "messages", {"add_special_tokens": False})
 
     def _tokenize(self, text: str, name: str, options: dict[str, Any]) -> list[int]:
-        try:
-            text.encode()  # JSON can carry lone surrogates, which the tokenizer refuses with a TypeError
-        except UnicodeEncodeError as error:
-            raise bad_request(f"{name}: the text is not valid Unicode: {error}") from error
+        if not is_utf8(text):  # JSON can carry lone surrogates, which the tokenizer refuses with a TypeError
+            raise bad_request(f"{name}: the text is not valid Unicode (it holds a lone surrogate)")
         return self.tokenizer.encode(text, **options)
 
     def _check_prompt_chars(self, chars: int, name: str) -> None:
@@ -350,8 +347,8 @@ class TokenizerManager:
     def _ask_loads(self, rank: int, sections: tuple[str, ...]) -> asyncio.Future:
         query_id = self.client.next_query_id()
         future = asyncio.get_running_loop().create_future()
-        self._queries[query_id], self._query_ranks[query_id] = future, rank
-        future.add_done_callback(lambda _: (self._queries.pop(query_id, None), self._query_ranks.pop(query_id, None)))
+        self._queries[query_id] = future, rank
+        future.add_done_callback(lambda _: self._queries.pop(query_id, None))
         self.client.send(rank, LoadsQuery(query_id, sections))
         return future
 
@@ -390,7 +387,7 @@ class TokenizerManager:
             if health.probe is not None and health.probe[0] == reply.query_id:
                 health.probe = None
             return
-        future = self._queries.get(reply.query_id)
+        future, _ = self._queries.get(reply.query_id, (None, None))
         if future is not None and not future.done():
             future.set_result(reply)
 
@@ -467,9 +464,8 @@ class TokenizerManager:
             if not stream.ack.done():
                 stream.ack.set_result(Ack(rank, stream.rid, UNAVAILABLE, error.message))
             stream.queue.put_nowait(error)
-        for query_id in [q for q, r in self._query_ranks.items() if r == rank]:
-            future = self._queries.get(query_id)
-            if future is not None and not future.done():
+        for future, asked in list(self._queries.values()):
+            if asked == rank and not future.done():
                 future.set_exception(error)
 
 
@@ -483,10 +479,4 @@ def _finish_kind(output: ReqOutput) -> str:
 
 def _valid_rid(rid: Any) -> bool:
     """The msgpack transport carries UTF-8 only, and a rid is a key, not a payload."""
-    if not (isinstance(rid, str) and 0 < len(rid) <= MAX_RID_CHARS):
-        return False
-    try:
-        rid.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
+    return isinstance(rid, str) and 0 < len(rid) <= MAX_RID_CHARS and is_utf8(rid)
