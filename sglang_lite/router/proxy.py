@@ -137,18 +137,33 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse) -> tuple
         return web.Response(body=data, status=upstream.status, headers=_response_headers(upstream)), False
     resp = web.StreamResponse(status=upstream.status, headers=_response_headers(upstream))
     await resp.prepare(request)
-    failed = await _pump(resp, upstream)
+    failed = await _pump(resp, upstream, whole_events=is_event_stream(upstream))
     await resp.write_eof()
     return resp, failed
 
 
-async def _pump(resp: web.StreamResponse, upstream: aiohttp.ClientResponse) -> bool:
+async def _pump(resp: web.StreamResponse, upstream: aiohttp.ClientResponse, whole_events: bool) -> bool:
+    """Copies the body as it arrives. An event stream goes out in whole events (a chunk may end inside one), so a
+    failure drops the half-received event and the error event that follows stands on its own."""
+    pending = b""
     try:
         async for chunk in upstream.content.iter_any():
-            await resp.write(chunk)
+            pending += chunk
+            cut = _after_last_event(pending) if whole_events else len(pending)
+            if cut:
+                await resp.write(pending[:cut])
+                pending = pending[cut:]
+        if pending:
+            await resp.write(pending)
         return False
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
             asyncio.TimeoutError) as exc:
         error = {"error": {"message": f"upstream failed mid-stream: {exc!r}", "code": 502}}
         await resp.write(b"data: " + json.dumps(error).encode() + b"\n\n")
         return True
+
+
+def _after_last_event(data: bytes) -> int:
+    """Where the last complete SSE event in ``data`` ends; 0 when none does."""
+    end = data.rfind(b"\n\n")
+    return end + 2 if end >= 0 else 0

@@ -194,3 +194,33 @@ def test_rank_probes_mark_only_silent_ranks_and_only_while_the_server_answers(mo
     assert check(set()) == [True, False, True]  # nothing answers: a server failure (1 of 3), no rank marked
     assert server.health_failures == 1 and server.healthy
     assert check({0, 1, 2}) == [True, True, True]
+
+
+def test_a_stream_failing_inside_an_event_ends_with_a_whole_error_event():
+    """The upstream dies after half an event: the client gets the whole events before it, then the error event,
+    never the half event glued to it."""
+    import asyncio
+    import json
+
+    from sglang_lite.router.proxy import _pump
+
+    class Content:
+        async def iter_any(self):
+            yield b'data: {"text": "a"}\n\ndata: {"te'
+            raise asyncio.TimeoutError()
+
+    class Upstream:
+        content = Content()
+
+    class Client:
+        def __init__(self) -> None:
+            self.body = b""
+
+        async def write(self, data: bytes) -> None:
+            self.body += data
+
+    client = Client()
+    assert asyncio.run(_pump(client, Upstream(), whole_events=True)) is True
+    events = [json.loads(e.removeprefix(b"data: ")) for e in client.body.split(b"\n\n") if e]
+    assert events[0] == {"text": "a"} and "upstream failed mid-stream" in events[1]["error"]["message"]
+    assert len(events) == 2
