@@ -1,6 +1,7 @@
 """The model configuration: a Hugging Face Qwen3.5 config normalised once into a frozen dataclass."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -72,6 +73,28 @@ class ModelConfig:
     def conv_dim(self) -> int:
         return 2 * self.linear_key_dim + self.linear_value_dim
 
+    def attention_shard(self, attn_tp_size: int) -> ModelConfig:
+        """The head counts one rank of an attention group of ``attn_tp_size`` holds (the pools and the attention
+        layers are built from it). KV heads fewer than the ranks are replicated: each rank keeps the one its query
+        heads use. Raises ValueError naming the size that does not divide."""
+        if attn_tp_size == 1:
+            return self
+        kv_heads = self.num_key_value_heads
+        if kv_heads < attn_tp_size:
+            if attn_tp_size % kv_heads:
+                raise ValueError(f"num_key_value_heads ({kv_heads}) must divide the attention tp size "
+                                 f"({attn_tp_size}) to be replicated over it")
+            kv_heads = 1
+        else:
+            kv_heads = shard_size(kv_heads, attn_tp_size, "num_key_value_heads")
+        return dataclasses.replace(
+            self,
+            num_attention_heads=shard_size(self.num_attention_heads, attn_tp_size, "num_attention_heads"),
+            num_key_value_heads=kv_heads,
+            linear_num_key_heads=shard_size(self.linear_num_key_heads, attn_tp_size, "linear_num_key_heads"),
+            linear_num_value_heads=shard_size(self.linear_num_value_heads, attn_tp_size, "linear_num_value_heads"),
+        )
+
     @classmethod
     def from_hf(cls, source: str | os.PathLike | dict[str, Any] | Any) -> ModelConfig:
         """From a checkpoint folder, a config.json path, a config dict or a transformers PretrainedConfig."""
@@ -109,6 +132,13 @@ class ModelConfig:
             eos_token_ids=_as_tuple(text.get("eos_token_id", outer.get("eos_token_id"))),
             pad_token_id=text.get("pad_token_id", outer.get("pad_token_id")),
         )
+
+
+def shard_size(size: int, parts: int, name: str, over: str = "tp size") -> int:
+    """``size / parts``, or ValueError naming the size and the tp (or ep) size when it does not divide."""
+    if size % parts:
+        raise ValueError(f"{name} ({size}) is not divisible by the {over} ({parts}): it cannot be sharded")
+    return size // parts
 
 
 def _read_hf_dict(source: Any) -> dict[str, Any]:

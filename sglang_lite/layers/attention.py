@@ -1,13 +1,18 @@
-"""Gated full attention of Qwen3.5: packed qkv, per-head QK Gemma RMSNorm, partial NeoX RoPE, sigmoid output gate."""
+"""Gated full attention of Qwen3.5: packed qkv, per-head QK Gemma RMSNorm, partial NeoX RoPE, sigmoid output gate.
+
+Tensor parallel over the attention group: ``qkv_proj`` column-parallel by heads (each query head with its gate; KV
+heads split, or replicated when fewer than the ranks), ``o_proj`` row-parallel with one all-reduce.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from sglang_lite.config import ModelConfig
+from sglang_lite.distributed import attn_all_reduce, get_parallel_state
 from sglang_lite.forward_batch import ForwardBatch
 from sglang_lite.kernels import decode_attention, extend_attention, fused_qk_gemma_rmsnorm, store_kv
-from sglang_lite.layers.linear import PackedLinear, ShardMap, packed_rows
+from sglang_lite.layers.linear import PackedLinear, ShardMap, Split, input_columns, packed_rows
 from sglang_lite.layers.norm import GemmaRMSNorm
 from sglang_lite.layers.rotary import RotaryEmbedding
 from sglang_lite.streams.runtime import OverlapContext, overlap
@@ -17,8 +22,11 @@ class Qwen3_5Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        state = get_parallel_state()
+        self.split = Split(state.attn_tp_rank, state.attn_tp_size)
+        local = config.attention_shard(state.attn_tp_size)
+        self.num_heads, self.num_kv_heads = local.num_attention_heads, local.num_key_value_heads
+        self.total_kv_heads = config.num_key_value_heads
         self.head_dim = hd = config.head_dim
         self.scale = hd**-0.5
         # q_proj rows are interleaved per head as [q_h | gate_h]
@@ -30,7 +38,18 @@ class Qwen3_5Attention(nn.Module):
         self._rotary = (rotary,)  # shared table, owned by the model (a tuple keeps it out of this module's children)
 
     def packed_shards(self) -> ShardMap:
-        return packed_rows("qkv_proj.weight", self.qkv_proj, ["q_proj.weight", "k_proj.weight", "v_proj.weight"])
+        names = ["q_proj.weight", "k_proj.weight", "v_proj.weight"]
+        if self.split.parts == 1:
+            return packed_rows("qkv_proj.weight", self.qkv_proj, names)
+        hd, rank = self.head_dim, self.split.rank
+        q_rows = slice(rank * 2 * self.num_heads * hd, (rank + 1) * 2 * self.num_heads * hd)  # [q_h | gate_h] rows
+        if self.total_kv_heads >= self.split.parts:
+            first_kv = rank * self.num_kv_heads
+        else:  # replicated: the KV head this rank's query heads use
+            first_kv = rank // (self.split.parts // self.total_kv_heads)
+        kv_rows = slice(first_kv * hd, (first_kv + self.num_kv_heads) * hd)
+        qkv = packed_rows("qkv_proj.weight", self.qkv_proj, names, [q_rows, kv_rows, kv_rows])
+        return qkv | input_columns("o_proj.weight", self.split, self.split.parts * self.num_heads * hd)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -42,7 +61,7 @@ class Qwen3_5Attention(nn.Module):
         q, k = self._rotary[0](batch.positions, q, k)
         out = self._attend(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), batch)
         # gated per head, then heads merged: gate is a strided view, which a merge first would have copied
-        return self.o_proj((out * torch.sigmoid(gate)).flatten(1))
+        return attn_all_reduce(self.o_proj((out * torch.sigmoid(gate)).flatten(1)))
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor, ctx: OverlapContext) -> tuple[torch.Tensor, torch.Tensor]:
         if ctx.plan.qk_norm:

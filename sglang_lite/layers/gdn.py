@@ -1,10 +1,17 @@
-"""Gated DeltaNet linear attention of Qwen3.5 (packed in_proj_qkvz and in_proj_ba, conv1d, gated delta rule)."""
+"""Gated DeltaNet linear attention of Qwen3.5 (packed in_proj_qkvz and in_proj_ba, conv1d, gated delta rule).
+
+Tensor parallel over the attention group by key and value heads together (each rank holds whole groups of HV/HK
+value heads per key head): the q, k, v, z rows of ``in_proj_qkvz``, the b, a rows of ``in_proj_ba``, the conv1d
+channels, ``A_log`` and ``dt_bias`` follow their heads, and so do the conv and recurrent states in the pools;
+``out_proj`` is row-parallel with one all-reduce. The gated norm's weight is per head dimension: replicated.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from sglang_lite.config import ModelConfig
+from sglang_lite.distributed import attn_all_reduce, get_parallel_state
 from sglang_lite.forward_batch import ForwardBatch
 from sglang_lite.kernels import (
     causal_conv1d_fn,
@@ -13,7 +20,7 @@ from sglang_lite.kernels import (
     fused_gdn_gating,
     fused_recurrent_gated_delta_rule,
 )
-from sglang_lite.layers.linear import PackedLinear, ShardMap, packed_rows
+from sglang_lite.layers.linear import PackedLinear, Shard, ShardMap, Split, input_columns, packed_rows
 from sglang_lite.layers.norm import GatedRMSNorm
 from sglang_lite.streams.runtime import overlap
 
@@ -24,9 +31,12 @@ class Qwen3_5GatedDeltaNet(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
-        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
-        self.key_dim, self.value_dim, self.conv_dim = config.linear_key_dim, config.linear_value_dim, config.conv_dim
+        state = get_parallel_state()
+        self.split = Split(state.attn_tp_rank, state.attn_tp_size)
+        local = config.attention_shard(state.attn_tp_size)
+        self.num_k_heads, self.num_v_heads = local.linear_num_key_heads, local.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = local.linear_key_head_dim, local.linear_value_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = local.linear_key_dim, local.linear_value_dim, local.conv_dim
         hidden = config.hidden_size
         self.in_proj_qkvz = PackedLinear(hidden, [self.conv_dim, self.value_dim])
         self.in_proj_ba = PackedLinear(hidden, [self.num_v_heads, self.num_v_heads])
@@ -38,8 +48,26 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
 
     def packed_shards(self) -> ShardMap:
-        qkvz = packed_rows("in_proj_qkvz.weight", self.in_proj_qkvz, ["in_proj_qkv.weight", "in_proj_z.weight"])
-        return qkvz | packed_rows("in_proj_ba.weight", self.in_proj_ba, ["in_proj_b.weight", "in_proj_a.weight"])
+        qkvz_names, ba_names = ["in_proj_qkv.weight", "in_proj_z.weight"], ["in_proj_b.weight", "in_proj_a.weight"]
+        if self.split.parts == 1:
+            return packed_rows("in_proj_qkvz.weight", self.in_proj_qkvz, qkvz_names) | packed_rows(
+                "in_proj_ba.weight", self.in_proj_ba, ba_names)
+        rank, parts, kd, vd = self.split.rank, self.split.parts, self.key_dim, self.value_dim
+        # this rank's q, k and v channels: where they sit in the checkpoint's [q | k | v] and in the local packing
+        channels = [(slice(rank * kd, (rank + 1) * kd), slice(0, kd)),
+                    (slice(parts * kd + rank * kd, parts * kd + (rank + 1) * kd), slice(kd, 2 * kd)),
+                    (slice(2 * parts * kd + rank * vd, 2 * parts * kd + (rank + 1) * vd), slice(2 * kd, 2 * kd + vd))]
+        heads = self.split.rows(parts * self.num_v_heads)
+        shards: ShardMap = {
+            "in_proj_qkv.weight": [Shard("in_proj_qkvz.weight", (dest,), (src,)) for src, dest in channels],
+            "in_proj_z.weight": [Shard("in_proj_qkvz.weight", (slice(self.conv_dim, self.conv_dim + vd),),
+                                       (self.split.rows(parts * vd),))],
+            "conv1d.weight": [Shard("conv1d.weight", (dest,), (src,)) for src, dest in channels],
+            "dt_bias": [Shard("dt_bias", (), (heads,))],
+            "A_log": [Shard("A_log", (), (heads,))],
+        }
+        shards |= packed_rows("in_proj_ba.weight", self.in_proj_ba, ba_names, [heads, heads])
+        return shards | input_columns("out_proj.weight", self.split, parts * vd)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -61,7 +89,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         else:
             o = chunk_gated_delta_rule(q, k, v, g, beta, ssm_states, batch.state_slots, batch.cu_seqlens)
         o = self.norm(o, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
-        return self.out_proj(o.reshape(num_tokens, self.value_dim))
+        return attn_all_reduce(self.out_proj(o.reshape(num_tokens, self.value_dim)))
 
     def _conv(self, qkv: torch.Tensor, conv_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         weight = self.conv1d.weight.squeeze(1)

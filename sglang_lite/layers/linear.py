@@ -1,14 +1,41 @@
-"""Packed projections: several checkpoint matrices stacked into one GEMM.
+"""Packed and sharded projections: which part of which checkpoint tensor fills which part of which parameter.
 
-A layer that packs declares, through ``packed_shards()``, which checkpoint tensor fills which rows of which of its
-parameters; an MoE block declares its experts once per checkpoint layout (``per_expert_shards()``,
-``fused_expert_shards()``). The loader (sglang_lite/models/weights.py) reads those declarations.
+A layer declares, through ``packed_shards()``, the checkpoint tensors it packs or shards into its parameters; an
+MoE block declares its experts once per checkpoint layout (``per_expert_shards()``, ``fused_expert_shards()``).
+Each ``Shard`` names the part of the parameter it fills (``index``) and the part of the checkpoint tensor it reads
+(``source``: under tensor parallelism, this rank's slice, read alone from the safetensors file). The loader
+(sglang_lite/models/weights.py) reads those declarations; a parameter nobody declares is read whole.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
-ShardMap = dict[str, tuple[str, tuple]]  # checkpoint name -> (parameter name, index into the parameter)
+
+@dataclass(frozen=True)
+class Shard:
+    param: str  # parameter name, relative to the declaring module
+    index: tuple = ()  # the part of the parameter this shard fills
+    source: tuple = ()  # the part of the checkpoint tensor it reads (() = all of it)
+
+
+ShardMap = dict[str, list[Shard]]  # checkpoint name -> the shards it fills ([] = a tensor this rank does not read)
+
+
+@dataclass(frozen=True)
+class Split:
+    """This rank's part of a dimension split in ``parts``: ``size`` (local) elements from ``rank * size``."""
+
+    rank: int = 0
+    parts: int = 1
+
+    def rows(self, total: int) -> slice:
+        size = total // self.parts
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+
+NO_SPLIT = Split()
 
 
 class PackedLinear(nn.Linear):
@@ -26,7 +53,16 @@ class PackedLinear(nn.Linear):
         return out
 
 
-def packed_rows(param: str, linear: PackedLinear, checkpoint_names: list[str]) -> ShardMap:
-    """Maps each checkpoint matrix to its block of rows in ``param`` (e.g. ``in_proj_qkvz.weight``)."""
+def packed_rows(param: str, linear: PackedLinear, checkpoint_names: list[str], sources: list[slice] | None = None
+                ) -> ShardMap:
+    """Maps each checkpoint matrix to its block of rows in ``param`` (e.g. ``in_proj_qkvz.weight``), reading the
+    rows ``sources[i]`` of checkpoint matrix i (all of them by default)."""
     assert len(checkpoint_names) == len(linear.output_sizes), f"{param}: names and output sizes disagree"
-    return {name: (param, (rows,)) for name, rows in zip(checkpoint_names, linear.row_slices())}
+    sources = sources or [slice(None)] * len(checkpoint_names)
+    return {name: [Shard(param, (rows,), () if src == slice(None) else (src,))]
+            for name, rows, src in zip(checkpoint_names, linear.row_slices(), sources)}
+
+
+def input_columns(param: str, split: Split, total: int) -> ShardMap:
+    """A row-parallel weight [out, in]: this rank reads its columns of the input dimension."""
+    return {} if split.parts == 1 else {param: [Shard(param, (), (slice(None), split.rows(total)))]}

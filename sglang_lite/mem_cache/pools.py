@@ -4,6 +4,7 @@
 - ``TokenKVPool``: per full-attention layer, K and V of one token per slot ([slots, KV heads, head_dim]).
 - ``LinearStatePool``: per Gated DeltaNet layer, the conv state [conv_dim, K-1] and the recurrent state
   [HV, dk, dv] (fp32) of one request per slot.
+Under tensor parallelism a rank's pools hold its own heads only (``ModelConfig.attention_shard``).
 Slot 0 of the KV and state pools is reserved (a dummy for padded batches) and never handed out. Allocation is a
 free list; ``num_used`` counts exactly what is held.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_lite.config import ModelConfig
+from sglang_lite.distributed import get_parallel_state
 
 
 class SlotAllocator:
@@ -109,6 +111,7 @@ class ModelPools:
         device: torch.device | str,
     ) -> ModelPools:
         device = torch.device(device)
+        config = _local(config)
         return cls(
             req_to_token=ReqToTokenPool(max_running_requests, max_context_len, device),
             kv=TokenKVPool(config, max_total_tokens, dtype, device),
@@ -134,12 +137,17 @@ class ModelPools:
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
+        config, elem = _local(config), torch.empty((), dtype=dtype).element_size()
         return 2 * len(config.full_attention_layers) * config.num_key_value_heads * config.head_dim * elem
 
     @staticmethod
     def bytes_per_request_state(config: ModelConfig, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
+        config, elem = _local(config), torch.empty((), dtype=dtype).element_size()
         conv = config.conv_dim * (config.linear_conv_kernel_dim - 1) * elem
         ssm = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
         return len(config.linear_attention_layers) * (conv + ssm)
+
+
+def _local(config: ModelConfig) -> ModelConfig:
+    """The heads this rank's layers hold (all of them outside a tensor-parallel world)."""
+    return config.attention_shard(get_parallel_state().attn_tp_size)

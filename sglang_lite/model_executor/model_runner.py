@@ -5,7 +5,8 @@ import logging
 
 import torch
 
-from sglang_lite.forward_batch import ForwardBatch
+from sglang_lite.distributed import get_parallel_state
+from sglang_lite.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang_lite.server_args import ServerArgs
@@ -18,8 +19,11 @@ class ModelRunner:
         self.model = model
         self.config = model.config
         self.graph_runner: CudaGraphRunner | None = None
+        self.pools = pools
         on_gpu = model.lm_head.weight.device.type == "cuda"
-        if on_gpu and not args.disable_cuda_graph:
+        # DP attention exchanges every forward's token counts on the host: not something a graph can replay
+        dp_attention = get_parallel_state().config.dp_attention
+        if on_gpu and not args.disable_cuda_graph and not dp_attention:
             max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
             self.graph_runner = CudaGraphRunner(model, pools, max_bs, auto=args.alt_stream_overlap == "auto")
         # Decode steps only: prefill walks variable-length requests with host-side loops, which would keep
@@ -35,3 +39,10 @@ class ModelRunner:
             return self.graph_runner.replay(batch)
         body = self.compiled_body if batch.is_decode else None
         return self.model.forward_batch(batch, all_logits, body)
+
+    def forward_idle(self) -> None:
+        """An empty forward: under DP attention, a DP rank with nothing to run joins the other ranks' MLPs."""
+        device = self.model.lm_head.weight.device
+        batch = build_forward_batch(self.pools, ForwardMode.DECODE, [], [], [], [], device)
+        with torch.inference_mode():
+            self.model.forward_batch(batch)

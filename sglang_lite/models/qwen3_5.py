@@ -1,4 +1,9 @@
-"""Qwen3.5 dense and MoE causal LMs: wiring of the shared layers (hybrid Gated DeltaNet + gated attention)."""
+"""Qwen3.5 dense and MoE causal LMs: wiring of the shared layers (hybrid Gated DeltaNet + gated attention).
+
+Built inside a tensor-parallel world (``sglang_lite.distributed``), every layer holds this rank's shard; the decoder
+layer reduces the MLP's partial sums over the world, or, under DP attention, runs the MLP on the tokens of every
+DP rank (gathered) and keeps its own rows of the sum. A DP rank with no tokens still joins each layer's MLP.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -6,13 +11,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from sglang_lite.config import ModelConfig
+from sglang_lite.config import ModelConfig, shard_size
+from sglang_lite.distributed import DPTokens, get_parallel_state, world_all_reduce
 from sglang_lite.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from sglang_lite.layers.attention import Qwen3_5Attention
 from sglang_lite.layers.gdn import Qwen3_5GatedDeltaNet
+from sglang_lite.layers.linear import Split
 from sglang_lite.layers.mlp import GatedMLP, Qwen3_5SparseMoeBlock, shared_expert_fusion_supported
 from sglang_lite.layers.norm import GemmaRMSNorm
 from sglang_lite.layers.rotary import RotaryEmbedding
+from sglang_lite.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.server_args import ServerArgs, server_args_or_default
 from sglang_lite.streams.model_streams import ModelStreams
@@ -34,7 +42,9 @@ class Qwen3_5DecoderLayer(nn.Module):
         if config.is_moe:
             self.mlp = Qwen3_5SparseMoeBlock(config, fuse_shared_expert)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+            state = get_parallel_state()
+            shard_size(config.intermediate_size, state.world_size, "intermediate_size")
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, Split(state.rank, state.world_size))
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
@@ -45,13 +55,19 @@ class Qwen3_5DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = getattr(self, self.mixer_name)(hidden, batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, batch.overlap), residual
+        return self.run_mlp(hidden, batch), residual
+
+    def run_mlp(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The MLP summed over the ranks that share it: all of this rank's world."""
+        if batch.dp_tokens is None:
+            return world_all_reduce(self.mlp(hidden, batch.overlap))
+        return batch.dp_tokens.scatter(self.mlp(batch.dp_tokens.gather(hidden), batch.overlap))
 
 
 class Qwen3_5Model(nn.Module):
     def __init__(self, config: ModelConfig, fuse_shared_expert: bool = False) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta)
         self.layers = nn.ModuleList(
             Qwen3_5DecoderLayer(config, i, self.rotary_emb, fuse_shared_expert) for i in range(config.num_layers)
@@ -59,7 +75,13 @@ class Qwen3_5Model(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if get_parallel_state().config.dp_attention:
+            batch.dp_tokens = DPTokens(batch.num_tokens, batch.input_ids.device)
         hidden, residual = self.embed_tokens(batch.input_ids), None
+        if batch.num_tokens == 0:  # DP attention, a DP rank with nothing to run: it joins every layer's MLP
+            for layer in self.layers:
+                hidden = layer.run_mlp(hidden, batch)
+            return hidden
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch)
         hidden, _ = self.norm(hidden, residual)
@@ -81,7 +103,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         args = server_args if server_args is not None else server_args_or_default()
         self.streams = ModelStreams.build(torch.get_default_device(), args, config.is_moe, fusion_supported, blocker)
         self.model = Qwen3_5Model(config, self.streams.shared_experts_fusion)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -96,6 +118,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         captured_size = batch.batch_size if batch.is_decode else None  # the ``auto`` choice is per decode size
         batch.overlap = self.streams.context(batch.capturing, batch.num_tokens, captured_size)
         hidden = (self.model if body is None else body)(batch)
+        if batch.num_tokens == 0:
+            return hidden.new_empty((0, self.config.vocab_size))
         if not all_logits:
             hidden = hidden[batch.last_token_indices]
         return self.lm_head(hidden)

@@ -3,19 +3,20 @@
 Names are normalised first (``model.language_model.`` -> ``model.``; vision tower and MTP head skipped), then
 matched one to one against the checkpoint names the model expects, which each layer declares through
 ``packed_shards`` (an MoE block declares its experts apart, in either checkpoint layout: ``per_expert_shards``,
-``fused_expert_shards``). Anything missing, unexpected or mis-shaped raises ``CheckpointError`` naming the tensor.
+``fused_expert_shards``). A tensor-parallel rank reads only its slices of each tensor (``safe_open.get_slice``), and
+nothing of another rank's experts. Anything missing, unexpected or mis-shaped raises ``CheckpointError`` naming the
+tensor.
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 
 from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from sglang_lite.layers.linear import ShardMap
+from sglang_lite.layers.linear import Shard, ShardMap
 
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "visual.")
 INDEX_FILE = "model.safetensors.index.json"
@@ -24,12 +25,6 @@ SINGLE_FILE = "model.safetensors"
 
 class CheckpointError(ValueError):
     """A checkpoint that does not fit the model: the message names the tensor, the shapes and the file."""
-
-
-@dataclass(frozen=True)
-class Target:
-    param: str  # parameter name in the model
-    index: tuple  # the part of the parameter this checkpoint tensor fills
 
 
 def checkpoint_files(path: str) -> dict[str, str]:
@@ -55,15 +50,23 @@ def normalise_name(name: str) -> str | None:
     return name
 
 
-def expected_targets(model: nn.Module, fused_experts: bool) -> dict[str, Target]:
-    """Every checkpoint name the model needs, and where its tensor goes. ``fused_experts``: the checkpoint stores
-    each MoE block's experts as two stacked tensors (transformers' fused layout), not one set of matrices each."""
-    targets = {name: Target(name, ()) for name, _ in model.named_parameters()}
+def expected_targets(model: nn.Module, fused_experts: bool) -> dict[str, list[Shard]]:
+    """Every checkpoint name the model needs, and the shards (model parameter names) its tensor fills.
+    ``fused_experts``: the checkpoint stores each MoE block's experts as two stacked tensors (transformers' fused
+    layout), not one set of matrices each. A parameter shared by two modules (a tied LM head) loads once, under the
+    name ``named_parameters`` keeps."""
+    params = {name for name, _ in model.named_parameters()}
+    targets = {name: [Shard(name)] for name in params}
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        for ckpt_name, (param, index) in _declared_shards(module, fused_experts).items():
-            targets.pop(prefix + param, None)
-            targets[prefix + ckpt_name] = Target(prefix + param, index)
+        declared = _declared_shards(module, fused_experts)
+        if any(prefix + s.param not in params for shards in declared.values() for s in shards):
+            continue  # the module's parameter is another's (tied): declared there
+        for shards in declared.values():
+            for shard in shards:
+                targets.pop(prefix + shard.param, None)
+        for ckpt_name, shards in declared.items():
+            targets[prefix + ckpt_name] = [Shard(prefix + s.param, s.index, s.source) for s in shards]
     return targets
 
 
@@ -98,7 +101,7 @@ def load_checkpoint(model: nn.Module, path: str, tied_lm_head: bool) -> None:
 
 
 def _check_names(
-    files: dict[str, tuple[str, str]], targets: dict[str, Target], params: dict, path: str
+    files: dict[str, tuple[str, str]], targets: dict[str, list[Shard]], params: dict, path: str
 ) -> None:
     unexpected = sorted(set(files) - set(targets))
     if unexpected:
@@ -111,8 +114,8 @@ def _check_names(
         )
     missing = sorted(set(targets) - set(files))
     if missing:
-        target = targets[missing[0]]
-        shape = tuple(params[target.param].data[target.index].shape)
+        shards = targets[missing[0]]
+        shape = tuple(params[shards[0].param].data[shards[0].index].shape) if shards else "this rank reads none"
         raise CheckpointError(
             f"missing tensor {missing[0]!r} (expected shape {shape}, found none) in checkpoint {path} "
             f"({len(missing)} missing in all)"
@@ -120,16 +123,29 @@ def _check_names(
 
 
 def _load_file(
-    file: str, names: list[str], files: dict[str, tuple[str, str]], targets: dict[str, Target], params: dict
+    file: str, names: list[str], files: dict[str, tuple[str, str]], targets: dict[str, list[Shard]], params: dict
 ) -> None:
     with safe_open(file, "pt") as f:
         for name in names:
             raw = files[name][0]
-            target = targets[name]
-            dest = params[target.param].data[target.index]
-            found = tuple(f.get_slice(raw).get_shape())
-            if found != tuple(dest.shape):
-                raise CheckpointError(
-                    f"shape mismatch for tensor {raw!r} in {file}: expected {tuple(dest.shape)}, found {found}"
-                )
-            dest.copy_(f.get_tensor(raw))
+            for shard in targets[name]:
+                dest = params[shard.param].data[shard.index]
+                tensor = f.get_slice(raw)
+                found = _sliced_shape(tuple(tensor.get_shape()), shard.source)
+                if found != tuple(dest.shape):
+                    what = f" (this rank's slice {_describe(shard.source)} of {tuple(tensor.get_shape())})" \
+                        if shard.source else ""
+                    raise CheckpointError(f"shape mismatch for tensor {raw!r} in {file}: expected "
+                                          f"{tuple(dest.shape)}, found {found}{what}")
+                dest.copy_(tensor[shard.source] if shard.source else f.get_tensor(raw))
+
+
+def _sliced_shape(shape: tuple[int, ...], source: tuple) -> tuple[int, ...]:
+    """The shape of ``tensor[source]`` for a tensor of ``shape``, without reading it (an overrun is visible: a
+    slice past the end shortens the result, as indexing does)."""
+    out = [len(range(*s.indices(n))) for s, n in zip(source, shape)]
+    return (*out, *shape[len(source):])
+
+
+def _describe(source: tuple) -> str:
+    return "[" + ", ".join(":" if s == slice(None) else f"{s.start}:{s.stop}" for s in source) + "]"
