@@ -7,6 +7,14 @@ busy host the second is the steadier figure.
 
     python benchmarks/bench_offline.py                     # 128 in, 64 out, batch 1, 8, 32
     python benchmarks/bench_offline.py --threads 2 --batch-sizes 1 32
+    python benchmarks/bench_offline.py --tp-size 2 --threads 1   # the engine on two tensor-parallel ranks
+
+``--scaling`` compares tensor-parallel engines with each other instead of with transformers: TP=1 on one thread
+against TP=``--tp-size`` with one thread per rank, on a dummy-weight Qwen3.5-MoE of ``--hidden`` (default 1024,
+large enough for compute to dominate), side by side in one run. Prefill: one forward over ``--batch-sizes``
+prompts of ``--input-len`` tokens (one new token each); decode: the rest of ``--output-len`` tokens.
+
+    python benchmarks/bench_offline.py --scaling --tp-size 2 --input-len 1024 --batch-sizes 4
 """
 from __future__ import annotations
 
@@ -107,7 +115,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     vocab = hf_model.config.vocab_size
     rows = []
     with Engine(None, max_running_requests=max(args.batch_sizes), max_total_tokens=args.max_total_tokens,
-                enable_torch_compile=args.torch_compile, cpu_threads_per_rank=args.threads) as engine:
+                enable_torch_compile=args.torch_compile, cpu_threads_per_rank=args.threads,
+                tp_size=args.tp_size) as engine:
         warm = random_prompts(2, 16, vocab, seed=99)
         hf_generate(hf_model, warm, 4)
         engine_generate(engine, warm, 4)
@@ -125,7 +134,8 @@ def run(args: argparse.Namespace) -> list[Row]:
 
 
 def print_table(rows: list[Row], args: argparse.Namespace) -> None:
-    print(f"\ntiny Qwen3.5-MoE, {args.input_len} prompt tokens, {args.output_len} new tokens, "
+    print(f"\ntiny Qwen3.5-MoE, engine TP={args.tp_size}, {args.input_len} prompt tokens, "
+          f"{args.output_len} new tokens, "
           f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, engine torch.compile "
           f"{'on' if args.torch_compile else 'off'}, load average "
           f"{os.getloadavg()[0]:.1f} (best of {args.repeats})")
@@ -135,6 +145,67 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     for r in rows:
         print(f"{r.batch_size:>6} {r.hf.wall_tok_s:>13.1f} {r.engine.wall_tok_s:>12.1f} {r.ratio:>8.1f}x "
               f"{r.hf.cpu_tok_s:>13.1f} {r.engine.cpu_tok_s:>12.1f} {r.cpu_ratio:>8.1f}x")
+
+
+# A Qwen3.5-MoE shape whose forward is compute-bound on the CPU (dummy weights: only the speed is measured).
+def scaling_config(hidden: int) -> dict:
+    heads = hidden // 128
+    return dict(model_type="qwen3_5_moe_text", vocab_size=8192, hidden_size=hidden, num_hidden_layers=4,
+                num_attention_heads=heads, num_key_value_heads=2, head_dim=128, linear_num_key_heads=heads // 2,
+                linear_num_value_heads=heads, linear_key_head_dim=128, linear_value_head_dim=128,
+                linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=hidden // 2,
+                shared_expert_intermediate_size=hidden // 2, max_position_embeddings=8192, tie_word_embeddings=False)
+
+
+@dataclass(frozen=True)
+class ScalingRow:
+    tp_size: int
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+def measure_tp(model_dir: str, tp_size: int, prompts: list[list[int]], output_len: int) -> ScalingRow:
+    from sglang_lite import Engine
+
+    batch, input_len = len(prompts), len(prompts[0])
+    with Engine(model_dir, tp_size=tp_size, cpu_threads_per_rank=1, load_format="dummy", skip_tokenizer_init=True,
+                max_running_requests=batch, max_total_tokens=batch * (input_len + output_len) + 64,
+                chunked_prefill_size=input_len, max_prefill_tokens=batch * input_len) as engine:
+        engine_generate(engine, [p[:16] for p in prompts], 2)  # warm-up
+        start = time.perf_counter()
+        engine_generate(engine, prompts, 1)
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        engine_generate(engine, prompts, output_len)
+        decode_s = time.perf_counter() - start - prefill_s
+    return ScalingRow(tp_size, batch * input_len / prefill_s, batch * (output_len - 1) / max(decode_s, 1e-9))
+
+
+def run_scaling(args: argparse.Namespace) -> None:
+    import json
+    import tempfile
+
+    config = scaling_config(args.hidden)
+    batch = args.batch_sizes[0]
+    prompts = random_prompts(batch, args.input_len, config["vocab_size"], seed=0)
+    best_rows: dict[int, ScalingRow] = {}
+    with tempfile.TemporaryDirectory() as model_dir:
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(config, f)
+        rounds = [(r, tp) for r in range(args.repeats) for tp in (1, args.tp_size)]  # alternating: shared noise
+        for _, tp in tqdm(rounds, desc="TP scaling"):
+            row = measure_tp(model_dir, tp, prompts, args.output_len)
+            old = best_rows.get(tp)
+            best_rows[tp] = row if old is None else ScalingRow(tp, max(old.prefill_tok_s, row.prefill_tok_s),
+                                                               max(old.decode_tok_s, row.decode_tok_s))
+    base = best_rows[1]
+    print(f"\nTP scaling: Qwen3.5-MoE hidden {args.hidden} (16 experts top-4, 4 layers), batch {batch} x "
+          f"{args.input_len} prompt tokens, {args.output_len} new tokens, one thread per rank, gloo, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (best of {args.repeats}, alternating)")
+    print(f"{'tp':>4} {'prefill tok/s':>14} {'vs TP=1':>8} {'decode tok/s':>13} {'vs TP=1':>8}")
+    for tp, row in sorted(best_rows.items()):
+        print(f"{tp:>4} {row.prefill_tok_s:>14.1f} {row.prefill_tok_s / base.prefill_tok_s:>7.2f}x "
+              f"{row.decode_tok_s:>13.1f} {row.decode_tok_s / base.decode_tok_s:>7.2f}x")
 
 
 def main() -> None:
@@ -147,7 +218,14 @@ def main() -> None:
                         help="torch threads of both sides (default: torch's choice here, the CPU count in the engine)")
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--torch-compile", action="store_true", help="engine decode steps through torch.compile")
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks of the engine")
+    parser.add_argument("--scaling", action="store_true",
+                        help="TP=1 against TP=--tp-size (one thread per rank) instead of against transformers")
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the --scaling model")
     args = parser.parse_args()
+    if args.scaling:
+        run_scaling(args)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_heap_memory()  # as in the engine's scheduler process, so both sides allocate alike

@@ -9,9 +9,12 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang_lite import assets
+
+if TYPE_CHECKING:
+    from sglang_lite.distributed.parallel_state import ParallelConfig
 
 SCHEDULE_POLICIES = ("fcfs", "sjf")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -35,7 +38,17 @@ _HELP = {
     "schedule_policy": "Order of the waiting queue: fcfs (arrival) or sjf (shortest prompt first).",
     "schedule_conservativeness": "Scales how many future decode tokens admission reserves; 0 reserves none.",
     "stream_interval": "Stream outputs every this many decode tokens.",
-    "dp_size": "Data-parallel ranks (one scheduler each).",
+    "dp_size": "Data-parallel ranks (one scheduler each): with --enable-dp-attention the attention groups of one "
+    "world, else independent replicas of --tp-size processes each.",
+    "tp_size": "Tensor-parallel size: processes that run one model together (a world; alias --tp).",
+    "ep_size": "Expert-parallel size: the routed experts split this many ways inside the world (divides --tp-size).",
+    "enable_dp_attention": "Attention runs data-parallel in --dp-size groups of --tp-size/--dp-size ranks inside "
+    "one world; the MoE runs over the whole world.",
+    "nnodes": "Nodes the world is spread over (divides the processes of the world).",
+    "node_rank": "This node's index in [0, --nnodes); node 0 serves HTTP, the others run only their ranks.",
+    "dist_init_addr": "HOST:PORT of world rank 0's rendezvous (needed with --nnodes > 1; replica world w "
+    "uses PORT + w); default: a free port on 127.0.0.1.",
+    "dist_timeout": "Seconds a collective waits for a peer before the world is declared broken.",
     "disable_shared_experts_fusion": "Run the MoE shared expert separately instead of as an extra fused expert.",
     "skip_tokenizer_init": "Do not load a tokenizer: requests pass input_ids and get no text.",
     "disable_cuda_graph": "Run decode steps eagerly instead of replaying captured CUDA graphs.",
@@ -53,9 +66,11 @@ _HELP = {
     "max_request_body_bytes": "Largest accepted HTTP request body; larger gets 413.",
     "max_concurrent_requests": "HTTP requests in progress at once (streams until their last event; /health, "
     "/metrics and the loads endpoints are not counted); beyond it 503 with Retry-After.",
-    "cpu_threads_per_rank": "torch threads per scheduler process when the device is the CPU (default: CPUs / dp_size).",
+    "cpu_threads_per_rank": "torch threads per scheduler process when the device is the CPU (default: CPUs / "
+    "scheduler processes on this node).",
     "rank_hang_timeout_s": "A DP rank that leaves a loads query unanswered this long is hung: killed and restarted.",
-    "rank_max_restarts": "Restarts of one DP rank (dead or hung) over the server's life; then it stays down.",
+    "rank_max_restarts": "Restarts of one DP rank (dead or hung) over the server's life; then it stays down. With "
+    "--tp-size > 1 a DP rank is never restarted: its world fails as a whole.",
 }
 
 
@@ -77,6 +92,14 @@ class ServerArgs:
     schedule_conservativeness: float = 1.0
     stream_interval: int = 1
     dp_size: int = 1
+    # one model over several processes (torch.distributed): see sglang_lite.distributed
+    tp_size: int = 1
+    ep_size: int = 1
+    enable_dp_attention: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: float = 300.0
     disable_shared_experts_fusion: bool = False
     skip_tokenizer_init: bool = False
     disable_cuda_graph: bool = False
@@ -117,6 +140,29 @@ class ServerArgs:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if self.schedule_conservativeness < 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        self._check_positive("tp_size", "ep_size", "nnodes", "dist_timeout")
+        if self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size})")
+        if self.enable_dp_attention and self.tp_size % self.dp_size:
+            raise ValueError(f"dp_size ({self.dp_size}) must divide tp_size ({self.tp_size}) with "
+                             "enable_dp_attention")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide the processes of the world (tp_size "
+                             f"{self.tp_size})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("dist_init_addr (HOST:PORT of node 0) is required with nnodes > 1")
+        if self.nnodes > 1 and self.dp_size > 1 and not self.enable_dp_attention:
+            raise ValueError(f"nnodes > 1 needs dp_size 1 or enable_dp_attention (dp_size {self.dp_size} would "
+                             "make independent replicas)")
 
     def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
         if getattr(self, name) not in choices:
@@ -137,9 +183,43 @@ class ServerArgs:
         return self.tokenizer_path or self.model_dir
 
     @property
+    def parallel_config(self) -> ParallelConfig:
+        """The layout of one world."""
+        from sglang_lite.distributed.parallel_state import ParallelConfig  # torch: only processes that join a world
+
+        return ParallelConfig(self.tp_size, self.ep_size, self.dp_size, self.enable_dp_attention)
+
+    @property
+    def world_size(self) -> int:
+        """Processes of one world (one model)."""
+        return self.tp_size
+
+    @property
+    def num_worlds(self) -> int:
+        """DP attention: one world holds every DP rank; otherwise each DP rank is a world of its own."""
+        return 1 if self.enable_dp_attention else self.dp_size
+
+    @property
+    def dp_ranks_per_world(self) -> int:
+        return self.dp_size // self.num_worlds
+
+    def world_of(self, dp_rank: int) -> int:
+        return dp_rank // self.dp_ranks_per_world
+
+    def world_dp_ranks(self, world: int) -> range:
+        return range(world * self.dp_ranks_per_world, (world + 1) * self.dp_ranks_per_world)
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Processes of one world on each node; node n holds world ranks [n * this, (n + 1) * this)."""
+        return self.world_size // self.nnodes
+
+    @property
     def cpu_threads(self) -> int:
-        """torch threads of one scheduler process on the CPU: the CPUs shared out over the DP ranks by default."""
-        return self.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // self.dp_size)
+        """torch threads of one scheduler process on the CPU: by default the CPUs shared out over the scheduler
+        processes of this node."""
+        processes = self.num_worlds * self.ranks_per_node
+        return self.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // processes)
 
     @property
     def effective_prefill_chunk(self) -> int:
@@ -156,11 +236,14 @@ class ServerArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
+_ALIASES = {"tp_size": ["--tp"]}
+
+
 def _add_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
-    flag = "--" + field.name.replace("_", "-")
+    flags = ["--" + field.name.replace("_", "-"), *_ALIASES.get(field.name, [])]
     help_text = _HELP.get(field.name, "")
     if field.type in ("bool", bool):
-        parser.add_argument(flag, action="store_true", default=field.default, help=help_text)
+        parser.add_argument(*flags, action="store_true", default=field.default, help=help_text)
         return
     kwargs: dict[str, Any] = {"default": field.default, "help": f"{help_text} (default: {field.default})"}
     kwargs["type"] = _parse_type(field.type)
@@ -168,7 +251,7 @@ def _add_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> Non
                "alt_stream_overlap": ALT_STREAM_OVERLAP, "load_balance_method": LOAD_BALANCE_METHODS}
     if field.name in choices:
         kwargs["choices"] = choices[field.name]
-    parser.add_argument(flag, **kwargs)
+    parser.add_argument(*flags, dest=field.name, **kwargs)
 
 
 def _parse_type(annotation: Any) -> type:

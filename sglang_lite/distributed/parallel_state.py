@@ -131,8 +131,9 @@ def init_distributed(config: ParallelConfig, rank: int, init_address: str, devic
     on_gpu = torch.device(device).type == "cuda"
     backend = "nccl" if on_gpu else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    if on_gpu:
-        torch.cuda.set_device(torch.device(device))
+    if on_gpu:  # one GPU per rank: "cuda" means this node's rank-th device ("cuda" tensors then land there)
+        index = torch.device(device).index
+        torch.cuda.set_device(rank % torch.cuda.device_count() if index is None else index)
     dist.init_process_group(backend, init_method=f"tcp://{init_address}", world_size=config.world_size, rank=rank,
                             timeout=timeout)
     world = dist.group.WORLD

@@ -1,5 +1,5 @@
-"""The offline engine: one scheduler process driven through the client core, with a blocking and a streaming
-``generate``.
+"""The offline engine: one scheduler (one process, or a world of ``tp_size`` processes) driven through the client
+core, with a blocking and a streaming ``generate``.
 
 Results follow SGLang: ``{"text", "output_ids", "meta_info": {"prompt_tokens", "completion_tokens",
 "finish_reason", ...}}`` per request. Streaming yields the same keys with only what is new in each piece.

@@ -25,7 +25,7 @@ from sglang_lite.scheduler.request import ReqOutput, internal_error
 from sglang_lite.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-RANK = 0  # the Engine runs one scheduler process
+RANK = 0  # the Engine runs one DP rank
 
 
 class SyncClient:

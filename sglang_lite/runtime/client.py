@@ -1,19 +1,22 @@
 """The client core: a front end's side of its scheduler processes, shared by the offline Engine and the HTTP server.
 
-``SchedulerClient`` starts one scheduler process per DP rank, waits until each is ready, sends commands and receives
-typed replies; ``dispatch`` hands a reply to the front end's ``ReplyHandler``. The Engine receives on a thread
-(``receive``), the HTTP server's tokenizer manager on its event loop (``receive_async``); what each does with an
-output (a thread-safe queue, an asyncio queue and metrics) is theirs.
+``SchedulerClient`` starts the scheduler processes (per world, those on this node: see ``scheduler_process``),
+waits until every DP rank is ready, sends commands (to world rank 0, which hosts the command inbox of each DP rank of
+its world) and receives typed replies; ``dispatch`` hands a reply to the front end's ``ReplyHandler``. The Engine
+receives on a thread (``receive``), the HTTP server's tokenizer manager on its event loop (``receive_async``); what
+each does with an output (a thread-safe queue, an asyncio queue and metrics) is theirs.
 
 Each rank's command queue is bounded (``transport.COMMAND_QUEUE_LIMIT``): an ``AddRequest`` that finds it full is
 answered at once with a 503 ``Ack``, looped back through the reply socket like a rank's own; other commands are
 dropped (``send`` returns False). ``respawn`` replaces one rank's process (a supervisor's restart); the reply
 socket stays, commands queued to the old process are discarded, and the new process's ``Ready`` is dispatched.
+Only a world of one process can be respawned: a bigger world may have ranks on other nodes, so it fails as a whole.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import subprocess
 import threading
 import time
 from typing import Protocol
@@ -36,7 +39,7 @@ from sglang_lite.runtime.messages import (
     Stop,
     decode,
 )
-from sglang_lite.runtime.scheduler_process import spawn_scheduler_process
+from sglang_lite.runtime.scheduler_process import RankSpec, spawn_scheduler_process, spawn_world, world_init_address
 from sglang_lite.runtime.transport import (
     COMMAND_QUEUE_LIMIT,
     ipc_addresses,
@@ -88,9 +91,21 @@ class SchedulerClient:
         self._send_lock = threading.Lock()  # zmq sockets are not thread-safe; Engine callers may be on several threads
         self._query_ids = itertools.count()
         self._closed = False
-        self.processes = [spawn_scheduler_process(args, rank, address, reply_address)
-                          for rank, address in enumerate(command_addresses)]
+        self.worlds = [self._spawn_world(world) for world in range(args.num_worlds)]  # this node's processes
         self.ready: list[Ready] = []
+
+    def _spawn_world(self, world: int) -> list[subprocess.Popen]:
+        commands = {dp: self._command_addresses[dp] for dp in self.args.world_dp_ranks(world)}
+        return spawn_world(self.args, world, world_init_address(self.args, world), commands, self._reply_address)
+
+    @property
+    def processes(self) -> list[subprocess.Popen]:
+        """The process that talks for each DP rank (its world's rank 0)."""
+        return [self.worlds[self.args.world_of(rank)][0] for rank in range(self.dp_size)]
+
+    @property
+    def all_processes(self) -> list[subprocess.Popen]:
+        return [process for world in self.worlds for process in world]
 
     @property
     def config(self) -> SchedulerConfig:
@@ -170,37 +185,47 @@ class SchedulerClient:
             logger.warning("unexpected %s from DP rank %s", type(reply).__name__, getattr(reply, "rank", "?"))
 
     def exited_ranks(self) -> dict[int, int]:
-        """Exit code of each rank whose process has ended."""
-        return {rank: p.returncode for rank, p in enumerate(self.processes) if p.poll() is not None}
+        """Exit code of each DP rank of which a process has ended (any local process of its world)."""
+        exited = {}
+        for rank in range(self.dp_size):
+            codes = [p.returncode for p in self.worlds[self.args.world_of(rank)] if p.poll() is not None]
+            if codes:
+                exited[rank] = codes[0]
+        return exited
 
     def kill(self, rank: int) -> None:
-        """Ends a rank's process now (SIGKILL) and reaps it; a hung rank answers nothing else."""
-        process = self.processes[rank]
-        if process.poll() is None:
-            process.kill()
-        process.wait(10)
+        """Ends the processes of a rank's world now (SIGKILL) and reaps them; a hung rank answers nothing else."""
+        for process in self.worlds[self.args.world_of(rank)]:
+            if process.poll() is None:
+                process.kill()
+            process.wait(10)
 
     def respawn(self, rank: int) -> None:
         """Replaces a rank's process with a fresh one on the same command address; its ``Ready`` arrives through
         ``dispatch``. Call from the thread that spawned the others (a rank dies with the thread that started it)."""
+        if self.args.world_size > 1:
+            raise RuntimeError(f"DP rank {rank} runs in a world of {self.args.world_size} processes, which cannot be "
+                               "restarted (its ranks may live on other nodes)")
         self.kill(rank)
         with self._send_lock:
             self._commands[rank].close(0)  # what the old process never read is dropped, not replayed to the new one
             address = self._command_addresses[rank]
             remove_ipc_files([address])
-            self.processes[rank] = spawn_scheduler_process(self.args, rank, address, self._reply_address)
+            world = self.args.world_of(rank)
+            spec = RankSpec(world, command_addresses={rank: address}, reply_address=self._reply_address)
+            self.worlds[world] = [spawn_scheduler_process(self.args, spec)]
             self._commands[rank] = self._command_socket(address)
 
     # ---- shutdown ----------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stops every rank (``Stop``, then terminate, then kill) and releases the sockets; safe to call twice."""
+        """Stops every process (``Stop``, then terminate, then kill) and releases the sockets; safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        for rank, process in enumerate(self.processes):
-            if process.poll() is None:
-                self.send(rank, Stop())
-        stop_processes(self.processes)
+        for world, processes in enumerate(self.worlds):
+            if processes[0].poll() is None:  # rank 0 stops the whole world
+                self.send(self.args.world_dp_ranks(world)[0], Stop())
+        stop_processes(self.all_processes)
         for socket in [self._replies, self._loopback, *self._commands]:
             socket.close(0)
         self._context.term()

@@ -1,10 +1,18 @@
-"""One DP rank: a process that owns a model replica, its pools and a Scheduler, driven by typed messages.
+"""Scheduler processes: a *world* of ``tp_size`` processes runs one model (torch.distributed); each DP rank is one
+scheduler, driven by typed messages.
 
-The loop reads: take commands -> step the scheduler -> send outputs. It blocks on commands only when the scheduler
-is idle, so loads asked for between steps are live. The process exits when told to, when its parent is gone, or
-when it is broken (``scheduler.faults``); a failure of one request or one step fails only those requests.
-Front ends start ranks with ``spawn_scheduler_process`` (through ``SchedulerClient``). The rank's spec (every server
-argument, the API key included) travels on its stdin, never on the command line that ``ps`` shows.
+Without DP attention every DP rank is a world of its own; with it one world holds every DP rank (its attention
+groups). World rank 0 is the only process that talks to the front end: it takes the commands of every DP rank its
+world hosts and broadcasts them over the world, every rank applies those of its own DP rank to its own scheduler
+(the ranks of a DP rank run identical schedulers: same commands, same order, same seeds, same decisions), and only
+a DP rank's leader replies; leaders on other ranks reach rank 0 through a gather. The loop reads: take commands ->
+step -> send replies. Under DP attention the world steps together (any rank with work steps every rank; a rank with
+no batch runs an idle forward). A world of one is the plain case: no collectives, one process, one DP rank.
+
+A process exits when told to (``Stop``, to the whole world), when its parent is gone, or when it is broken
+(``scheduler.faults``: a failed collective too, so a dead or hung peer ends the world, never hangs it); a failure
+of one request or one step fails only those requests. The spec (every server argument, the API key included)
+travels on stdin, never on the command line that ``ps`` shows.
 """
 from __future__ import annotations
 
@@ -14,12 +22,15 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
+from sglang_lite.distributed import ParallelState, any_rank, broadcast_object, gather_objects, init_distributed
 from sglang_lite.runtime.messages import (
     FAILED,
     QUEUED,
@@ -41,24 +52,65 @@ from sglang_lite.runtime.messages import (
 )
 from sglang_lite.runtime.transport import pull_socket, push_socket, send
 from sglang_lite.scheduler.faults import breaks_the_device, describe
+from sglang_lite.scheduler.request import ReqOutput
 from sglang_lite.server_args import ServerArgs, set_global_server_args
 from sglang_lite.utils.process import keep_freed_heap_memory
 
 logger = logging.getLogger(__name__)
-IDLE_POLL_MS = 500  # how often an idle rank checks that its parent still lives
+IDLE_POLL_MS = 500  # how often an idle world of one checks that its parent still lives
+WORLD_POLL_MS = 50  # an idle multi-rank world: followers wait in a collective at most this long per round
 
 
-def spawn_scheduler_process(args: ServerArgs, dp_rank: int, command_address: str,
-                            reply_address: str) -> subprocess.Popen:
+@dataclass(frozen=True)
+class RankSpec:
+    """One process of a world: which world, its rank there, the world's rendezvous, and (world rank 0 on node 0
+    only) the command address of each DP rank the world hosts and the front end's reply address."""
+
+    world: int
+    world_rank: int = 0
+    init_address: str | None = None  # HOST:PORT; None: a world of one
+    command_addresses: dict[int, str] = field(default_factory=dict)
+    reply_address: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "command_addresses": list(self.command_addresses.items())}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RankSpec:
+        return cls(**{**data, "command_addresses": {int(dp): a for dp, a in data["command_addresses"]}})
+
+
+def world_init_address(args: ServerArgs, world: int) -> str | None:
+    """The rendezvous of a world: ``--dist-init-addr`` (port + world for replica worlds), else a free local port."""
+    if args.world_size == 1:
+        return None
+    if args.dist_init_addr is not None:
+        host, _, port = args.dist_init_addr.rpartition(":")
+        return f"{host}:{int(port) + world}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def spawn_world(args: ServerArgs, world: int, init_address: str | None, command_addresses: dict[int, str],
+                reply_address: str | None) -> list[subprocess.Popen]:
+    """Starts the processes of one world that live on this node (``--node-rank``); world rank 0 gets the sockets."""
+    first = args.node_rank * args.ranks_per_node
+    specs = [RankSpec(world, rank, init_address, command_addresses if rank == 0 else {},
+                      reply_address if rank == 0 else None) for rank in range(first, first + args.ranks_per_node)]
+    return [spawn_scheduler_process(args, spec) for spec in specs]
+
+
+def spawn_scheduler_process(args: ServerArgs, spec: RankSpec) -> subprocess.Popen:
     """Starts a rank as ``python -m sglang_lite.runtime.scheduler_process``: a fresh interpreter that, unlike
     multiprocessing's spawn, never re-imports the caller's ``__main__`` (scripts need no main guard)."""
-    spec = {"args": dataclasses.asdict(args), "dp_rank": dp_rank, "command_address": command_address,
-            "reply_address": reply_address, "parent_pid": os.getpid()}
+    payload = {"args": dataclasses.asdict(args), "rank": spec.to_json(), "parent_pid": os.getpid()}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # import what the caller imports, as spawn does
-    process = subprocess.Popen([sys.executable, "-m", "sglang_lite.runtime.scheduler_process", f"--dp-rank={dp_rank}"],
+    name = [f"--world={spec.world}", f"--rank={spec.world_rank}"]
+    process = subprocess.Popen([sys.executable, "-m", "sglang_lite.runtime.scheduler_process", *name],
                                env=env, stdin=subprocess.PIPE)
     try:
-        process.stdin.write(json.dumps(spec).encode())
+        process.stdin.write(json.dumps(payload).encode())
         process.stdin.close()  # the child reads to the end: one spec, then EOF
     except BrokenPipeError:  # the child died at once; the front end sees it exit
         pass
@@ -66,67 +118,130 @@ def spawn_scheduler_process(args: ServerArgs, dp_rank: int, command_address: str
 
 
 def main() -> None:
-    """Reads the spec from stdin (see ``spawn_scheduler_process``); the ``--dp-rank`` argument only names the
-    process in ``ps``."""
-    spec = json.loads(sys.stdin.buffer.read())
-    args = ServerArgs(**spec["args"])
-    run_scheduler_process(args, spec["dp_rank"], spec["command_address"], spec["reply_address"], spec["parent_pid"])
+    """Reads the spec from stdin (see ``spawn_scheduler_process``); the arguments only name the process in ``ps``."""
+    payload = json.loads(sys.stdin.buffer.read())
+    args = ServerArgs(**payload["args"])
+    run_scheduler_process(args, RankSpec.from_json(payload["rank"]), payload["parent_pid"])
 
 
-def run_scheduler_process(args: ServerArgs, dp_rank: int, command_address: str, reply_address: str,
-                          parent_pid: int) -> None:
+def run_scheduler_process(args: ServerArgs, spec: RankSpec, parent_pid: int) -> None:
     """Body of a rank process."""
     _die_with_parent()
     keep_freed_heap_memory()
-    logging.basicConfig(level=logging.INFO, format=f"[rank {dp_rank}] %(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format=f"[world {spec.world} rank {spec.world_rank}] %(asctime)s %(levelname)s %(message)s")
     context = zmq.Context()
-    replies = push_socket(context, reply_address, linger_ms=1000)
+    front_end = FrontEnd(context, spec) if spec.reply_address is not None else None
     try:
-        RankLoop(args, dp_rank, pull_socket(context, command_address), replies, parent_pid).run()
-    except BaseException as error:  # tell the front end why, then die
-        logger.exception("rank %d failed", dp_rank)
-        send(replies, Fatal(dp_rank, f"{type(error).__name__}: {error}"))
+        WorldLoop(args, spec, front_end, parent_pid).run()
+    except BaseException as error:  # tell the front end why (world rank 0), then die
+        logger.exception("world %d rank %d failed", spec.world, spec.world_rank)
+        if front_end is not None:
+            front_end.fatal(f"{type(error).__name__}: {error}")
         sys.exit(1)
     finally:
         context.destroy(linger=1000)
 
 
-class RankLoop:
-    def __init__(self, args: ServerArgs, dp_rank: int, commands: zmq.Socket, replies: zmq.Socket,
-                 parent_pid: int) -> None:
-        self.args, self.dp_rank, self.parent_pid = args, dp_rank, parent_pid
-        self.commands, self.replies = commands, replies
+class FrontEnd:
+    """World rank 0's sockets: the command inbox of each DP rank its world hosts, and the front end's reply inbox."""
+
+    def __init__(self, context: zmq.Context, spec: RankSpec) -> None:
+        self.replies = push_socket(context, spec.reply_address, linger_ms=1000)
+        self.inboxes = {dp: pull_socket(context, address) for dp, address in spec.command_addresses.items()}
         self.poller = zmq.Poller()  # one poller for the life of the loop: Socket.poll builds one per call
-        self.poller.register(commands, zmq.POLLIN)
-        self.scheduler = _create_scheduler(args, dp_rank)
+        for inbox in self.inboxes.values():
+            self.poller.register(inbox, zmq.POLLIN)
+
+    def take(self, timeout_ms: int) -> list[tuple[int, Message]]:
+        """Every command waiting now (after up to ``timeout_ms`` for the first), with its DP rank, in order."""
+        if not self.poller.poll(timeout_ms):
+            return []
+        commands = []
+        for dp, inbox in self.inboxes.items():
+            while True:
+                try:
+                    frame = inbox.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    commands.append((dp, decode(frame)))
+                except ValueError:  # a front end's bug; the requests already here keep running
+                    logger.exception("DP rank %d: dropped an unreadable command", dp)
+        return commands
+
+    def send(self, message: Message) -> None:
+        send(self.replies, message)
+
+    def fatal(self, message: str) -> None:
+        for dp in self.inboxes:
+            self.send(Fatal(dp, message))
+
+
+class WorldLoop:
+    """One process of a world: its DP rank's scheduler, stepped in step with the rest of the world."""
+
+    def __init__(self, args: ServerArgs, spec: RankSpec, front_end: FrontEnd | None, parent_pid: int) -> None:
+        args = _rank_args(args, spec)
+        self.args, self.front_end, self.parent_pid = args, front_end, parent_pid
+        self.state = _join_world(args, spec)
+        self.dp_rank = spec.world * args.dp_ranks_per_world + self.state.attn_dp_rank
+        self.leader = self.state.attn_tp_rank == 0  # the one rank of its DP rank that replies
+        self.lockstep = self.state.config.attn_dp_size > 1  # DP attention: one forward per step on every rank
+        self.idle_poll_ms = IDLE_POLL_MS if self.state.world_size == 1 else WORLD_POLL_MS
+        self.scheduler = _create_scheduler(args, self.dp_rank)
+        self.outbox: list[Message] = []
+        self.busy = False  # any rank of the world had work last round
         self.stopped = False
 
     def run(self) -> None:
         self.reply(Ready(self.dp_rank, os.getpid(), self.scheduler.config, _alt_stream_plan(self.scheduler.model)))
-        while not self.stopped and os.getppid() == self.parent_pid:
-            self.take_commands(block=not self.scheduler.has_work)
-            outputs = self.scheduler.step() if self.scheduler.has_work else []
+        self.send_replies(gather=self.state.world_size > 1)  # ready once every rank of the world has built its model
+        while not self.stopped:
+            self.take_commands()
+            if self.stopped:
+                return
+            outputs = self.step()
             if outputs:
                 self.reply(StepOutputs(self.dp_rank, outputs))
+            self.send_replies(gather=self.args.dp_ranks_per_world > 1)
 
     def reply(self, message: Message) -> None:
-        send(self.replies, message)
+        if self.leader:
+            self.outbox.append(message)
+
+    def send_replies(self, gather: bool) -> None:
+        """The leaders' replies go out at world rank 0 (``gather``: through a gather over the world, needed when
+        leaders live on other ranks)."""
+        outbox, self.outbox = self.outbox, []
+        if gather:
+            boxes = gather_objects(outbox, self.state.cpu_world, dst=0)
+            outbox = [message for box in boxes or [] for message in box]
+        if self.front_end is not None:
+            for message in outbox:
+                self.front_end.send(message)
+
+    def step(self) -> list[ReqOutput]:
+        has_work = self.scheduler.has_work
+        if not self.lockstep:  # every rank of the world holds the same requests: the same answer everywhere
+            self.busy = has_work
+            return self.scheduler.step() if has_work else []
+        self.busy = any_rank(has_work, self.state.cpu_world)
+        return self.scheduler.step(must_forward=True) if self.busy else []
 
     # ---- commands ----------------------------------------------------------------------------------------------
-    def take_commands(self, block: bool) -> None:
-        if not self.poller.poll(IDLE_POLL_MS if block else 0):
-            return
-        while True:
-            try:
-                frame = self.commands.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                command = decode(frame)
-            except ValueError:  # a front end's bug; the requests already here keep running
-                logger.exception("rank %d: dropped an unreadable command", self.dp_rank)
-                continue
-            self.apply(command)
+    def take_commands(self) -> None:
+        """World rank 0 takes the commands (waiting a little only when the world is idle) and broadcasts them with
+        the stop flag; every rank applies those of its own DP rank."""
+        taken: tuple[list[tuple[int, Message]], bool] = ([], False)
+        if self.front_end is not None:
+            commands = self.front_end.take(0 if self.busy else self.idle_poll_ms)
+            stop = os.getppid() != self.parent_pid or any(isinstance(c, Stop) for _, c in commands)
+            taken = ([(dp, c) for dp, c in commands if not isinstance(c, Stop)], stop)
+        commands, self.stopped = broadcast_object(taken, self.state.cpu_world, src=0)
+        for dp, command in commands:
+            if dp == self.dp_rank:
+                self.apply(command)
 
     def apply(self, command: Message) -> None:
         """Runs one command; one that raises is logged and dropped (an AddRequest is acked as failed), unless the
@@ -136,7 +251,7 @@ class RankLoop:
         except Exception as error:
             if breaks_the_device(error):
                 raise
-            logger.exception("rank %d: %s failed", self.dp_rank, type(command).__name__)
+            logger.exception("DP rank %d: %s failed", self.dp_rank, type(command).__name__)
 
     def _apply(self, command: Message) -> None:
         if isinstance(command, AddRequest):
@@ -148,8 +263,6 @@ class RankLoop:
             self.reply(LoadsReply(self.dp_rank, command.query_id, loads))
         elif isinstance(command, CheckQuery):
             self.reply(CheckReply(self.dp_rank, command.query_id, self.invariant_error()))
-        elif isinstance(command, Stop):
-            self.stopped = True
         else:
             raise TypeError(f"a scheduler process takes commands, not {type(command).__name__}")
 
@@ -165,7 +278,7 @@ class RankLoop:
         except Exception as error:  # not the input's fault as far as validation knows: fail it, keep the rank
             if breaks_the_device(error):
                 raise
-            logger.exception("rank %d: adding %s failed", self.dp_rank, request.rid)
+            logger.exception("DP rank %d: adding %s failed", self.dp_rank, request.rid)
             return Ack(self.dp_rank, request.rid, FAILED, describe(error))
         return Ack(self.dp_rank, request.rid, QUEUED)
 
@@ -176,6 +289,23 @@ class RankLoop:
         except AssertionError as error:
             return str(error) or "scheduler invariants do not hold"
         return None
+
+
+def _rank_args(args: ServerArgs, spec: RankSpec) -> ServerArgs:
+    """This rank's copy of the arguments: on GPUs, each process of this node gets its own device (the replica worlds
+    of one node one after another)."""
+    if args.device != "cuda" or args.world_size == 1:
+        return args
+    import torch
+
+    local = spec.world * args.ranks_per_node + spec.world_rank - args.node_rank * args.ranks_per_node
+    return dataclasses.replace(args, device=f"cuda:{local % max(1, torch.cuda.device_count())}")
+
+
+def _join_world(args: ServerArgs, spec: RankSpec) -> ParallelState:
+    """Joins the world (a world of one joins nothing); model code reads the state when the model is built."""
+    return init_distributed(args.parallel_config, spec.world_rank, spec.init_address or "", args.device,
+                            args.dist_timeout)
 
 
 def _create_scheduler(args: ServerArgs, dp_rank: int) -> Any:

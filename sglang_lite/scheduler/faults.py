@@ -1,5 +1,5 @@
 """Which errors a rank survives: a request's own failure ends that request, a step's failure ends its batch, and
-only a broken process (a CUDA error, out-of-memory that repeats) ends the rank.
+only a broken process (a CUDA error, out-of-memory that repeats, a failed collective) ends the rank.
 
 CUDA reports a poisoned context (an illegal address, a device-side assert) as a RuntimeError whose message names
 it; every later kernel fails the same way, so the process is beyond repair. Out-of-memory can pass (the next batch
@@ -8,6 +8,8 @@ may be smaller), so it is fatal only when ``MAX_MEMORY_FAILURES`` steps in a row
 from __future__ import annotations
 
 import torch
+
+from sglang_lite.distributed import CollectiveError
 
 MAX_MEMORY_FAILURES = 3
 _BROKEN_DEVICE = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side assert", "illegal memory access",
@@ -23,7 +25,10 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def breaks_the_device(error: BaseException) -> bool:
-    """A device error after which no kernel runs correctly in this process."""
+    """A device error after which no kernel runs correctly in this process, or a failed collective (a peer of the
+    world is dead or hung: the world cannot go on)."""
+    if isinstance(error, CollectiveError):
+        return True
     if isinstance(error, torch.cuda.OutOfMemoryError):
         return False
     return isinstance(error, RuntimeError) and any(mark in str(error) for mark in _BROKEN_DEVICE)

@@ -106,13 +106,26 @@ class Scheduler:
         self._drop_finished()
         return True
 
-    def step(self) -> list[ReqOutput]:
+    def step(self, must_forward: bool = False) -> list[ReqOutput]:
         """One schedule -> run -> process results. A failure fails only the requests it touches (see ``faults``);
-        ``RankBroken`` (or a BaseException) means the process cannot go on."""
+        ``RankBroken`` (or a BaseException) means the process cannot go on. ``must_forward``: DP attention, where
+        every rank of the world runs exactly one forward per step; with no batch it runs an idle one."""
         batch = self.schedule()
         if batch is not None:
             self._run_batch(batch)
+        elif must_forward:
+            self._run_idle()
         return self._take_outputs()
+
+    def _run_idle(self) -> None:
+        """An empty forward that joins the world's MoE collectives; a rank that fails one cannot go on."""
+        forward_idle = getattr(self.model, "forward_idle", None)
+        if forward_idle is None:  # a runner without it: the model has no cross-rank collectives to join
+            return
+        try:
+            forward_idle()
+        except Exception as error:
+            raise RankBroken(describe(error)) from error
 
     def _run_batch(self, batch: ScheduleBatch) -> None:
         kv_used = self.pools.kv.allocator.num_used

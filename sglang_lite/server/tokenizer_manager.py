@@ -6,7 +6,9 @@ is validated here, with the ranks' own limits, before it is sent, so bad input i
 The manager also supervises the ranks (``_supervise``, once a second): a rank whose process exited, that reported
 ``Fatal``, or that leaves a loads query unanswered for ``--rank-hang-timeout-s`` (hung: it is killed) is down; its
 requests fail at once with 503, and it is restarted after a backoff (1 s, doubling, at most 30 s) up to
-``--rank-max-restarts`` times, then stays failed. A request that failed inside its rank ends with a 500.
+``--rank-max-restarts`` times, then stays failed. A rank whose world has several processes (``--tp-size`` > 1) is
+never restarted: when any process of the world dies, every DP rank of the world fails at once, for good. A request
+that failed inside its rank ends with a 500.
 """
 from __future__ import annotations
 
@@ -458,8 +460,29 @@ class TokenizerManager:
 
     def _rank_died(self, rank: int, why: str) -> None:
         logger.error("DP rank %d died: %s", rank, why)
+        if self.args.world_size > 1:
+            self._world_failed(rank, why)
+            return
         self._mark_down(rank, why)
-        error = RequestError(503, f"DP rank {rank} died: {why}", {"Retry-After": "1"})
+        self._fail_requests(rank, f"DP rank {rank} died: {why}")
+
+    def _world_failed(self, rank: int, why: str) -> None:
+        """A process of a multi-process world died: every DP rank of that world fails for good (no restart: its
+        ranks may live on other nodes)."""
+        self.client.kill(rank)  # what is left of it on this node
+        world = self.args.world_of(rank)
+        message = f"DP rank {rank} died: {why}; its world ({self.args.world_size} processes) cannot be restarted"
+        for dp in self.args.world_dp_ranks(world):
+            health = self.ranks[dp]
+            if health.state == FAILED:
+                continue
+            self._probes = {q: r for q, r in self._probes.items() if r != dp}
+            health.why = message
+            health.set(FAILED, time.monotonic())
+            self._fail_requests(dp, message)
+
+    def _fail_requests(self, rank: int, message: str) -> None:
+        error = RequestError(503, message, {"Retry-After": "1"})
         for stream in [s for s in self.streams.values() if s.rank == rank]:
             if not stream.ack.done():
                 stream.ack.set_result(Ack(rank, stream.rid, UNAVAILABLE, error.message))

@@ -63,6 +63,9 @@ CHECKPOINTS = {
     "moe-fusable": dict(moe=True, vocab_size=163, shared_expert_intermediate_size=24),
     "moe-one-kv-head": dict(moe=True, num_key_value_heads=1),
     "dense-odd-vocab": dict(moe=False, vocab_size=157, tie_word_embeddings=True),
+    # four ways: 2 KV heads over 4 ranks (each shared by two), 4 key / 8 value GDN heads, vocab 162 padded to 164
+    "moe-four-ways": dict(moe=True, vocab_size=162, linear_num_key_heads=4, linear_num_value_heads=8,
+                          shared_expert_intermediate_size=24),
 }
 
 
@@ -77,7 +80,7 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", list(CHECKPOINTS))
+@pytest.mark.parametrize("name", [n for n in CHECKPOINTS if n != "moe-four-ways"])
 def test_tp2_logits_match_tp1(checkpoints, name):
     path = checkpoints[name]
     prompt = PROMPTS[0]
@@ -91,6 +94,16 @@ def test_ep2_logits_match_tp1(checkpoints, fusion):
     path = checkpoints["moe-fusable"]
     expected = reference(path, PROMPTS[0], fusion)
     for logits in run_world({"tp_size": 2, "ep_size": 2}, path, [PROMPTS[0]] * 2, fusion):
+        torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("ep_size", [1, 2], ids=["tp4", "tp4-ep2"])
+def test_four_ranks_match_tp1(checkpoints, ep_size):
+    """tp4-ep2: experts split 2 ways and each expert's intermediate dimension 2 ways; the fused shared expert's
+    quarter is zero-padded to the experts' half."""
+    path = checkpoints["moe-four-ways"]
+    expected = reference(path, PROMPTS[1])
+    for logits in run_world({"tp_size": 4, "ep_size": ep_size}, path, [PROMPTS[1]] * 4):
         torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-4)
 
 
