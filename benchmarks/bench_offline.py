@@ -11,8 +11,9 @@ busy host the second is the steadier figure.
 
 ``--scaling`` compares tensor-parallel engines with each other instead of with transformers: TP=1 on one thread
 against TP=``--tp-size`` with one thread per rank, on a dummy-weight Qwen3.5-MoE of ``--hidden`` (default 1024,
-large enough for compute to dominate), side by side in one run. Prefill: one forward over ``--batch-sizes``
-prompts of ``--input-len`` tokens (one new token each); decode: the rest of ``--output-len`` tokens.
+large enough for compute to dominate), side by side in one run. Prefill: ``--batch-sizes`` prompts of
+``--input-len`` tokens in one forward (one new token each); decode: ``--output-len`` tokens of as many 16-token
+prompts, less the time of their first token.
 
     python benchmarks/bench_offline.py --scaling --tp-size 2 --input-len 1024 --batch-sizes 4
 """
@@ -171,14 +172,18 @@ def measure_tp(model_dir: str, tp_size: int, prompts: list[list[int]], output_le
     with Engine(model_dir, tp_size=tp_size, cpu_threads_per_rank=1, load_format="dummy", skip_tokenizer_init=True,
                 max_running_requests=batch, max_total_tokens=batch * (input_len + output_len) + 64,
                 chunked_prefill_size=input_len, max_prefill_tokens=batch * input_len) as engine:
-        engine_generate(engine, [p[:16] for p in prompts], 2)  # warm-up
-        start = time.perf_counter()
-        engine_generate(engine, prompts, 1)
-        prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
-        engine_generate(engine, prompts, output_len)
-        decode_s = time.perf_counter() - start - prefill_s
+        short = [p[:16] for p in prompts]  # decode from short prompts, so that their prefill is a small part
+        engine_generate(engine, short, 2)  # warm-up
+        prefill_s = _seconds(partial(engine_generate, engine, prompts, 1))
+        first_token_s = _seconds(partial(engine_generate, engine, short, 1))
+        decode_s = _seconds(partial(engine_generate, engine, short, output_len)) - first_token_s
     return ScalingRow(tp_size, batch * input_len / prefill_s, batch * (output_len - 1) / max(decode_s, 1e-9))
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def run_scaling(args: argparse.Namespace) -> None:
