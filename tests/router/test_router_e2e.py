@@ -286,3 +286,22 @@ def test_client_errors_do_not_trip_the_breaker_and_timeouts_release(procs, idle_
     assert slow_stream.error is not None and slow_stream.elapsed < 3
     assert workers[0]["in_flight"] == 0 and workers[0]["errors"] == 2
     assert stopped  # the router dropped the connections, so the server aborted both
+
+
+def test_dp_aware_routing_over_a_dp_attention_server(procs):
+    """One world of two ranks whose attention runs data-parallel (DP ranks 0 and 1 meet in every MoE): the router
+    sees two DP ranks in /v1/loads, names one per request, and both serve."""
+    (server,) = procs.servers(["dpa"], dp_size=2, extra=("--tp-size", "2", "--enable-dp-attention",
+                                                         "--cpu-threads-per-rank", "1"))
+    router = procs.router("--worker-urls", server.url, "--dp-aware", "--policy", "round_robin", *FAST)
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            results = await asyncio.gather(*(generate(s, router.url, max_new_tokens=3) for _ in range(8)))
+            workers = (await get_json(s, router.url + "/workers"))["workers"]
+        return results, workers
+
+    results, workers = run(scenario())
+    assert [w["url"] for w in workers] == [f"{server.url}@0", f"{server.url}@1"]
+    assert all(r.ok for r in results), [r for r in results if not r.ok][:3]
+    assert sorted(r.body["meta_info"]["dp_rank"] for r in results) == [0] * 4 + [1] * 4
