@@ -7,9 +7,16 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test setup
+.PHONY: run test setup system-libs
 
-setup: $(VENV)/.installed
+setup: system-libs $(VENV)/.installed
+
+# The Mooncake transfer engine (PD disaggregation) links libibverbs.so.1, even over TCP: Debian's libibverbs1.
+system-libs:
+	@ldconfig -p | grep -q libibverbs.so.1 || { command -v apt-get >/dev/null && \
+		{ apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
+		  { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null; }; } || \
+		echo "warning: install libibverbs1 (the Mooncake transfer engine of PD disaggregation links it)"; }
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

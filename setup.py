@@ -33,6 +33,10 @@ setup(
         "matplotlib",
         "uvloop; sys_platform != 'win32'",  # the router's event loop: about 20% less CPU per request
     ],
-    extras_require={"test": ["pytest", "pytest-timeout", "openai", "sglang-router==0.3.2", "schemathesis",
-                             "hypothesis", "ruff", "import-linter"]},
+    extras_require={
+        # PD disaggregation's transfer engine (CPU build; it links libibverbs.so.1: Debian's libibverbs1)
+        "pd": ["mooncake-transfer-engine-non-cuda"],
+        "test": ["pytest", "pytest-timeout", "openai", "sglang-router==0.3.2", "schemathesis", "hypothesis", "ruff",
+                 "import-linter", "mooncake-transfer-engine-non-cuda"],
+    },
 )

@@ -19,13 +19,18 @@ if TYPE_CHECKING:
 SCHEDULE_POLICIES = ("fcfs", "sjf")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("fp8", "none")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 ALT_STREAM_OVERLAP = ("flags", "auto")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake",)
 
 _HELP = {
     "model_path": "Checkpoint folder; empty = the built-in tiny Qwen3.5 MoE model (trained on Python's stdlib).",
     "tokenizer_path": "Tokenizer folder; defaults to the model folder.",
     "load_format": "auto: read the checkpoint weights; dummy: random weights of the checkpoint's shapes.",
+    "quantization": "fp8: a block-FP8 checkpoint's weights stay FP8 on a GPU (dequantized at load on the CPU); "
+    "none: dequantize them into --dtype at load; default: what the checkpoint's config says.",
     "dtype": "Weight and activation dtype; auto: the checkpoint's on GPU, float32 on CPU.",
     "device": "Torch device to run on.",
     "random_seed": "Seeds the weights of dummy models and the samplers of requests without their own seed.",
@@ -49,6 +54,14 @@ _HELP = {
     "dist_init_addr": "HOST:PORT of world rank 0's rendezvous (needed with --nnodes > 1; replica world w "
     "uses PORT + w); default: a free port on 127.0.0.1.",
     "dist_timeout": "Seconds a collective waits for a peer before the world is declared broken.",
+    "disaggregation_mode": "PD disaggregation: null serves whole requests; prefill prefills and sends each request's "
+    "KV, GDN states and first token to a decode server; decode takes requests only with bootstrap fields.",
+    "disaggregation_bootstrap_port": "Prefill server: port of its bootstrap server, where decode ranks say where a "
+    "request's data must go (the router passes it as bootstrap_port).",
+    "disaggregation_transfer_backend": "How KV and states move between the servers.",
+    "disaggregation_ib_device": "RDMA device for the transfer engine (e.g. mlx5_0); unset: TCP.",
+    "disaggregation_transfer_timeout": "Seconds a PD request may wait for its destination (prefill side) or its data "
+    "(decode side) before it fails.",
     "disable_shared_experts_fusion": "Run the MoE shared expert separately instead of as an extra fused expert.",
     "skip_tokenizer_init": "Do not load a tokenizer: requests pass input_ids and get no text.",
     "disable_cuda_graph": "Run decode steps eagerly instead of replaying captured CUDA graphs.",
@@ -79,6 +92,7 @@ class ServerArgs:
     model_path: str | None = None
     tokenizer_path: str | None = None
     load_format: str = "auto"
+    quantization: str | None = None
     dtype: str = "auto"
     device: str = "cpu"
     random_seed: int = 0
@@ -100,6 +114,12 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None
     dist_timeout: float = 300.0
+    # prefill/decode disaggregation (sglang_lite/scheduler/disagg.py, sglang_lite/server/bootstrap.py)
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_ib_device: str | None = None
+    disaggregation_transfer_timeout: float = 60.0
     disable_shared_experts_fusion: bool = False
     skip_tokenizer_init: bool = False
     disable_cuda_graph: bool = False
@@ -122,6 +142,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
         self._check_choice("load_format", LOAD_FORMATS)
+        if self.quantization is not None:
+            self._check_choice("quantization", QUANTIZATIONS)
         self._check_choice("schedule_policy", SCHEDULE_POLICIES)
         self._check_choice("load_balance_method", LOAD_BALANCE_METHODS)
         self._check_positive("max_queued_requests", "max_request_body_bytes", "max_concurrent_requests")
@@ -141,6 +163,12 @@ class ServerArgs:
         if self.schedule_conservativeness < 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
         self._check_parallel()
+        self._check_choice("disaggregation_mode", DISAGGREGATION_MODES)
+        self._check_choice("disaggregation_transfer_backend", TRANSFER_BACKENDS)
+        self._check_positive("disaggregation_transfer_timeout")
+        if self.disaggregation_mode != "null" and self.tp_size > 1:
+            raise ValueError(f"disaggregation_mode {self.disaggregation_mode} runs with tp_size 1 (got {self.tp_size}):"
+                             " tensor-parallel shards are not transferred yet")
 
     def _check_parallel(self) -> None:
         self._check_positive("tp_size", "ep_size", "nnodes", "dist_timeout")
@@ -248,7 +276,10 @@ def _add_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> Non
     kwargs: dict[str, Any] = {"default": field.default, "help": f"{help_text} (default: {field.default})"}
     kwargs["type"] = _parse_type(field.type)
     choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "schedule_policy": SCHEDULE_POLICIES,
-               "alt_stream_overlap": ALT_STREAM_OVERLAP, "load_balance_method": LOAD_BALANCE_METHODS}
+               "quantization": QUANTIZATIONS,
+               "alt_stream_overlap": ALT_STREAM_OVERLAP, "load_balance_method": LOAD_BALANCE_METHODS,
+               "disaggregation_mode": DISAGGREGATION_MODES,
+               "disaggregation_transfer_backend": TRANSFER_BACKENDS}
     if field.name in choices:
         kwargs["choices"] = choices[field.name]
     parser.add_argument(*flags, dest=field.name, **kwargs)

@@ -36,6 +36,9 @@ class Engine:
         if self.server_args.dp_size != 1:
             raise ValueError(f"dp_size: the Engine runs one scheduler, got {self.server_args.dp_size}; "
                              "serve DP ranks with sglang_lite.launch_server")
+        if self.server_args.disaggregation_mode != "null":
+            raise ValueError("disaggregation_mode: PD disaggregation runs behind the HTTP server (its bootstrap "
+                             "server and a PD router); the Engine serves whole requests")
         self.tokenizer = load_server_tokenizer(self.server_args)
         self._client: SyncClient | None = SyncClient(self.server_args)
         self.config = self._client.config

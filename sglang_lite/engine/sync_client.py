@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from sglang_lite.runtime.client import POLL_MS, SchedulerClient
-from sglang_lite.runtime.messages import REFUSED, AbortRequest, Ack, AddRequest, QueryReply, Ready
+from sglang_lite.runtime.messages import REFUSED, AbortRequest, Ack, AddRequest, QueryReply, Ready, Reserved
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.request import ReqOutput, internal_error
@@ -124,6 +124,9 @@ class SyncClient:
 
     def on_ready(self, ready: Ready) -> None:  # the Engine never respawns its rank
         pass
+
+    def on_reserved(self, reserved: Reserved) -> None:  # the Engine runs no PD side (disaggregation_mode null)
+        logger.warning("unexpected PD reservation for %s", reserved.rid)
 
     def on_fatal(self, rank: int, message: str) -> None:
         self._fail_all(RuntimeError(f"the scheduler process failed: {message}"))

@@ -35,6 +35,7 @@ from sglang_lite.runtime.messages import (
     QueryReply,
     Ready,
     Reply,
+    Reserved,
     StepOutputs,
     Stop,
     decode,
@@ -70,6 +71,8 @@ class ReplyHandler(Protocol):
     def on_fatal(self, rank: int, message: str) -> None: ...
 
     def on_ready(self, ready: Ready) -> None: ...
+
+    def on_reserved(self, reserved: Reserved) -> None: ...
 
 
 class SchedulerClient:
@@ -178,6 +181,8 @@ class SchedulerClient:
             handler.on_query_reply(reply)
         elif isinstance(reply, Fatal):
             handler.on_fatal(reply.rank, reply.message)
+        elif isinstance(reply, Reserved):
+            handler.on_reserved(reply)
         elif isinstance(reply, Ready):  # a respawned rank
             self.ready[reply.rank] = reply
             handler.on_ready(reply)

@@ -5,11 +5,13 @@ import dataclasses
 import json
 import os
 
+from sglang_lite.disaggregation.transfer import MooncakeTransfer, local_hostname
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.model_executor import ModelRunner
 from sglang_lite.models.loader import load_model
 from sglang_lite.runtime.memory import resolve_dtype, resolve_max_total_tokens
 from sglang_lite.scheduler.config import SchedulerConfig
+from sglang_lite.scheduler.disagg import DecodeSide, PrefillSide, create_side
 from sglang_lite.scheduler.scheduler import Scheduler
 from sglang_lite.server_args import ServerArgs
 from sglang_lite.tokenizer.loader import load_server_tokenizer
@@ -39,4 +41,12 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
     config = dataclasses.replace(config, dp_rank=dp_rank)
     pools = ModelPools.create(model.config, max_total_tokens, args.max_running_requests, context_length, dtype,
                               args.device)
-    return Scheduler(config, ModelRunner(model, pools, args), pools, load_server_tokenizer(args))
+    return Scheduler(config, ModelRunner(model, pools, args), pools, load_server_tokenizer(args), _pd_side(args, pools))
+
+
+def _pd_side(args: ServerArgs, pools: ModelPools) -> PrefillSide | DecodeSide | None:
+    """This rank's side of PD disaggregation, with its transfer engine (None when it serves whole requests)."""
+    if args.disaggregation_mode == "null":
+        return None
+    transfer = MooncakeTransfer(local_hostname(args.host), args.disaggregation_ib_device)
+    return create_side(args.disaggregation_mode, transfer, pools, args.disaggregation_transfer_timeout)

@@ -42,19 +42,29 @@ class AddRequest(Message):
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
+    bootstrap_room: int | None = None  # PD disaggregation: the transfer's id (prefill and decode ranks need one)
 
     def to_wire(self) -> list[Any]:
-        return [self.rid, self.input_ids, dataclasses.asdict(self.sampling_params)]
+        return [self.rid, self.input_ids, dataclasses.asdict(self.sampling_params), self.bootstrap_room]
 
     @classmethod
     def from_wire(cls, values: list[Any]) -> AddRequest:
-        rid, input_ids, params = values
-        return cls(rid, input_ids, SamplingParams.from_dict(params))
+        rid, input_ids, params, room = values
+        return cls(rid, input_ids, SamplingParams.from_dict(params), room)
 
 
 @dataclass(frozen=True)
 class AbortRequest(Message):
     rid: str
+    error: str | None = None  # set: the request fails with this message (status 500), else a client's abort
+
+
+@dataclass(frozen=True)
+class TransferTarget(Message):
+    """PD, to a prefill rank: where the decode rank wants request ``room``'s KV, states and first token."""
+
+    room: int
+    target: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -146,6 +156,17 @@ class CheckReply(Message):
 
 
 @dataclass(frozen=True)
+class Reserved(Message):
+    """PD, from a decode rank: memory for request ``rid`` is reserved; ``target`` (its addresses) goes to the
+    prefill server's bootstrap server under ``room``."""
+
+    rank: int
+    rid: str
+    room: int
+    target: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Fatal(Message):
     """The rank failed (at start-up, or its process broke: see ``scheduler.faults``) and exits."""
 
@@ -153,13 +174,13 @@ class Fatal(Message):
     message: str
 
 
-Command = AddRequest | AbortRequest | LoadsQuery | CheckQuery | Stop
-Reply = Ready | Ack | StepOutputs | LoadsReply | CheckReply | Fatal
+Command = AddRequest | AbortRequest | TransferTarget | LoadsQuery | CheckQuery | Stop
+Reply = Ready | Ack | StepOutputs | LoadsReply | CheckReply | Reserved | Fatal
 QueryReply = LoadsReply | CheckReply
 
 _KINDS: dict[str, type[Message]] = {}
-for _cls in (AddRequest, AbortRequest, LoadsQuery, CheckQuery, Stop, Ready, Ack, StepOutputs, LoadsReply, CheckReply,
-             Fatal):
+for _cls in (AddRequest, AbortRequest, TransferTarget, LoadsQuery, CheckQuery, Stop, Ready, Ack, StepOutputs,
+             LoadsReply, CheckReply, Reserved, Fatal):
     _cls.kind = _cls.__name__
     _KINDS[_cls.kind] = _cls
 

@@ -46,8 +46,10 @@ from sglang_lite.runtime.messages import (
     LoadsReply,
     Message,
     Ready,
+    Reserved,
     StepOutputs,
     Stop,
+    TransferTarget,
     decode,
 )
 from sglang_lite.runtime.transport import pull_socket, push_socket, send
@@ -59,6 +61,7 @@ from sglang_lite.utils.process import keep_freed_heap_memory
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500  # how often an idle world of one checks that its parent still lives
 WORLD_POLL_MS = 50  # an idle multi-rank world: followers wait in a collective at most this long per round
+PD_POLL_MS = 2  # a PD rank waiting only on transfers checks its metadata rows this often
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,8 @@ class WorldLoop:
             outputs = self.step()
             if outputs:
                 self.reply(StepOutputs(self.dp_rank, outputs))
+            for notice in self.scheduler.disagg.take_notices() if self.scheduler.disagg is not None else []:
+                self.reply(Reserved(self.dp_rank, notice["rid"], notice["room"], notice["target"]))
             self.send_replies(gather=self.args.dp_ranks_per_world > 1)
 
     def reply(self, message: Message) -> None:
@@ -229,13 +234,20 @@ class WorldLoop:
         self.busy = any_rank(has_work, self.state.cpu_world)
         return self.scheduler.step(must_forward=True) if self.busy else []
 
+    def wait_ms(self) -> int:
+        """How long rank 0 may wait for commands: not at all with work to run, a little while only PD transfers
+        are awaited (their metadata rows are polled), the idle poll otherwise."""
+        if not self.busy:
+            return self.idle_poll_ms
+        return PD_POLL_MS if self.scheduler.only_waiting_on_transfers and not self.lockstep else 0
+
     # ---- commands ----------------------------------------------------------------------------------------------
     def take_commands(self) -> None:
         """World rank 0 takes the commands (waiting a little only when the world is idle) and broadcasts them with
         the stop flag; every rank applies those of its own DP rank."""
         taken: tuple[list[tuple[int, Message]], bool] = ([], False)
         if self.front_end is not None:
-            commands = self.front_end.take(0 if self.busy else self.idle_poll_ms)
+            commands = self.front_end.take(self.wait_ms())
             stop = os.getppid() != self.parent_pid or any(isinstance(c, Stop) for _, c in commands)
             taken = ([(dp, c) for dp, c in commands if not isinstance(c, Stop)], stop)
         commands, self.stopped = broadcast_object(taken, self.state.cpu_world, src=0)
@@ -257,7 +269,14 @@ class WorldLoop:
         if isinstance(command, AddRequest):
             self.reply(self.add(command))
         elif isinstance(command, AbortRequest):
-            self.scheduler.abort(command.rid, message="aborted by the client")
+            if command.error is None:
+                self.scheduler.abort(command.rid, message="aborted by the client")
+            else:
+                self.scheduler.abort(command.rid, message=command.error, failed=True)
+        elif isinstance(command, TransferTarget):
+            if self.scheduler.disagg is None or self.scheduler.disagg.mode != "prefill":
+                raise TypeError("a transfer target reached a rank that is not a PD prefill rank")
+            self.scheduler.disagg.on_target(command.room, command.target)
         elif isinstance(command, LoadsQuery):
             loads = self.scheduler.get_loads().to_dict(command.sections)
             self.reply(LoadsReply(self.dp_rank, command.query_id, loads))
@@ -272,7 +291,7 @@ class WorldLoop:
             message = f"rank {self.dp_rank}: the waiting queue is full ({self.args.max_queued_requests} requests)"
             return Ack(self.dp_rank, request.rid, UNAVAILABLE, message)
         try:
-            self.scheduler.add_request(request.rid, request.input_ids, request.sampling_params)
+            self.scheduler.add_request(request.rid, request.input_ids, request.sampling_params, request.bootstrap_room)
         except (ValueError, TypeError, AssertionError) as error:
             return Ack(self.dp_rank, request.rid, REFUSED, str(error))
         except Exception as error:  # not the input's fault as far as validation knows: fail it, keep the rank

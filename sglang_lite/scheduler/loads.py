@@ -16,7 +16,9 @@ SECTIONS = {
     "memory": ("weight_gb", "kv_cache_gb", "token_capacity"),
     "disagg": (
         "mode", "prefill_prealloc_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
-        "decode_transfer_queue_reqs", "decode_retracted_queue_reqs",
+        "decode_transfer_queue_reqs", "decode_retracted_queue_reqs", "kv_transfer_speed_gb_s",
+        "kv_transfer_latency_ms", "kv_transfers_total", "kv_transfer_bytes_total", "kv_transfer_seconds_total",
+        "num_prefill_tokens",
     ),
     "queues": ("waiting", "paused", "retracted"),
 }
@@ -44,13 +46,19 @@ class SchedulerLoads:
     paused: int
     retracted: int  # waiting requests that were retracted at least once
     num_retractions: int  # retractions since start
-    # prefill/decode disaggregation: none yet, so every queue is empty
+    # prefill/decode disaggregation (``scheduler/disagg.py``): "null" serves whole requests, every queue empty
     mode: str = "null"
-    prefill_prealloc_queue_reqs: int = 0
-    prefill_inflight_queue_reqs: int = 0
-    decode_prealloc_queue_reqs: int = 0
-    decode_transfer_queue_reqs: int = 0
+    prefill_prealloc_queue_reqs: int = 0  # waiting for the decode side's destination (SGLang's bootstrap queue)
+    prefill_inflight_queue_reqs: int = 0  # prefilled, their KV and state being written to the decode side
+    decode_prealloc_queue_reqs: int = 0  # waiting for KV slots and a state slot to reserve
+    decode_transfer_queue_reqs: int = 0  # reserved, waiting for the prefill side's data
     decode_retracted_queue_reqs: int = 0
+    kv_transfer_speed_gb_s: float = 0.0  # of the last transfer, written (prefill) or received (decode)
+    kv_transfer_latency_ms: float = 0.0
+    kv_transfers_total: int = 0
+    kv_transfer_bytes_total: int = 0
+    kv_transfer_seconds_total: float = 0.0
+    num_prefill_tokens: int = 0  # tokens run through prefill forwards since start
 
     def to_dict(self, include: tuple[str, ...] = LOAD_SECTIONS) -> dict[str, Any]:
         """The named sections' figures, always with ``dp_rank`` and ``timestamp``."""

@@ -39,6 +39,7 @@ class ReqStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no memory
     PREFILLING = "prefilling"  # holds a row, a state slot and KV; part of its tokens are cached (chunked prefill)
     DECODING = "decoding"  # every token but the newest is cached
+    TRANSFERRING = "transferring"  # PD: holds memory while its KV and state move (prefill: out, decode: in)
     FINISHED = "finished"  # holds nothing
 
 
@@ -62,6 +63,8 @@ class Req:
     num_retractions: int = 0
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
+    bootstrap_room: int | None = None  # PD disaggregation: the transfer's id, shared by the two sides
+    transfer_target: dict[str, Any] | None = None  # PD prefill side: where the decode rank wants the data
     # what the next ReqOutput carries
     unsent_ids: list[int] = field(default_factory=list)
     unsent_text: str = ""
@@ -97,7 +100,7 @@ class Req:
 
     def check(self) -> None:
         """Invariants tying the status to what the request holds."""
-        holds = self.status in (ReqStatus.PREFILLING, ReqStatus.DECODING)
+        holds = self.status in (ReqStatus.PREFILLING, ReqStatus.DECODING, ReqStatus.TRANSFERRING)
         assert self.holds_memory == holds == (self.state_slot is not None), f"{self.rid}: {self.status} vs memory"
         assert holds or self.num_cached == 0, f"{self.rid}: cached tokens without memory"
         assert 0 <= self.num_cached <= self.seq_len, f"{self.rid}: {self.num_cached} cached of {self.seq_len}"

@@ -24,6 +24,7 @@ from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.sampling.sampler import make_generator, sample
 from sglang_lite.scheduler.batch import ScheduleBatch
 from sglang_lite.scheduler.config import SchedulerConfig
+from sglang_lite.scheduler.disagg import DecodeSide, PrefillSide
 from sglang_lite.scheduler.faults import MemoryFailures, RankBroken, breaks_the_device, describe, is_out_of_memory
 from sglang_lite.scheduler.loads import SchedulerLoads, ThroughputMeter, utc_timestamp
 from sglang_lite.scheduler.policy import (
@@ -64,8 +65,13 @@ def _weight_bytes(model: Any) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, model: Any, pools: ModelPools, tokenizer: Any = None) -> None:
+    def __init__(self, config: SchedulerConfig, model: Any, pools: ModelPools, tokenizer: Any = None,
+                 disagg: PrefillSide | DecodeSide | None = None) -> None:
         self.config = config
+        self.disagg = disagg  # PD disaggregation: this rank's side, None when it serves whole requests
+        if disagg is not None:
+            disagg.bind(self)
+        self.num_prefill_tokens = 0  # prompt (and re-prefill) tokens run through extend forwards
         self.model = model
         self.pools = pools
         self.tokenizer = tokenizer
@@ -82,23 +88,46 @@ class Scheduler:
         self._memory_failures = MemoryFailures()
 
     # ---- requests in, outputs out ----------------------------------------------------------------------------
-    def add_request(self, rid: str, input_ids: list[int], sampling_params: SamplingParams | dict | None) -> None:
-        """Queues a request; raises ValueError (naming the field) and leaves the scheduler untouched if invalid."""
+    def add_request(self, rid: str, input_ids: list[int], sampling_params: SamplingParams | dict | None,
+                    bootstrap_room: int | None = None) -> None:
+        """Queues a request; raises ValueError (naming the field) and leaves the scheduler untouched if invalid.
+        ``bootstrap_room``: the PD transfer's id, required on a prefill or decode rank (ignored otherwise)."""
         params = SamplingParams.from_dict(sampling_params)
         validate_request(input_ids, params, self.config, self.tokenizer is not None)
         if self._find(rid) is not None:
             raise ValueError(f"rid {rid!r} is already in use by an unfinished request")
+        if self.disagg is not None:
+            self._check_room(bootstrap_room)
         req = self._new_req(rid, list(input_ids), params)
+        if self.disagg is not None:
+            req.bootstrap_room = bootstrap_room
         if req.max_new_tokens == 0:
             self._finish(req, FinishReason("length", length=0))
+        elif self.disagg is not None:
+            self.disagg.add(req)
         else:
             self.waiting.append(req)
 
-    def abort(self, rid: str, message: str = "aborted") -> bool:
-        """Ends a request wherever it is and frees all it holds; False if no such unfinished request."""
+    def _check_room(self, room: int | None) -> None:
+        if room is None:
+            raise ValueError(f"bootstrap_room: a {self.disagg.mode} server takes requests with bootstrap_host, "
+                             "bootstrap_port and bootstrap_room (send them through a PD router)")
+        if room in self.disagg.rooms() or any(r.bootstrap_room == room for r in self.waiting + self.holders):
+            raise ValueError(f"bootstrap_room {room} is already in use by an unfinished request")
+
+    def abort(self, rid: str, message: str = "aborted", failed: bool = False) -> bool:
+        """Ends a request wherever it is and frees all it holds; False if no such unfinished request. ``failed``:
+        it failed (status 500, the message its error), not a client's abort."""
         req = self._find(rid)
         if req is None:
             return False
+        reason = FinishReason("abort", message=message, status_code=INTERNAL_ERROR if failed else None)
+        if self.disagg is not None and self.disagg.abort(req, reason):
+            return True
+        if failed:
+            self._end(req, reason)
+            self._drop_finished()
+            return True
         try:
             self._finish(req, FinishReason("abort", message=message))
         except Exception as error:  # its detokeniser failed on the last text: it still ends, with the error
@@ -110,6 +139,8 @@ class Scheduler:
         """One schedule -> run -> process results. A failure fails only the requests it touches (see ``faults``);
         ``RankBroken`` (or a BaseException) means the process cannot go on. ``must_forward``: DP attention, where
         every rank of the world runs exactly one forward per step; with no batch it runs an idle one."""
+        if self.disagg is not None:
+            self.disagg.poll()
         batch = self.schedule()
         if batch is not None:
             self._run_batch(batch)
@@ -156,7 +187,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._outputs)
+        pd = self.disagg is not None and self.disagg.has_work
+        return bool(self.waiting or self.running or self.chunked or self._outputs or pd)
+
+    @property
+    def only_waiting_on_transfers(self) -> bool:
+        """PD: nothing to run until a transfer or a destination arrives (a driver may wait a little)."""
+        return not (self.waiting or self.running or self.chunked or self._outputs) and self.has_work
 
     # ---- schedule ----------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduleBatch | None:
@@ -173,9 +210,14 @@ class Scheduler:
                 self._admit(req)
         return ScheduleBatch(ForwardMode.EXTEND, [r for r, _ in plan], [n for _, n in plan])
 
+    def reserved_decode_tokens(self) -> int:
+        """KV slots the running requests are expected to need for their remaining output."""
+        ratio = self.new_token_ratio.value
+        return sum(reserved_decode_tokens(r, ratio) for r in self.running)
+
     def _budget(self) -> PrefillBudget:
         ratio = self.new_token_ratio.value
-        reserved = sum(reserved_decode_tokens(r, ratio) for r in self.running)
+        reserved = self.reserved_decode_tokens()
         if self.chunked is not None:
             reserved += self.chunked.num_uncached + reserved_decode_tokens(self.chunked, ratio)
         kv_free = self.pools.kv.allocator.num_free
@@ -193,7 +235,12 @@ class Scheduler:
         (slot,) = self.pools.states.alloc(1)
         self.waiting.remove(req)
         req.req_row, req.state_slot, req.num_cached = row, slot, 0
-        req.status, req.admit_seq = ReqStatus.PREFILLING, self._admissions
+        req.status = ReqStatus.PREFILLING
+        self.note_admission(req)
+
+    def note_admission(self, req: Req) -> None:
+        """Admission order (retraction takes the newest)."""
+        req.admit_seq = self._admissions
         self._admissions += 1
 
     def _schedule_decode(self) -> ScheduleBatch | None:
@@ -232,6 +279,8 @@ class Scheduler:
             [r.state_slot for r in batch.reqs],
             self.config.device,
         )
+        if not batch.is_decode:
+            self.num_prefill_tokens += forward_batch.num_tokens
         with torch.inference_mode():
             return self.model.forward_batch(forward_batch)
 
@@ -243,6 +292,10 @@ class Scheduler:
         if sampled:
             rows = logits if len(sampled) == len(batch.reqs) else logits[[i for i, d in enumerate(completes) if d]]
             kept = [(r, t) for r, t in zip(sampled, self._sample(sampled, rows)) if t is not None]
+            if isinstance(self.disagg, PrefillSide) and not batch.is_decode:  # PD: to the decode side, not decoded
+                for req, token in [(r, t) for r, t in kept if r.bootstrap_room is not None]:
+                    self.disagg.on_prefilled(req, token)
+                kept = [(r, t) for r, t in kept if r.bootstrap_room is None]  # a re-prefill after retraction
             self._append_tokens([r for r, _ in kept], [t for _, t in kept])
         if batch.is_decode:
             self.new_token_ratio.on_decode_step()
@@ -304,13 +357,37 @@ class Scheduler:
         for req, done in zip(reqs, completes):
             if req is self.chunked:
                 self.chunked = None
-            if req.finished:
+            if req.finished or req.status is ReqStatus.TRANSFERRING:
                 continue
             if done:
                 req.status = ReqStatus.DECODING
                 self.running.append(req)
             else:
                 self.chunked = req
+
+    # ---- PD disaggregation: what the rank's side asks of the scheduler --------------------------------------------
+    def end_request(self, req: Req, reason: FinishReason, keep_memory: bool = False) -> None:
+        """Ends a request that sits in a PD queue (``keep_memory``: its reservation is freed later, by the side)."""
+        if keep_memory:
+            req.status, req.finish_reason = ReqStatus.FINISHED, reason
+            self._emit(req)
+            return
+        if reason.is_internal_error:
+            self._end(req, reason)  # no text flush: the request failed
+        else:
+            self._finish(req, reason)
+
+    def finish_transferred(self, req: Req, token: int) -> None:
+        """Prefill side: the decode rank has the request; it ends here with its first token."""
+        req.max_new_tokens = 1
+        self._append_tokens([req], [token])
+
+    def join_decoding(self, req: Req, token: int) -> None:
+        """Decode side: the prompt's KV and state arrived with the first token; the request decodes from here."""
+        req.status = ReqStatus.DECODING
+        self._append_tokens([req], [token])
+        if not req.finished:
+            self.running.append(req)
 
     # ---- finishing and freeing ---------------------------------------------------------------------------------
     def _finish(self, req: Req, reason: FinishReason) -> None:
@@ -391,7 +468,10 @@ class Scheduler:
         )
 
     def _find(self, rid: str) -> Req | None:
-        return next((r for r in self.waiting + self.holders if r.rid == rid), None)
+        req = next((r for r in self.waiting + self.holders if r.rid == rid), None)
+        if req is None and self.disagg is not None:
+            req = self.disagg.find(rid)
+        return req
 
     @property
     def holders(self) -> list[Req]:
@@ -403,6 +483,7 @@ class Scheduler:
         holders = self.holders
         for req in holders + self.waiting:
             req.check()
+        holders = holders + (self.disagg.held() if self.disagg is not None else [])  # PD: reserved or being sent
         assert self.pools.kv.allocator.num_used == sum(r.num_cached for r in holders), "KV slots leaked or lost"
         assert self.pools.req_to_token.allocator.num_used == len(holders), "request rows leaked"
         assert self.pools.states.allocator.num_used == len(holders), "state slots leaked"
@@ -416,13 +497,15 @@ class Scheduler:
         used = self.pools.kv.allocator.num_used
         total = self.config.max_total_tokens
         running = len(self.holders)
+        pd = self.disagg.loads() if self.disagg is not None else {}
+        pd_waiting = self.disagg.waiting_reqs() if self.disagg is not None else []
         return SchedulerLoads(
             dp_rank=self.config.dp_rank,
             timestamp=utc_timestamp(),
             num_running_reqs=running,
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(pd_waiting),
             num_used_tokens=used,
-            num_total_tokens=used + self._tokens_to_prefill(),
+            num_total_tokens=used + self._tokens_to_prefill() + sum(len(r.input_ids) for r in pd_waiting),
             max_total_num_tokens=total,
             token_usage=used / total,
             gen_throughput=self._throughput.rate(time.monotonic()),
@@ -436,6 +519,10 @@ class Scheduler:
             paused=0,
             retracted=sum(1 for r in self.waiting if r.num_retractions),
             num_retractions=self.num_retractions,
+            num_prefill_tokens=self.num_prefill_tokens,
+            mode=self.disagg.mode if self.disagg is not None else "null",
+            decode_retracted_queue_reqs=sum(1 for r in self.waiting if r.num_retractions) if pd else 0,
+            **pd,
         )
 
 

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sglang_lite.runtime.inputs import split_prompts
 from sglang_lite.scheduler.loads import LOAD_SECTIONS
 from sglang_lite.server import openai_serving
+from sglang_lite.server.disagg import bootstrap_of
 from sglang_lite.server.dp_controller import requested_rank
 from sglang_lite.server.middleware import (
     ApiKeyMiddleware,
@@ -176,8 +177,13 @@ async def _generate_inputs(manager: TokenizerManager, body: GenerateRequest) -> 
     params = [manager.sampling_params(p) for p in _per_prompt(body.sampling_params, len(prompts), "sampling_params")]
     rids = _per_prompt(body.rid, len(prompts), "rid") if body.rid is not None else [None] * len(prompts)
     rank = requested_rank(body.routed_dp_rank, body.data_parallel_rank)
+    try:
+        pd = bootstrap_of(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(prompts))
+    except ValueError as error:
+        raise bad_request(str(error)) from error
     ids = [await manager.encode(p) for p in prompts] if is_text else prompts  # the sampling checks come first
-    return [GenerateInput(rid or uuid.uuid4().hex, i, p, rank) for i, p, rid in zip(ids, params, rids)], batched
+    return [GenerateInput(rid or uuid.uuid4().hex, i, p, rank, b)
+            for i, p, rid, b in zip(ids, params, rids, pd)], batched
 
 
 def _per_prompt(value: Any, n: int, name: str) -> list[Any]:

@@ -10,6 +10,14 @@ PREFIX = "sglang_lite"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LOAD_GAUGES = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens", "token_usage",
                "gen_throughput", "utilization", "max_total_num_tokens")
+# counters the ranks keep (PD disaggregation: what each rank sent or received through the transfer engine)
+LOAD_COUNTERS = {  # metric: (load field, help)
+    "kv_transfers_total": ("kv_transfers_total", "KV transfers of PD requests completed by each rank."),
+    "kv_transfer_bytes_total": ("kv_transfer_bytes_total", "Bytes of KV and GDN state moved by each rank's PD "
+                                "transfers."),
+    "kv_transfer_seconds_total": ("kv_transfer_seconds_total", "Seconds the PD transfers of each rank took."),
+    "prefill_tokens_total": ("num_prefill_tokens", "Tokens each rank ran through prefill forwards."),
+}
 
 
 class Histogram:
@@ -64,6 +72,8 @@ class ServerMetrics:
         for gauge in LOAD_GAUGES:
             lines += [f"# HELP {PREFIX}_{gauge} Live {gauge} of each rank.", f"# TYPE {PREFIX}_{gauge} gauge"]
             lines += [f'{PREFIX}_{gauge}{{dp_rank="{load["dp_rank"]}"}} {load[gauge]}' for load in loads]
+        for name, (field, help_text) in LOAD_COUNTERS.items():
+            self._counter(lines, name, help_text, {f'dp_rank="{load["dp_rank"]}"': load[field] for load in loads})
         return "\n".join(lines) + "\n"
 
     @staticmethod

@@ -37,6 +37,10 @@ class GenerateRequest(_Request):
     data_parallel_rank: StrictInt | None = Field(None, description="Older name of routed_dp_rank.")
     return_logprob: StrictBool | list[StrictBool] = False
     return_hidden_states: StrictBool = False
+    # PD disaggregation (set by a PD router): the prefill server's bootstrap address and the transfer's id
+    bootstrap_host: StrictStr | list[StrictStr] | None = None
+    bootstrap_port: StrictInt | list[StrictInt] | None = None
+    bootstrap_room: StrictInt | list[StrictInt] | None = None
 
 
 class StreamOptions(_Request):
@@ -65,6 +69,9 @@ class _OpenAISampling(_Request):
     rid: StrictStr | None = None
     routed_dp_rank: StrictInt | None = None
     data_parallel_rank: StrictInt | None = None
+    bootstrap_host: StrictStr | None = None
+    bootstrap_port: StrictInt | None = None
+    bootstrap_room: StrictInt | None = None
 
     def sampling_dict(self, default_max_tokens: int | None) -> dict[str, Any]:
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.request import ReqOutput
+from sglang_lite.server.disagg import bootstrap_of
 from sglang_lite.server.dp_controller import requested_rank
 from sglang_lite.server.model_info import served_model_name
 from sglang_lite.server.openai_protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
@@ -72,7 +73,11 @@ def _inputs(body: _OpenAISampling, prompts: list[list[int]], params: SamplingPar
     rank = requested_rank(body.routed_dp_rank, body.data_parallel_rank)
     if body.rid is not None and len(prompts) > 1:
         raise bad_request("rid names one request; send one prompt with it")
-    return [GenerateInput(body.rid or uuid.uuid4().hex, ids, params, rank) for ids in prompts]
+    try:
+        pd = bootstrap_of(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(prompts))
+    except ValueError as error:
+        raise bad_request(str(error)) from error
+    return [GenerateInput(body.rid or uuid.uuid4().hex, ids, params, rank, b) for ids, b in zip(prompts, pd)]
 
 
 class Shape:

@@ -21,12 +21,22 @@ from typing import Any
 
 from sglang_lite.runtime.client import SchedulerClient
 from sglang_lite.runtime.inputs import max_prompt_chars
-from sglang_lite.runtime.messages import UNAVAILABLE, AbortRequest, Ack, AddRequest, LoadsQuery, QueryReply, Ready
+from sglang_lite.runtime.messages import (
+    UNAVAILABLE,
+    AbortRequest,
+    Ack,
+    AddRequest,
+    LoadsQuery,
+    QueryReply,
+    Ready,
+    Reserved,
+)
 from sglang_lite.sampling.params import SamplingParams, is_utf8
 from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.loads import LOAD_SECTIONS
 from sglang_lite.scheduler.request import ReqOutput, internal_error, join_outputs
 from sglang_lite.scheduler.scheduler import validate_request
+from sglang_lite.server.disagg import Bootstrap, PDFrontEnd
 from sglang_lite.server.dp_controller import DPController, InvalidRank
 from sglang_lite.server.metrics import ServerMetrics
 from sglang_lite.server_args import ServerArgs
@@ -62,6 +72,7 @@ class GenerateInput:
     input_ids: list[int]
     sampling_params: SamplingParams
     requested_rank: int | None = None
+    bootstrap: Bootstrap | None = None  # PD disaggregation: the prefill server and the transfer's room
 
 
 @dataclass
@@ -96,6 +107,8 @@ class RequestStream:
     last_token_time: float | None = None
     finished: bool = False
     closed: bool = False
+    bootstrap: Bootstrap | None = None  # PD: set once the request is dispatched
+    target_sent: bool = False  # PD prefill: its destination went to the rank
 
     def __aiter__(self) -> AsyncIterator[ReqOutput]:
         return self._outputs()
@@ -132,6 +145,7 @@ class TokenizerManager:
         self._queries: dict[int, tuple[asyncio.Future, int]] = {}  # query id -> (its answer, the rank asked)
         self._probes: dict[int, int] = {}  # the supervisor's loads queries: id -> rank
         self._tasks: list[asyncio.Task] = []
+        self.pd = PDFrontEnd(self)
 
     # ---- lifetime ----------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -142,6 +156,7 @@ class TokenizerManager:
         for health in self.ranks:
             health.set(UP, time.monotonic())
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._supervise())]
+        await self.pd.start()
 
     @property
     def live(self) -> list[bool]:
@@ -161,6 +176,7 @@ class TokenizerManager:
         return self.client.ready[0].alt_stream_plan
 
     async def shutdown(self) -> None:
+        await self.pd.shutdown()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -232,6 +248,7 @@ class TokenizerManager:
             raise bad_request(f"rid must be a UTF-8 string of 1 to {MAX_RID_CHARS} characters")
         try:
             validate_request(request.input_ids, request.sampling_params, self.config, self.tokenizer is not None)
+            self.pd.check(request)
         except (ValueError, TypeError) as error:
             raise bad_request(str(error)) from error
 
@@ -245,11 +262,13 @@ class TokenizerManager:
         self.streams[request.rid] = stream
         self.in_flight[rank] += 1
         try:
-            self.client.send(rank, AddRequest(request.rid, request.input_ids, request.sampling_params))
+            room = self.pd.room_of(request)
+            self.client.send(rank, AddRequest(request.rid, request.input_ids, request.sampling_params, room))
         except BaseException:  # never sent: nothing to abort on the rank, but nothing may stay registered
             stream.finished = True
             stream.close()
             raise
+        self.pd.on_submitted(stream, request.bootstrap)
         ack = await self._acked(stream)
         if not ack.queued:
             headers = {"Retry-After": "1"} if ack.status == UNAVAILABLE else {}
@@ -288,6 +307,7 @@ class TokenizerManager:
         if self.streams.get(stream.rid) is stream:
             del self.streams[stream.rid]
             self.in_flight[stream.rank] -= 1
+        self.pd.on_released(stream)
 
     def abort(self, rid: str) -> bool:
         """Aborts a request on its rank; a request of a rank that is down has already failed, nothing is sent."""
@@ -376,6 +396,9 @@ class TokenizerManager:
                 stream.queue.put_nowait(output)
             elif output.finished:  # its client left; the rank confirms the abort
                 self.metrics.finished[rank, _finish_kind(output)] += 1
+
+    def on_reserved(self, reserved: Reserved) -> None:
+        self.pd.on_reserved(reserved)
 
     def on_ack(self, ack: Ack) -> None:
         stream = self.streams.get(ack.rid)

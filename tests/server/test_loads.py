@@ -14,7 +14,9 @@ CORE = {"dp_rank", "timestamp", "num_running_reqs", "num_waiting_reqs", "num_use
         "max_running_requests"}
 MEMORY = {"weight_gb", "kv_cache_gb", "token_capacity"}
 DISAGG = {"mode", "prefill_prealloc_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
-          "decode_transfer_queue_reqs", "decode_retracted_queue_reqs"}
+          "decode_transfer_queue_reqs", "decode_retracted_queue_reqs", "kv_transfer_speed_gb_s",
+          "kv_transfer_latency_ms", "kv_transfers_total", "kv_transfer_bytes_total", "kv_transfer_seconds_total",
+          "num_prefill_tokens"}
 QUEUES = {"waiting", "paused", "retracted"}
 
 

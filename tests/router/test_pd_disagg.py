@@ -1,0 +1,218 @@
+"""Real PD disaggregation: a prefill server and a decode server (dp 2) moving KV, GDN states and the first token
+with the Mooncake transfer engine (TCP), behind sglang_lite's router and behind sglang-router 0.3.2.
+
+Greedy tokens must equal transformers ``generate`` on the same checkpoint; prefill must run only on the prefill
+server (the decode ranks' prefill token counters stay 0); every PD queue drains. Failures end with clear errors,
+bounded in time, and free the decode side's reservation.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import sys
+import time
+
+import aiohttp
+import pytest
+import torch
+
+from tests.hf_checkpoints import make_hf_model, save_checkpoint
+
+from .conftest import Proc, free_port, launch, spawn, wait_until_healthy
+from .helpers import get_json, get_text, parse_counter, run, wait_for
+
+try:
+    import mooncake.engine  # noqa: F401
+except ImportError as error:  # no silent skip: the PD tests need the transfer engine installed
+    raise ImportError("PD tests need the Mooncake transfer engine: pip install mooncake-transfer-engine-non-cuda "
+                      f"and apt-get install libibverbs1 ({error})") from error
+
+PROMPTS = [[5, 17, 42, 99, 150, 7, 61], [9, 140, 2, 77, 120, 12, 3, 3, 8, 31, 64, 100], [11] * 30, [1, 2, 3],
+           list(range(20, 70))]
+NEW_TOKENS = 8
+GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+TIMEOUT_S = 5  # --disaggregation-transfer-timeout of the servers here
+COMMON = ["--context-length", "256", "--max-total-tokens", "4096", "--max-running-requests", "8",
+          "--cpu-threads-per-rank", "1", "--skip-tokenizer-init", "--disaggregation-transfer-timeout", str(TIMEOUT_S)]
+
+
+class Checkpoint:
+    def __init__(self, path: str) -> None:
+        self.model = make_hf_model(seed=5, initializer_range=0.1, vocab_size=161)  # MoE, GQA, HK 2 / HV 4
+        self.path = save_checkpoint(self.model, path)
+
+    def greedy(self, prompt: list[int]) -> list[int]:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                      min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+
+def server(checkpoint: Checkpoint, mode: str, dp_size: int, *extra: str) -> Proc:
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_lite.launch_server", "--host", "127.0.0.1", "--port", str(port),
+           "--model-path", checkpoint.path, "--dp-size", str(dp_size), "--disaggregation-mode", mode, *COMMON,
+           *extra]
+    return spawn(cmd, port)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    """A prefill server (dp 1) and a decode server (dp 2) on one checkpoint, shared by the module's tests."""
+    checkpoint = Checkpoint(str(tmp_path_factory.mktemp("pd_checkpoint")))
+    bootstrap_port = free_port()
+    procs = [server(checkpoint, "prefill", 1, "--disaggregation-bootstrap-port", str(bootstrap_port)),
+             server(checkpoint, "decode", 2)]
+    try:
+        for proc in procs:
+            if not wait_until_healthy(proc.url, proc.popen, 180, interval_s=0.25):
+                raise RuntimeError(f"a PD server did not start:\n{proc.output()[-3000:]}")
+        yield checkpoint, procs[0], procs[1], bootstrap_port
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
+async def _generate(s: aiohttp.ClientSession, url: str, prompt: list[int], **extra) -> tuple[int, dict]:
+    body = {"input_ids": prompt, "sampling_params": GREEDY, **extra}
+    async with s.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=60)) as response:
+        return response.status, await response.json(content_type=None)
+
+
+async def _loads(s: aiohttp.ClientSession, url: str) -> list[dict]:
+    return (await get_json(s, url + "/v1/loads?include=all"))["loads"]
+
+
+async def _drained(s: aiohttp.ClientSession, *urls: str) -> bool:
+    queues = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "prefill_prealloc_queue_reqs",
+              "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs", "decode_transfer_queue_reqs")
+    loads = [load for url in urls for load in await _loads(s, url)]
+    return all(load[q] == 0 for load in loads for q in queues)
+
+
+def _through(router: Proc, checkpoint: Checkpoint, prefill: Proc, decode: Proc) -> tuple[list, list, list]:
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            before = [load["num_prefill_tokens"] for load in await _loads(s, prefill.url)]
+            results = await asyncio.gather(*(_generate(s, router.url, p) for p in PROMPTS))
+            assert await wait_for(lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.1)
+            after = [load["num_prefill_tokens"] for load in await _loads(s, prefill.url)]
+            return results, await _loads(s, decode.url), [a - b for a, b in zip(after, before)]
+
+    return run(scenario())
+
+
+def _check(results: list, decode_loads: list, prefilled: list, checkpoint: Checkpoint) -> None:
+    assert [status for status, _ in results] == [200] * len(PROMPTS), results
+    assert [body["output_ids"] for _, body in results] == [checkpoint.greedy(p) for p in PROMPTS]
+    assert prefilled == [sum(len(p) for p in PROMPTS)]  # every prompt prefilled once, on the prefill server
+    assert [load["num_prefill_tokens"] for load in decode_loads] == [0, 0]  # and never on the decode server
+    assert all(load["mode"] == "decode" for load in decode_loads)
+    received = [load for load in decode_loads if load["kv_transfers_total"]]
+    assert received and all(load["kv_transfer_speed_gb_s"] > 0 for load in received)
+
+
+def test_pd_through_sglang_lite_router_equals_transformers(pd):
+    checkpoint, prefill, decode, bootstrap_port = pd
+    router = launch([sys.executable, "-m", "sglang_lite.router", "--port", "0", "--log-level", "info",
+                     "--pd-disaggregation", "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url,
+                     "--dp-aware", "--decode-policy", "power_of_two", "--p2c-load-metric", "least_requests",
+                     "--worker-startup-check-interval", "0.1"],
+                    re.compile(r"router listening on http://127\.0\.0\.1:(\d+)"))
+    try:
+        _check(*_through(router, checkpoint, prefill, decode), checkpoint)
+    finally:
+        router.kill()
+
+
+def test_pd_through_sglang_router_0_3_2_equals_transformers(pd):
+    pytest.importorskip("sglang_router")
+    checkpoint, prefill, decode, bootstrap_port = pd
+    port = free_port()
+    router = spawn([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                    "--pd-disaggregation", "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url],
+                   port)
+    try:
+        assert _wait_port(port, 60), router.output()[-2000:]
+        _check(*_through(router, checkpoint, prefill, decode), checkpoint)
+    finally:
+        router.kill()
+
+
+def _wait_port(port: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.2)
+    return False
+
+
+# ---- failures ----------------------------------------------------------------------------------------------------
+def test_decode_server_refuses_requests_without_bootstrap_and_duplicate_rooms(pd):
+    _, prefill, decode, bootstrap_port = pd
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port, "bootstrap_room": 4242}
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            plain = await _generate(s, decode.url, PROMPTS[0])
+            first = asyncio.create_task(_generate(s, decode.url, PROMPTS[0], **fields))  # no prefill side: waits
+            await asyncio.sleep(0.5)
+            duplicate = await _generate(s, decode.url, PROMPTS[1], **fields)
+            timed_out = await first
+            drained = await wait_for(lambda: _drained(s, decode.url), timeout=TIMEOUT_S + 10, interval=0.2)
+            return plain, duplicate, timed_out, drained
+
+    plain, duplicate, timed_out, drained = run(scenario())
+    assert plain[0] == 400 and "bootstrap_room" in plain[1]["error"]["message"]
+    assert duplicate[0] == 400 and "bootstrap_room 4242 is already in use" in duplicate[1]["error"]["message"]
+    # the prefill server kept the destination but never got the request: the decode side gives up, and frees
+    assert timed_out[0] == 500 and f"did not finish within {TIMEOUT_S} s" in timed_out[1]["error"]["message"]
+    assert drained
+
+
+def test_unreachable_prefill_server_fails_the_decode_request_at_once(pd):
+    _, _, decode, _ = pd
+    dead = free_port()  # nothing listens there: as a prefill server that died
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            result = await _generate(s, decode.url, PROMPTS[2], bootstrap_host="127.0.0.1", bootstrap_port=dead,
+                                     bootstrap_room=7)
+            return result, await wait_for(lambda: _drained(s, decode.url), timeout=10, interval=0.2)
+
+    (status, body), drained = run(scenario())
+    assert status == 500 and f"bootstrap server at 127.0.0.1:{dead} is unreachable" in body["error"]["message"]
+    assert drained
+
+
+def test_client_abort_reaches_both_sides(pd):
+    checkpoint, prefill, decode, bootstrap_port = pd
+    router = launch([sys.executable, "-m", "sglang_lite.router", "--port", "0", "--pd-disaggregation", "--prefill",
+                     prefill.url, str(bootstrap_port), "--decode", decode.url, "--worker-startup-check-interval",
+                     "0.1"], re.compile(r"router listening on http://127\.0\.0\.1:(\d+)"))
+
+    async def aborts(s: aiohttp.ClientSession) -> float:
+        metrics = await get_text(s, decode.url + "/metrics")
+        return sum(parse_counter(metrics, "sglang_lite_requests_finished_total", reason="abort").values())
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            before = await aborts(s)
+            body = {"input_ids": PROMPTS[4], "stream": True,
+                    "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+            async with s.post(router.url + "/generate", json=body) as response:
+                async for _ in response.content:  # the first event: decoding has started
+                    break
+            # the client left: the decode request is aborted, the prefill leg too; everything drains
+            drained = await wait_for(lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.2)
+            return drained, await aborts(s) - before
+
+    try:
+        drained, aborted = run(scenario())
+        assert drained and aborted == 1  # ended by the abort, not by running its 200 tokens out
+    finally:
+        router.kill()
