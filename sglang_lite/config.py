@@ -10,6 +10,50 @@ from typing import Any
 TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}
 WRAPPER_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 LAYER_TYPES = ("linear_attention", "full_attention")
+QUANT_METHODS = ("fp8",)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A checkpoint's ``quantization_config``: block-wise FP8 weights (``weight * weight_scale_inv`` per
+    ``block_size`` block), activations quantized at run time per token group, some modules left unconverted."""
+
+    method: str = "fp8"
+    fmt: str = "e4m3"
+    activation_scheme: str = "dynamic"
+    block_size: tuple[int, int] = (128, 128)
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> QuantConfig:
+        method = raw.get("quant_method")
+        if method not in QUANT_METHODS:
+            raise ValueError(f"unsupported quantization_config quant_method {method!r}; expected one of "
+                             f"{QUANT_METHODS}")
+        config = cls(method=method, fmt=raw.get("fmt", "e4m3"),
+                     activation_scheme=raw.get("activation_scheme", "dynamic"),
+                     block_size=tuple(raw.get("weight_block_size") or ()),
+                     modules_to_not_convert=tuple(raw.get("modules_to_not_convert") or ()))
+        if config.fmt != "e4m3" or config.activation_scheme != "dynamic" or len(config.block_size) != 2:
+            raise ValueError(f"unsupported fp8 quantization_config (fmt {config.fmt!r}, activation_scheme "
+                             f"{config.activation_scheme!r}, weight_block_size {list(config.block_size)}): only e4m3 "
+                             "weights in 2-D blocks with dynamic activation scales are supported")
+        return config
+
+    def converts(self, module: str) -> bool:
+        """False for a module ``modules_to_not_convert`` names: itself, a module inside it, or a pattern of whole
+        dotted components (``lm_head``, ``linear_attn.in_proj_a``); the VL prefix ``model.language_model.`` and
+        the text one ``model.`` are the same."""
+        name = f".{_text_name(module)}."
+        return not any(f".{_text_name(p)}." in name for p in self.modules_to_not_convert)
+
+    def describe(self) -> str:
+        rows, cols = self.block_size
+        return f"{self.method} ({self.fmt}, {rows}x{cols} weight blocks, {self.activation_scheme} activation scales)"
+
+
+def _text_name(name: str) -> str:
+    return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
 
 
 @dataclass(frozen=True)
@@ -41,6 +85,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    quantization: QuantConfig | None = None  # the checkpoint's (None: plain weights)
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
@@ -131,6 +176,7 @@ class ModelConfig:
             shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0) or 0,
             eos_token_ids=_as_tuple(text.get("eos_token_id", outer.get("eos_token_id"))),
             pad_token_id=text.get("pad_token_id", outer.get("pad_token_id")),
+            quantization=_quantization(text, outer),
         )
 
 
@@ -184,6 +230,18 @@ def _layer_types(text: dict[str, Any]) -> tuple[str, ...]:
     return tuple(
         "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(text["num_hidden_layers"])
     )
+
+
+def quantization_in_use(config: ModelConfig, requested: str | None) -> str:
+    """``"fp8"`` when the model runs its checkpoint's FP8 weights (``requested``: ``--quantization``; ``"none"``
+    dequantizes them at load), else ``"none"``."""
+    return "none" if requested == "none" or config.quantization is None else config.quantization.method
+
+
+def _quantization(text: dict[str, Any], outer: dict[str, Any]) -> QuantConfig | None:
+    """A VL wrapper may keep ``quantization_config`` at its top level rather than in ``text_config``."""
+    raw = text.get("quantization_config") or outer.get("quantization_config")
+    return QuantConfig.from_dict(raw) if raw else None
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

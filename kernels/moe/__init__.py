@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import use_triton
-from . import naive, triton_moe
+from . import naive, triton_moe, triton_moe_fp8
 
 
 def topk_softmax(
@@ -25,9 +25,21 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """``sum_i w_i * down_e(silu(gate_e(x)) * up_e(x))`` over each token's selected experts (any k' columns)."""
+    """``sum_i w_i * down_e(silu(gate_e(x)) * up_e(x))`` over each token's selected experts (any k' columns).
+
+    Block-FP8 experts: w13 [E, 2I, H] and w2 [E, H, I] in an FP8 dtype with float32 scales ``w13_scale``
+    [E, ceil(2I / bn), ceil(H / bk)] and ``w2_scale`` [E, ceil(H / bn), ceil(I / bk)] for ``block`` (bn, bk);
+    activations are quantized per token group of bk columns (see ``kernels/quant``).
+    """
+    if w13_scale is not None:
+        impl = triton_moe_fp8 if use_triton(x, backend) else naive
+        fp8 = impl.fused_moe if impl is triton_moe_fp8 else naive.fused_moe_fp8
+        return fp8(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
     impl = triton_moe if use_triton(x, backend) else naive
     return impl.fused_moe(x, w13, w2, topk_weights, topk_ids)
 

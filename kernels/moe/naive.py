@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from ..quant import naive as quant
+
 
 def topk_softmax(
     router_logits: torch.Tensor, top_k: int, renormalize: bool = True
@@ -155,3 +157,31 @@ def _fused_moe_dense(
     dense = topk_weights.new_zeros(x.shape[0], 1, num_experts, dtype=torch.float32)
     dense.scatter_add_(2, topk_ids.long().unsqueeze(1), topk_weights.float().unsqueeze(1))  # [T, 1, E]
     return torch.bmm(dense, expert_out.transpose(0, 1)).squeeze(1).to(x.dtype)
+
+
+def fused_moe_fp8(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """The FP8 fused MoE's reference: x and the activation between the GEMMs quantized per token group of
+    ``block[1]`` as the Triton kernels do, each selected expert dequantized in turn (float32 arithmetic)."""
+    top_k, group = topk_ids.shape[1], block[1]
+    flat_ids, flat_weights = topk_ids.reshape(-1), topk_weights.reshape(-1).float()
+    x_dq = quant.dequantize_groups(*quant.per_token_group_quant(x, group, w13.dtype), group)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w2.shape[2]
+    for expert in flat_ids.unique().tolist():
+        pairs = (flat_ids == expert).nonzero().squeeze(1)
+        tokens = pairs // top_k
+        gate_up = x_dq[tokens] @ quant.dequantize_blocks(w13[expert], w13_scale[expert], block).t()
+        act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
+        act_dq = quant.dequantize_groups(*quant.per_token_group_quant(act, group, w2.dtype), group)
+        expert_out = act_dq @ quant.dequantize_blocks(w2[expert], w2_scale[expert], block).t()
+        out.index_add_(0, tokens, expert_out * flat_weights[pairs, None])
+    return out.to(x.dtype)

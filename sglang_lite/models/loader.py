@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 from collections.abc import Iterator
@@ -11,9 +12,12 @@ from torch import nn
 
 from sglang_lite import assets
 from sglang_lite.config import ModelConfig
+from sglang_lite.kernels import fp8_dtype
 from sglang_lite.models.qwen3_5 import Qwen3_5ForCausalLM, model_class_for
 from sglang_lite.models.weights import load_checkpoint
-from sglang_lite.server_args import LOAD_FORMATS, ServerArgs
+from sglang_lite.server_args import LOAD_FORMATS, QUANTIZATIONS, ServerArgs, server_args_or_default
+
+logger = logging.getLogger(__name__)
 
 
 def load_model(
@@ -23,22 +27,49 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     server_args: ServerArgs | None = None,
+    quantization: str | None = None,
+    fp8_weights: bool | None = None,
 ) -> Qwen3_5ForCausalLM:
     """Builds the model described by ``path/config.json`` (None: the built-in tiny model, trained on the Python
     standard library by scripts/train_tiny_model.py).
 
     ``load_format="auto"`` reads safetensors from ``path``; ``"dummy"`` fills seeded random weights.
     ``server_args`` (default: the global ones, else defaults) decide shared-expert fusion and the stream plan.
+    ``quantization`` (default: the server arguments', else what the checkpoint says): ``"fp8"`` for a block-FP8
+    checkpoint, ``"none"`` to dequantize it into ``dtype`` at load. ``fp8_weights``: keep its quantized
+    projections in FP8 (default: on a GPU; on the CPU they are dequantized, exactly, into ``dtype``).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = assets.model_dir(path)
-    model = create_model(ModelConfig.from_hf(path), dtype, device, server_args)
+    args = server_args if server_args is not None else server_args_or_default()
+    config = ModelConfig.from_hf(path)
+    quantization = quantization or args.quantization
+    _check_quantization(config, quantization)
+    model = create_model(config, dtype, device, server_args)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
-    else:
-        load_checkpoint(model, path, model.config.tie_word_embeddings)
+        return model.eval()
+    on_gpu = torch.device(device).type == "cuda"
+    keep_fp8 = config.quantization is not None and quantization != "none" and (
+        on_gpu if fp8_weights is None else fp8_weights)
+    if config.quantization is not None:
+        where = f"FP8 in memory ({fp8_dtype(device)})" if keep_fp8 else f"dequantized to {model.lm_head.weight.dtype}"
+        logger.info("quantization: %s; checkpoint %s; quantized weights %s", quantization or "auto",
+                    config.quantization.describe(), where)
+    load_checkpoint(model, path, config.tie_word_embeddings, config.quantization,
+                    fp8_dtype(device) if keep_fp8 else None)
     return model.eval()
+
+
+def _check_quantization(config: ModelConfig, quantization: str | None) -> None:
+    """``"none"`` dequantizes (the checkpoint's scales are still read), ``"fp8"`` needs an FP8 checkpoint, None
+    follows the checkpoint."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization == "fp8" and config.quantization is None:
+        raise ValueError("quantization 'fp8' needs a block-FP8 checkpoint (a quantization_config with quant_method "
+                         "'fp8' in config.json); this one has none")
 
 
 def create_model(

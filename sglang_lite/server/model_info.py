@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+from sglang_lite.config import ModelConfig, quantization_in_use
 from sglang_lite.server.tokenizer_manager import TokenizerManager
 from sglang_lite.server_args import ServerArgs
 
@@ -26,6 +27,11 @@ def server_info_of(manager: TokenizerManager, args: ServerArgs) -> dict[str, Any
     )
     if manager.alt_stream_plan is not None:
         info["alt_stream_plan"] = manager.alt_stream_plan
+    model_config = ModelConfig.from_hf(args.model_dir)
+    info["quantization"] = quantization_in_use(model_config, args.quantization)
+    if info["quantization"] != "none":
+        where = "dequantized at load" if args.device == "cpu" else "FP8 in memory"
+        info["quantization_config"] = f"{model_config.quantization.describe()}; weights {where}"
     return info
 
 
