@@ -12,7 +12,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from sglang_lite.sim.config import SimConfig, load_cluster_file, save_cluster_file
+from sglang_lite.sim.config import SimConfig, load_cluster_file, load_trace_config, save_cluster_file
 
 
 def base_config(args: argparse.Namespace) -> SimConfig:
@@ -21,7 +21,8 @@ def base_config(args: argparse.Namespace) -> SimConfig:
                  if getattr(args, k) is not None}
     cluster = dataclasses.replace(cluster, **overrides)
     warmup = args.warmup if args.warmup is not None else min(300.0, args.duration / 6)
-    return SimConfig(duration_s=args.duration, warmup_s=warmup, seed=args.seed, cost=cost, cluster=cluster)
+    return SimConfig(duration_s=args.duration, warmup_s=warmup, seed=args.seed, cost=cost, cluster=cluster,
+                     trace=load_trace_config(args.cluster_file), prefill_policy=args.prefill_policy)
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -34,6 +35,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp-size", dest="decode_dp_size", type=int, default=None)
     p.add_argument("--num-decode", type=int, default=None)
     p.add_argument("--num-prefill", type=int, default=None)
+    p.add_argument("--prefill-policy", default=SimConfig.prefill_policy,
+                   help="how the router picks a prefill server (a compare label, as --policies)")
     p.add_argument("--out", default=None, help="folder for plots and CSV")
 
 
@@ -67,7 +70,8 @@ def cmd_run(args: argparse.Namespace) -> None:
     result = simulate(cfg)
     for k, v in result.row().items():
         print(f"{k:>22}: {v:.4f}")
-    print(f"{'ttft_p50_s':>22}: {result.ttft_p50:.4f}\n{'completed':>22}: {result.completed}")
+    print(f"{'completed':>22}: {result.completed}")
+    print(f"{'transfer_share':>22}: {[round(x, 3) for x in result.transfer_share]}")
     print(f"{'rank_batch_ratio':>22}: {[round(x, 3) for x in result.balance.rank_batch_ratio]}")
     print(f"{'busiest_share':>22}: {[round(x, 3) for x in result.balance.busiest_share]}")
     if args.out:
@@ -82,7 +86,8 @@ def cmd_fit(args: argparse.Namespace) -> None:
     fitted = fit_decode(read_observations(args.csv), cost)
     print({k: v for k, v in dataclasses.asdict(fitted).items() if k.startswith("decode_")})
     if args.out:
-        save_cluster_file(args.out, fitted, cluster, f"decode cost fitted from {args.csv}")
+        save_cluster_file(args.out, fitted, cluster, f"decode cost fitted from {args.csv}",
+                          load_trace_config(args.cluster_file))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,9 +4,10 @@ Event-driven (a heap of (time, seq, handler, arg)); nothing sleeps. Clients are 
 `concurrency` clients runs agentic sessions turn after turn, sending the next turn when the previous one finished.
 A request's path: the router picks a prefill server and a decode rank; the decode rank queues it in prealloc and
 reserves KV when it fits (bootstrap); only then does the prefill server queue it (SGLang's prefill waits for the
-decode side's allocation); after prefill its KV crosses the decode server's link (latency + bytes / bandwidth,
-transfers share the link first come first served); it joins the rank's running batch at the next step, where
-its first token reaches the client, and leaves after output_len - 1 steps.
+decode side's allocation); after prefill its KV crosses to the decode server (transfers run in parallel, each at
+most at a per-request rate, all together at most at the link's bandwidth; so a long prompt arrives after shorter
+ones sent later); it joins the rank's running batch at the next step, where its first token reaches the client,
+and leaves after output_len - 1 steps.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from sglang_lite.sim.prefill import PrefillServer
 from sglang_lite.sim.request import SimRequest
 from sglang_lite.sim.router_sim import SimRouter
 
+LASTING_HORIZON_STEPS = 130  # ~ a request's wait before it decodes (1.7 s at ~13 ms a step), for `lasting`
+
 
 @dataclass
 class SimResult:
@@ -36,6 +39,9 @@ class SimResult:
     tpot_p90: float
     ttft_p50: float
     completed: int  # requests finished in the measurement window
+    ttft_p90: float = 0.0
+    # per rank, the share of its in-flight requests waiting on KV: reserved, prefill or transfer not done
+    transfer_share: tuple[float, ...] = ()
     sample_times: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
     outstanding: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((0, 0)))
     running: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((0, 0)))
@@ -46,7 +52,9 @@ class SimResult:
 
     def row(self) -> dict[str, float]:
         return {"output_tok_s_per_gpu": self.output_throughput_per_gpu, "tpot_p50_ms": self.tpot_p50 * 1e3,
-                "tpot_p90_ms": self.tpot_p90 * 1e3, **self.balance.row()}
+                "tpot_p90_ms": self.tpot_p90 * 1e3, "ttft_p50_s": self.ttft_p50, "ttft_p90_s": self.ttft_p90,
+                **self.balance.row(), "transfer_share": float(np.mean(self.transfer_share or [0.0])),
+                "max_busiest_share": max(self.balance.busiest_share)}
 
 
 class Cluster:
@@ -58,6 +66,8 @@ class Cluster:
         self.ranks = [rank for server in self.decodes for rank in server.ranks]
         self.router = SimRouter(config.policy, config.prefill_policy, cl.num_prefill,
                                 [(s.index, r) for s in self.decodes for r in range(cl.decode_dp_size)], config.seed)
+        self.router.work_ahead = self._work_ahead
+        self.router.lasting = self._lasting
         self.sessions = sessions if sessions is not None else iter_agentic_sessions(config.seed, config.trace)
         self.sessions_started = 0
         self.events: list[tuple[float, int, Callable, object]] = []
@@ -68,7 +78,7 @@ class Cluster:
         self.finished: list[SimRequest] = []
         self.finish_counts: dict[int, int] = {}
         self.output_tokens = 0  # tokens produced inside the measurement window
-        self.samples: list[tuple[float, list[int], list[int], list[int]]] = []
+        self.samples: list[tuple[float, list[int], list[int], list[int], list[int]]] = []
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def at(self, t: float, handler: Callable, arg: object = None) -> None:
@@ -91,6 +101,15 @@ class Cluster:
     def _idle(self) -> bool:
         # Only the periodic poll and sample events remain: a finite trace has drained.
         return len(self.events) <= 1
+
+    def _work_ahead(self) -> list[int]:
+        dp = self.cfg.cluster.decode_dp_size
+        return [rank.steps_ahead(self.decodes[rank.index // dp].step) for rank in self.ranks]
+
+    def _lasting(self) -> list[int]:
+        dp, horizon = self.cfg.cluster.decode_dp_size, LASTING_HORIZON_STEPS
+        return [len(r.prealloc) + r.num_transfer + len(r.ready)
+                + r.running_beyond(self.decodes[r.index // dp].step, horizon) for r in self.ranks]
 
     # ---- clients -----------------------------------------------------------------------------------------------
     def _next_turn(self, client: int) -> None:
@@ -188,7 +207,7 @@ class Cluster:
     def _sample(self, _: object = None) -> None:
         ranks = self.ranks
         self.samples.append((self.now, [r.outstanding for r in ranks], [r.num_running for r in ranks],
-                             [r.num_total_tokens for r in ranks]))
+                             [r.num_total_tokens for r in ranks], [r.num_transfer for r in ranks]))
         self.at(self.now + self.cfg.cluster.sample_interval_s, self._sample)
 
     # ---- results -----------------------------------------------------------------------------------------------
@@ -196,7 +215,7 @@ class Cluster:
         warm = self.cfg.warmup_s if end > self.cfg.warmup_s else 0.0
         window = [s for s in self.samples if s[0] >= warm] or self.samples
         times = np.array([s[0] for s in window])
-        outstanding, running, kv = (np.array([s[i] for s in window]) for i in (1, 2, 3))
+        outstanding, running, kv, transfer = (np.array([s[i] for s in window]) for i in (1, 2, 3, 4))
         reqs = [r for r in self.finished if r.finish_time >= warm]
         tpots = np.array([t for t in (r.tpot() for r in reqs) if t is not None] or [0.0])
         ttfts = np.array([r.first_token_time - r.arrival for r in reqs] or [0.0])
@@ -205,7 +224,8 @@ class Cluster:
             config=self.cfg, balance=balance_stats(outstanding, running, kv),
             output_throughput_per_gpu=self.output_tokens / max(end - warm, 1e-9) / gpus,
             tpot_p50=float(np.percentile(tpots, 50)), tpot_p90=float(np.percentile(tpots, 90)),
-            ttft_p50=float(np.percentile(ttfts, 50)), completed=len(reqs),
+            ttft_p50=float(np.percentile(ttfts, 50)), ttft_p90=float(np.percentile(ttfts, 90)), completed=len(reqs),
+            transfer_share=tuple(float(x) for x in transfer.sum(0) / np.maximum(outstanding.sum(0), 1)),
             sample_times=times, outstanding=outstanding, running=running, kv_tokens=kv,
             finish_counts=self.finish_counts, admitted=next(self.rids),
         )

@@ -21,6 +21,10 @@ METRICS = (  # (key in SimResult.row(), column title, format)
     ("running_cv", "running CV", "{:.3f}"),
     ("busiest_batch", "busiest batch", "{:.2f}"),
     ("busiest_over_mean_kv", "max/mean KV", "{:.3f}"),
+    ("ttft_p50_s", "TTFT p50 s", "{:.2f}"),
+    ("ttft_p90_s", "TTFT p90 s", "{:.2f}"),
+    ("transfer_share", "waiting on KV", "{:.2f}"),
+    ("max_busiest_share", "busiest-rank share", "{:.3f}"),
 )
 
 
@@ -71,13 +75,14 @@ def plot_grid(results: dict[tuple[str, int], SimResult], path: str | Path) -> No
 
     policies = list(dict.fromkeys(p for p, _ in results))
     concs = sorted({c for _, c in results})
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    fig, axes = plt.subplots(3, 4, figsize=(16, 10))
     for ax, (key, title, _) in zip(axes.flat, METRICS):
         for p in policies:
             ax.plot(concs, [results[(p, c)].row()[key] for c in concs], marker="o", label=p)
         ax.set_title(title)
         ax.set_xlabel("concurrency")
-    axes.flat[-1].axis("off")
+    for ax in axes.flat[len(METRICS):]:
+        ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

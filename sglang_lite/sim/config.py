@@ -26,6 +26,9 @@ class CostModel:
     transfer_latency_s: float
     transfer_bandwidth_bytes_s: float
     kv_bytes_per_token: int
+    # One request's KV moves at most this fast however idle the link is (per-request transfer engine rate);
+    # transfers run in parallel up to the link's bandwidth. 0: no per-request limit.
+    transfer_request_bytes_s: float = 0.0
 
     def rank_step_s(self, batch: int, kv_tokens: int) -> float:
         return self.decode_base_s + self.decode_per_req_s * batch + self.decode_per_kv_token_s * kv_tokens
@@ -37,6 +40,11 @@ class CostModel:
     def transfer_s(self, tokens: int) -> float:
         """Wire time only; the latency is added once per request."""
         return tokens * self.kv_bytes_per_token / self.transfer_bandwidth_bytes_s
+
+    def transfer_request_s(self, tokens: int) -> float:
+        """The shortest time one request's KV can take, set by the per-request rate (0 when unlimited)."""
+        rate = self.transfer_request_bytes_s
+        return tokens * self.kv_bytes_per_token / rate if rate > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -68,8 +76,17 @@ def load_cluster_file(path: str | Path | None = None) -> tuple[CostModel, Cluste
     return CostModel(**data["cost"]), ClusterConfig(**data.get("cluster", {}))
 
 
-def save_cluster_file(path: str | Path, cost: CostModel, cluster: ClusterConfig, comment: str = "") -> None:
+def load_trace_config(path: str | Path | None = None) -> AgenticTraceConfig:
+    """The agentic trace shape the cluster file's `trace` section sets (the generator's defaults elsewhere)."""
+    with open(path or DEFAULT_CLUSTER_FILE) as f:
+        return AgenticTraceConfig(**json.load(f).get("trace", {}))
+
+
+def save_cluster_file(path: str | Path, cost: CostModel, cluster: ClusterConfig, comment: str = "",
+                      trace: AgenticTraceConfig | None = None) -> None:
     data = {"_comment": comment, "cost": dataclasses.asdict(cost), "cluster": dataclasses.asdict(cluster)}
+    if trace is not None:
+        data["trace"] = dataclasses.asdict(trace)
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
@@ -79,7 +96,9 @@ class SimConfig:
     other power-of-two load metric. `duration_s=None` runs a finite trace (`max_sessions`) to completion."""
 
     policy: str = "least_requests"
-    prefill_policy: str = "round_robin"
+    # Not round_robin: two round-robin counters advancing together alias (with decode ranks a multiple of the
+    # prefill servers, rank k always shares prefill server k mod P), see docs/balance.md.
+    prefill_policy: str = "requests"
     concurrency: int = 256
     duration_s: float | None = 3600.0
     warmup_s: float = 300.0  # excluded from every metric
@@ -87,7 +106,7 @@ class SimConfig:
     max_sessions: int | None = None
     cost: CostModel = field(default_factory=lambda: load_cluster_file()[0])
     cluster: ClusterConfig = field(default_factory=lambda: load_cluster_file()[1])
-    trace: AgenticTraceConfig = field(default_factory=AgenticTraceConfig)
+    trace: AgenticTraceConfig = field(default_factory=load_trace_config)
     check_invariants: bool = False  # assert memory limits after every step (slower; tests turn it on)
 
     def __post_init__(self) -> None:

@@ -13,12 +13,21 @@ import random
 from typing import Callable
 
 from sglang_lite.router.policies import Policy, RequestInfo, WorkerState, create_policy
-from sglang_lite.sim.pending_aware import PendingAwarePolicy, PhasedWorkerState
+from sglang_lite.sim.pending_aware import (
+    LastingPolicy,
+    PendingAwarePolicy,
+    PendingOnlyPolicy,
+    PendingTieBreakPolicy,
+    PhasedWorkerState,
+    WorkAheadPolicy,
+)
 
 PLAIN_POLICIES = ("round_robin", "random")
 EMPTY_REQUEST = RequestInfo()
 # Policies the simulator knows that the router does not (candidates, test fixtures): label -> factory.
-EXTRA_POLICIES: dict[str, Callable[[], Policy]] = {PendingAwarePolicy.name: PendingAwarePolicy}
+EXTRA_POLICIES: dict[str, Callable[[], Policy]] = {
+    p.name: p for p in (PendingAwarePolicy, PendingOnlyPolicy, WorkAheadPolicy, PendingTieBreakPolicy, LastingPolicy)}
+PHASED_POLICIES = (PendingAwarePolicy, WorkAheadPolicy, PendingTieBreakPolicy, LastingPolicy)
 
 
 def make_policy(label: str) -> Policy:
@@ -49,6 +58,8 @@ class SimRouter:
         self._decode_index = {u: i for i, u in enumerate(self.decode_urls)}
         self._prefill_index = {u: i for i, u in enumerate(self.prefill_urls)}
         self.polls = 0
+        self.work_ahead: Callable[[], list[int]] = lambda: [0] * len(self.decode_urls)  # the cluster sets it
+        self.lasting: Callable[[], list[int]] = lambda: [0] * len(self.decode_urls)  # the cluster sets it
 
     def dispatch(self) -> tuple[int, int]:
         """(prefill server, global decode rank) for a new request; counts it in flight on both."""
@@ -65,10 +76,11 @@ class SimRouter:
         return index[chosen.url]
 
     def _decode_views(self) -> list[WorkerState]:
-        # Only the `remaining` metric reads the phase; plain states are cheaper to build for the others.
-        if isinstance(self.decode_policy, PendingAwarePolicy):
-            return [PhasedWorkerState(u, i, True, self.in_flight[i], self.polled[i], self.pending[i])
-                    for i, u in enumerate(self.decode_urls)]
+        # Only the candidate metrics read the phase; plain states are cheaper to build for the others.
+        if isinstance(self.decode_policy, PHASED_POLICIES):
+            ahead, lasting = self.work_ahead(), self.lasting()
+            return [PhasedWorkerState(u, i, True, self.in_flight[i], self.polled[i], self.pending[i], ahead[i],
+                                      lasting[i]) for i, u in enumerate(self.decode_urls)]
         return [WorkerState(u, i, True, self.in_flight[i], self.polled[i]) for i, u in enumerate(self.decode_urls)]
 
     def _prefill_views(self) -> list[WorkerState]:
