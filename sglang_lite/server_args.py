@@ -62,6 +62,7 @@ _HELP = {
     "disaggregation_ib_device": "RDMA device for the transfer engine (e.g. mlx5_0); unset: TCP.",
     "disaggregation_transfer_timeout": "Seconds a PD request may wait for its destination (prefill side) or its data "
     "(decode side) before it fails.",
+    "disable_radix_cache": "Turn the prefix cache off: every request prefills its whole prompt.",
     "disable_shared_experts_fusion": "Run the MoE shared expert separately instead of as an extra fused expert.",
     "skip_tokenizer_init": "Do not load a tokenizer: requests pass input_ids and get no text.",
     "disable_cuda_graph": "Run decode steps eagerly instead of replaying captured CUDA graphs.",
@@ -120,6 +121,7 @@ class ServerArgs:
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_ib_device: str | None = None
     disaggregation_transfer_timeout: float = 60.0
+    disable_radix_cache: bool = False
     disable_shared_experts_fusion: bool = False
     skip_tokenizer_init: bool = False
     disable_cuda_graph: bool = False
@@ -248,6 +250,16 @@ class ServerArgs:
         processes of this node."""
         processes = self.num_worlds * self.ranks_per_node
         return self.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // processes)
+
+    @property
+    def prefix_cache(self) -> bool:
+        """The radix cache runs unless turned off; PD ranks serve without it for now."""
+        return not self.disable_radix_cache and self.disaggregation_mode == "null"
+
+    @property
+    def cache_state_snapshots(self) -> int:
+        """State slots the prefix cache keeps GDN snapshots in: one per request row."""
+        return self.max_running_requests if self.prefix_cache else 0
 
     @property
     def effective_prefill_chunk(self) -> int:

@@ -4,7 +4,8 @@ Why these numbers: under DP attention a decode step lasts as long as its busiest
 running batch and the spread of per-rank request counts decide TPOT, while KV tokens mostly decide memory.
 
 Definitions (series are [samples, ranks]; a sample is one poll of every rank):
-- outstanding = running + waiting + every disaggregation queue (prealloc, transfer, retracted) of the rank.
+- outstanding = running + waiting (whose count includes a PD rank's prealloc, transfer and retracted queues, as
+  SGLang's does) + a prefill rank's inflight queue (requests still being sent).
 - CV: per sample, population std over ranks / mean over ranks; averaged over samples whose mean is > 0.
 - busiest batch: mean over samples of the maximum running batch over ranks.
 - busiest/mean KV: mean over samples (with KV > 0) of max over ranks / mean over ranks of KV tokens.
@@ -30,8 +31,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 LOG_EVERY_SECS = 30.0
-QUEUE_FIELDS = ("num_waiting_reqs", "decode_prealloc_queue_reqs", "decode_transfer_queue_reqs",
-                "decode_retracted_queue_reqs", "prefill_prealloc_queue_reqs", "prefill_inflight_queue_reqs")
+QUEUE_FIELDS = ("num_waiting_reqs", "prefill_inflight_queue_reqs")  # num_waiting_reqs counts the PD queues
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,9 @@ INSTALL_HINT = ("PD disaggregation needs the Mooncake transfer engine: pip insta
                 "(CPU) and its system library: apt-get install libibverbs1")
 
 
+MAX_BATCH_BLOCKS = 1024  # blocks per batched write
+
+
 class TransferError(RuntimeError):
     """A write to the peer failed (the engine returned an error code)."""
 
@@ -67,14 +70,18 @@ class MooncakeTransfer:
                 raise RuntimeError(f"Mooncake could not register a buffer of {tuple(tensor.shape)} (code {code})")
 
     def write(self, session: str, sources: list[int], targets: list[int], lengths: list[int]) -> int:
-        """Writes each ``lengths[i]`` bytes at local ``sources[i]`` to ``targets[i]`` of the peer ``session``;
+        """Writes each ``lengths[i]`` bytes at local ``sources[i]`` to ``targets[i]`` of the peer ``session``, in
+        batches of at most ``MAX_BATCH_BLOCKS`` (the TCP transport refuses larger ones: seen from ~2,100);
         returns the bytes written or raises TransferError."""
         if not sources:
             return 0
         start = time.perf_counter()
-        code = self.engine.batch_transfer_sync_write(session, sources, targets, lengths)
-        if code != 0:
-            raise TransferError(f"Mooncake write of {len(sources)} blocks to {session} failed (code {code})")
+        for i in range(0, len(sources), MAX_BATCH_BLOCKS):
+            batch = slice(i, i + MAX_BATCH_BLOCKS)
+            code = self.engine.batch_transfer_sync_write(session, sources[batch], targets[batch], lengths[batch])
+            if code != 0:
+                raise TransferError(f"Mooncake write of blocks {i}-{i + len(sources[batch]) - 1} of {len(sources)} "
+                                    f"to {session} failed (code {code})")
         nbytes = sum(lengths)
         self.stats.record(nbytes, time.perf_counter() - start)
         return nbytes

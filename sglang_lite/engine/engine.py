@@ -15,7 +15,7 @@ from typing import Any
 
 from sglang_lite.engine.sync_client import SyncClient
 from sglang_lite.runtime.inputs import prompt_token_ids
-from sglang_lite.runtime.messages import CheckQuery, LoadsQuery
+from sglang_lite.runtime.messages import CheckQuery, FlushCache, LoadsQuery
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.loads import LOAD_SECTIONS
 from sglang_lite.scheduler.request import ReqOutput, join_outputs
@@ -94,6 +94,10 @@ class Engine:
         if unknown:
             raise ValueError(f"include: unknown load section(s) {unknown}; known: {list(LOAD_SECTIONS)}")
         return self._running_client().ask(LoadsQuery, tuple(include)).loads
+
+    def flush_cache(self) -> int:
+        """Drops every cached prefix no request uses; returns the KV slots freed."""
+        return self._running_client().ask(FlushCache).freed_tokens
 
     def check_invariants(self) -> None:
         """Asserts the pools hold exactly what the requests hold (for tests and debugging)."""

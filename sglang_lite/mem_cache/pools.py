@@ -19,12 +19,12 @@ from sglang_lite.distributed import get_parallel_state
 
 
 class SlotAllocator:
-    """Free list over slots 1..size (slot 0 reserved)."""
+    """Free list over slots first..first + size - 1 (by default 1..size: slot 0 is reserved)."""
 
-    def __init__(self, size: int, name: str) -> None:
+    def __init__(self, size: int, name: str, first: int = 1) -> None:
         self.size = size
         self.name = name
-        self._free = list(range(size, 0, -1))
+        self._free = list(range(first + size - 1, first - 1, -1))
 
     @property
     def num_free(self) -> int:
@@ -43,7 +43,9 @@ class SlotAllocator:
         return taken[::-1]
 
     def free(self, slots: list[int]) -> None:
-        self._free.extend(slots)
+        # kept so that the next alloc hands them out ascending: the KV slots of one request then stay in runs,
+        # which a PD transfer writes as one block each
+        self._free.extend(sorted(slots, reverse=True))
         assert len(self._free) <= self.size, f"{self.name}: freed more slots than exist"
 
 
@@ -68,14 +70,24 @@ class TokenKVPool:
 
 
 class LinearStatePool:
-    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        conv_shape = (num_slots + 1, config.conv_dim, config.linear_conv_kernel_dim - 1)
+    """``num_slots`` slots for running requests, then ``num_snapshots`` for the prefix cache's state snapshots."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device,
+                 num_snapshots: int = 0) -> None:
+        rows = num_slots + num_snapshots + 1
+        conv_shape = (rows, config.conv_dim, config.linear_conv_kernel_dim - 1)
         head_shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
-        ssm_shape = (num_slots + 1, *head_shape)
+        ssm_shape = (rows, *head_shape)
         n = len(config.linear_attention_layers)
         self.conv_states = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in range(n)]
         self.ssm_states = [torch.zeros(ssm_shape, dtype=torch.float32, device=device) for _ in range(n)]
         self.allocator = SlotAllocator(num_slots, "linear-attention state slots")
+        self.snapshots = SlotAllocator(num_snapshots, "prefix-cache state snapshots", first=num_slots + 1)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """The conv and recurrent states of slot ``src`` into slot ``dst`` (every GDN layer)."""
+        for buf in self.conv_states + self.ssm_states:
+            buf[dst].copy_(buf[src])
 
     def alloc(self, n: int) -> list[int] | None:
         """Slots with zeroed states: a new request starts from an empty conv window and recurrent state."""
@@ -109,21 +121,23 @@ class ModelPools:
         max_context_len: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_snapshots: int = 0,
     ) -> ModelPools:
         device = torch.device(device)
         config = _local(config)
         return cls(
             req_to_token=ReqToTokenPool(max_running_requests, max_context_len, device),
             kv=TokenKVPool(config, max_total_tokens, dtype, device),
-            states=LinearStatePool(config, max_running_requests, dtype, device),
+            states=LinearStatePool(config, max_running_requests, dtype, device, num_snapshots),
             attention_index={layer: i for i, layer in enumerate(config.full_attention_layers)},
             linear_index={layer: i for i, layer in enumerate(config.linear_attention_layers)},
         )
 
-    def free_request(self, row: int, num_tokens: int, state_slot: int) -> None:
-        """Frees all a request holds: the KV slots of its first ``num_tokens`` positions, its state slot, its row."""
-        if num_tokens:
-            self.kv.allocator.free(self.req_to_token.req_to_token[row, :num_tokens].tolist())
+    def free_request(self, row: int, num_tokens: int, state_slot: int, first: int = 0) -> None:
+        """Frees all a request holds: the KV slots of its positions ``first`` to ``num_tokens`` (those before
+        ``first`` belong to the prefix cache), its state slot, its row."""
+        if num_tokens > first:
+            self.kv.allocator.free(self.req_to_token.req_to_token[row, first:num_tokens].tolist())
         self.states.allocator.free([state_slot])
         self.req_to_token.allocator.free([row])
 

@@ -31,6 +31,7 @@ from sglang_lite.runtime.messages import (
     CheckReply,
     Command,
     Fatal,
+    FlushReply,
     LoadsReply,
     QueryReply,
     Ready,
@@ -177,7 +178,7 @@ class SchedulerClient:
             handler.on_outputs(reply.rank, reply.outputs)
         elif isinstance(reply, Ack):
             handler.on_ack(reply)
-        elif isinstance(reply, (LoadsReply, CheckReply)):
+        elif isinstance(reply, (LoadsReply, CheckReply, FlushReply)):
             handler.on_query_reply(reply)
         elif isinstance(reply, Fatal):
             handler.on_fatal(reply.rank, reply.message)

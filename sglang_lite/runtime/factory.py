@@ -40,7 +40,7 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
     config = SchedulerConfig.from_server_args(args, model.config, max_total_tokens, eos)
     config = dataclasses.replace(config, dp_rank=dp_rank)
     pools = ModelPools.create(model.config, max_total_tokens, args.max_running_requests, context_length, dtype,
-                              args.device)
+                              args.device, args.cache_state_snapshots)
     return Scheduler(config, ModelRunner(model, pools, args), pools, load_server_tokenizer(args), _pd_side(args, pools))
 
 

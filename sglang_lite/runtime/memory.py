@@ -44,7 +44,8 @@ def resolve_max_total_tokens(args: ServerArgs, config: ModelConfig, dtype: torch
     if args.max_total_tokens is not None:
         return args.max_total_tokens
     budget = device_budget_bytes(args.device, args.mem_fraction_static)
-    budget -= args.max_running_requests * ModelPools.bytes_per_request_state(config, dtype)
+    state_slots = args.max_running_requests + args.cache_state_snapshots
+    budget -= state_slots * ModelPools.bytes_per_request_state(config, dtype)
     fits = budget // max(ModelPools.bytes_per_token(config, dtype), 1)
     tokens = min(fits, args.max_running_requests * context_length)
     if tokens < context_length:

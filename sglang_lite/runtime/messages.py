@@ -87,6 +87,13 @@ class CheckQuery(Message):
 
 
 @dataclass(frozen=True)
+class FlushCache(Message):
+    """Drops every cached prefix no request uses (answered with ``FlushReply``)."""
+
+    query_id: int
+
+
+@dataclass(frozen=True)
 class Stop(Message):
     pass
 
@@ -156,6 +163,13 @@ class CheckReply(Message):
 
 
 @dataclass(frozen=True)
+class FlushReply(Message):
+    rank: int
+    query_id: int
+    freed_tokens: int  # KV slots the prefix cache gave back
+
+
+@dataclass(frozen=True)
 class Reserved(Message):
     """PD, from a decode rank: memory for request ``rid`` is reserved; ``target`` (its addresses) goes to the
     prefill server's bootstrap server under ``room``."""
@@ -174,13 +188,13 @@ class Fatal(Message):
     message: str
 
 
-Command = AddRequest | AbortRequest | TransferTarget | LoadsQuery | CheckQuery | Stop
-Reply = Ready | Ack | StepOutputs | LoadsReply | CheckReply | Reserved | Fatal
-QueryReply = LoadsReply | CheckReply
+Command = AddRequest | AbortRequest | TransferTarget | LoadsQuery | CheckQuery | FlushCache | Stop
+Reply = Ready | Ack | StepOutputs | LoadsReply | CheckReply | FlushReply | Reserved | Fatal
+QueryReply = LoadsReply | CheckReply | FlushReply
 
 _KINDS: dict[str, type[Message]] = {}
-for _cls in (AddRequest, AbortRequest, TransferTarget, LoadsQuery, CheckQuery, Stop, Ready, Ack, StepOutputs,
-             LoadsReply, CheckReply, Reserved, Fatal):
+for _cls in (AddRequest, AbortRequest, TransferTarget, LoadsQuery, CheckQuery, FlushCache, Stop, Ready, Ack,
+             StepOutputs, LoadsReply, CheckReply, FlushReply, Reserved, Fatal):
     _cls.kind = _cls.__name__
     _KINDS[_cls.kind] = _cls
 

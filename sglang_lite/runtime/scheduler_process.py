@@ -42,6 +42,8 @@ from sglang_lite.runtime.messages import (
     CheckQuery,
     CheckReply,
     Fatal,
+    FlushCache,
+    FlushReply,
     LoadsQuery,
     LoadsReply,
     Message,
@@ -282,6 +284,8 @@ class WorldLoop:
             self.reply(LoadsReply(self.dp_rank, command.query_id, loads))
         elif isinstance(command, CheckQuery):
             self.reply(CheckReply(self.dp_rank, command.query_id, self.invariant_error()))
+        elif isinstance(command, FlushCache):
+            self.reply(FlushReply(self.dp_rank, command.query_id, self.scheduler.flush_cache()))
         else:
             raise TypeError(f"a scheduler process takes commands, not {type(command).__name__}")
 

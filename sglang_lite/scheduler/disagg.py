@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 PENDING, DONE, FAILED = 0, 1, 2  # a metadata row's status: written last by the prefill side
+STATUS_RETRIES = 5
 MODES = ("null", "prefill", "decode")
 
 
@@ -116,10 +117,12 @@ class PrefillSide(_Side):
             self.meta[slot] = torch.tensor([DONE, token, sent, int((time.perf_counter() - start) * 1e9)])
         except Exception:
             self.meta[slot] = torch.tensor([FAILED, -1, 0, 0])
-            try:
-                self.transfer.write(dst.session, [self.meta[slot].data_ptr()], meta_target, [meta_row])
-            except Exception:  # the decode side times out instead
-                pass
+            for attempt in range(STATUS_RETRIES):  # a write right after a failed batch can fail too: try again
+                try:
+                    self.transfer.write(dst.session, [self.meta[slot].data_ptr()], meta_target, [meta_row])
+                    break
+                except Exception:
+                    time.sleep(0.05 * (attempt + 1))  # the decode side times out if every try fails
             raise
         self.transfer.write(dst.session, [self.meta[slot].data_ptr()], meta_target, [meta_row])
 

@@ -11,7 +11,7 @@ SECTIONS = {
     "core": (
         "dp_rank", "timestamp", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
         "max_total_num_tokens", "token_usage", "gen_throughput", "cache_hit_rate", "utilization",
-        "max_running_requests",
+        "max_running_requests", "cached_tokens", "num_cached_prompt_tokens",
     ),
     "memory": ("weight_gb", "kv_cache_gb", "token_capacity"),
     "disagg": (
@@ -36,7 +36,7 @@ class SchedulerLoads:
     max_total_num_tokens: int
     token_usage: float  # used / max
     gen_throughput: float  # generated tokens/s over the recent window
-    cache_hit_rate: float  # no prefix cache yet: always 0
+    cache_hit_rate: float  # prompt tokens served from the prefix cache / prompt tokens admitted, since start
     utilization: float  # running / max_running_requests
     max_running_requests: int
     weight_gb: float
@@ -46,6 +46,8 @@ class SchedulerLoads:
     paused: int
     retracted: int  # waiting requests that were retracted at least once
     num_retractions: int  # retractions since start
+    cached_tokens: int = 0  # KV slots the prefix cache holds (those no request uses count as free, not used)
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache since start
     # prefill/decode disaggregation (``scheduler/disagg.py``): "null" serves whole requests, every queue empty
     mode: str = "null"
     prefill_prealloc_queue_reqs: int = 0  # waiting for the decode side's destination (SGLang's bootstrap queue)

@@ -63,6 +63,9 @@ class Req:
     num_retractions: int = 0
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
+    cached_len: int = 0  # prefix positions whose KV the prefix cache owns (the request reads, never frees them)
+    cache_node: Any = None  # the prefix cache's node this request holds locked
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     bootstrap_room: int | None = None  # PD disaggregation: the transfer's id, shared by the two sides
     transfer_target: dict[str, Any] | None = None  # PD prefill side: where the decode rank wants the data
     # what the next ReqOutput carries
@@ -104,6 +107,7 @@ class Req:
         assert self.holds_memory == holds == (self.state_slot is not None), f"{self.rid}: {self.status} vs memory"
         assert holds or self.num_cached == 0, f"{self.rid}: cached tokens without memory"
         assert 0 <= self.num_cached <= self.seq_len, f"{self.rid}: {self.num_cached} cached of {self.seq_len}"
+        assert 0 <= self.cached_len <= self.num_cached, f"{self.rid}: cache owns {self.cached_len} positions"
         assert self.status is not ReqStatus.DECODING or self.num_cached == self.seq_len - 1, f"{self.rid}: decode lag"
 
 

@@ -20,6 +20,7 @@ import torch
 
 from sglang_lite.forward_batch import ForwardMode, build_forward_batch
 from sglang_lite.mem_cache.pools import ModelPools
+from sglang_lite.mem_cache.radix_cache import RadixCache
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.sampling.sampler import make_generator, sample
 from sglang_lite.scheduler.batch import ScheduleBatch
@@ -72,6 +73,9 @@ class Scheduler:
         if disagg is not None:
             disagg.bind(self)
         self.num_prefill_tokens = 0  # prompt (and re-prefill) tokens run through extend forwards
+        # the prefix cache, when the pools keep state snapshots for it (``--disable-radix-cache`` keeps none)
+        self.cache = RadixCache(pools, pools.states.snapshots) if pools.states.snapshots.size else None
+        self.prompt_tokens_admitted = self.prompt_tokens_cached = 0
         self.model = model
         self.pools = pools
         self.tokenizer = tokenizer
@@ -208,7 +212,8 @@ class Scheduler:
         for req, _ in plan:
             if not req.holds_memory:
                 self._admit(req)
-        return ScheduleBatch(ForwardMode.EXTEND, [r for r, _ in plan], [n for _, n in plan])
+        # a prefix-cache hit at admission leaves fewer tokens to run than were planned
+        return ScheduleBatch(ForwardMode.EXTEND, [r for r, _ in plan], [min(n, r.num_uncached) for r, n in plan])
 
     def reserved_decode_tokens(self) -> int:
         """KV slots the running requests are expected to need for their remaining output."""
@@ -220,7 +225,7 @@ class Scheduler:
         reserved = self.reserved_decode_tokens()
         if self.chunked is not None:
             reserved += self.chunked.num_uncached + reserved_decode_tokens(self.chunked, ratio)
-        kv_free = self.pools.kv.allocator.num_free
+        kv_free = self.pools.kv.allocator.num_free + (self.cache.evictable_tokens if self.cache else 0)
         return PrefillBudget(
             kv_free=kv_free,
             admit_free=kv_free - reserved,
@@ -237,6 +242,50 @@ class Scheduler:
         req.req_row, req.state_slot, req.num_cached = row, slot, 0
         req.status = ReqStatus.PREFILLING
         self.note_admission(req)
+        if self.cache is not None:
+            self._reuse_prefix(req)
+
+    def _reuse_prefix(self, req: Req) -> None:
+        """Starts the request from the longest cached prefix that ends at a state snapshot (at least one token is
+        left to run, for the logits): its KV slots are read in place, the snapshot copied into its own slot."""
+        hit, node, kv = self.cache.match(req.fill_ids, req.seq_len - 1)
+        prompt = len(req.input_ids)
+        if req.num_retractions == 0:  # a re-admission is not a new prompt
+            self.prompt_tokens_admitted += prompt
+            self.prompt_tokens_cached += min(hit, prompt)
+            req.cached_tokens = min(hit, prompt)
+        if hit == 0:
+            return
+        self.cache.lock(node)
+        table = self.pools.req_to_token.req_to_token
+        table[req.req_row, :hit] = torch.tensor(kv, dtype=table.dtype, device=table.device)
+        self.pools.states.copy_slot(node.snapshot, req.state_slot)
+        req.num_cached = req.cached_len = hit
+        req.cache_node = node
+
+    def _cache_prefix(self, req: Req) -> None:
+        """Hands the request's cached positions to the prefix cache, with a snapshot of its state: they stay for
+        later requests after this one ends. The request then owns none of them (duplicates are freed)."""
+        if self.cache is None or req.num_cached <= req.cached_len:
+            return
+        table = self.pools.req_to_token.req_to_token
+        n = req.num_cached
+        inserted = self.cache.insert(req.fill_ids[:n], table[req.req_row, :n].tolist(), req.state_slot)
+        if inserted is None:  # no snapshot slot to be had: nothing cached, the request keeps what it owns
+            return
+        node, slots, duplicates = inserted
+        if duplicates:  # positions the cache already held: read its slots, free ours
+            table[req.req_row, :n] = torch.tensor(slots, dtype=table.dtype, device=table.device)
+            self.pools.kv.allocator.free(duplicates)
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node, req.cached_len = node, n
+
+    def _make_room(self, num_tokens: int) -> None:
+        """Evicts unused cached prefixes until ``num_tokens`` KV slots are free (or nothing more can go)."""
+        if self.cache is not None and self.pools.kv.allocator.num_free < num_tokens:
+            self.cache.evict(num_tokens)
 
     def note_admission(self, req: Req) -> None:
         """Admission order (retraction takes the newest)."""
@@ -246,6 +295,7 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduleBatch | None:
         if not self.running:
             return None
+        self._make_room(len(self.running))  # unused cached prefixes go before any request is retracted
         while self.pools.kv.allocator.num_free < len(self.running):
             self._retract(self._retraction_victim())
         return ScheduleBatch.decode(self.running)
@@ -270,6 +320,7 @@ class Scheduler:
     # ---- run ---------------------------------------------------------------------------------------------------
     def run(self, batch: ScheduleBatch) -> torch.Tensor:
         """One forward; logits [B, vocab] of each request's last new token."""
+        self._make_room(batch.num_tokens)
         forward_batch = build_forward_batch(
             self.pools,
             batch.mode,
@@ -364,6 +415,13 @@ class Scheduler:
                 self.running.append(req)
             else:
                 self.chunked = req
+            # the KV so far and the state after it, for later requests: at the end of the prompt, and at chunk
+            # boundaries (so that a prompt equal to a cached one still finds a snapshot before its last token)
+            self._cache_prefix(req)
+
+    def flush_cache(self) -> int:
+        """Drops every cached prefix no request uses; returns the KV slots freed."""
+        return self.cache.flush() if self.cache is not None else 0
 
     # ---- PD disaggregation: what the rank's side asks of the scheduler --------------------------------------------
     def end_request(self, req: Req, reason: FinishReason, keep_memory: bool = False) -> None:
@@ -408,7 +466,7 @@ class Scheduler:
 
     def _end(self, req: Req, reason: FinishReason) -> None:
         if req.holds_memory:
-            self._release(req)
+            self._release(req, cache=not reason.is_internal_error)  # a failed step's KV may be half-written
         if req in self.waiting:
             self.waiting.remove(req)
         req.status, req.finish_reason = ReqStatus.FINISHED, reason
@@ -420,10 +478,15 @@ class Scheduler:
         if req.stop_matcher is not None and req.stop_matcher.matched is None:
             req.unsent_text += req.stop_matcher.flush()
 
-    def _release(self, req: Req) -> None:
-        self.pools.free_request(req.req_row, req.num_cached, req.state_slot)
-        req.req_row = req.state_slot = None
-        req.num_cached = 0
+    def _release(self, req: Req, cache: bool = True) -> None:
+        """Frees what the request holds; with the prefix cache, what it computed is cached first (``cache``)."""
+        if cache:
+            self._cache_prefix(req)
+        self.pools.free_request(req.req_row, req.num_cached, req.state_slot, first=req.cached_len)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.req_row = req.state_slot = req.cache_node = None
+        req.num_cached = req.cached_len = 0
 
     def _drop_finished(self) -> None:
         self.running = [r for r in self.running if not r.finished]
@@ -439,7 +502,7 @@ class Scheduler:
             "id": req.rid,
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(req.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": req.cached_tokens,
             "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
             "num_retractions": req.num_retractions,
         }
@@ -484,7 +547,11 @@ class Scheduler:
         for req in holders + self.waiting:
             req.check()
         holders = holders + (self.disagg.held() if self.disagg is not None else [])  # PD: reserved or being sent
-        assert self.pools.kv.allocator.num_used == sum(r.num_cached for r in holders), "KV slots leaked or lost"
+        cached = self.cache.num_tokens if self.cache is not None else 0
+        owned = sum(r.num_cached - r.cached_len for r in holders)
+        assert self.pools.kv.allocator.num_used == owned + cached, "KV slots leaked or lost"
+        if self.cache is not None:
+            assert self.cache.num_locked_tokens <= self.cache.num_tokens, "prefix-cache locks out of step"
         assert self.pools.req_to_token.allocator.num_used == len(holders), "request rows leaked"
         assert self.pools.states.allocator.num_used == len(holders), "state slots leaked"
 
@@ -494,7 +561,8 @@ class Scheduler:
         return sum(r.num_uncached for r in self.waiting) + (self.chunked.num_uncached if self.chunked else 0)
 
     def get_loads(self) -> SchedulerLoads:
-        used = self.pools.kv.allocator.num_used
+        evictable = self.cache.evictable_tokens if self.cache is not None else 0
+        used = self.pools.kv.allocator.num_used - evictable  # unused cached prefixes are free space, as upstream
         total = self.config.max_total_tokens
         running = len(self.holders)
         pd = self.disagg.loads() if self.disagg is not None else {}
@@ -505,11 +573,15 @@ class Scheduler:
             num_running_reqs=running,
             num_waiting_reqs=len(self.waiting) + len(pd_waiting),
             num_used_tokens=used,
-            num_total_tokens=used + self._tokens_to_prefill() + sum(len(r.input_ids) for r in pd_waiting),
+            # PD: a reserved request's KV is in `used` already; one still in prealloc counts its prompt
+            num_total_tokens=used + self._tokens_to_prefill() + sum(len(r.input_ids) for r in pd_waiting
+                                                                   if not r.holds_memory),
             max_total_num_tokens=total,
             token_usage=used / total,
             gen_throughput=self._throughput.rate(time.monotonic()),
-            cache_hit_rate=0.0,
+            cache_hit_rate=self.prompt_tokens_cached / max(self.prompt_tokens_admitted, 1),
+            cached_tokens=self.cache.num_tokens if self.cache is not None else 0,
+            num_cached_prompt_tokens=self.prompt_tokens_cached,
             utilization=running / self.config.max_running_requests,
             max_running_requests=self.config.max_running_requests,
             weight_gb=self._weight_bytes / GB,

@@ -147,6 +147,11 @@ def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> No
             return {"aborted": manager.abort_all()}
         return {"aborted": int(manager.abort(body.rid))}
 
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> dict[str, Any]:
+        """Drops every cached prefix no request is using (SGLang's route)."""
+        return {"message": "Cache flushed.", "freed_tokens": await manager.flush_cache()}
+
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         loads = await manager.get_loads([r for r in range(args.dp_size) if manager.live[r]])

@@ -17,6 +17,8 @@ LOAD_COUNTERS = {  # metric: (load field, help)
                                 "transfers."),
     "kv_transfer_seconds_total": ("kv_transfer_seconds_total", "Seconds the PD transfers of each rank took."),
     "prefill_tokens_total": ("num_prefill_tokens", "Tokens each rank ran through prefill forwards."),
+    "cached_prompt_tokens_total": ("num_cached_prompt_tokens", "Prompt tokens each rank served from its prefix "
+                                   "cache."),
 }
 
 

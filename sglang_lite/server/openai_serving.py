@@ -127,7 +127,9 @@ def finish_reason(meta: dict[str, Any]) -> str | None:
 def usage(metas: list[dict[str, Any]]) -> dict[str, int]:
     prompt = sum(meta.get("prompt_tokens", 0) for meta in metas)
     completion = sum(meta.get("completion_tokens", 0) for meta in metas)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(meta.get("cached_tokens", 0) for meta in metas)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _respond(request: Request, manager: TokenizerManager, body: _OpenAISampling, inputs: list[GenerateInput],

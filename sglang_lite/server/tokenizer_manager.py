@@ -26,6 +26,7 @@ from sglang_lite.runtime.messages import (
     AbortRequest,
     Ack,
     AddRequest,
+    FlushCache,
     LoadsQuery,
     QueryReply,
     Ready,
@@ -367,12 +368,25 @@ class TokenizerManager:
         return [reply.loads for reply in replies]
 
     def _ask_loads(self, rank: int, sections: tuple[str, ...]) -> asyncio.Future:
+        return self._ask(rank, lambda query_id: LoadsQuery(query_id, sections))
+
+    def _ask(self, rank: int, query: Any) -> asyncio.Future:
+        """Sends ``query(query_id)`` to a rank; the future gets its reply."""
         query_id = self.client.next_query_id()
         future = asyncio.get_running_loop().create_future()
         self._queries[query_id] = future, rank
         future.add_done_callback(lambda _: self._queries.pop(query_id, None))
-        self.client.send(rank, LoadsQuery(query_id, sections))
+        self.client.send(rank, query(query_id))
         return future
+
+    async def flush_cache(self) -> int:
+        """Drops every live rank's unused cached prefixes; returns the KV slots freed."""
+        waiters = [self._ask(rank, FlushCache) for rank in range(self.args.dp_size) if self.live[rank]]
+        try:
+            replies = await asyncio.wait_for(asyncio.gather(*waiters), LOADS_TIMEOUT_S)
+        except asyncio.TimeoutError as error:
+            raise RequestError(503, f"DP ranks did not flush their caches within {LOADS_TIMEOUT_S} s") from error
+        return sum(reply.freed_tokens for reply in replies)
 
     # ---- replies from the ranks --------------------------------------------------------------------------------
     async def _receive_loop(self) -> None:

@@ -41,8 +41,10 @@ def _entry(rank, running, waiting=0, transfer=0, tokens=0):
             "gen_throughput": 10.0 * running}
 
 
-def test_outstanding_counts_every_queue():
-    assert outstanding_of(_entry(0, 3, waiting=2, transfer=4)) == 9
+def test_outstanding_counts_every_request_once():
+    # a decode rank's num_waiting_reqs already counts its prealloc and transfer queues (as SGLang's does)
+    assert outstanding_of(_entry(0, 3, waiting=6, transfer=4)) == 9
+    assert outstanding_of({"num_running_reqs": 1, "num_waiting_reqs": 0, "prefill_inflight_queue_reqs": 2}) == 3
     assert outstanding_of({"num_running_reqs": 1}) == 1  # sections not requested are simply absent
 
 

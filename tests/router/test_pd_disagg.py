@@ -33,7 +33,7 @@ PROMPTS = [[5, 17, 42, 99, 150, 7, 61], [9, 140, 2, 77, 120, 12, 3, 3, 8, 31, 64
 NEW_TOKENS = 8
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
 TIMEOUT_S = 5  # --disaggregation-transfer-timeout of the servers here
-COMMON = ["--context-length", "256", "--max-total-tokens", "4096", "--max-running-requests", "8",
+COMMON = ["--context-length", "2048", "--max-total-tokens", "8192", "--max-running-requests", "8",
           "--cpu-threads-per-rank", "1", "--skip-tokenizer-init", "--disaggregation-transfer-timeout", str(TIMEOUT_S)]
 
 
@@ -149,6 +149,29 @@ def _wait_port(port: int, timeout_s: float) -> bool:
                 return True
         time.sleep(0.2)
     return False
+
+
+def test_long_prompts_on_a_reused_pool(pd):
+    """Prompts of 1100+ tokens, one after another, so that the KV slots of each come from the slots the last one
+    freed: thousands of token rows per transfer, which must still arrive whole (coalesced runs, batched writes)."""
+    checkpoint, prefill, decode, bootstrap_port = pd
+    prompts = [[(7 * i + 13 * j) % 150 + 3 for j in range(1100 + 37 * i)] for i in range(3)]
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            results = []
+            for i, prompt in enumerate(prompts):
+                fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port, "bootstrap_room": 900 + i}
+                legs = await asyncio.gather(_generate(s, prefill.url, prompt, **fields),
+                                            _generate(s, decode.url, prompt, **fields))
+                results.append(legs)
+            return results, await wait_for(lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.1)
+
+    results, drained = run(scenario())
+    for prompt, (prefill_leg, decode_leg) in zip(prompts, results):
+        assert prefill_leg[0] == 200 and decode_leg[0] == 200, (prefill_leg, decode_leg)
+        assert decode_leg[1]["output_ids"] == checkpoint.greedy(prompt)
+    assert drained
 
 
 # ---- failures ----------------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """PD disaggregation: a prefill and a decode worker per request, bootstrap fields, decode response returned.
 
-A real server in the default disaggregation mode (null) accepts the bootstrap fields and ignores them, so in-flight
-accounting and the round trip run against real servers (tests/router/test_pd_disagg.py runs real PD). It does not echo the fields, so the test of exactly what the router
-injects runs against the stand-in, which records the bodies it received.
+A real server in the default disaggregation mode (null) accepts the bootstrap fields and ignores them, so
+in-flight accounting and the round trip run against real servers (tests/router/test_pd_disagg.py runs real PD).
+It does not echo the fields, so the test of exactly what the router injects runs against the stand-in, which
+records the bodies it received.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from tests.server.conftest import ServerProcess, get_loads, wait_idle
 
 CORE = {"dp_rank", "timestamp", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
         "max_total_num_tokens", "token_usage", "gen_throughput", "cache_hit_rate", "utilization",
-        "max_running_requests"}
+        "max_running_requests", "cached_tokens", "num_cached_prompt_tokens"}
 MEMORY = {"weight_gb", "kv_cache_gb", "token_capacity"}
 DISAGG = {"mode", "prefill_prealloc_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
           "decode_transfer_queue_reqs", "decode_retracted_queue_reqs", "kv_transfer_speed_gb_s",

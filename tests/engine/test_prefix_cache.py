@@ -1,0 +1,81 @@
+"""The prefix cache (radix tree of KV slots with GDN state snapshots): greedy tokens equal transformers with the
+cache on and off, for prompts that share prefixes in every way, under eviction pressure too; hits are reported."""
+from __future__ import annotations
+
+import pytest
+
+from sglang_lite.runtime.factory import create_scheduler
+from sglang_lite.server_args import ServerArgs
+from tests.engine.conftest import random_prompts
+
+NEW_TOKENS = 6
+GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+
+
+def scheduler(path: str, cache: bool, max_total_tokens: int = 2048, chunk: int = 16):
+    return create_scheduler(ServerArgs(model_path=path, skip_tokenizer_init=True, disable_radix_cache=not cache,
+                                       max_total_tokens=max_total_tokens, max_running_requests=4,
+                                       chunked_prefill_size=chunk, max_prefill_tokens=32))
+
+
+def run(sched, requests: list[tuple[str, list[int]]], together: bool = False) -> dict[str, tuple[list[int], dict]]:
+    """Runs requests one after another (or all at once), checking the pools' accounting after every step."""
+    out: dict[str, tuple[list[int], dict]] = {}
+    batches = [requests] if together else [[r] for r in requests]
+    for batch in batches:
+        for rid, prompt in batch:
+            sched.add_request(rid, prompt, GREEDY)
+        while sched.has_work:
+            for o in sched.step():
+                ids, _ = out.get(o.rid, ([], {}))
+                out[o.rid] = (ids + o.new_token_ids, o.meta_info)
+            sched.check_invariants()
+    return out
+
+
+def shared_prefix_requests() -> list[tuple[str, list[int]]]:
+    base, other = random_prompts([40, 25], seed=7)
+    return [
+        ("first", base),
+        ("equal", list(base)),  # the same prompt again
+        ("extends", base + other[:9]),  # one extending another (a next turn)
+        ("extends-more", base + other[:9] + other[9:20]),
+        ("diverges", base[:22] + other[:15]),  # shares the first 22 tokens, then differs
+        ("short", base[:5]),  # a prefix of a cached prompt
+    ]
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_cache_on_and_off_give_transformers_tokens(checkpoints, kind):
+    checkpoint = checkpoints[kind]
+    requests = shared_prefix_requests()
+    with_cache = run(scheduler(checkpoint.path, cache=True), requests)
+    without = run(scheduler(checkpoint.path, cache=False), requests)
+    for rid, prompt in requests:
+        expected = checkpoint.greedy(prompt, NEW_TOKENS)
+        assert with_cache[rid][0] == expected == without[rid][0], rid
+    assert all(meta["cached_tokens"] == 0 for _, meta in without.values())
+    # the first run of a prompt has no hit; a later prompt extending a cached one reuses all of it
+    assert with_cache["first"][1]["cached_tokens"] == 0
+    assert with_cache["extends"][1]["cached_tokens"] >= 40
+    assert with_cache["extends-more"][1]["cached_tokens"] >= 49
+    assert with_cache["equal"][1]["cached_tokens"] > 0  # the prefix up to a snapshot before its last token
+
+
+def test_concurrent_requests_on_one_prefix_and_a_tiny_pool(checkpoints):
+    """Requests sharing a prefix run at once, in a pool so small that cached prefixes are evicted (and requests
+    retracted) to make room; tokens stay exact and every slot is accounted for after each step."""
+    checkpoint = checkpoints["moe"]
+    base, a, b = random_prompts([30, 12, 12], seed=3)
+    warm = [("warm", base)]
+    together = [("a", base + a), ("b", base + b), ("c", base + a[:4]), ("d", list(base))]
+    sched = scheduler(checkpoint.path, cache=True, max_total_tokens=128, chunk=8)
+    out = run(sched, warm)
+    out |= run(sched, together, together=True)
+    for rid, prompt in warm + together:
+        assert out[rid][0] == checkpoint.greedy(prompt, NEW_TOKENS), rid
+    loads = sched.get_loads()
+    assert loads.num_used_tokens == 0 and loads.cached_tokens > 0 and loads.cache_hit_rate > 0
+    assert sched.flush_cache() > 0 and sched.get_loads().cached_tokens == 0
+    sched.check_invariants()
+    assert sched.pools.kv.allocator.num_used == 0 and sched.pools.states.snapshots.num_used == 0

@@ -1,0 +1,45 @@
+"""PD transport pieces without a second server: slots come back in runs, runs become few blocks, and a transfer
+of many blocks goes out in batches the TCP transport accepts."""
+from __future__ import annotations
+
+from sglang_lite.disaggregation.layout import PoolLayout, request_blocks
+from sglang_lite.disaggregation.transfer import MAX_BATCH_BLOCKS, MooncakeTransfer, TransferStats
+from sglang_lite.mem_cache.pools import SlotAllocator
+
+
+def test_freed_slots_come_back_ascending():
+    allocator = SlotAllocator(64, "kv")
+    first = allocator.alloc(40)
+    assert first == list(range(1, 41))
+    allocator.free(first)
+    again = allocator.alloc(40)
+    assert again == sorted(again) and again[-1] - again[0] == 39  # one run, not 40 single slots
+
+
+def test_request_blocks_coalesce_runs_on_both_sides():
+    src = PoolLayout("a:1", kv=[(1000, 5000, 8)], states=[(9000, 16, 9500, 32)], meta=(0, 32))
+    dst = PoolLayout("b:2", kv=[(2000, 6000, 8)], states=[(7000, 16, 7500, 32)], meta=(0, 32))
+    sources, targets, lengths = request_blocks(src, dst, [3, 4, 5, 9], [10, 11, 12, 13], 2, 5)
+    # K and V of the run 3-5 -> 10-12, then of slot 9 -> 13, then conv and ssm rows of the state slots
+    assert sources == [1024, 5024, 1072, 5072, 9032, 9564]
+    assert targets == [2080, 6080, 2104, 6104, 7080, 7660]
+    assert lengths == [24, 24, 8, 8, 16, 32]
+
+
+class RecordingEngine:
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def batch_transfer_sync_write(self, session, sources, targets, lengths) -> int:
+        assert len(sources) == len(targets) == len(lengths)
+        self.batches.append(len(sources))
+        return 0
+
+
+def test_large_transfers_are_split_into_accepted_batches():
+    transfer = MooncakeTransfer.__new__(MooncakeTransfer)  # the batching logic only, no engine to start
+    transfer.engine, transfer.stats = RecordingEngine(), TransferStats()
+    n = 2 * MAX_BATCH_BLOCKS + 7
+    assert transfer.write("peer:1", list(range(n)), list(range(n)), [4] * n) == 4 * n
+    assert transfer.engine.batches == [MAX_BATCH_BLOCKS, MAX_BATCH_BLOCKS, 7]
+    assert transfer.stats.transfers == 1 and transfer.stats.bytes == 4 * n
