@@ -10,8 +10,16 @@ reports them, else one per streamed chunk.
         --tokenizer sglang_lite/assets/tiny_qwen3_5_moe --output-file results.json
 
 Backends: ``sglang`` (POST /generate), ``openai`` (POST /v1/completions), ``openai-chat`` (POST
-/v1/chat/completions). Datasets: ``fixed`` (every prompt input-len tokens, every output output-len tokens) and
-``random`` (lengths uniform in [len * (1 - range_ratio), len]). Outputs run to their length (``ignore_eos``).
+/v1/chat/completions). Datasets: ``fixed`` (every prompt input-len tokens, every output output-len tokens),
+``random`` (lengths uniform in [len * (1 - range_ratio), len]) and ``agentic`` (``--sessions`` multi-turn sessions
+from the trace generator, ``sglang_lite.bench.traces``: a first prompt of about input-len tokens, then each turn
+appends an answer and a tool result, so each prompt extends the last; the turns of a session go in order, one
+session per concurrent client; token-id prompts, so sglang or openai backends). Outputs run to their length
+(``ignore_eos``). Against an sglang_lite server the table also shows the prefix-cache hit rate of each level: the
+prompt tokens its ranks served from the cache (``/v1/loads`` ``num_cached_prompt_tokens``) over those sent.
+
+    python benchmarks/bench_serving.py --backend sglang --dataset agentic --sessions 16 --input-len 1000 \
+        --output-len 32 --concurrency 4
 """
 from __future__ import annotations
 
@@ -38,6 +46,8 @@ class Prompt:
     text: str
     input_len: int
     output_len: int
+    ids: list[int] | None = None  # token ids instead of text (the agentic dataset)
+    session: str = ""  # the agentic dataset: turns of one session go in order
 
 
 @dataclass
@@ -57,6 +67,8 @@ class RequestResult:
 
 # ---- datasets ---------------------------------------------------------------------------------------------------
 def make_prompts(args: argparse.Namespace) -> list[Prompt]:
+    if args.dataset == "agentic":
+        return agentic_prompts(args)
     rng = random.Random(args.seed)
     tokenizer = _load_tokenizer(args.tokenizer)
     prompts = []
@@ -64,6 +76,19 @@ def make_prompts(args: argparse.Namespace) -> list[Prompt]:
         n_in, n_out = _lengths(rng, args)
         prompts.append(Prompt(_prompt_text(rng, tokenizer, n_in), n_in, n_out))
     return prompts
+
+
+def agentic_prompts(args: argparse.Namespace) -> list[Prompt]:
+    """Multi-turn sessions whose prompts grow turn by turn (token ids shared with the previous turn)."""
+    from sglang_lite.bench.replay import PromptTokens
+    from sglang_lite.bench.traces import AgenticTraceConfig, agentic_trace
+
+    cfg = AgenticTraceConfig(first_input_mean=args.input_len, tool_output_mean=max(8, args.input_len // 8),
+                             output_mean=args.output_len, output_max=2 * args.output_len, min_turns=2, max_turns=6,
+                             max_context=args.max_context)
+    tokens = PromptTokens(args.vocab_size)
+    return [Prompt("", r.input_len, r.output_len, tokens.ids(r), r.session)
+            for r in agentic_trace(args.sessions, args.seed, cfg)]
 
 
 def _lengths(rng: random.Random, args: argparse.Namespace) -> tuple[int, int]:
@@ -94,11 +119,14 @@ def _load_tokenizer(path: str | None) -> Any:
 def request_body(backend: str, model: str, prompt: Prompt) -> dict[str, Any]:
     if backend == "sglang":
         params = {"max_new_tokens": prompt.output_len, "ignore_eos": True, "temperature": 0}
-        return {"text": prompt.text, "sampling_params": params, "stream": True}
+        source = {"input_ids": prompt.ids} if prompt.ids is not None else {"text": prompt.text}
+        return {**source, "sampling_params": params, "stream": True}
     body = {"model": model, "max_tokens": prompt.output_len, "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     if backend == "openai":
-        return {**body, "prompt": prompt.text}
+        return {**body, "prompt": prompt.ids if prompt.ids is not None else prompt.text}
+    if prompt.ids is not None:
+        raise ValueError("the agentic dataset sends token ids: use --backend sglang or openai")
     return {**body, "messages": [{"role": "user", "content": prompt.text}]}
 
 
@@ -158,11 +186,42 @@ async def run_level(args: argparse.Namespace, prompts: list[Prompt], concurrency
             progress.update(1)
             return result
 
+        cached_before = await cached_prompt_tokens(session, args.base_url)
         started = time.perf_counter()
-        results = await asyncio.gather(*(one(p) for p in prompts))
+        if any(p.session for p in prompts):  # sessions: each client runs one session's turns in order
+            sessions: dict[str, list[Prompt]] = {}
+            for p in prompts:
+                sessions.setdefault(p.session, []).append(p)
+            queue = list(sessions.values())
+
+            async def client() -> list[RequestResult]:
+                out = []
+                while queue:
+                    for turn in queue.pop(0):
+                        out.append(await one(turn))
+                return out
+
+            results = [r for rs in await asyncio.gather(*(client() for _ in range(concurrency))) for r in rs]
+        else:
+            results = await asyncio.gather(*(one(p) for p in prompts))
         duration = time.perf_counter() - started
+        cached_after = await cached_prompt_tokens(session, args.base_url)
     progress.close()
-    return summarize(results, duration, concurrency)
+    summary = summarize(results, duration, concurrency)
+    sent = sum(r.input_len for r in results if r.ok)
+    summary["cache_hit_rate"] = (cached_after - cached_before) / sent if None not in (cached_before, cached_after) \
+        and sent else None
+    return summary
+
+
+async def cached_prompt_tokens(session: aiohttp.ClientSession, base_url: str) -> int | None:
+    """Prompt tokens an sglang_lite server's ranks have served from their prefix caches; None for other servers."""
+    try:
+        async with session.get(base_url.rstrip("/") + "/v1/loads?include=core") as response:
+            loads = (await response.json())["loads"]
+        return sum(int(load["num_cached_prompt_tokens"]) for load in loads)
+    except (aiohttp.ClientError, KeyError, TypeError, ValueError):
+        return None
 
 
 # ---- metrics ----------------------------------------------------------------------------------------------------
@@ -193,12 +252,13 @@ def _trio(stats: dict[str, float]) -> str:
 
 def format_table(levels: list[dict[str, Any]]) -> str:
     head = (f"{'conc':>5} {'ok':>5} {'fail':>4} {'req/s':>8} {'out tok/s':>10} | {'TTFT p50/p90/p99 ms':>22} | "
-            f"{'TPOT p50/p90/p99 ms':>22} | {'ITL p50/p90/p99 ms':>22}")
+            f"{'TPOT p50/p90/p99 ms':>22} | {'ITL p50/p90/p99 ms':>22} | {'cache hit':>9}")
     rows = [head, "-" * len(head)]
     for s in levels:
+        hit = s.get("cache_hit_rate")
         rows.append(f"{s['concurrency']:>5} {s['completed']:>5} {s['failed']:>4} {s['request_throughput']:>8.2f} "
                     f"{s['output_throughput']:>10.1f} | {_trio(s['ttft_ms']):>22} | {_trio(s['tpot_ms']):>22} | "
-                    f"{_trio(s['itl_ms']):>22}")
+                    f"{_trio(s['itl_ms']):>22} | {'n/a' if hit is None else f'{hit:.1%}':>9}")
     return "\n".join(rows)
 
 
@@ -210,7 +270,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None,
                         help="Model name for the OpenAI API; default: the first of /v1/models.")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--dataset", choices=("random", "fixed"), default="random")
+    parser.add_argument("--dataset", choices=("random", "fixed", "agentic"), default="random")
+    parser.add_argument("--sessions", type=int, default=16, help="agentic: multi-turn sessions per level.")
+    parser.add_argument("--max-context", type=int, default=3000, help="agentic: longest prompt of a session.")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="agentic: token ids are drawn below this.")
     parser.add_argument("--num-prompts", type=int, default=64, help="Requests per concurrency level.")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
