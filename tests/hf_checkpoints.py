@@ -44,6 +44,15 @@ def make_hf_model(moe: bool = True, seed: int = 0, **overrides) -> torch.nn.Modu
     return model
 
 
+def greedy_tokens(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers ``generate``'s greedy continuation of one prompt, exactly ``new_tokens`` long."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 def save_checkpoint(model: torch.nn.Module, path: str, layout: str = "text") -> str:
     """Saves ``model`` to ``path`` in one of the layouts a loader meets in practice.
 

@@ -39,21 +39,21 @@ def _collective(fn: F) -> F:
 
 
 # ---- tensors (the model) -------------------------------------------------------------------------------------------
-@_collective
 def attn_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over the attention group (a row-parallel projection's partial outputs), in place."""
     state = get_parallel_state()
-    if state.attn_tp_size > 1:
-        dist.all_reduce(x, group=state.attn)
-    return x
+    return _all_reduce(x, state.attn) if state.attn_tp_size > 1 else x
 
 
-@_collective
 def world_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over the whole world (the MLP / MoE partial outputs), in place."""
     state = get_parallel_state()
-    if state.world_size > 1:
-        dist.all_reduce(x, group=state.world)
+    return _all_reduce(x, state.world) if state.world_size > 1 else x
+
+
+@_collective
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    dist.all_reduce(x, group=group)
     return x
 
 

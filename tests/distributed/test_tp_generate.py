@@ -11,10 +11,9 @@ import threading
 
 import httpx
 import pytest
-import torch
 
 from sglang_lite import Engine
-from tests.hf_checkpoints import make_hf_model, save_checkpoint
+from tests.hf_checkpoints import greedy_tokens, make_hf_model, save_checkpoint
 from tests.server.conftest import start_server
 
 NEW_TOKENS = 8
@@ -33,11 +32,7 @@ class Checkpoint:
         self.path = save_checkpoint(self.model, str(root / kind))
 
     def greedy(self, prompt: list[int]) -> list[int]:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                      min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-        return out[0, len(prompt):].tolist()
+        return greedy_tokens(self.model, prompt, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

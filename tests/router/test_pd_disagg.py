@@ -15,9 +15,8 @@ import time
 
 import aiohttp
 import pytest
-import torch
 
-from tests.hf_checkpoints import make_hf_model, save_checkpoint
+from tests.hf_checkpoints import greedy_tokens, make_hf_model, save_checkpoint
 
 from .conftest import Proc, free_port, launch, spawn, wait_until_healthy
 from .helpers import get_json, get_text, parse_counter, run, wait_for
@@ -43,11 +42,7 @@ class Checkpoint:
         self.path = save_checkpoint(self.model, path)
 
     def greedy(self, prompt: list[int]) -> list[int]:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                      min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-        return out[0, len(prompt):].tolist()
+        return greedy_tokens(self.model, prompt, NEW_TOKENS)
 
 
 def server(checkpoint: Checkpoint, mode: str, dp_size: int, *extra: str) -> Proc:
