@@ -253,8 +253,9 @@ class ServerArgs:
 
     @property
     def prefix_cache(self) -> bool:
-        """The radix cache runs unless turned off; PD ranks serve without it for now."""
-        return not self.disable_radix_cache and self.disaggregation_mode == "null"
+        """The radix cache runs unless turned off. A PD prefill rank caches too; a decode rank does not (its
+        prompts arrive whole from the prefill side, so it has nothing to reuse)."""
+        return not self.disable_radix_cache and self.disaggregation_mode != "decode"
 
     @property
     def cache_state_snapshots(self) -> int:

@@ -169,6 +169,29 @@ def test_long_prompts_on_a_reused_pool(pd):
     assert drained
 
 
+def test_prefill_server_reuses_cached_prefixes(pd):
+    """The prefill server's prefix cache: a prompt extending one it has seen prefills only the new tokens, and the
+    decode side still gets the whole KV and state (greedy tokens equal transformers)."""
+    checkpoint, prefill, decode, bootstrap_port = pd
+    base = [(11 * j) % 150 + 2 for j in range(300)]
+    follow = base + [5, 6, 7, 8, 9, 10, 11, 12]
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            outputs = []
+            for i, prompt in enumerate((base, follow)):
+                fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port, "bootstrap_room": 700 + i}
+                legs = await asyncio.gather(_generate(s, prefill.url, prompt, **fields),
+                                            _generate(s, decode.url, prompt, **fields))
+                outputs.append(legs)
+            return outputs
+
+    (_, first), (prefill_leg, decode_leg) = run(scenario())
+    assert prefill_leg[1]["meta_info"]["cached_tokens"] >= 300  # the first prompt, cached by the prefill server
+    assert decode_leg[1]["output_ids"] == checkpoint.greedy(follow)
+    assert first[1]["output_ids"] == checkpoint.greedy(base)
+
+
 # ---- failures ----------------------------------------------------------------------------------------------------
 def test_decode_server_refuses_requests_without_bootstrap_and_duplicate_rooms(pd):
     _, prefill, decode, bootstrap_port = pd
