@@ -3,9 +3,11 @@
 Starts `--servers` servers (`--dp-size` ranks each, the tiny model with dummy weights), then for every policy a
 router in front of them, replays the same small agentic trace (closed loop) while a BalanceSampler polls every
 server's /v1/loads, and prints the balance table. Then it runs the simulator configured like this setup (same
-ranks, concurrency and trace shape; the packaged cost model, or with --fit-cost the decode cost fitted from the
-sampled loads) and reports whether
-both order the policies the same way by outstanding CV.
+ranks, concurrency and trace shape; the packaged cost model, or with --fit-cost the cost model fitted to the real
+runs: the decode step from the replay's TPOTs, and under --pd the prefill rate, the prefix cache and the KV transfer
+from the servers' counters, see docs/balance.md "Calibration") and reports, per metric (outstanding CV, busiest
+batch, busiest/mean KV), whether both order the policies the same way. --reuse redoes that part from the files a
+previous run left in --out.
 
 With `--pd` it starts one prefill server and one decode server (`--dp-size` decode ranks) instead, behind the
 router in PD mode (`--pd-disaggregation --dp-aware`, the policy set as the decode policy); the sampler polls the
@@ -14,17 +16,22 @@ share of the decode ranks' in-flight requests that wait on their KV transfer.
 
     python benchmarks/bench_balance.py --out /tmp/bench_balance
     python benchmarks/bench_balance.py --pd --dp-size 2 --out /tmp/bench_balance_pd
+    python benchmarks/bench_balance.py --pd --dp-size 4 --sessions 192 --fit-cost --out /tmp/bb_pd4c  # calibration
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import json
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from sglang_lite.bench.balance import BalanceSampler, BalanceStats, LoadSeries, format_table
 from sglang_lite.bench.replay import replay_closed_loop, summarize
@@ -39,6 +46,8 @@ SMALL_TRACE = AgenticTraceConfig(first_input_mean=300, tool_output_mean=80, outp
 # the decode side waits out --disaggregation-transfer-timeout (docs/pd.md, "A bug found on the way").
 PD_TRACE = dataclasses.replace(SMALL_TRACE, first_input_mean=200, tool_output_mean=60, max_context=700)
 VOCAB = 4096
+TRANSFER_TOTALS = ("kv_transfers_total", "kv_transfer_bytes_total", "kv_transfer_seconds_total")
+GEN_THROUGHPUT_WINDOW_S = 10.0  # the scheduler's ThroughputMeter window behind gen_throughput
 SERVER_ARGS = ["--host", "127.0.0.1", "--load-format", "dummy", "--context-length", "2048",
                "--max-running-requests", "16", "--cpu-threads-per-rank", "1"]
 
@@ -49,6 +58,7 @@ class Cluster:
 
     worker_args: list[str]
     sampled_urls: list[str]
+    prefill_urls: list[str] = field(default_factory=list)  # polled for the calibration only (under --pd)
     procs: list[subprocess.Popen] = field(default_factory=list)
 
 
@@ -119,6 +129,7 @@ def start_pd(args: argparse.Namespace, out: Path, cluster: Cluster) -> Cluster:
     cluster.worker_args.extend(["--pd-disaggregation", "--prefill", prefill, str(bootstrap_port), "--decode", decode,
                                 "--prefill-policy", "round_robin"])
     cluster.sampled_urls.append(decode)
+    cluster.prefill_urls.append(prefill)
     return launch(cluster, cmds, args, out)
 
 
@@ -129,6 +140,7 @@ class InFlightSeries(LoadSeries):
 
     prealloc: list[int] = field(default_factory=list)
     transfer: list[int] = field(default_factory=list)
+    transfer_totals: list[list[float]] = field(default_factory=list)  # per sample, TRANSFER_TOTALS over ranks
 
     def add(self, t: float, per_rank: dict[str, dict]) -> None:
         kept = len(self.times)
@@ -137,6 +149,10 @@ class InFlightSeries(LoadSeries):
             entries = [per_rank[r] for r in self.ranks]
             self.prealloc.append(sum(int(e.get("decode_prealloc_queue_reqs", 0)) for e in entries))
             self.transfer.append(sum(int(e.get("decode_transfer_queue_reqs", 0)) for e in entries))
+            self.add_transfer_totals({r: per_rank[r] for r in self.ranks})
+
+    def add_transfer_totals(self, per_rank: dict[str, dict]) -> None:
+        self.transfer_totals.append([sum(float(e.get(k, 0)) for e in per_rank.values()) for k in TRANSFER_TOTALS])
 
     def waiting_shares(self, min_total_outstanding: int) -> tuple[float, float]:
         """(prealloc, transfer) requests over all outstanding ones, summed over the steady-state samples."""
@@ -145,6 +161,26 @@ class InFlightSeries(LoadSeries):
         if not total:
             return 0.0, 0.0
         return sum(self.prealloc[i] for i in keep) / total, sum(self.transfer[i] for i in keep) / total
+
+
+@dataclass
+class PrefillSeries:
+    """The prefill server's counters, polled by a second BalanceSampler (kept out of the balance statistics):
+    per sample, tokens prefilled since start, whether it had work, and its prefix-cache hit rate."""
+
+    times: list[float] = field(default_factory=list)
+    prefill_tokens: list[int] = field(default_factory=list)
+    busy: list[bool] = field(default_factory=list)
+    cache_hit_rate: list[float] = field(default_factory=list)
+    poll_failures: Counter = field(default_factory=Counter)
+
+    def add(self, t: float, per_rank: dict[str, dict]) -> None:
+        entries = list(per_rank.values())
+        self.times.append(t)
+        self.prefill_tokens.append(sum(int(e.get("num_prefill_tokens", 0)) for e in entries))
+        self.busy.append(any(int(e.get("num_running_reqs", 0)) + int(e.get("num_waiting_reqs", 0))
+                             + int(e.get("prefill_prealloc_queue_reqs", 0)) > 0 for e in entries))
+        self.cache_hit_rate.append(max(float(e.get("cache_hit_rate", 0.0)) for e in entries))
 
 
 async def run_policy(policy: str, cluster: Cluster, args: argparse.Namespace, out: Path, trace,
@@ -159,7 +195,9 @@ async def run_policy(policy: str, cluster: Cluster, args: argparse.Namespace, ou
         t0 = time.perf_counter()
         sampler = BalanceSampler(cluster.sampled_urls, args.sample_interval)
         sampler.series = InFlightSeries()
-        async with sampler:
+        prefill_sampler = BalanceSampler(cluster.prefill_urls, args.sample_interval)
+        prefill_sampler.series = PrefillSeries()
+        async with sampler, prefill_sampler:
             results = await replay_closed_loop(url, trace, args.concurrency, VOCAB)
         summary = summarize(results, time.perf_counter() - t0)
         # a stream that ended early (an error event after the 200) still counts as ok in summarize
@@ -171,36 +209,107 @@ async def run_policy(policy: str, cluster: Cluster, args: argparse.Namespace, ou
     sampler.series.write_csv(out / f"loads_{policy}.csv")
     sampler.series.plot(out / f"loads_{policy}.png", title=f"{policy}, concurrency {args.concurrency}")
     shares[policy] = sampler.series.waiting_shares(args.concurrency // 2)
-    return sampler.series.stats(min_total_outstanding=args.concurrency // 2)
+    stats = sampler.series.stats(min_total_outstanding=args.concurrency // 2)
+    pre = prefill_sampler.series
+    # everything the calibration fits from, so that --reuse can redo the simulator part without servers
+    record = {"stats": dataclasses.asdict(stats), "summary": summary, "shares": shares[policy],
+              "prompt_tokens": sum(r.request.input_len for r in results if r.ok),
+              "requests": [(r.request.input_len, r.output_tokens, r.ttft, r.latency) for r in results if r.ok],
+              "transfer_totals": sampler.series.transfer_totals,
+              "prefill": {"times": pre.times, "prefill_tokens": pre.prefill_tokens, "busy": pre.busy,
+                          "cache_hit_rate": pre.cache_hit_rate}}
+    (out / f"real_{policy}.json").write_text(json.dumps(record, default=float))
+    return stats
 
 
-def simulate_like(args: argparse.Namespace, policies: list[str], out: Path) -> dict[str, BalanceStats]:
-    from sglang_lite.sim.cluster import simulate
-    from sglang_lite.sim.config import ClusterConfig, SimConfig, load_cluster_file
-    from sglang_lite.sim.fit import fit_decode, read_observations
+def fit_cost(args: argparse.Namespace, policies: list[str], out: Path):
+    """The cost model fitted to the real runs (all policies pooled: the cost is the cluster's, not the policy's),
+    and a few lines saying what was fitted from what."""
+    from sglang_lite.sim.config import load_cluster_file
+    from sglang_lite.sim.fit import (
+        fit_decode,
+        fit_prefill,
+        fit_transfer,
+        read_observations,
+        request_weighted_batch,
+        tpot_observations,
+    )
 
     cost, _ = load_cluster_file()
-    obs = read_observations(out / f"loads_{policies[0]}.csv")
-    if args.fit_cost and len(obs) >= 10:
-        # Off by default: a busy CPU rank's gen_throughput also pays for the prefills it runs between decode
-        # steps, so the fitted "decode step" grows with KV far faster than decoding does, and that regime
-        # (steps of ~1 s, dominated by context length) changes how round_robin and tokens compare.
+    records = [json.loads((out / f"real_{p}.json").read_text()) for p in policies]
+    notes = []
+    # Decode step from the replay's TPOTs: a request's TPOT is the step time of its rank while it decoded, at the
+    # batch a decoding request sees (request-weighted mean running, per run) and its own KV.
+    obs = np.concatenate([tpot_observations(request_weighted_batch(out / f"loads_{p}.csv"), r["requests"])
+                          for p, r in zip(policies, records)])
+    if len(obs) >= 10:
         cost = fit_decode(obs, cost)
+        fitted = np.array([cost.rank_step_s(b, k) for b, k, _ in obs])
+        notes.append(f"decode step: TPOT of {len(obs)} requests; request-weighted batch per run "
+                     f"{sorted({round(float(b), 2) for b in obs[:, 0]})}; "
+                     f"TPOT median {np.median(obs[:, 2]) * 1e3:.2f} ms, "
+                     f"fit residual median |{np.median(np.abs(fitted - obs[:, 2])) * 1e3:.2f}| ms")
+    # Cross-check, not used: the loads-based fit (running / gen_throughput per busy rank-sample).
+    loads_obs = np.concatenate([read_observations(out / f"loads_{p}.csv", GEN_THROUGHPUT_WINDOW_S) for p in policies])
+    if len(loads_obs) >= 3:
+        alt = fit_decode(loads_obs, cost)
+        notes.append(f"  (not used: the /v1/loads fit, {len(loads_obs)} rank-samples averaged over gen_throughput's "
+                     f"{GEN_THROUGHPUT_WINDOW_S:.0f} s window, gives base {alt.decode_base_s * 1e3:.2f} ms + "
+                     f"{alt.decode_per_req_s * 1e3:.2f} ms/request + {alt.decode_per_kv_token_s * 1e6:.3f} us/KV "
+                     f"token; observed steps median {np.median(loads_obs[:, 2]) * 1e3:.2f} ms)")
+    if args.pd:
+        pre = [r["prefill"] for r in records]
+        times = np.concatenate([np.array(x["times"]) + 1e6 * i for i, x in enumerate(pre)])  # runs never join
+        toks = np.concatenate([np.array(x["prefill_tokens"], dtype=float) for x in pre])
+        busy = np.concatenate([np.array(x["busy"], dtype=bool) for x in pre])
+        busy_joint = busy.copy()
+        starts = np.cumsum([0] + [len(x["times"]) for x in pre])[:-1]
+        busy_joint[starts] = False  # no interval across two runs
+        cost = fit_prefill(times, toks, busy_joint, cost)
+        hit = max(x["cache_hit_rate"][-1] for x in pre if x["cache_hit_rate"])
+        notes.append(f"prefill: {int(np.diff(toks)[busy_joint[:-1] & busy_joint[1:]].clip(0).sum())} tokens in busy "
+                     f"intervals, {np.mean(busy):.0%} of samples busy; prefix-cache hit rate at the end {hit:.1%}")
+        tt = [np.array(r["transfer_totals"], dtype=float).reshape(-1, 3) for r in records]
+        counts = np.concatenate([np.diff(t[:, 0], prepend=t[0, 0]) for t in tt]).cumsum()
+        nbytes = np.concatenate([np.diff(t[:, 1], prepend=t[0, 1]) for t in tt]).cumsum()
+        secs = np.concatenate([np.diff(t[:, 2], prepend=t[0, 2]) for t in tt]).cumsum()
+        prompt_tokens = sum(int(r["prompt_tokens"]) for r in records)
+        cost = fit_transfer(counts, nbytes, secs, prompt_tokens, cost)
+        notes.append(f"transfer: {int(counts[-1])} transfers, {nbytes[-1] / max(counts[-1], 1):,.0f} bytes and "
+                     f"{secs[-1] / max(counts[-1], 1) * 1e3:.2f} ms each (the prefill side's write time)")
+    else:
+        hit = 0.0
+    return cost, hit, notes
+
+
+def simulate_like(args: argparse.Namespace, policies: list[str], out: Path, cost=None, prefix_cache: bool = False):
+    from sglang_lite.sim.cluster import simulate
+    from sglang_lite.sim.config import ClusterConfig, SimConfig, load_cluster_file
+
+    cost = cost or load_cluster_file()[0]
     # sglang_lite's CPU ranks step independently (no DP-attention lockstep), so each rank is simulated as a decode
     # server of its own; the policies still see as many workers as there are real ranks (servers x dp_size, or
-    # the decode server's dp_size under --pd). It has no prefix cache either.
+    # the decode server's dp_size under --pd). The prefix cache is on only if the real prefill server hit its own.
     decode_ranks = args.dp_size if args.pd else args.servers * args.dp_size
     cluster = ClusterConfig(num_prefill=1, num_decode=decode_ranks, decode_dp_size=1,
                             gpus_per_server=1, rank_kv_tokens=args.kv_tokens, rank_max_running=16,
-                            prefill_cache_tokens=0, poll_interval_s=args.poll_interval,
-                            sample_interval_s=args.sample_interval)
-    base = SimConfig(concurrency=args.concurrency, duration_s=600.0, warmup_s=30.0, seed=args.seed, cost=cost,
-                     cluster=cluster, trace=trace_config(args))
-    return {p: simulate(dataclasses.replace(base, policy=p)).balance for p in policies}
+                            prefill_cache_tokens=args.kv_tokens if prefix_cache else 0,
+                            poll_interval_s=args.poll_interval, sample_interval_s=args.sample_interval)
+    base = SimConfig(concurrency=args.concurrency, duration_s=args.sim_duration, warmup_s=30.0, seed=args.seed,
+                     cost=cost, cluster=cluster, trace=trace_config(args))
+    return {p: simulate(dataclasses.replace(base, policy=p)) for p in policies}
 
 
-def order_by_cv(stats: dict[str, BalanceStats]) -> list[str]:
-    return sorted(stats, key=lambda p: stats[p].outstanding_cv)
+METRICS = ("outstanding_cv", "busiest_batch", "busiest_over_mean_kv")
+
+
+def order_by(stats: dict[str, BalanceStats], metric: str) -> list[str]:
+    return sorted(stats, key=lambda p: getattr(stats[p], metric))
+
+
+def pairs_agreeing(real: list[str], sim: list[str]) -> tuple[int, int]:
+    pairs = [(a, b) for i, a in enumerate(real) for b in real[i + 1:]]
+    return sum(sim.index(a) < sim.index(b) for a, b in pairs), len(pairs)
 
 
 def format_shares(shares: dict[str, tuple[float, float]]) -> str:
@@ -221,12 +330,25 @@ async def run_real(args: argparse.Namespace, policies: list[str], out: Path,
             stop(proc)
 
 
+def load_real(policies: list[str], out: Path, shares: dict[str, tuple[float, float]]):
+    real, summaries = {}, {}
+    for p in policies:
+        record = json.loads((out / f"real_{p}.json").read_text())
+        st = record["stats"]
+        real[p] = BalanceStats(**{**st, "rank_batch_ratio": tuple(st["rank_batch_ratio"]),
+                                  "busiest_share": tuple(st["busiest_share"])})
+        summaries[p], shares[p] = record["summary"], tuple(record["shares"])
+    return real, summaries
+
+
 async def main_async(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     policies = args.policies.split(",")
     shares: dict[str, tuple[float, float]] = {}
-    real = await run_real(args, policies, out, shares)
+    if not args.reuse:
+        await run_real(args, policies, out, shares)
+    real, summaries = load_real(policies, out, shares)
     setup = "1 prefill + 1 decode server (PD)" if args.pd else f"{args.servers} servers"
     print(f"\nreal servers, {setup}, {args.dp_size} DP ranks each (sampled /v1/loads):\n"
           + format_table(real, baseline=policies[0]))
@@ -236,12 +358,40 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.pd:
         print("\nshare of the decode ranks' outstanding requests waiting (steady-state samples):\n"
               + format_shares(shares))
-    sim = simulate_like(args, policies, out)
-    print("\nsimulator configured like this setup:\n" + format_table(sim, baseline=policies[0]))
-    agree = order_by_cv(real) == order_by_cv(sim)
-    print(f"\norder by outstanding CV: real {order_by_cv(real)}, simulated {order_by_cv(sim)}: "
-          f"{'agree' if agree else 'DISAGREE'}")
-    return 0 if agree else 1
+    cost, hit = None, 0.0
+    if args.fit_cost:
+        cost, hit, notes = fit_cost(args, policies, out)
+        print("\nfitted to the real runs (all policies pooled):\n  " + "\n  ".join(notes))
+        print("  cost: " + ", ".join(f"{k}={v:.4g}" for k, v in dataclasses.asdict(cost).items()))
+    results = simulate_like(args, policies, out, cost, prefix_cache=hit > 0.05)
+    if args.fit_cost and args.pd:
+        # What the fitted prefill rate and write time leave out of TTFT (router hops, the bootstrap handshake, the
+        # decode rank noticing the data, the first token's way back): the mean gap of TTFT p50 real - simulated,
+        # added once as a per-request latency of the transfer (it delays each request, it occupies no server),
+        # then simulated again. One correction from TTFT, not a search over the balance table.
+        gap = float(np.mean([summaries[p]["ttft_p50_s"] - results[p].ttft_p50 for p in policies]))
+        if gap > 0:
+            cost = dataclasses.replace(cost, transfer_latency_s=cost.transfer_latency_s + gap)
+            print(f"  TTFT p50 real - simulated (mean over policies) {gap * 1e3:.1f} ms: transfer_latency_s -> "
+                  f"{cost.transfer_latency_s * 1e3:.1f} ms, simulated again")
+            results = simulate_like(args, policies, out, cost, prefix_cache=hit > 0.05)
+    sim = {p: r.balance for p, r in results.items()}
+    print(f"\nsimulator configured like this setup ({'fitted' if args.fit_cost else 'packaged'} cost model, "
+          f"{args.sim_duration:.0f} s, seed {args.seed}):\n" + format_table(sim, baseline=policies[0]))
+    print(f"\n{'policy':<18}{'TTFT p50 s real/sim':>22}{'TPOT p50 ms real/sim':>24}{'in transfer real/sim':>24}")
+    for p, r in results.items():
+        s = summaries[p]
+        print(f"{p:<18}{s['ttft_p50_s']:>11.3f} / {r.ttft_p50:<8.3f}{s['tpot_p50_s'] * 1e3:>13.2f} / "
+              f"{r.tpot_p50 * 1e3:<8.2f}{shares[p][1]:>14.1%} / {np.mean(r.transfer_share or [0.0]):<6.1%}")
+    all_agree = True
+    for metric in METRICS:
+        r_order, s_order = order_by(real, metric), order_by(sim, metric)
+        agree = r_order == s_order
+        all_agree &= agree
+        ok, n = pairs_agreeing(r_order, s_order)
+        print(f"order by {metric} (lowest first): real {r_order}, simulated {s_order}: "
+              f"{'agree' if agree else 'DISAGREE'} ({ok}/{n} pairs)")
+    return 0 if all_agree else 1
 
 
 def main() -> None:
@@ -258,7 +408,12 @@ def main() -> None:
     p.add_argument("--base-port", type=int, default=31000, help="router port; servers use the next ports")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fit-cost", action="store_true", help="simulate with the decode cost fitted to the real run")
+    p.add_argument("--fit-cost", action="store_true",
+                   help="simulate with the cost model fitted to the real runs (decode step; under --pd also the "
+                        "prefill rate and the KV transfer)")
+    p.add_argument("--reuse", action="store_true",
+                   help="start no servers: redo the simulator part from the files a previous run left in --out")
+    p.add_argument("--sim-duration", type=float, default=600.0, help="simulated seconds per policy")
     p.add_argument("--out", default="bench_balance_out")
     args = p.parse_args()
     args.concurrency = args.concurrency or (8 if args.pd else 12)

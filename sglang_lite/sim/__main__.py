@@ -83,7 +83,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
     from sglang_lite.sim.fit import fit_decode, read_observations
 
     cost, cluster = load_cluster_file(args.cluster_file)
-    fitted = fit_decode(read_observations(args.csv), cost)
+    fitted = fit_decode(read_observations(args.csv, args.window), cost)
     print({k: v for k, v in dataclasses.asdict(fitted).items() if k.startswith("decode_")})
     if args.out:
         save_cluster_file(args.out, fitted, cluster, f"decode cost fitted from {args.csv}",
@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     fit = sub.add_parser("fit", help="fit the decode cost model to a balance sampler CSV")
     fit.add_argument("csv")
     fit.add_argument("--cluster-file", default=None)
+    fit.add_argument("--window", type=float, default=0.0,
+                     help="average running and KV over this trailing window (s), the window of gen_throughput "
+                          "(10 for sglang_lite servers); 0: use each sample as it is")
     fit.add_argument("--out", default=None, help="write the fitted cluster JSON here")
     fit.set_defaults(func=cmd_fit)
     return parser
