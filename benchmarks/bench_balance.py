@@ -41,9 +41,8 @@ from sglang_lite.utils.process import wait_until_healthy
 # Small enough for the tiny model on a CPU, still input-heavy and growing turn by turn.
 SMALL_TRACE = AgenticTraceConfig(first_input_mean=300, tool_output_mean=80, output_mean=8, output_max=24,
                                  min_turns=3, max_turns=8, max_context=1500)
-# Under --pd: shorter contexts. A long prompt whose KV slots are scattered (a well-used pool) becomes one Mooncake
-# block per token, and a write of ~2,300 blocks overflows the TCP transport's lane queue: the transfer fails and
-# the decode side waits out --disaggregation-transfer-timeout (docs/pd.md, "A bug found on the way").
+# Under --pd: shorter contexts, the settings docs/pd.md's figures were taken with (then, long prompts on a
+# well-used pool failed to transfer: docs/pd.md, "A bug found on the way", fixed since).
 PD_TRACE = dataclasses.replace(SMALL_TRACE, first_input_mean=200, tool_output_mean=60, max_context=700)
 VOCAB = 4096
 TRANSFER_TOTALS = ("kv_transfers_total", "kv_transfer_bytes_total", "kv_transfer_seconds_total")

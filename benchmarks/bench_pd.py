@@ -25,13 +25,9 @@ from typing import Any
 
 import bench_serving
 import httpx
+from bench_balance import TRANSFER_TOTALS, server_cmd, start, stop, wait_healthy
 
 from sglang_lite.assets import TINY_MODEL_DIR
-from sglang_lite.utils.process import wait_until_healthy
-
-SERVER_ARGS = ["--host", "127.0.0.1", "--load-format", "dummy", "--context-length", "2048", "--max-running-requests",
-               "16", "--cpu-threads-per-rank", "1"]
-TRANSFER_TOTALS = ("kv_transfers_total", "kv_transfer_bytes_total", "kv_transfer_seconds_total")
 
 
 @dataclass
@@ -43,25 +39,14 @@ class Setup:
     procs: list[subprocess.Popen] = field(default_factory=list)
 
     def start(self, cmd: list[str], log: Path) -> None:
-        self.procs.append(subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT))
+        self.procs.append(start(cmd, log))
 
     def wait(self, url: str, timeout: float) -> None:
-        if not wait_until_healthy(url, self.procs[-1], timeout):
-            raise RuntimeError(f"{url} did not become healthy; see the logs")
+        wait_healthy(url, self.procs[-1], timeout)
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def server_cmd(port: int, args: argparse.Namespace, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "sglang_lite.launch_server", "--port", str(port), *SERVER_ARGS,
-            "--max-total-tokens", str(args.kv_tokens), *extra]
+            stop(proc)
 
 
 def start_plain(setup: Setup, args: argparse.Namespace, out: Path) -> None:
@@ -228,7 +213,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--long-input-len", type=int, default=700,
-                   help="prompt length of the transfer measurement (much above 700 a transfer on reused slots fails)")
+                   help="prompt length of the transfer measurement")
     p.add_argument("--long-prompts", type=int, default=8)
     p.add_argument("--decode-dp-size", type=int, default=1)
     p.add_argument("--kv-tokens", type=int, default=16384)

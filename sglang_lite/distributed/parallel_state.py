@@ -88,11 +88,6 @@ class ParallelState:
         return self.rank // self.config.attn_tp_size
 
     @property
-    def attn_leader(self) -> int:
-        """World rank of the first rank of this rank's attention group."""
-        return self.attn_dp_rank * self.config.attn_tp_size
-
-    @property
     def moe_ep_size(self) -> int:
         return self.config.ep_size
 
@@ -156,8 +151,3 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
     _state = _SINGLE
 
-
-def set_parallel_state_for_tests(state: ParallelState) -> None:
-    """Installs a state without joining a world: sharding arithmetic tests build one rank's layers in-process."""
-    global _state
-    _state = state
