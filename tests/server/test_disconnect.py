@@ -47,22 +47,35 @@ def test_fifty_hang_ups_leave_the_loads_at_zero(server_dp2: ServerProcess) -> No
     assert aborted_by_ranks(server_dp2) - before == CLIENTS  # ended by abort, not by running to their length
 
 
-async def _abandon_non_streaming(server: ServerProcess) -> None:
-    body = {**BODY, "stream": False}
-    async with httpx.AsyncClient(timeout=0.5) as client:
+async def _requests_present(server: ServerProcess) -> int:
+    async with httpx.AsyncClient(timeout=10) as client:
+        loads = (await client.get(f"{server.url}/v1/loads")).json()["loads"]
+    return sum(load["num_running_reqs"] + load["num_waiting_reqs"] for load in loads)
+
+
+async def _abandon_once_all_arrived(server: ServerProcess, count: int) -> None:
+    """Sends `count` non-streaming requests and closes their connections once the ranks hold all of them.
+
+    Hanging up only after the ranks report every request makes the count exact: a client-side timeout could fire
+    before a loaded server read the request, or after a fast one finished it."""
+    body = {**BODY, "stream": False, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    async with httpx.AsyncClient(timeout=120) as client:
+        posts = [asyncio.create_task(client.post(f"{server.url}/generate", json=body)) for _ in range(count)]
         try:
-            await client.post(f"{server.url}/generate", json=body)
-        except httpx.TimeoutException:
-            pass
+            deadline = asyncio.get_running_loop().time() + 20
+            while await _requests_present(server) < count:
+                assert asyncio.get_running_loop().time() < deadline, "the ranks never held every request"
+                assert not any(post.done() for post in posts), "a request ended before the client hung up"
+                await asyncio.sleep(0.02)
+        finally:
+            for post in posts:
+                post.cancel()
+            await asyncio.gather(*posts, return_exceptions=True)
 
 
 def test_abandoned_non_streaming_requests_are_aborted(server_dp2: ServerProcess) -> None:
     wait_idle(server_dp2)
-
-    async def abandon_all() -> None:
-        await asyncio.gather(*(_abandon_non_streaming(server_dp2) for _ in range(10)))
-
     before = aborted_by_ranks(server_dp2)
-    asyncio.run(abandon_all())
+    asyncio.run(_abandon_once_all_arrived(server_dp2, 10))
     wait_idle(server_dp2, timeout_s=20)
     assert aborted_by_ranks(server_dp2) - before == 10
