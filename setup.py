@@ -30,13 +30,14 @@ setup(
         "aiohttp",
         "pyzmq",
         "msgpack",
+        "xgrammar>=0.2.9",  # structured output (json_schema, regex, ebnf): grammars and token masks
         "matplotlib",
         "uvloop; sys_platform != 'win32'",  # the router's event loop: about 20% less CPU per request
     ],
     extras_require={
         # PD disaggregation's transfer engine (CPU build; it links libibverbs.so.1: Debian's libibverbs1)
         "pd": ["mooncake-transfer-engine-non-cuda"],
-        "test": ["pytest", "pytest-timeout", "openai", "sglang-router==0.3.2", "schemathesis", "hypothesis", "ruff",
-                 "import-linter", "mooncake-transfer-engine-non-cuda"],
+        "test": ["pytest", "pytest-timeout", "openai==3.57.0", "sglang-router==0.3.2", "schemathesis", "hypothesis",
+                 "ruff", "import-linter", "mooncake-transfer-engine-non-cuda", "lm-eval[api,hf]"],
     },
 )

@@ -24,6 +24,8 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 ALT_STREAM_OVERLAP = ("flags", "auto")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake",)
+TOOL_CALL_PARSERS = ("qwen3_coder", "qwen25")  # SGLang's names; sglang_lite/server/parsers/
+REASONING_PARSERS = ("qwen3",)
 
 _HELP = {
     "model_path": "Checkpoint folder; empty = the built-in tiny Qwen3.5 MoE model (trained on Python's stdlib).",
@@ -83,6 +85,11 @@ _HELP = {
     "cpu_threads_per_rank": "torch threads per scheduler process when the device is the CPU (default: CPUs / "
     "scheduler processes on this node).",
     "rank_hang_timeout_s": "A DP rank that leaves a loads query unanswered this long is hung: killed and restarted.",
+    "tool_call_parser": "Parse tool calls out of chat output into OpenAI tool_calls: qwen3_coder (Qwen3.5, "
+    "Qwen3-Coder: <function=...><parameter=...>) or qwen25 (JSON in <tool_call>); unset: tools are rendered but not "
+    "parsed.",
+    "reasoning_parser": "Move <think> reasoning into reasoning_content: qwen3 (Qwen3, Qwen3.5); unset: left in "
+    "content.",
     "rank_max_restarts": "Restarts of one DP rank (dead or hung) over the server's life; then it stays down. With "
     "--tp-size > 1 a DP rank is never restarted: its world fails as a whole.",
 }
@@ -140,6 +147,8 @@ class ServerArgs:
     cpu_threads_per_rank: int | None = None
     rank_hang_timeout_s: float = 60.0
     rank_max_restarts: int = 5
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
@@ -155,6 +164,10 @@ class ServerArgs:
         if self.rank_max_restarts < 0:
             raise ValueError(f"rank_max_restarts must be >= 0, got {self.rank_max_restarts}")
         self._check_choice("alt_stream_overlap", ALT_STREAM_OVERLAP)
+        if self.tool_call_parser is not None:
+            self._check_choice("tool_call_parser", TOOL_CALL_PARSERS)
+        if self.reasoning_parser is not None:
+            self._check_choice("reasoning_parser", REASONING_PARSERS)
         self._check_positive("max_running_requests", "max_prefill_tokens", "stream_interval", "dp_size")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError(f"max_total_tokens must be positive, got {self.max_total_tokens}")
@@ -292,7 +305,8 @@ def _add_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> Non
                "quantization": QUANTIZATIONS,
                "alt_stream_overlap": ALT_STREAM_OVERLAP, "load_balance_method": LOAD_BALANCE_METHODS,
                "disaggregation_mode": DISAGGREGATION_MODES,
-               "disaggregation_transfer_backend": TRANSFER_BACKENDS}
+               "disaggregation_transfer_backend": TRANSFER_BACKENDS,
+               "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS}
     if field.name in choices:
         kwargs["choices"] = choices[field.name]
     parser.add_argument(*flags, dest=field.name, **kwargs)

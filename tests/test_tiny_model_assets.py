@@ -69,7 +69,10 @@ def test_chat_template_renders_chatml(tokenizer) -> None:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     expected = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
                 "<|im_start|>assistant\n")
-    assert text == expected
+    assert text == expected + "<think>\n"  # Qwen3.5 thinks by default: the prompt opens the think block
+    no_thinking = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                enable_thinking=False)
+    assert no_thinking == expected + "<think>\n\n</think>\n\n"
     assert not tokenizer.apply_chat_template(messages, tokenize=False).endswith("<|im_start|>assistant\n")
 
 

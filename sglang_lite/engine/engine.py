@@ -16,9 +16,11 @@ from typing import Any
 from sglang_lite.engine.sync_client import SyncClient
 from sglang_lite.runtime.inputs import prompt_token_ids
 from sglang_lite.runtime.messages import CheckQuery, FlushCache, LoadsQuery
+from sglang_lite.sampling.grammar import GrammarCache, grammar_key
+from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.loads import LOAD_SECTIONS
-from sglang_lite.scheduler.request import ReqOutput, join_outputs
+from sglang_lite.scheduler.request import ReqOutput, fork_rids, join_outputs
 from sglang_lite.scheduler.scheduler import validate_request
 from sglang_lite.server_args import ServerArgs
 from sglang_lite.tokenizer.loader import load_server_tokenizer
@@ -42,37 +44,48 @@ class Engine:
         self.tokenizer = load_server_tokenizer(self.server_args)
         self._client: SyncClient | None = SyncClient(self.server_args)
         self.config = self._client.config
+        self._grammars = GrammarCache(self.tokenizer, self.config.vocab_size)  # to refuse what cannot compile
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(
-        self, prompt: Prompt = None, sampling_params: Params = None, input_ids: InputIds = None, stream: bool = False
+        self, prompt: Prompt = None, sampling_params: Params = None, input_ids: InputIds = None, stream: bool = False,
+        return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+        token_ids_logprob: list[int] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
-        """One result dict for one prompt, a list for a list; ``stream=True`` gives ``generate_stream``."""
+        """One result dict for one prompt, a list for a list; ``stream=True`` gives ``generate_stream``.
+        ``return_logprob`` and the rest: log-probabilities in ``meta_info`` (as SGLang's, for every prompt). With
+        ``n`` > 1 in a prompt's sampling parameters, its ``n`` samples come in a row (a list even for one prompt)."""
+        logprob = _logprob(return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob)
         if stream:
-            return self.generate_stream(prompt, sampling_params, input_ids)
+            return self.generate_stream(prompt, sampling_params, input_ids, logprob=logprob)
         prompts, batched = self._prompts(prompt, input_ids)
-        requests = self._validated(prompts, sampling_params)
+        requests = self._validated(prompts, sampling_params, logprob)
         rids = [uuid.uuid4().hex for _ in requests]
-        streams = [self._submit(rid, ids, p) for rid, (ids, p) in zip(rids, requests)]
+        streams = [self._submit(rid, ids, p, logprob) for rid, (ids, p) in zip(rids, requests)]
+        samples = [fork_rids(rid, p.n) for rid, (_, p) in zip(rids, requests)]
         try:
-            results = [_result(join_outputs(_outputs(s))) for s in streams]
+            results = [_result(join_outputs(outputs)) for s, group in zip(streams, samples)
+                       for outputs in _outputs(s, group)]
         except BaseException:
-            for rid in rids:
+            for rid in [r for group in samples for r in group]:
                 self.abort(rid)
             raise
-        return results if batched else results[0]
+        return results if batched or len(results) > 1 else results[0]
 
     def generate_stream(
         self, prompt: str | None = None, sampling_params: dict[str, Any] | SamplingParams | None = None,
-        input_ids: list[int] | None = None,
+        input_ids: list[int] | None = None, logprob: LogprobParams | None = None,
     ) -> Iterator[dict[str, Any]]:
-        """Pieces of one request as they are produced; closing the iterator early aborts the request."""
+        """Pieces of one request as they are produced; closing the iterator early aborts the request. Each piece's
+        ``meta_info`` carries the log-probabilities of its own tokens when ``logprob`` asks for them."""
         prompts, batched = self._prompts(prompt, input_ids)
         if batched:
             raise ValueError("generate_stream takes one prompt; call it once per prompt")
-        ((ids, params),) = self._validated(prompts, sampling_params)
+        ((ids, params),) = self._validated(prompts, sampling_params, logprob)
+        if params.n > 1:
+            raise ValueError("n: generate_stream streams one sample; call generate for n > 1")
         rid = uuid.uuid4().hex
-        return self._stream(rid, self._submit(rid, ids, params))
+        return self._stream(rid, self._submit(rid, ids, params, logprob))
 
     def _stream(self, rid: str, stream: queue.Queue) -> Iterator[dict[str, Any]]:
         finished = False
@@ -126,8 +139,9 @@ class Engine:
             pass
 
     # ---- helpers -----------------------------------------------------------------------------------------------
-    def _submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> queue.Queue:
-        return self._running_client().submit(rid, input_ids, params)
+    def _submit(self, rid: str, input_ids: list[int], params: SamplingParams,
+                logprob: LogprobParams | None = None) -> queue.Queue:
+        return self._running_client().submit(rid, input_ids, params, logprob)
 
     def _running_client(self) -> SyncClient:
         if self._client is None:
@@ -145,7 +159,8 @@ class Engine:
             raise ValueError(f"prompt must be a string or a list of strings, got {type(text).__name__}")
         return self.tokenizer.encode(text)
 
-    def _validated(self, prompts: list[list[int]], sampling_params: Params) -> list[tuple[list[int], SamplingParams]]:
+    def _validated(self, prompts: list[list[int]], sampling_params: Params,
+                   logprob: LogprobParams | None = None) -> list[tuple[list[int], SamplingParams]]:
         """All requests checked before any is queued, so one bad request sends none."""
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
@@ -154,8 +169,16 @@ class Engine:
         else:
             params = [SamplingParams.from_dict(sampling_params) for _ in prompts]
         for ids, p in zip(prompts, params):
-            validate_request(ids, p, self.config, self.tokenizer is not None)
+            validate_request(ids, p, self.config, self.tokenizer is not None, logprob)
+            if grammar_key(p) is not None:
+                self._grammars.compile(grammar_key(p))  # a ValueError naming the field
         return list(zip(prompts, params))
+
+
+def _logprob(return_logprob: bool, start: int, top: int, token_ids: list[int] | None) -> LogprobParams | None:
+    if not return_logprob and (start != -1 or top or token_ids is not None):
+        raise ValueError("logprob_start_len, top_logprobs_num and token_ids_logprob need return_logprob=True")
+    return LogprobParams(True, start, top, token_ids) if return_logprob else None
 
 
 def _next_output(stream: queue.Queue) -> ReqOutput:
@@ -165,12 +188,16 @@ def _next_output(stream: queue.Queue) -> ReqOutput:
     return item
 
 
-def _outputs(stream: queue.Queue) -> list[ReqOutput]:
-    """Every output of one request, up to the finished one."""
-    outputs = [_next_output(stream)]
-    while not outputs[-1].finished:
-        outputs.append(_next_output(stream))
-    return outputs
+def _outputs(stream: queue.Queue, rids: list[str]) -> list[list[ReqOutput]]:
+    """Every output of one request, up to the finished one, for each of its parallel samples ``rids``."""
+    outputs: dict[str, list[ReqOutput]] = {rid: [] for rid in rids}
+    unfinished = set(rids)
+    while unfinished:
+        output = _next_output(stream)
+        outputs[output.rid].append(output)
+        if output.finished:
+            unfinished.discard(output.rid)
+    return [outputs[rid] for rid in rids]
 
 
 def _result(output: ReqOutput) -> dict[str, Any]:

@@ -19,9 +19,10 @@ from typing import Any
 
 from sglang_lite.runtime.client import POLL_MS, SchedulerClient
 from sglang_lite.runtime.messages import REFUSED, AbortRequest, Ack, AddRequest, QueryReply, Ready, Reserved
+from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.config import SchedulerConfig
-from sglang_lite.scheduler.request import ReqOutput, internal_error
+from sglang_lite.scheduler.request import ReqOutput, fork_rids, internal_error
 from sglang_lite.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -45,13 +46,16 @@ class SyncClient:
         return self.core.config
 
     # ---- called from any thread --------------------------------------------------------------------------------
-    def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> queue.Queue:
-        """Queues a request; its ReqOutputs (or an exception) arrive on the returned queue."""
+    def submit(self, rid: str, input_ids: list[int], params: SamplingParams,
+               logprob: LogprobParams | None = None) -> queue.Queue:
+        """Queues a request; its ReqOutputs (or an exception) arrive on the returned queue, those of all its
+        parallel samples (``params.n``) too, each under its own rid (``fork_rids``)."""
         stream: queue.Queue = queue.Queue()
         with self._lock:
             self._check_alive()
-            self._streams[rid] = stream
-        self.core.send(RANK, AddRequest(rid, input_ids, params))
+            for sample_rid in fork_rids(rid, params.n):
+                self._streams[sample_rid] = stream
+        self.core.send(RANK, AddRequest(rid, input_ids, params, None, logprob))
         return stream
 
     def abort(self, rid: str) -> None:
@@ -113,6 +117,8 @@ class SyncClient:
             return
         with self._lock:
             stream = self._streams.pop(ack.rid, None)
+            for sample_rid in [r for r, s in self._streams.items() if s is stream]:  # its parallel samples
+                del self._streams[sample_rid]
         if stream is not None:
             stream.put((ValueError if ack.status == REFUSED else RuntimeError)(ack.message))
 

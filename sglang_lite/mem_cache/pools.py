@@ -141,6 +141,15 @@ class ModelPools:
         self.states.allocator.free([state_slot])
         self.req_to_token.allocator.free([row])
 
+    def copy_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copies the keys and values of slots ``src`` into slots ``dst``, in every full-attention layer."""
+        if not src or not self.kv.k_buffers:
+            return
+        src_index = torch.tensor(src, device=self.kv.k_buffers[0].device)
+        dst_index = torch.tensor(dst, device=src_index.device)
+        for buffer in (*self.kv.k_buffers, *self.kv.v_buffers):
+            buffer[dst_index] = buffer[src_index]
+
     def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self.attention_index[layer_id]
         return self.kv.k_buffers[i], self.kv.v_buffers[i]

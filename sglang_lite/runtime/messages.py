@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.request import ReqOutput
@@ -43,14 +44,16 @@ class AddRequest(Message):
     input_ids: list[int]
     sampling_params: SamplingParams
     bootstrap_room: int | None = None  # PD disaggregation: the transfer's id (prefill and decode ranks need one)
+    logprob: LogprobParams | None = None  # the log-probabilities to report
 
     def to_wire(self) -> list[Any]:
-        return [self.rid, self.input_ids, dataclasses.asdict(self.sampling_params), self.bootstrap_room]
+        logprob = dataclasses.asdict(self.logprob) if self.logprob is not None else None
+        return [self.rid, self.input_ids, dataclasses.asdict(self.sampling_params), self.bootstrap_room, logprob]
 
     @classmethod
     def from_wire(cls, values: list[Any]) -> AddRequest:
-        rid, input_ids, params, room = values
-        return cls(rid, input_ids, SamplingParams.from_dict(params), room)
+        rid, input_ids, params, room, logprob = values
+        return cls(rid, input_ids, SamplingParams.from_dict(params), room, LogprobParams.from_dict(logprob))
 
 
 @dataclass(frozen=True)

@@ -291,11 +291,12 @@ class WorldLoop:
 
     def add(self, request: AddRequest) -> Ack:
         """Queues the request unless the waiting queue is full."""
-        if len(self.scheduler.waiting) >= self.args.max_queued_requests:
+        if len(self.scheduler.waiting) + len(self.scheduler.grammar_queue) >= self.args.max_queued_requests:
             message = f"rank {self.dp_rank}: the waiting queue is full ({self.args.max_queued_requests} requests)"
             return Ack(self.dp_rank, request.rid, UNAVAILABLE, message)
         try:
-            self.scheduler.add_request(request.rid, request.input_ids, request.sampling_params, request.bootstrap_room)
+            self.scheduler.add_request(request.rid, request.input_ids, request.sampling_params, request.bootstrap_room,
+                                       request.logprob)
         except (ValueError, TypeError, AssertionError) as error:
             return Ack(self.dp_rank, request.rid, REFUSED, str(error))
         except Exception as error:  # not the input's fault as far as validation knows: fail it, keep the rank

@@ -25,7 +25,16 @@ MAX_TEMPERATURE = 1e4
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # all stop strings together
 MAX_STOP_TOKEN_IDS = 256
+MAX_N = 64  # parallel samples of one prompt (each holds its own KV and state once forked)
+# OpenAI's ranges (SGLang's too): frequency and presence penalties in [-2, 2], repetition in (0, 2], biases in
+# [-100, 100] (a bias of 100 makes a token all but certain, -100 all but impossible).
+MAX_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 MAX_REPR_CHARS = 60  # of a bad value quoted in an error message
+# Structured output: the grammar fields (at most one per request) and the longest text one may hold.
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+MAX_GRAMMAR_CHARS = 65536
 
 
 @dataclass
@@ -41,6 +50,14 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    n: int = 1  # parallel samples: one prefill, then n continuations, the i-th seeded with seed + i
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string, as in JSON) -> bias added to its logit
+    json_schema: str | None = None  # structured output (at most one of the three): a JSON schema, as text
+    regex: str | None = None
+    ebnf: str | None = None  # xgrammar's EBNF (GBNF), root rule `root`
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
@@ -61,6 +78,12 @@ class SamplingParams:
                 params[key] = list(params[key])
             else:
                 raise ValueError(f"sampling parameter {key} must be a list, got {_short(params[key])}")
+        if params.get("logit_bias") is None:
+            params.pop("logit_bias", None)
+        elif isinstance(params["logit_bias"], dict):  # int keys (Python callers) as JSON's strings: one key type
+            params["logit_bias"] = {str(k) if _is_int(k) else k: v for k, v in params["logit_bias"].items()}
+        else:
+            raise ValueError(f"sampling parameter logit_bias must be a map, got {_short(params['logit_bias'])}")
         return cls(**params)
 
     @property
@@ -71,6 +94,7 @@ class SamplingParams:
         """Raises ValueError naming the first bad field."""
         _check_int(self.max_new_tokens, "max_new_tokens", 0, MAX_NEW_TOKENS)
         _check_int(self.min_new_tokens, "min_new_tokens", 0, MAX_NEW_TOKENS)
+        _check_int(self.n, "n", 1, MAX_N)
         _check_float(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
         _check(_is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "a finite number in (0, 1]", self.top_p)
         _check_float(self.min_p, "min_p", 0.0, 1.0)
@@ -83,6 +107,8 @@ class SamplingParams:
             _check(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
         self._validate_stop()
         self._validate_stop_token_ids(vocab_size)
+        self._validate_penalties(vocab_size)
+        self._validate_grammar()
 
     def _validate_stop(self) -> None:
         stop = self.stop
@@ -97,6 +123,30 @@ class SamplingParams:
         _check(isinstance(ids, list) and len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
                f"a list of at most {MAX_STOP_TOKEN_IDS} token ids", _count(ids))
         _check(all(_is_int(t) and 0 <= t <= top for t in ids), "stop_token_ids", f"token ids in [0, {top}]", ids)
+
+    def _validate_grammar(self) -> None:
+        named = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(named) > 1:
+            raise ValueError(f"sampling parameters {', '.join(named)}: at most one of {', '.join(GRAMMAR_FIELDS)} "
+                             "may be set")
+        for name in named:
+            text = getattr(self, name)
+            ok = isinstance(text, str) and 0 < len(text) <= MAX_GRAMMAR_CHARS and is_utf8(text)
+            _check(ok, name, f"a non-empty UTF-8 string of at most {MAX_GRAMMAR_CHARS} characters", text)
+
+    def _validate_penalties(self, vocab_size: int | None) -> None:
+        _check_float(self.frequency_penalty, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY)
+        _check_float(self.presence_penalty, "presence_penalty", -MAX_PENALTY, MAX_PENALTY)
+        repetition = self.repetition_penalty
+        _check(_is_finite(repetition) and 0 < repetition <= MAX_REPETITION_PENALTY, "repetition_penalty",
+               f"a finite number in (0, {MAX_REPETITION_PENALTY:g}]", repetition)
+        bias, top = self.logit_bias, (vocab_size or INT32_MAX + 1) - 1
+        if bias is None:
+            return
+        _check(isinstance(bias, dict), "logit_bias", "a map of token ids to biases", bias)
+        _check(all(_is_token_key(k, top) for k in bias), "logit_bias", f"keyed by token ids in [0, {top}]", list(bias))
+        _check(all(_is_finite(v) and abs(v) <= MAX_LOGIT_BIAS for v in bias.values()), "logit_bias",
+               f"biases that are finite numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", list(bias.values()))
 
 
 def _check(ok: bool, name: str, expected: str, value: Any) -> None:
@@ -114,6 +164,13 @@ def _check_float(value: Any, name: str, low: float, high: float) -> None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_key(key: Any, top: int) -> bool:
+    """A logit_bias key: a token id, or its decimal string (JSON object keys are strings)."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= len(str(top)):
+        key = int(key)
+    return _is_int(key) and 0 <= key <= top
 
 
 def _is_finite(value: Any) -> bool:

@@ -223,6 +223,7 @@ class DecodeSide(_Side):
             req.req_row, req.state_slot, req.num_cached = row, slot, n
             req.status = ReqStatus.TRANSFERRING
             scheduler.note_admission(req)
+            scheduler.sampler.on_admit(req)  # penalties and grammars follow its tokens from the first one
             self.transferring.append(req)
             self.deadlines[req.rid] = time.monotonic() + self.timeout_s
             target = {"layout": self.layout.to_dict(), "kv_slots": kv_slots, "state_slot": slot, "meta_row": slot}

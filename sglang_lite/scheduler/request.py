@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from sglang_lite.sampling.grammar import RequestGrammar
+from sglang_lite.sampling.logprobs import INPUT_KEYS, OUTPUT_KEYS, LogprobParams, LogprobRecord
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -68,6 +70,11 @@ class Req:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     bootstrap_room: int | None = None  # PD disaggregation: the transfer's id, shared by the two sides
     transfer_target: dict[str, Any] | None = None  # PD prefill side: where the decode rank wants the data
+    logprob: LogprobParams | None = None  # the log-probabilities it asked for
+    logprob_record: LogprobRecord = field(default_factory=LogprobRecord)
+    forks: list[str] = field(default_factory=list)  # n > 1: rids of the parallel samples not yet forked from it
+    fork_seed: int = 0  # n > 1: fork i draws with seed fork_seed + i
+    grammar: RequestGrammar | None = None  # structured output: where its output is in its grammar (once compiled)
     # what the next ReqOutput carries
     unsent_ids: list[int] = field(default_factory=list)
     unsent_text: str = ""
@@ -111,6 +118,11 @@ class Req:
         assert self.status is not ReqStatus.DECODING or self.num_cached == self.seq_len - 1, f"{self.rid}: decode lag"
 
 
+def fork_rids(rid: str, n: int) -> list[str]:
+    """The rids of a request's ``n`` parallel samples: its own, then ``rid.n1`` and so on."""
+    return [rid] + [f"{rid}.n{i}" for i in range(1, n)]
+
+
 @dataclass
 class ReqOutput:
     """What one step produced for one request: new tokens and text since the last output, and whether it ended."""
@@ -130,9 +142,13 @@ def internal_error(output: ReqOutput) -> str | None:
 
 
 def join_outputs(outputs: list[ReqOutput]) -> ReqOutput:
-    """A request's outputs as one: every token and all text in order, the last ``meta_info``."""
+    """A request's outputs as one: every token, all text and every log-probability in order, the last
+    ``meta_info`` otherwise."""
     assert outputs, "a finished request has at least one output"
     ids = [token for output in outputs for token in output.new_token_ids]
     text = "".join(output.new_text for output in outputs)
     last = outputs[-1]
-    return ReqOutput(last.rid, ids, text, last.finished, last.meta_info)
+    meta = dict(last.meta_info)
+    for key in [k for k in OUTPUT_KEYS + INPUT_KEYS if k in meta]:
+        meta[key] = [entry for output in outputs for entry in output.meta_info.get(key, [])]
+    return ReqOutput(last.rid, ids, text, last.finished, meta)

@@ -11,6 +11,7 @@ ends its batch; only ``RankBroken`` (a broken device, out-of-memory step after s
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -18,11 +19,14 @@ from typing import Any
 
 import torch
 
+from sglang_lite.distributed import get_parallel_state
 from sglang_lite.forward_batch import ForwardMode, build_forward_batch
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.radix_cache import RadixCache
+from sglang_lite.sampling.grammar import GrammarCache, GrammarQueue, RequestGrammar, grammar_key
+from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
-from sglang_lite.sampling.sampler import make_generator, sample
+from sglang_lite.sampling.sampler import make_generator
 from sglang_lite.scheduler.batch import ScheduleBatch
 from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.disagg import DecodeSide, PrefillSide
@@ -35,7 +39,8 @@ from sglang_lite.scheduler.policy import (
     plan_prefill,
     reserved_decode_tokens,
 )
-from sglang_lite.scheduler.request import INTERNAL_ERROR, FinishReason, Req, ReqOutput, ReqStatus
+from sglang_lite.scheduler.request import INTERNAL_ERROR, FinishReason, Req, ReqOutput, ReqStatus, fork_rids
+from sglang_lite.scheduler.sampling import StepSampler
 from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 GB = 1024**3
@@ -43,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 
 def validate_request(
-    input_ids: list[int], params: SamplingParams, config: SchedulerConfig, has_tokenizer: bool
+    input_ids: list[int], params: SamplingParams, config: SchedulerConfig, has_tokenizer: bool,
+    logprob: LogprobParams | None = None,
 ) -> None:
     """Raises ValueError naming the bad field; cheap, so a front end can call it before queueing."""
     if not input_ids or not all(isinstance(t, int) and 0 <= t < config.vocab_size for t in input_ids):
@@ -55,8 +61,13 @@ def validate_request(
             f"({config.max_request_tokens} tokens)"
         )
     params.validate(config.vocab_size)
+    if logprob is not None:
+        logprob.validate(config.vocab_size, len(input_ids))
     if params.stop and not has_tokenizer:
         raise ValueError("sampling parameter stop needs a tokenizer (the server skipped tokenizer init)")
+    key = grammar_key(params)
+    if key is not None and not has_tokenizer:
+        raise ValueError(f"sampling parameter {key.kind} needs a tokenizer (the server skipped tokenizer init)")
 
 
 def _weight_bytes(model: Any) -> int:
@@ -90,27 +101,59 @@ class Scheduler:
         self._throughput = ThroughputMeter(start=time.monotonic())
         self._weight_bytes = _weight_bytes(model)
         self._memory_failures = MemoryFailures()
+        self.sampler = StepSampler(config.vocab_size, pools.req_to_token.allocator.size, config.device)
+        # structured output: requests wait here while their grammar compiles on worker threads; the ranks of one
+        # attention group must admit alike, so there each grammar is awaited at the next step
+        self.grammar_queue = GrammarQueue(GrammarCache(tokenizer, config.vocab_size),
+                                          wait=get_parallel_state().attn_tp_size > 1)
 
     # ---- requests in, outputs out ----------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], sampling_params: SamplingParams | dict | None,
-                    bootstrap_room: int | None = None) -> None:
+                    bootstrap_room: int | None = None, logprob: LogprobParams | dict | None = None) -> None:
         """Queues a request; raises ValueError (naming the field) and leaves the scheduler untouched if invalid.
-        ``bootstrap_room``: the PD transfer's id, required on a prefill or decode rank (ignored otherwise)."""
+        ``bootstrap_room``: the PD transfer's id, required on a prefill or decode rank (ignored otherwise).
+        ``logprob``: the log-probabilities to report in ``meta_info``."""
         params = SamplingParams.from_dict(sampling_params)
-        validate_request(input_ids, params, self.config, self.tokenizer is not None)
-        if self._find(rid) is not None:
-            raise ValueError(f"rid {rid!r} is already in use by an unfinished request")
+        logprob = LogprobParams.from_dict(logprob)
+        validate_request(input_ids, params, self.config, self.tokenizer is not None, logprob)
+        for used in fork_rids(rid, params.n):
+            if self._find(used) is not None or self._fork_parent(used) is not None:
+                raise ValueError(f"rid {used!r} is already in use by an unfinished request")
         if self.disagg is not None:
             self._check_room(bootstrap_room)
+            if params.n > 1:
+                raise ValueError("n: parallel samples (n > 1) are not supported with PD disaggregation")
         req = self._new_req(rid, list(input_ids), params)
+        if params.n > 1:
+            req.forks, req.fork_seed = fork_rids(rid, params.n)[1:], self._seed_of(params)
+            req.generator = make_generator(req.fork_seed, self.config.device)
         if self.disagg is not None:
             req.bootstrap_room = bootstrap_room
-        if req.max_new_tokens == 0:
+        req.logprob = logprob
+        grammar = grammar_key(params)
+        if req.max_new_tokens == 0 and not (logprob is not None and logprob.wants_input):
             self._finish(req, FinishReason("length", length=0))
         elif self.disagg is not None:
+            if grammar is not None:  # a PD side hands its requests on at once: compiled here
+                req.grammar = self._request_grammar(req, self.grammar_queue.cache.compile(grammar))
             self.disagg.add(req)
+        elif grammar is not None:
+            self.grammar_queue.add(req, grammar)
         else:
             self.waiting.append(req)
+
+    def _take_compiled(self) -> None:
+        """Requests whose grammar has compiled join the waiting queue; one whose grammar failed fails alone."""
+        for req, compiled in self.grammar_queue.take_ready():
+            if isinstance(compiled, Exception):
+                self._fail(req, compiled)
+            else:
+                req.grammar = self._request_grammar(req, compiled)
+                self.waiting.append(req)
+
+    def _request_grammar(self, req: Req, compiled: Any) -> RequestGrammar:
+        """The grammar ends at the request's stop tokens (the model's eos ones under ``ignore_eos``)."""
+        return RequestGrammar(compiled, sorted(req.stop_token_ids) or list(self.config.eos_token_ids))
 
     def _check_room(self, room: int | None) -> None:
         if room is None:
@@ -123,9 +166,14 @@ class Scheduler:
         """Ends a request wherever it is and frees all it holds; False if no such unfinished request. ``failed``:
         it failed (status 500, the message its error), not a client's abort."""
         req = self._find(rid)
+        reason = FinishReason("abort", message=message, status_code=INTERNAL_ERROR if failed else None)
+        parent = self._fork_parent(rid) if req is None else None
+        if parent is not None:  # a parallel sample not forked yet: it will not be
+            parent.forks.remove(rid)
+            self._emit_unforked(parent, rid, reason)
+            return True
         if req is None:
             return False
-        reason = FinishReason("abort", message=message, status_code=INTERNAL_ERROR if failed else None)
         if self.disagg is not None and self.disagg.abort(req, reason):
             return True
         if failed:
@@ -145,6 +193,8 @@ class Scheduler:
         every rank of the world runs exactly one forward per step; with no batch it runs an idle one."""
         if self.disagg is not None:
             self.disagg.poll()
+        if self.grammar_queue:
+            self._take_compiled()
         batch = self.schedule()
         if batch is not None:
             self._run_batch(batch)
@@ -192,11 +242,12 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         pd = self.disagg is not None and self.disagg.has_work
-        return bool(self.waiting or self.running or self.chunked or self._outputs or pd)
+        return bool(self.waiting or self.running or self.chunked or self._outputs or pd or self.grammar_queue)
 
     @property
     def only_waiting_on_transfers(self) -> bool:
-        """PD: nothing to run until a transfer or a destination arrives (a driver may wait a little)."""
+        """Nothing to run until a PD transfer or destination arrives, or a grammar compiles (a driver may wait a
+        little)."""
         return not (self.waiting or self.running or self.chunked or self._outputs) and self.has_work
 
     # ---- schedule ----------------------------------------------------------------------------------------------
@@ -242,13 +293,15 @@ class Scheduler:
         req.req_row, req.state_slot, req.num_cached = row, slot, 0
         req.status = ReqStatus.PREFILLING
         self.note_admission(req)
+        self.sampler.on_admit(req)
         if self.cache is not None:
             self._reuse_prefix(req)
 
     def _reuse_prefix(self, req: Req) -> None:
         """Starts the request from the longest cached prefix that ends at a state snapshot (at least one token is
         left to run, for the logits): its KV slots are read in place, the snapshot copied into its own slot."""
-        hit, node, kv = self.cache.match(req.fill_ids, req.seq_len - 1)
+        limit = StepSampler.prefix_limit(req)  # prompt log-probabilities need their positions' logits
+        hit, node, kv = self.cache.match(req.fill_ids, req.seq_len - 1 if limit is None else limit)
         prompt = len(req.input_ids)
         if req.num_retractions == 0:  # a re-admission is not a new prompt
             self.prompt_tokens_admitted += prompt
@@ -333,15 +386,26 @@ class Scheduler:
         if not batch.is_decode:
             self.num_prefill_tokens += forward_batch.num_tokens
         with torch.inference_mode():
-            return self.model.forward_batch(forward_batch)
+            if batch.is_decode or not any(r.logprob is not None and r.logprob.wants_input for r in batch.reqs):
+                return self.model.forward_batch(forward_batch)
+            logits = self.model.forward_batch(forward_batch, all_logits=True)
+            self.sampler.record_prompt(batch.reqs, batch.extend_lens, batch.prefix_lens, logits)
+            return logits[forward_batch.last_token_indices]
 
     # ---- process results ---------------------------------------------------------------------------------------
     def process_results(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
         completes = batch.completes()
         _advance(batch)
+        for req in [r for r, done in zip(batch.reqs, completes) if done and r.max_new_tokens == 0]:
+            self._finish(req, FinishReason("length", length=0))  # prefilled for its prompt log-probabilities
+        completes = [done and r.max_new_tokens > 0 for r, done in zip(batch.reqs, completes)]
         sampled = [r for r, done in zip(batch.reqs, completes) if done]
         if sampled:
             rows = logits if len(sampled) == len(batch.reqs) else logits[[i for i, d in enumerate(completes) if d]]
+            forked = [(i, child) for i, req in enumerate(sampled) if req.forks for child in self._fork(req)]
+            if forked:  # parallel samples draw their first tokens from their parent's logits
+                rows = rows[list(range(len(sampled))) + [i for i, _ in forked]]
+                sampled = sampled + [child for _, child in forked]
             kept = [(r, t) for r, t in zip(sampled, self._sample(sampled, rows)) if t is not None]
             if isinstance(self.disagg, PrefillSide) and not batch.is_decode:  # PD: to the decode side, not decoded
                 for req, token in [(r, t) for r, t in kept if r.bootstrap_room is not None]:
@@ -372,13 +436,11 @@ class Scheduler:
             return None
 
     def _sample_rows(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
-        too_early = [len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs]
-        banned = [sorted(r.stop_token_ids) if early else [] for r, early in zip(reqs, too_early)]
-        params = [r.sampling_params for r in reqs]
-        return sample(logits, params, [r.generator for r in reqs], banned)
+        return self.sampler.sample(reqs, logits)
 
     def _append_tokens(self, reqs: list[Req], token_ids: list[int]) -> None:
         now = time.monotonic()
+        self.sampler.on_sampled(reqs, token_ids)
         for req, token in zip(reqs, token_ids):
             req.first_token_time = req.first_token_time or now
             req.output_ids.append(token)
@@ -392,7 +454,9 @@ class Scheduler:
         self._throughput.record(now, len(reqs))
 
     def _update_text_and_finish(self, req: Req, token: int) -> None:
-        if token in req.stop_token_ids:
+        if req.grammar is not None:
+            req.grammar.accept(token)
+        if token in req.stop_token_ids or (req.grammar is not None and req.grammar.terminated):
             self._finish(req, FinishReason("stop", matched=token))
             return
         self._add_text(req, req.detokenizer.push([token]) if req.detokenizer else "")
@@ -418,6 +482,70 @@ class Scheduler:
             # the KV so far and the state after it, for later requests: at the end of the prompt, and at chunk
             # boundaries (so that a prompt equal to a cached one still finds a snapshot before its last token)
             self._cache_prefix(req)
+
+    # ---- parallel samples (n > 1) ----------------------------------------------------------------------------------
+    def _fork(self, parent: Req) -> list[Req]:
+        """The parallel samples of a request whose prompt was just prefilled: each gets its own row and state slot,
+        the prompt's KV (shared through the prefix cache, else copied) and a copy of the state, and decodes from
+        here. One that cannot get memory now waits and prefills like any request."""
+        forked = []
+        for i, rid in enumerate(parent.forks, start=1):
+            params = dataclasses.replace(parent.sampling_params, n=1, seed=parent.fork_seed + i)
+            child = self._new_req(rid, list(parent.input_ids), params)
+            child.arrival_time, child.logprob = parent.arrival_time, parent.logprob
+            assert not parent.output_ids, "parallel samples fork before the first token"
+            child.grammar = parent.grammar.restarted() if parent.grammar is not None else None
+            child.logprob_record = parent.logprob_record.copy_input()
+            if self._share_prompt(parent, child):
+                self.note_admission(child)
+                self.sampler.on_admit(child)
+                child.status, child.cached_tokens = ReqStatus.DECODING, parent.cached_tokens
+                self.running.append(child)
+                forked.append(child)
+            else:
+                self.waiting.append(child)
+        parent.forks = []
+        return forked
+
+    def _share_prompt(self, parent: Req, child: Req) -> bool:
+        """Gives ``child`` a row, a state slot and ``parent``'s cached prompt; False (nothing taken) if memory is
+        short."""
+        rows = self.pools.req_to_token.allocator.alloc(1)
+        slots = self.pools.states.alloc(1) if rows else None
+        self._cache_prefix(parent)  # the cache then owns the prompt's KV, which every sample reads in place
+        n, shared = parent.num_cached, parent.cached_len
+        if slots:
+            self._make_room(n - shared)
+        kv = self.pools.kv.allocator.alloc(n - shared) if slots else None
+        if kv is None:
+            if rows:
+                self.pools.req_to_token.allocator.free(rows)
+            if slots:
+                self.pools.states.allocator.free(slots)
+            return False
+        table = self.pools.req_to_token.req_to_token
+        (row,), (slot,) = rows, slots
+        table[row, :shared] = table[parent.req_row, :shared]
+        if kv:
+            self.pools.copy_kv(table[parent.req_row, shared:n].tolist(), kv)
+            table[row, shared:n] = torch.tensor(kv, dtype=table.dtype, device=table.device)
+        if shared:
+            self.cache.lock(parent.cache_node)
+            child.cache_node, child.cached_len = parent.cache_node, shared
+        self.pools.states.copy_slot(parent.state_slot, slot)
+        child.req_row, child.state_slot, child.num_cached = row, slot, n
+        return True
+
+    def _fork_parent(self, rid: str) -> Req | None:
+        """The unfinished request that will fork the parallel sample ``rid``."""
+        return next((r for r in self.waiting + self.holders if rid in r.forks), None)
+
+    def _emit_unforked(self, parent: Req, rid: str, reason: FinishReason) -> None:
+        """A parallel sample that ends before it was forked (its parent ended, or it was aborted)."""
+        meta = {"id": rid, "prompt_tokens": len(parent.input_ids), "completion_tokens": 0, "cached_tokens": 0,
+                "finish_reason": reason.to_dict(), "num_retractions": 0,
+                "e2e_latency": time.monotonic() - parent.arrival_time}
+        self._outputs.append(ReqOutput(rid, [], "", True, meta))
 
     def flush_cache(self) -> int:
         """Drops every cached prefix no request uses; returns the KV slots freed."""
@@ -469,8 +597,12 @@ class Scheduler:
             self._release(req, cache=not reason.is_internal_error)  # a failed step's KV may be half-written
         if req in self.waiting:
             self.waiting.remove(req)
+        self.grammar_queue.remove(req)
         req.status, req.finish_reason = ReqStatus.FINISHED, reason
         self._emit(req)
+        for rid in req.forks:  # its parallel samples were never forked: they end with it
+            self._emit_unforked(req, rid, reason)
+        req.forks = []
 
     def _flush_text(self, req: Req) -> None:
         if req.detokenizer is not None:
@@ -483,6 +615,7 @@ class Scheduler:
         if cache:
             self._cache_prefix(req)
         self.pools.free_request(req.req_row, req.num_cached, req.state_slot, first=req.cached_len)
+        self.sampler.on_release(req)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
         req.req_row = req.state_slot = req.cache_node = None
@@ -508,6 +641,8 @@ class Scheduler:
         }
         if req.finished:
             meta["e2e_latency"] = time.monotonic() - req.arrival_time
+        if req.logprob is not None and req.logprob.return_logprob:
+            meta.update(req.logprob_record.take(req.logprob))
         return meta
 
     def _take_outputs(self) -> list[ReqOutput]:
@@ -515,9 +650,12 @@ class Scheduler:
         return outputs
 
     # ---- requests ----------------------------------------------------------------------------------------------
+    def _seed_of(self, params: SamplingParams) -> int:
+        return params.seed if params.seed is not None else self._seeds.getrandbits(63)
+
     def _new_req(self, rid: str, input_ids: list[int], params: SamplingParams) -> Req:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.config.eos_token_ids))
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        seed = self._seed_of(params)
         tokenizer = self.tokenizer
         return Req(
             rid=rid,
@@ -531,7 +669,7 @@ class Scheduler:
         )
 
     def _find(self, rid: str) -> Req | None:
-        req = next((r for r in self.waiting + self.holders if r.rid == rid), None)
+        req = next((r for r in self.waiting + self.holders + self.grammar_queue.items if r.rid == rid), None)
         if req is None and self.disagg is not None:
             req = self.disagg.find(rid)
         return req
@@ -571,7 +709,7 @@ class Scheduler:
             dp_rank=self.config.dp_rank,
             timestamp=utc_timestamp(),
             num_running_reqs=running,
-            num_waiting_reqs=len(self.waiting) + len(pd_waiting),
+            num_waiting_reqs=len(self.waiting) + len(pd_waiting) + len(self.grammar_queue),
             num_used_tokens=used,
             # PD: a reserved request's KV is in `used` already; one still in prealloc counts its prompt
             num_total_tokens=used + self._tokens_to_prefill() + sum(len(r.input_ids) for r in pd_waiting

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sglang_lite.runtime.inputs import split_prompts
+from sglang_lite.sampling.logprobs import INPUT_KEYS, OUTPUT_KEYS, LogprobParams
 from sglang_lite.scheduler.loads import LOAD_SECTIONS
 from sglang_lite.server import openai_serving
 from sglang_lite.server.disagg import bootstrap_of
@@ -29,7 +30,7 @@ from sglang_lite.server.middleware import (
     RouteCountMiddleware,
 )
 from sglang_lite.server.model_info import VERSION, model_info_of, server_info_of
-from sglang_lite.server.openai_protocol import AbortRequest, GenerateRequest
+from sglang_lite.server.openai_protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
 from sglang_lite.server.responses import (
     ClientDisconnected,
     SSEResponse,
@@ -152,6 +153,32 @@ def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> No
         """Drops every cached prefix no request is using (SGLang's route)."""
         return {"message": "Cache flushed.", "freed_tokens": await manager.flush_cache()}
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        ids = await manager.encode(body.prompt, "prompt", body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": manager.config.context_length}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        if manager.tokenizer is None:
+            raise bad_request("detokenize needs a tokenizer (the server skipped tokenizer init)")
+        vocab = manager.config.vocab_size
+        if not all(0 <= t < vocab for t in body.tokens):
+            raise bad_request(f"tokens must be token ids in [0, {vocab})")
+        text = manager.tokenizer.decode(body.tokens)
+        return {"text": text, "prompt": text}  # SGLang's key, vLLM's key
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """The tokenizer's special tokens and chat template (vLLM's route, which lm-evaluation-harness probes)."""
+        tokenizer = manager.tokenizer
+        if tokenizer is None:
+            raise RequestError(404, "the server skipped tokenizer init")
+        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
+                "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
+                "chat_template": getattr(tokenizer, "chat_template", None),
+                "model_max_length": manager.config.context_length, "vocab_size": manager.config.vocab_size}
+
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         loads = await manager.get_loads([r for r in range(args.dp_size) if manager.live[r]])
@@ -164,16 +191,15 @@ def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> No
             if batched:
                 raise bad_request("stream supports one prompt per request")
             stream = await until_disconnect(request, manager.submit(inputs[0]))
-            return SSEResponse(_native_events(stream))
+            return SSEResponse(_native_events(stream, _logprob_texts(manager, body)))
         results = await until_disconnect(request, manager.run_all(inputs))
-        payload = [_native_result(r.new_token_ids, r.new_text, r.meta_info) for r in results]
-        return JSONResponse(payload if batched else payload[0])
+        texts = _logprob_texts(manager, body)
+        payload = [_native_result(r.new_token_ids, r.new_text, texts(r.meta_info)) for r in results]
+        return JSONResponse(payload if batched or len(payload) > 1 else payload[0])  # n > 1: n results
 
 
 # ---- /generate -------------------------------------------------------------------------------------------------
 async def _generate_inputs(manager: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateInput], bool]:
-    if body.return_logprob is True or (isinstance(body.return_logprob, list) and any(body.return_logprob)):
-        raise bad_request("return_logprob is not supported")
     try:
         prompts, is_text, batched = split_prompts(body.text, body.input_ids)
     except ValueError as error:
@@ -186,9 +212,45 @@ async def _generate_inputs(manager: TokenizerManager, body: GenerateRequest) -> 
         pd = bootstrap_of(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(prompts))
     except ValueError as error:
         raise bad_request(str(error)) from error
+    logprobs = _logprob_params(body, len(prompts))
     ids = [await manager.encode(p) for p in prompts] if is_text else prompts  # the sampling checks come first
-    return [GenerateInput(rid or uuid.uuid4().hex, i, p, rank, b)
-            for i, p, rid, b in zip(ids, params, rids, pd)], batched
+    return [GenerateInput(rid or uuid.uuid4().hex, i, p, rank, b, lp)
+            for i, p, rid, b, lp in zip(ids, params, rids, pd, logprobs)], batched
+
+
+def _logprob_params(body: GenerateRequest, n: int) -> list[LogprobParams | None]:
+    """Each prompt's log-probability request: every field is one value for all prompts or a list of one each."""
+    asks = _per_prompt(body.return_logprob, n, "return_logprob")
+    starts = _per_prompt(body.logprob_start_len, n, "logprob_start_len")
+    tops = _per_prompt(body.top_logprobs_num, n, "top_logprobs_num")
+    ids = body.token_ids_logprob
+    ids = _per_prompt(ids, n, "token_ids_logprob") if ids and isinstance(ids[0], list) else [ids] * n
+    params = []
+    for ask, start, top, chosen in zip(asks, starts, tops, ids):
+        if not ask and (start != -1 or top or chosen is not None):
+            raise bad_request("logprob_start_len, top_logprobs_num and token_ids_logprob need return_logprob")
+        params.append(LogprobParams(True, start, top, chosen) if ask else None)
+    return params
+
+
+def _logprob_texts(manager: TokenizerManager, body: GenerateRequest) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """``return_text_in_logprobs``: fills each log-probability entry's text (its third place) in a meta_info."""
+    def fill(meta: dict[str, Any]) -> dict[str, Any]:
+        if body.return_text_in_logprobs:
+            for key in [k for k in (*OUTPUT_KEYS, *INPUT_KEYS) if k in meta]:
+                meta[key] = [_with_texts(manager, position) for position in meta[key]]
+        return meta
+    return fill
+
+
+def _with_texts(manager: TokenizerManager, position: list | None) -> list | None:
+    """One position's entry [logprob, id, text], or its list of them (top-k, chosen ids), with texts."""
+    if not position:
+        return position
+    if isinstance(position[0], list):
+        texts = manager.token_texts([entry[1] for entry in position])
+        return [[entry[0], entry[1], text] for entry, text in zip(position, texts)]
+    return [position[0], position[1], manager.token_texts([position[1]])[0]]
 
 
 def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
@@ -203,13 +265,15 @@ def _native_result(ids: list[int], text: str, meta: dict[str, Any]) -> dict[str,
     return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
-async def _native_events(stream: RequestStream) -> AsyncIterator[bytes]:
-    """SGLang's native stream: cumulative text and output ids in every event."""
-    text, ids = "", []
+async def _native_events(stream: RequestStream, texts: Callable[[dict], dict]) -> AsyncIterator[bytes]:
+    """SGLang's native stream: cumulative text, output ids and log-probabilities in every event."""
+    text, ids, logprobs = "", [], {}
     try:
         async for output in stream:
             text, ids = text + output.new_text, ids + output.new_token_ids
-            yield sse(_native_result(ids, text, output.meta_info))
+            for key in [k for k in (*OUTPUT_KEYS, *INPUT_KEYS) if k in output.meta_info]:
+                logprobs.setdefault(key, []).extend(texts({key: output.meta_info[key]})[key])
+            yield sse(_native_result(ids, text, {**output.meta_info, **logprobs}))
     except RequestError as error:
         yield sse_error(error)
     finally:

@@ -13,6 +13,7 @@ that failed inside its rank ends with a 500.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -32,10 +33,12 @@ from sglang_lite.runtime.messages import (
     Ready,
     Reserved,
 )
+from sglang_lite.sampling.grammar import GrammarCache, grammar_key
+from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams, is_utf8
 from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.loads import LOAD_SECTIONS
-from sglang_lite.scheduler.request import ReqOutput, internal_error, join_outputs
+from sglang_lite.scheduler.request import ReqOutput, fork_rids, internal_error, join_outputs
 from sglang_lite.scheduler.scheduler import validate_request
 from sglang_lite.server.disagg import Bootstrap, PDFrontEnd
 from sglang_lite.server.dp_controller import DPController, InvalidRank
@@ -51,8 +54,7 @@ RESTART_TIMEOUT_S = 300.0  # a restarted rank not ready by then counts as a fail
 UP, STARTING, DOWN, FAILED = "up", "starting", "down", "failed"  # FAILED: down for good (no restarts left)
 # Sampling keys other engines and sglang-router send; accepted at their neutral value, refused otherwise.
 MAX_RID_CHARS = 256
-NEUTRAL_SAMPLING = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1,
-                    "no_stop_trim": False, "spaces_between_special_tokens": True, "logit_bias": {}}
+NEUTRAL_SAMPLING = {"no_stop_trim": False, "spaces_between_special_tokens": True}
 
 
 class RequestError(Exception):
@@ -74,6 +76,15 @@ class GenerateInput:
     sampling_params: SamplingParams
     requested_rank: int | None = None
     bootstrap: Bootstrap | None = None  # PD disaggregation: the prefill server and the transfer's room
+    logprob: LogprobParams | None = None  # the log-probabilities to report in meta_info
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered chat prompt: its text (the output parsers read how it ends) and its token ids."""
+
+    text: str
+    ids: list[int]
 
 
 @dataclass
@@ -136,6 +147,7 @@ class TokenizerManager:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.tokenizer: Any = None
+        self.grammars: GrammarCache | None = None  # set at start, with the tokenizer and the vocabulary
         self.client: SchedulerClient | None = None
         self.config: SchedulerConfig | None = None  # every rank's, but dp_rank
         self.dp = DPController(args.dp_size, args.load_balance_method)
@@ -154,6 +166,7 @@ class TokenizerManager:
         self.client = SchedulerClient(self.args)  # spawned from the event loop's thread, which outlives the ranks
         await asyncio.to_thread(self.client.wait_ready)
         self.config = self.client.config
+        self.grammars = GrammarCache(self.tokenizer, self.config.vocab_size)  # compiles only to check grammars
         for health in self.ranks:
             health.set(UP, time.monotonic())
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._supervise())]
@@ -185,26 +198,31 @@ class TokenizerManager:
             self.client.shutdown()
 
     # ---- requests ----------------------------------------------------------------------------------------------
-    async def encode(self, text: str, name: str = "text") -> list[int]:
+    async def encode(self, text: str, name: str = "text", add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt, tokenised on a worker thread so a long text never stalls the event loop."""
         if self.tokenizer is None:
             raise bad_request("text prompts need a tokenizer (the server skipped tokenizer init); pass input_ids")
         self._check_prompt_chars(len(text), name)
-        return await asyncio.to_thread(self._tokenize, text, name, {})
+        options = {} if add_special_tokens else {"add_special_tokens": False}
+        return await asyncio.to_thread(self._tokenize, text, name, options)
 
-    async def encode_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any],
+                          tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
+        """The chat template's prompt (``tools``: OpenAI tool definitions, rendered by the template)."""
         if self.tokenizer is None:
             raise bad_request("chat needs a tokenizer (the server skipped tokenizer init)")
-        self._check_prompt_chars(sum(len(m.get("content") or "") for m in messages), "messages")
-        return await asyncio.to_thread(self._encode_chat, messages, template_kwargs)
+        chars = sum(len(m.get("content") or "") for m in messages) + len(json.dumps(tools) if tools else "")
+        self._check_prompt_chars(chars, "messages")
+        return await asyncio.to_thread(self._encode_chat, messages, template_kwargs, tools)
 
-    def _encode_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+    def _encode_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any],
+                     tools: list[dict[str, Any]] | None) -> ChatPrompt:
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                      **template_kwargs)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=True, **template_kwargs)
         except Exception as error:  # a template rejecting the conversation is the request's fault
             raise bad_request(f"messages: the chat template failed: {error}") from error
-        return self._tokenize(text, "messages", {"add_special_tokens": False})
+        return ChatPrompt(text, self._tokenize(text, "messages", {"add_special_tokens": False}))
 
     def _tokenize(self, text: str, name: str, options: dict[str, Any]) -> list[int]:
         if not is_utf8(text):  # JSON can carry lone surrogates, which the tokenizer refuses with a TypeError
@@ -218,6 +236,12 @@ class TokenizerManager:
         if chars > self._prompt_chars_limit:
             raise bad_request(f"{name}: the prompt has {chars} characters, more than the context length "
                               f"({self.config.max_request_tokens} tokens) can hold")
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text (empty without a tokenizer), for log-probability entries."""
+        if self.tokenizer is None:
+            return ["" for _ in ids]
+        return [self.tokenizer.decode([token]) for token in ids]
 
     def check_prompt_count(self, count: int, name: str) -> None:
         """A batched request carries at most ``--max-queued-requests`` prompts: more could never be queued."""
@@ -248,45 +272,77 @@ class TokenizerManager:
         if not _valid_rid(request.rid):
             raise bad_request(f"rid must be a UTF-8 string of 1 to {MAX_RID_CHARS} characters")
         try:
-            validate_request(request.input_ids, request.sampling_params, self.config, self.tokenizer is not None)
+            validate_request(request.input_ids, request.sampling_params, self.config, self.tokenizer is not None,
+                             request.logprob)
             self.pd.check(request)
         except (ValueError, TypeError) as error:
             raise bad_request(str(error)) from error
 
+    async def check_grammar(self, request: GenerateInput) -> None:
+        """A grammar that cannot compile is a 400 naming its field (compiled on worker threads, once per text; the
+        rank compiles it again, for its own use)."""
+        key = grammar_key(request.sampling_params)
+        if key is None:
+            return
+        try:
+            await asyncio.wrap_future(self.grammars.submit(key))
+        except ValueError as error:
+            raise bad_request(str(error)) from error
+
     async def submit(self, request: GenerateInput) -> RequestStream:
         """Validates and dispatches one request; returns once its rank queued it (or raises RequestError)."""
+        if request.sampling_params.n > 1:
+            raise bad_request("n: a stream carries one sample (n = 1)")
+        (stream,) = await self.submit_samples(request)
+        return stream
+
+    async def submit_samples(self, request: GenerateInput) -> list[RequestStream]:
+        """``submit`` for a request with ``n`` parallel samples: one stream per sample, in order (``fork_rids``)."""
         self.validate(request)
-        if request.rid in self.streams:
-            raise bad_request(f"rid {request.rid!r} is already in use")
+        await self.check_grammar(request)
+        rids = fork_rids(request.rid, request.sampling_params.n)
+        used = [rid for rid in rids if rid in self.streams]
+        if used:
+            raise bad_request(f"rid {used[0]!r} is already in use")
         rank = self._pick_rank(request.requested_rank)
-        stream = RequestStream(self, request.rid, rank, len(request.input_ids))
-        self.streams[request.rid] = stream
-        self.in_flight[rank] += 1
+        streams = [RequestStream(self, rid, rank, len(request.input_ids)) for rid in rids]
+        for stream in streams:
+            self.streams[stream.rid] = stream
+        self.in_flight[rank] += len(streams)
         try:
             room = self.pd.room_of(request)
-            self.client.send(rank, AddRequest(request.rid, request.input_ids, request.sampling_params, room))
+            self.client.send(rank, AddRequest(request.rid, request.input_ids, request.sampling_params, room,
+                                              request.logprob))
         except BaseException:  # never sent: nothing to abort on the rank, but nothing may stay registered
-            stream.finished = True
-            stream.close()
+            for stream in streams:
+                stream.finished = True
+                stream.close()
             raise
+        stream = streams[0]
         self.pd.on_submitted(stream, request.bootstrap)
-        ack = await self._acked(stream)
+        ack = await self._acked(stream, streams[1:])
         if not ack.queued:
             headers = {"Retry-After": "1"} if ack.status == UNAVAILABLE else {}
             raise RequestError(ack.status, ack.message, headers)
         self.metrics.routed[rank, "balanced" if request.requested_rank is None else "named"] += 1
         self.metrics.tokens[rank, "prompt"] += stream.prompt_tokens
-        return stream
+        return streams
 
-    async def _acked(self, stream: RequestStream) -> Ack:
+    async def _acked(self, stream: RequestStream, samples: list[RequestStream]) -> Ack:
+        """The rank's answer to ``stream``'s request, which its parallel ``samples`` share."""
         try:
             ack = await stream.ack
         except BaseException:
-            stream.close()
+            for each in [stream, *samples]:
+                each.close()
             raise
+        for sample in samples:
+            if not sample.ack.done():
+                sample.ack.set_result(ack)
         if not ack.queued:
-            stream.finished = True  # nothing runs on the rank: closing sends no abort
-            stream.close()
+            for each in [stream, *samples]:
+                each.finished = True  # nothing runs on the rank: closing sends no abort
+                each.close()
         return ack
 
     def _pick_rank(self, requested: int | None) -> int:
@@ -339,14 +395,15 @@ class TokenizerManager:
             self.metrics.observe("e2e_request_latency_seconds", stream.rank, now - stream.arrival)
 
     async def run_all(self, inputs: list[GenerateInput], timeout: float | None = None) -> list[ReqOutput]:
-        """Runs requests to the end, each joined into one output; every one is dispatched before any is awaited,
-        and all abort on failure."""
+        """Runs requests to the end, each joined into one output (``n`` of them in a row for one with parallel
+        samples); every one is dispatched before any is awaited, and all abort on failure."""
         for request in inputs:
             self.validate(request)
+            await self.check_grammar(request)
         streams: list[RequestStream] = []
         try:
             for request in inputs:
-                streams.append(await self.submit(request))
+                streams += await self.submit_samples(request)
             return list(await asyncio.wait_for(asyncio.gather(*(_joined(s) for s in streams)), timeout))
         finally:
             for stream in streams:

@@ -228,18 +228,18 @@ def reference_tokens(scheduler, prompt: list[int]) -> list[int]:
 
 
 def test_a_request_whose_sampling_raises_fails_alone(scheduler, monkeypatch):
-    from sglang_lite.scheduler import scheduler as scheduler_module
+    from sglang_lite.scheduler import sampling as sampling_module
 
     prompt = random_prompts([9], vocab=4000, seed=7)[0]
     reference = reference_tokens(scheduler, prompt)
-    real_sample = scheduler_module.sample
+    real_sample = sampling_module.sample
 
     def poisoned_sample(logits, params, generators, banned=None):
         if any(p.seed == POISONED_SEED for p in params):
             raise RuntimeError("probability tensor contains inf")
         return real_sample(logits, params, generators, banned)
 
-    monkeypatch.setattr(scheduler_module, "sample", poisoned_sample)
+    monkeypatch.setattr(sampling_module, "sample", poisoned_sample)
     scheduler.add_request("good", prompt, {**GREEDY, "max_new_tokens": 6})
     scheduler.add_request("bad", prompt, {"max_new_tokens": 6, "temperature": 0.7, "seed": POISONED_SEED})
     outputs = drain(scheduler)  # checks the invariants after every step

@@ -1,0 +1,196 @@
+"""Structured output (SGLang's ``json_schema``, ``regex`` and ``ebnf``): grammars compiled by xgrammar, one
+matcher per request, and the token masks they put on a batch's logits.
+
+A grammar is compiled once per (kind, text) for one tokenizer (``GrammarCache``, on its own worker threads, so
+neither the scheduler's step nor the HTTP event loop waits on a compile); a text that cannot compile is a
+ValueError naming its field. Each request then follows its output with a ``RequestGrammar``: before sampling it
+fills its row of the batch's bitmask (``mask_logits`` turns the disallowed tokens' logits to -inf), after
+sampling it accepts the token. Once the grammar is complete only the stop tokens are allowed, and accepting one
+terminates the matcher: that is where a structured request ends.
+
+JSON is written on one line with the separators ", " and ": " (xgrammar's ``any_whitespace=False``): with free
+whitespace between tokens, a weak model can spend its whole token budget on blanks and never close the object.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sglang_lite.sampling.params import GRAMMAR_FIELDS, SamplingParams
+
+COMPILE_THREADS = 2
+MAX_CACHED_GRAMMARS = 256  # compiled grammars hold per-token tables: the cache forgets the least recently used
+# xgrammar's C++ errors start with a time and a source location ("[12:00:00] /project/cpp/x.cc:94: "): not the
+# client's business
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+@dataclass(frozen=True)
+class GrammarKey:
+    kind: str  # one of GRAMMAR_FIELDS: the sampling parameter that carries the text
+    text: str
+
+
+def grammar_key(params: SamplingParams) -> GrammarKey | None:
+    """The grammar a request asks for (``validate`` has checked that at most one field is set), or None."""
+    for kind in GRAMMAR_FIELDS:
+        text = getattr(params, kind)
+        if text is not None:
+            return GrammarKey(kind, text)
+    return None
+
+
+class GrammarCache:
+    """Compiles grammars for one tokenizer, each key once (failures too), on ``COMPILE_THREADS`` worker threads.
+
+    ``vocab_size`` is the model's (its LM head may have more rows than the tokenizer has tokens). xgrammar's
+    tokenizer tables are built on a worker at the first compile, so creating a cache costs nothing."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_entries: int = MAX_CACHED_GRAMMARS) -> None:
+        self.tokenizer, self.vocab_size, self.max_entries = tokenizer, vocab_size, max_entries
+        self._compiler: Any = None
+        self._entries: OrderedDict[GrammarKey, Future] = OrderedDict()
+        self._lock = threading.Lock()  # of the entries: held only for moments, so ``submit`` never waits long
+        self._compiler_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+
+    def submit(self, key: GrammarKey) -> Future:
+        """The compile of ``key``: a Future of its compiled grammar, or of a ValueError naming the field."""
+        with self._lock:
+            future = self._entries.get(key)
+            if future is None:
+                future = self._entries[key] = self._pool.submit(self._compile, key)
+                while len(self._entries) > self.max_entries:
+                    self._entries.popitem(last=False)
+            self._entries.move_to_end(key)
+            return future
+
+    def compile(self, key: GrammarKey) -> Any:
+        """Blocks until ``key`` is compiled; raises ValueError naming the field when it cannot be."""
+        return self.submit(key).result()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, key: GrammarKey) -> Any:
+        compiler = self._get_compiler()
+        try:
+            if key.kind == "json_schema":
+                return compiler.compile_json_schema(key.text, any_whitespace=False)
+            if key.kind == "regex":
+                return compiler.compile_regex(key.text)
+            return compiler.compile_grammar(key.text)
+        except RuntimeError as error:
+            message = _CPP_PREFIX.sub("", str(error).strip())
+            raise ValueError(f"sampling parameter {key.kind} does not compile: {message}") from None
+
+    def _get_compiler(self) -> Any:
+        import xgrammar
+
+        with self._compiler_lock:
+            if self._compiler is None:
+                info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+
+class GrammarQueue:
+    """Requests waiting for their grammar (SGLang's grammar queue): each is added with its key, whose compile starts
+    at once, and is taken once the compile has ended. ``wait``: take every request at the next look, waiting for
+    its compile (the ranks of one attention group must admit the same requests at the same step)."""
+
+    def __init__(self, cache: GrammarCache, wait: bool = False) -> None:
+        self.cache, self.wait = cache, wait
+        self._pending: dict[Any, Future] = {}  # in arrival order
+
+    def add(self, item: Any, key: GrammarKey) -> None:
+        self._pending[item] = self.cache.submit(key)
+
+    def take_ready(self) -> list[tuple[Any, Any]]:
+        """The items whose compile has ended, in arrival order, each with its compiled grammar or its ValueError."""
+        ready = [item for item, future in self._pending.items() if self.wait or future.done()]
+        return [(item, _outcome(self._pending.pop(item))) for item in ready]
+
+    def remove(self, item: Any) -> None:
+        self._pending.pop(item, None)
+
+    @property
+    def items(self) -> list[Any]:
+        return list(self._pending)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+def _outcome(future: Future) -> Any:
+    error = future.exception()
+    return error if error is not None else future.result()
+
+
+class RequestGrammar:
+    """One request's place in its grammar. ``stop_token_ids``: the tokens that end it once the grammar is complete
+    (the request's stop tokens)."""
+
+    def __init__(self, compiled: Any, stop_token_ids: list[int]) -> None:
+        import xgrammar
+
+        self.vocab_size = compiled.tokenizer_info.vocab_size
+        self._compiled, self._stop_token_ids = compiled, stop_token_ids
+        self._matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+
+    def restarted(self) -> RequestGrammar:
+        """The same grammar from its start (for a parallel sample forked before any token)."""
+        return RequestGrammar(self._compiled, self._stop_token_ids)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> None:
+        """Advances past a sampled token; one the mask forbade is an error (of this request alone)."""
+        if not self._matcher.accept_token(token_id):
+            raise ValueError(f"token {token_id} breaks the request's grammar")
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and a stop token was accepted."""
+        return self._matcher.is_terminated()
+
+
+def mask_logits(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> torch.Tensor:
+    """logits [B, V] with each grammar row's disallowed tokens at -inf: the input itself when no row has a grammar,
+    else a copy (the forward's logits stay as they were). Columns past the grammar's vocabulary are disallowed."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return logits
+    import xgrammar
+
+    vocab = grammars[rows[0]].vocab_size
+    bitmask = xgrammar.allocate_token_bitmask(len(grammars), vocab)  # on the CPU, where matchers write
+    for i in rows:
+        grammars[i].fill_bitmask(bitmask, i)
+    logits = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=vocab,
+                                         indices=rows)
+    if logits.shape[-1] > vocab:
+        logits[rows, vocab:] = float("-inf")
+    return logits
+
+
+def keep_possible_bans(logits: torch.Tensor, banned: list[list[int]],
+                       grammars: list[RequestGrammar | None]) -> list[list[int]]:
+    """Drops a grammar row's ban (its stop tokens before ``min_new_tokens``) when the ban would leave no token the
+    grammar allows: a complete grammar allows only the stop tokens, and the grammar wins."""
+    return [[] if ids and grammar is not None and not _allows_other(logits[row], ids) else ids
+            for row, (ids, grammar) in enumerate(zip(banned, grammars))]
+
+
+def _allows_other(logits: torch.Tensor, ids: list[int]) -> bool:
+    allowed = logits > float("-inf")
+    allowed[ids] = False
+    return bool(allowed.any())

@@ -1,0 +1,92 @@
+"""Tools and reasoning in chat completions, as SGLang serves them: which tools the template renders, how the output
+is parsed (``--reasoning-parser``, ``--tool-call-parser``), and the OpenAI shapes of what the parsers found.
+
+- ``tool_choice`` defaults to ``auto`` with tools and ``none`` without. ``none``: no tool is rendered and nothing
+  is parsed as a call. ``auto`` / ``required``: every tool is rendered; a named function: only that one.
+  ``required`` and a named function are parsed as ``auto``: no grammar constrains the output yet.
+- Tools without ``--tool-call-parser`` are rendered but not parsed (calls stay in ``content``), as in SGLang.
+- Reasoning is parsed with ``--reasoning-parser``, ``separate_reasoning`` (default true) and thinking on (not
+  ``chat_template_kwargs.enable_thinking: false``); it starts inside reasoning when the prompt ends in an open
+  ``<think>`` block (Qwen3.5's template with thinking on).
+- ``finish_reason`` is ``tool_calls`` when calls were parsed and the model stopped by itself (``length`` stays).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_lite.server.openai_protocol import ChatCompletionRequest
+from sglang_lite.server.parsers import OutputParser, ParsedText, ParsingPlan, join_tool_calls, prompt_opens_reasoning
+from sglang_lite.server.tokenizer_manager import bad_request
+from sglang_lite.server_args import ServerArgs
+
+
+def check_tools(body: ChatCompletionRequest) -> None:
+    """A 400 naming the field for tool choices the tools cannot satisfy and for ambiguous tools."""
+    names = [tool.function.name for tool in body.tools or []]
+    if len(set(names)) != len(names):
+        raise bad_request("tools: function names must be unique")
+    choice = body.tool_choice
+    if choice == "required" and not names:
+        raise bad_request("tool_choice: 'required' needs tools")
+    if choice is not None and not isinstance(choice, str) and choice.function.name not in names:
+        raise bad_request(f"tool_choice: function {choice.function.name!r} is not in tools")
+
+
+def tool_choice(body: ChatCompletionRequest) -> Any:
+    return body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+
+
+def rendered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tool definitions the chat template renders (None: none)."""
+    choice = tool_choice(body)
+    if choice == "none":
+        return None
+    named = None if isinstance(choice, str) else choice.function.name
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or [] if named in (None, t.function.name)]
+    return tools or None
+
+
+def parsing_plan(args: ServerArgs, body: ChatCompletionRequest, prompt: str) -> ParsingPlan | None:
+    thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+    reasoning = args.reasoning_parser is not None and body.separate_reasoning and thinking
+    tools = rendered_tools(body) if args.tool_call_parser else None
+    plan = ParsingPlan(reasoning=reasoning, starts_in_reasoning=reasoning and prompt_opens_reasoning(prompt),
+                       tool_parser=args.tool_call_parser if tools else None,
+                       tools=tuple(t["function"] for t in tools or ()))
+    return plan if plan.active else None
+
+
+def tool_finish_reason(parser: OutputParser, reason: str | None) -> str | None:
+    return "tool_calls" if reason == "stop" and parser.saw_tool_calls else reason
+
+
+def parsed_message(parser: OutputParser, text: str) -> dict[str, Any]:
+    """The non-streaming ``message`` of a whole output."""
+    parsed = parser.parse(text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parser.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning or None
+    calls = join_tool_calls(parsed.tool_calls)
+    if calls:
+        message["content"] = parsed.content or None
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                                              "arguments": c.arguments}}
+                                 for c in calls]
+    return message
+
+
+def parsed_deltas(parsed: ParsedText, first: bool) -> list[dict[str, Any]]:
+    """The streaming ``delta``s of one step: reasoning and text together, then one per tool-call piece."""
+    delta: dict[str, Any] = {"role": "assistant"} if first else {}
+    if parsed.reasoning:
+        delta["reasoning_content"] = parsed.reasoning
+    if parsed.content or first:
+        delta["content"] = parsed.content
+    deltas = [delta] if delta else []
+    for piece in parsed.tool_calls:
+        call: dict[str, Any] = {"index": piece.index, "function": {"arguments": piece.arguments}}
+        if piece.name is not None:
+            call.update(id=piece.id, type="function")
+            call["function"]["name"] = piece.name
+        deltas.append({"tool_calls": [call]})
+    return deltas
