@@ -20,10 +20,12 @@ from sglang_lite.server.openai_logprobs import CompletionLogprobs, TokenTexts, c
 from sglang_lite.server.openai_protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
 from sglang_lite.server.openai_tools import (
     check_tools,
+    forced_tool_message,
     parsed_deltas,
     parsed_message,
     parsing_plan,
     rendered_tools,
+    tool_call_schema,
     tool_finish_reason,
 )
 from sglang_lite.server.parsers import OutputParser, ParsingPlan
@@ -66,14 +68,20 @@ def add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> Non
             raise bad_request("top_logprobs needs logprobs: true")
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
-        params = manager.sampling_params(body.sampling_dict(None))
         check_tools(body)
+        forced = tool_call_schema(body)  # tool_choice required or a named function: the output is the calls
+        if forced is not None and (body.response_format is not None or body.regex or body.ebnf):
+            raise bad_request("tool_choice: a required or named tool choice constrains the output; it cannot be "
+                              "combined with response_format, regex or ebnf")
+        raw = body.sampling_dict(None)
+        params = manager.sampling_params({**raw, "json_schema": forced} if forced is not None else raw)
         messages = [m.to_template() for m in body.messages]
         prompt = await manager.encode_chat(messages, body.chat_template_kwargs or {}, rendered_tools(body))
         logprob = LogprobParams(True, -1, body.top_logprobs or 0) if body.logprobs else None
         inputs = _inputs(body, [prompt.ids], params, logprob)
-        shape = Shape("chat.completion", served_model_name(args), parsing_plan(args, body, prompt.text), n=params.n,
-                      logprobs=logprob is not None, texts=manager.token_texts)
+        parsing = parsing_plan(args, body, prompt.text) if forced is None else None
+        shape = Shape("chat.completion", served_model_name(args), parsing, n=params.n, logprobs=logprob is not None,
+                      texts=manager.token_texts, forced_tools=forced is not None)
         return await _respond(request, manager, body, inputs, shape)
 
 
@@ -118,8 +126,11 @@ class Shape:
     choices per prompt (choice ``i`` answers prompt ``i // n``), with log-probabilities and echoed prompts."""
 
     def __init__(self, kind: str, model: str, parsing: ParsingPlan | None = None, n: int = 1,
-                 logprobs: bool = False, echo: list[str] | None = None, texts: TokenTexts | None = None) -> None:
+                 logprobs: bool = False, echo: list[str] | None = None, texts: TokenTexts | None = None,
+                 forced_tools: bool = False) -> None:
         self.kind, self.model, self.n = kind, model, n
+        self.forced_tools = forced_tools  # the output is a JSON list of tool calls (tool_call_schema)
+        self._forced_text: dict[int, str] = {}
         self.parsing = parsing  # chat: reasoning and tool calls parsed out of the text (openai_tools)
         self.logprobs, self.echo, self.texts = logprobs, echo, texts
         self._stream_parsers: dict[int, OutputParser] = {}
@@ -139,6 +150,8 @@ class Shape:
         """The chunks of one streamed step of choice ``index``: one, or with parsing as many as the parsers found
         (maybe none; log-probabilities then come in a chunk of their own)."""
         logprobs = self._piece_logprobs(index, output.meta_info)
+        if self.forced_tools:
+            return self._forced_chunks(index, output.new_text, finish_reason, first, logprobs)
         if self.parsing is None:
             return [self._chunk(index, self._echoed(index, output.new_text, first), finish_reason, first, logprobs)]
         chunks = self._parsed_chunks(index, output.new_text, finish_reason, first)
@@ -155,6 +168,22 @@ class Shape:
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head(self.kind + ".chunk" if self.is_chat else self.kind), "choices": [choice]}
+
+    def _forced_chunks(self, index: int, text: str, finish_reason: str | None, first: bool,
+                       logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """Constrained tool calls stream as one delta once the list is complete."""
+        self._forced_text[index] = self._forced_text.get(index, "") + text
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if finish_reason is not None:
+            message = forced_tool_message(self._forced_text[index])
+            calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
+            delta.update({"tool_calls": calls} if calls else {"content": message["content"]})
+            finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
+        if not delta and logprobs is None and finish_reason is None:
+            return []
+        head = self._head(self.kind + ".chunk")
+        return [{**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                      "finish_reason": finish_reason}]}]
 
     def _parsed_chunks(self, index: int, text: str, finish_reason: str | None, first: bool) -> list[dict[str, Any]]:
         parser = self._stream_parsers.setdefault(index, self.parsing.new())
@@ -194,6 +223,10 @@ class Shape:
         if self.logprobs:
             logprobs = (chat_logprobs(meta, self.texts) if self.is_chat
                         else CompletionLogprobs(self.texts, self.echo is not None).piece(meta))
+        if self.is_chat and self.forced_tools:
+            message = forced_tool_message(text)
+            reason = "tool_calls" if "tool_calls" in message and reason == "stop" else reason
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
         if self.is_chat and self.parsing is not None:
             parser = self.parsing.new()
             message = parsed_message(parser, text)

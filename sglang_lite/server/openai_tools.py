@@ -3,7 +3,9 @@ is parsed (``--reasoning-parser``, ``--tool-call-parser``), and the OpenAI shape
 
 - ``tool_choice`` defaults to ``auto`` with tools and ``none`` without. ``none``: no tool is rendered and nothing
   is parsed as a call. ``auto`` / ``required``: every tool is rendered; a named function: only that one.
-  ``required`` and a named function are parsed as ``auto``: no grammar constrains the output yet.
+- ``required`` and a named function constrain the output, as SGLang does, with a JSON schema (xgrammar): a list of
+  ``{"name", "parameters"}`` calls of the allowed functions (one at most without ``parallel_tool_calls``), which
+  becomes ``tool_calls`` whatever parser is configured.
 - Tools without ``--tool-call-parser`` are rendered but not parsed (calls stay in ``content``), as in SGLang.
 - Reasoning is parsed with ``--reasoning-parser``, ``separate_reasoning`` (default true) and thinking on (not
   ``chat_template_kwargs.enable_thinking: false``); it starts inside reasoning when the prompt ends in an open
@@ -12,10 +14,12 @@ is parsed (``--reasoning-parser``, ``--tool-call-parser``), and the OpenAI shape
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from sglang_lite.server.openai_protocol import ChatCompletionRequest
 from sglang_lite.server.parsers import OutputParser, ParsedText, ParsingPlan, join_tool_calls, prompt_opens_reasoning
+from sglang_lite.server.parsers.base import new_call_id
 from sglang_lite.server.tokenizer_manager import bad_request
 from sglang_lite.server_args import ServerArgs
 
@@ -54,6 +58,33 @@ def parsing_plan(args: ServerArgs, body: ChatCompletionRequest, prompt: str) -> 
                        tool_parser=args.tool_call_parser if tools else None,
                        tools=tuple(t["function"] for t in tools or ()))
     return plan if plan.active else None
+
+
+def tool_call_schema(body: ChatCompletionRequest) -> str | None:
+    """The JSON schema that forces tool calls (``required`` or a named function), or None."""
+    choice = tool_choice(body)
+    if choice in ("none", "auto"):
+        return None
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                               "parameters": t["function"].get("parameters") or {"type": "object"}},
+              "required": ["name", "parameters"]} for t in rendered_tools(body)]
+    items = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items}
+    if not body.parallel_tool_calls or not isinstance(choice, str):
+        schema["maxItems"] = 1
+    return json.dumps(schema)
+
+
+def forced_tool_message(text: str) -> dict[str, Any]:
+    """The ``message`` of an output the tool-call schema constrained: its calls (the text when it is cut short)."""
+    try:
+        calls = json.loads(text)
+    except ValueError:  # max_tokens ran out inside the list
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": new_call_id(), "type": "function",
+         "function": {"name": call["name"], "arguments": json.dumps(call["parameters"], ensure_ascii=False)}}
+        for call in calls]}
 
 
 def tool_finish_reason(parser: OutputParser, reason: str | None) -> str | None:

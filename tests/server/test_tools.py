@@ -75,7 +75,7 @@ def test_response_carries_reasoning_and_tool_calls() -> None:
 def test_stream_carries_the_same_as_the_response() -> None:
     shape = chat_shape({"messages": USER, "tools": [WEATHER], "stream": True})
     chunks = [c for i, out in enumerate(outputs(MODEL_TEXT))
-              for c in shape.chunks(out.new_text, "stop" if out.finished else None, first=i == 0)]
+              for c in shape.chunks(0, out, "stop" if out.finished else None, first=i == 0)]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0]["role"] == "assistant"
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants weather."
@@ -170,3 +170,43 @@ def test_bad_tools_are_400s_naming_the_field(tools_server: ServerProcess, body: 
                           json={"messages": USER, "max_tokens": 1, **body})
     assert response.status_code == 400, response.text
     assert field in response.json()["error"]["message"]
+
+
+LIGHT = {"type": "function", "function": {"name": "set_light", "parameters": {
+    "type": "object", "properties": {"on": {"type": "boolean"}, "room": {"enum": ["kitchen", "hall"]}},
+    "required": ["on", "room"], "additionalProperties": False}}}
+ALARM = {"type": "function", "function": {"name": "stop_alarm", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_light"}}],
+                         ids=["required", "named"])
+def test_required_and_named_tool_choices_force_calls_even_from_random_weights(tools_server: ServerProcess,
+                                                                              choice) -> None:
+    """The output is constrained to a JSON list of the allowed calls, which becomes ``tool_calls``. (Closed
+    parameter schemas: random weights would babble inside free strings until max_tokens.)"""
+    args = dict(model="m", messages=USER, tools=[LIGHT, ALARM], tool_choice=choice, max_tokens=200,
+                temperature=1.0, seed=5, parallel_tool_calls=False)
+    names = {"set_light"} if isinstance(choice, dict) else {"set_light", "stop_alarm"}
+    response = client_of(tools_server).chat.completions.create(**args)
+    choice_out = response.choices[0]
+    assert choice_out.finish_reason == "tool_calls", choice_out
+    (call,) = choice_out.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name in names
+    assert arguments == {} if call.function.name == "stop_alarm" else arguments["room"] in ("kitchen", "hall")
+    streamed = [c for chunk in client_of(tools_server).chat.completions.create(**args, stream=True)
+                for c in chunk.choices]
+    calls = [tc for c in streamed if c.delta.tool_calls for tc in c.delta.tool_calls]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [(call.function.name, call.function.arguments)]
+    assert streamed[-1].finish_reason == "tool_calls"
+
+
+def test_shape_builds_tool_calls_from_a_forced_list() -> None:
+    shape = Shape("chat.completion", "m", forced_tools=True)
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+    choice = shape.response([whole(text)])["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather", "get_time"]
+    cut = shape.response([whole(text[:20], "length")])["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] == text[:20]
