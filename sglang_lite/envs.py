@@ -82,10 +82,11 @@ SGLANG_ALT_STREAM = EnvBool(
     "SGLANG_ALT_STREAM", False, "Create the alternate stream on ROCm (CUDA always has it; the CPU never)."
 )
 SGLANG_GDN_QKVZ_BA_ALT_STREAM = EnvBool(
-    "SGLANG_GDN_QKVZ_BA_ALT_STREAM", False, "Overlap the GDN in_proj_qkvz and in_proj_ba GEMMs (off: regressed on AMD)."
+    "SGLANG_GDN_QKVZ_BA_ALT_STREAM", False,
+    "ROCm: overlap the GDN in_proj_qkvz and in_proj_ba GEMMs (CUDA always does, as upstream).",
 )
 SGLANG_QK_NORM_ALT_STREAM = EnvBool(
-    "SGLANG_QK_NORM_ALT_STREAM", None, "Overlap q_norm and k_norm (unset: on for CUDA, off for ROCm)."
+    "SGLANG_QK_NORM_ALT_STREAM", None, "ROCm: overlap q_norm and k_norm (CUDA always does, as upstream)."
 )
 SGLANG_ALT_STREAM_EAGER = EnvBool(
     "SGLANG_ALT_STREAM_EAGER", False, "Also overlap outside CUDA-graph capture (upstream overlaps only in capture)."

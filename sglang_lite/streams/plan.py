@@ -84,12 +84,14 @@ def decide_stream_plan(
     """
     alt = has_alt_stream(platform, flags)
     active = alt and (capturing or flags.eager) and overlap_override is not False
-    qk_default = platform == "cuda"  # on ROCm the fused q/k kernel beats the overlap
-    qk = active and (qk_default if flags.qk_norm is None else flags.qk_norm)
+    # as upstream's qwen3_5.py: on CUDA both overlaps are always on (``_is_cuda or flag``); on ROCm each waits for
+    # its flag (the GDN one regressed there, and the fused q/k kernel beats the QK overlap)
+    on_cuda = platform == "cuda"
+    qk = active and (on_cuda or bool(flags.qk_norm))
     fusion = has_moe and shared_experts_fusion(disable_shared_experts_fusion, fusion_supported)
     return StreamPlan(
         alt_stream=alt,
-        gdn_qkvz_ba=active and flags.gdn_qkvz_ba and num_tokens < flags.gdn_max_tokens,
+        gdn_qkvz_ba=active and (on_cuda or flags.gdn_qkvz_ba) and num_tokens < flags.gdn_max_tokens,
         qk_norm=qk,
         moe_shared_routed=active and has_moe and not fusion,
         fused_qk_norm=not qk and platform == "rocm",

@@ -1,6 +1,7 @@
 """Per-run toggles, shared-expert fusion equality, and overlap as a no-op on the CPU."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 
@@ -73,11 +74,13 @@ def test_two_models_in_one_process_follow_their_own_flags_and_args(monkeypatch, 
     assert first.streams.flags.gdn_qkvz_ba and first.streams.flags.qk_norm is False
     assert not second.streams.flags.gdn_qkvz_ba and second.streams.flags.qk_norm is None
     assert not first.model.layers[0].mlp.fuse_shared_expert and second.model.layers[0].mlp.fuse_shared_expert
-    # as the same decisions would come out on a GPU platform:
-    first.streams.platform = second.streams.platform = "cuda"
+    # as the same decisions would come out on ROCm with its alternate stream (on CUDA both overlaps are always on):
+    for model in (first, second):
+        model.streams.platform = "rocm"
+        model.streams.flags = dataclasses.replace(model.streams.flags, alt_stream=True)
     a, b = first.streams.plan(True, 8), second.streams.plan(True, 8)
     assert (a.gdn_qkvz_ba, a.qk_norm, a.moe_shared_routed) == (True, False, True)
-    assert (b.gdn_qkvz_ba, b.qk_norm, b.moe_shared_routed) == (False, True, False)
+    assert (b.gdn_qkvz_ba, b.qk_norm, b.moe_shared_routed) == (False, False, False)
 
 
 def test_bad_flag_fails_model_construction_naming_it(monkeypatch, fusable_checkpoint):

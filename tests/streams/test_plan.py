@@ -41,11 +41,11 @@ def check_rules(case, plan):
     active = alt and (case["capturing"] or flags.eager)
     fusion = case["supported"] and not case["disable_fusion"]
     assert plan.shared_experts_fusion == fusion
-    # GDN: its own flag (default off), only under the token threshold
-    assert plan.gdn_qkvz_ba == (active and flags.gdn_qkvz_ba and case["tokens"] < THRESHOLD)
-    # QK norm: unset flag means on for CUDA, off for ROCm
-    qk_flag = flags.qk_norm if flags.qk_norm is not None else platform == "cuda"
-    assert plan.qk_norm == (active and qk_flag)
+    # GDN and QK norm, as upstream: always on CUDA, by their own flags (default off) on ROCm; GDN only under the
+    # token threshold
+    on_cuda = platform == "cuda"
+    assert plan.gdn_qkvz_ba == (active and (on_cuda or flags.gdn_qkvz_ba) and case["tokens"] < THRESHOLD)
+    assert plan.qk_norm == (active and (on_cuda or bool(flags.qk_norm)))
     # the fused q/k kernel: on ROCm whenever the norms do not overlap; never elsewhere
     assert plan.fused_qk_norm == (platform == "rocm" and not plan.qk_norm)
     # MoE overlap never together with shared-expert fusion
@@ -55,7 +55,9 @@ def check_rules(case, plan):
 def test_named_rows():
     off = StreamFlags()
     cuda_decode = decide_stream_plan("cuda", off, False, False, capturing=True, num_tokens=8)
-    assert (cuda_decode.qk_norm, cuda_decode.moe_shared_routed, cuda_decode.gdn_qkvz_ba) == (True, True, False)
+    assert (cuda_decode.qk_norm, cuda_decode.moe_shared_routed, cuda_decode.gdn_qkvz_ba) == (True, True, True)
+    cuda_off_flags = decide_stream_plan("cuda", StreamFlags(qk_norm=False), False, False, capturing=True, num_tokens=8)
+    assert cuda_off_flags.qk_norm and cuda_off_flags.gdn_qkvz_ba  # the flags are ROCm's; CUDA always overlaps
     rocm_default = decide_stream_plan("rocm", off, False, True, capturing=True, num_tokens=8)
     assert not rocm_default.any_overlap and rocm_default.fused_qk_norm and rocm_default.shared_experts_fusion
     rocm_on = decide_stream_plan("rocm", StreamFlags(alt_stream=True, gdn_qkvz_ba=True), True, True, True, 8)
