@@ -123,6 +123,8 @@ class Scheduler:
             self._check_room(bootstrap_room)
             if params.n > 1:
                 raise ValueError("n: parallel samples (n > 1) are not supported with PD disaggregation")
+            if logprob is not None and logprob.return_logprob:  # the first token is sampled on the other server
+                raise ValueError("return_logprob: log-probabilities are not supported with PD disaggregation")
         req = self._new_req(rid, list(input_ids), params)
         if params.n > 1:
             req.forks, req.fork_seed = fork_rids(rid, params.n)[1:], self._seed_of(params)

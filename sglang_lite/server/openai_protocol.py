@@ -29,17 +29,18 @@ from sglang_lite.sampling.params import (
 
 class _Request(BaseModel):
     """Unknown fields are ignored (clients and routers send their own extras); every field of the OpenAI and SGLang
-    APIs is declared: implemented, or listed in ``refused`` and a 400 naming it unless it has a neutral value."""
+    APIs is implemented (declared) or listed in ``refused``: a 400 naming it unless it has a neutral value."""
 
     model_config = ConfigDict(extra="ignore")
     refused: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {}  # field -> (neutral values, why it is refused)
 
-    @model_validator(mode="after")
-    def _refuse(self) -> _Request:
-        for name, (neutral, why) in self.refused.items():
-            if getattr(self, name) not in neutral:
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        for name, (neutral, why) in cls.refused.items():
+            if isinstance(data, dict) and name in data and data[name] not in neutral:
                 raise ValueError(f"{name} is not supported: {why}")
-        return self
+        return data
 
 
 class GenerateRequest(_Request):
@@ -57,15 +58,7 @@ class GenerateRequest(_Request):
     top_logprobs_num: StrictInt | list[StrictInt] = 0
     token_ids_logprob: list[StrictInt] | list[list[StrictInt]] | None = None
     return_text_in_logprobs: StrictBool = False
-    return_hidden_states: Any = None
     log_metrics: Any = Field(None, description="Accepted; metrics are always recorded.")
-    input_embeds: Any = None
-    image_data: Any = None
-    audio_data: Any = None
-    video_data: Any = None
-    lora_path: Any = None
-    session_params: Any = None
-    custom_logit_processor: Any = None
     refused: ClassVar = {
         "return_hidden_states": ((None, False), "hidden states are not returned"),
         "input_embeds": ((None,), "prompts are text or token ids"),
@@ -171,8 +164,6 @@ class CompletionRequest(_OpenAISampling):
     echo: StrictBool = Field(False, description="The prompt before the completion (with logprobs: its tokens').")
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                        description="Log-probabilities of the chosen tokens and of this many top ones.")
-    suffix: Any = None
-    best_of: Any = None
     refused: ClassVar = {
         "suffix": ((None, ""), "insertion (text after the completion) is not supported"),
         "best_of": ((None, 1), "best_of > 1 is not supported (n gives n samples)"),
@@ -267,16 +258,6 @@ class ChatCompletionRequest(_OpenAISampling):
     prompt_cache_retention: StrictStr | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: StrictStr | None = None
-    store: Any = None
-    audio: Any = None
-    modalities: Any = None
-    functions: Any = None
-    function_call: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
-    web_search_options: Any = None
-    moderation: Any = None
     refused: ClassVar = {
         "store": ((None, False), "completions are not stored"),
         "audio": ((None,), "audio output is not supported"),
