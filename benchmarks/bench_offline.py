@@ -1,12 +1,23 @@
-"""Offline throughput: sglang_lite.Engine against transformers ``generate`` on the built-in tiny Qwen3.5-MoE.
+"""Offline throughput: sglang_lite.Engine against transformers ``generate`` on one Qwen3.5-MoE shape, with where
+each phase stands against the machine's limits.
 
 Both generate exactly ``--output-len`` tokens per request (eos ignored) greedily from random ``--input-len``-token
-prompts, for each batch size. Output tokens per second over the whole call (prefill included), by the wall clock
-and per second of CPU time (all threads of this process and of the engine's scheduler process): on a shared,
-busy host the second is the steadier figure.
+prompts, for each batch size, alternating engine and transformers runs (best of ``--repeats``). Output tokens per
+second over the whole call (prefill included), by the wall clock and per second of CPU time (all threads of this
+process and of the engine's scheduler process): on a shared, busy host the second is the steadier figure.
 
-    python benchmarks/bench_offline.py                     # 128 in, 64 out, batch 1, 8, 32
-    python benchmarks/bench_offline.py --threads 2 --batch-sizes 1 32
+Shapes (``--model-shape``): ``tiny`` is the built-in model (its trained weights); ``mid`` a Qwen3.5-MoE of 34M
+parameters (hidden 256, 8 layers, 16 experts top-4, vocab 32000) with random weights saved as safetensors, both
+sides loading the same files; ``large`` hidden 1024 (4 layers, 16 experts top-4 of 512, vocab 32000, 190M
+parameters) with dummy weights (each side its own random ones: only the speed is compared).
+
+The roofline table splits each run into its phases: the prefill (the call with one new token) and a decode step
+((whole call - prefill call) / (output_len - 1)). Each phase's FLOPs and bytes are counted from the model shape
+(``roofline.py``) and set against the fp32 GEMM peak and the memory bandwidth this process measures first, at the
+same thread count.
+
+    python benchmarks/bench_offline.py --model-shape mid --threads 2 --batch-sizes 1 32
+    python benchmarks/bench_offline.py                     # tiny, 128 in, 64 out, batch 1, 8, 32
     python benchmarks/bench_offline.py --tp-size 2 --threads 1   # the engine on two tensor-parallel ranks
 
 ``--scaling`` compares tensor-parallel engines with each other instead of with transformers: TP=1 on one thread
@@ -20,15 +31,25 @@ prompts, less the time of their first token.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 from tqdm import tqdm
 
-from sglang_lite.utils.process import keep_freed_heap_memory
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from roofline import Machine, decode_work, measure_machine, prefill_work  # noqa: E402
+
+from sglang_lite.utils.process import keep_freed_heap_memory  # noqa: E402
+
+SHAPES = ("tiny", "mid", "large")
 
 
 @dataclass(frozen=True)
@@ -38,18 +59,32 @@ class Speed:
 
 
 @dataclass(frozen=True)
+class Side:
+    """One side's runs at one batch size: the whole call, and the call with one new token (the prefill)."""
+
+    speed: Speed
+    whole_s: float
+    prefill_s: float
+
+    def decode_step_s(self, output_len: int) -> float:
+        """NaN when noise made the whole call look no longer than its prefill."""
+        steps = self.whole_s - self.prefill_s
+        return steps / (output_len - 1) if steps > 0 and output_len > 1 else float("nan")
+
+
+@dataclass(frozen=True)
 class Row:
     batch_size: int
-    hf: Speed
-    engine: Speed
+    hf: Side
+    engine: Side
 
     @property
     def ratio(self) -> float:
-        return self.engine.wall_tok_s / self.hf.wall_tok_s
+        return self.engine.speed.wall_tok_s / self.hf.speed.wall_tok_s
 
     @property
     def cpu_ratio(self) -> float:
-        return self.engine.cpu_tok_s / self.hf.cpu_tok_s
+        return self.engine.speed.cpu_tok_s / self.hf.speed.cpu_tok_s
 
 
 def cpu_seconds() -> float:
@@ -70,10 +105,11 @@ def cpu_seconds() -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def timed(fn, tokens: int) -> Speed:
+def timed(fn, tokens: int) -> tuple[Speed, float]:
     wall, cpu = time.perf_counter(), cpu_seconds()
     fn()
-    return Speed(tokens / (time.perf_counter() - wall), tokens / max(cpu_seconds() - cpu, 1e-9))
+    seconds = time.perf_counter() - wall
+    return Speed(tokens / seconds, tokens / max(cpu_seconds() - cpu, 1e-9)), seconds
 
 
 def best(speeds: list[Speed]) -> Speed:
@@ -85,9 +121,48 @@ def random_prompts(batch_size: int, input_len: int, vocab: int, seed: int) -> li
     return torch.randint(0, vocab - 8, (batch_size, input_len), generator=gen).tolist()  # no special tokens
 
 
-def build_hf_model(model_dir: str) -> torch.nn.Module:
+# The issue's mid-size model and a large one; the tiny one is the built-in model.
+MID = dict(model_type="qwen3_5_moe_text", vocab_size=32000, hidden_size=256, num_hidden_layers=8,
+           num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+           linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+           num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+           max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def large_config() -> dict:
+    return {**scaling_config(1024), "vocab_size": 32000}
+
+
+@contextmanager
+def shape_checkpoint(shape: str) -> Iterator[tuple[str, bool]]:
+    """The model folder of ``shape`` and whether it holds only a config (dummy weights)."""
+    if shape == "tiny":
+        from sglang_lite.assets import TINY_MODEL_DIR
+
+        yield str(TINY_MODEL_DIR), False
+        return
+    with tempfile.TemporaryDirectory() as model_dir:
+        if shape == "mid":
+            _save_random_model(MID, model_dir)
+        else:
+            with open(os.path.join(model_dir, "config.json"), "w") as f:
+                json.dump(large_config(), f)
+        yield model_dir, shape == "large"
+
+
+def _save_random_model(config: dict, model_dir: str) -> None:
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(0)
+    options = {k: v for k, v in config.items() if k != "model_type"}
+    Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**options)).save_pretrained(model_dir)
+
+
+def build_hf_model(model_dir: str, dummy: bool) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if not dummy:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
 
@@ -108,44 +183,79 @@ def engine_generate(engine, prompts: list[list[int]], output_len: int) -> None:
     assert all(len(r["output_ids"]) == output_len for r in results)
 
 
-def run(args: argparse.Namespace) -> list[Row]:
-    from sglang_lite import Engine
-    from sglang_lite.assets import TINY_MODEL_DIR
+def measure_side(generate, prompts: list[list[int]], output_len: int, repeats: int) -> Side:
+    """Best of ``repeats`` of the whole call and of the one-token call."""
+    tokens = len(prompts) * output_len
+    wholes = [timed(partial(generate, prompts, output_len), tokens) for _ in range(repeats)]
+    prefill_s = min(timed(partial(generate, prompts, 1), len(prompts))[1] for _ in range(repeats))
+    return Side(best([w[0] for w in wholes]), min(w[1] for w in wholes), prefill_s)
 
-    hf_model = build_hf_model(str(TINY_MODEL_DIR))
+
+def run(args: argparse.Namespace, model_dir: str, dummy: bool) -> list[Row]:
+    from sglang_lite import Engine
+
+    hf_model = build_hf_model(model_dir, dummy)
     vocab = hf_model.config.vocab_size
     rows = []
-    with Engine(None, max_running_requests=max(args.batch_sizes), max_total_tokens=args.max_total_tokens,
+    with Engine(model_dir, load_format="dummy" if dummy else "auto", skip_tokenizer_init=True,
+                max_running_requests=max(args.batch_sizes), max_total_tokens=args.max_total_tokens,
                 enable_torch_compile=args.torch_compile, cpu_threads_per_rank=args.threads,
                 tp_size=args.tp_size) as engine:
         warm = random_prompts(2, 16, vocab, seed=99)
         hf_generate(hf_model, warm, 4)
         engine_generate(engine, warm, 4)
-        for batch_size in tqdm(args.batch_sizes, desc="batch sizes"):
+        for batch_size in tqdm(args.batch_sizes, desc=f"{args.model_shape}: batch sizes"):
             prompts = random_prompts(batch_size, args.input_len, vocab, seed=batch_size)
             engine_generate(engine, random_prompts(batch_size, 16, vocab, seed=7), 4)  # compiles, when compiling
-            tokens = batch_size * args.output_len
-            runs = range(args.repeats)
-            engine_run = partial(engine_generate, engine, prompts, args.output_len)
-            hf_run = partial(hf_generate, hf_model, prompts, args.output_len)
-            engine_speed = best([timed(engine_run, tokens) for _ in runs])
-            hf_speed = best([timed(hf_run, tokens) for _ in runs])
-            rows.append(Row(batch_size, hf_speed, engine_speed))
+            sides = {}
+            for _ in range(args.repeats):  # alternating, so that both sides share the host's noise
+                for name, generate in (("engine", partial(engine_generate, engine)),
+                                       ("hf", partial(hf_generate, hf_model))):
+                    side = measure_side(generate, prompts, args.output_len, 1)
+                    sides[name] = side if name not in sides else _better(sides[name], side)
+            rows.append(Row(batch_size, sides["hf"], sides["engine"]))
     return rows
 
 
-def print_table(rows: list[Row], args: argparse.Namespace) -> None:
-    print(f"\ntiny Qwen3.5-MoE, engine TP={args.tp_size}, {args.input_len} prompt tokens, "
-          f"{args.output_len} new tokens, "
-          f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, engine torch.compile "
-          f"{'on' if args.torch_compile else 'off'}, load average "
-          f"{os.getloadavg()[0]:.1f} (best of {args.repeats})")
+def _better(a: Side, b: Side) -> Side:
+    return Side(best([a.speed, b.speed]), min(a.whole_s, b.whole_s), min(a.prefill_s, b.prefill_s))
+
+
+def print_table(rows: list[Row], args: argparse.Namespace, machine: Machine, model_dir: str) -> None:
+    print(f"\n{args.model_shape} Qwen3.5-MoE, engine TP={args.tp_size}, {args.input_len} prompt tokens, "
+          f"{args.output_len} new tokens, {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, engine "
+          f"torch.compile {'on' if args.torch_compile else 'off'}, load average {os.getloadavg()[0]:.1f} "
+          f"(best of {args.repeats})")
     print(f"{'':>6} {'wall clock tok/s':^36} {'tok per CPU-second':^36}")
     print(f"{'batch':>6} {'transformers':>13} {'sglang_lite':>12} {'ratio':>9} "
           f"{'transformers':>13} {'sglang_lite':>12} {'ratio':>9}")
     for r in rows:
-        print(f"{r.batch_size:>6} {r.hf.wall_tok_s:>13.1f} {r.engine.wall_tok_s:>12.1f} {r.ratio:>8.1f}x "
-              f"{r.hf.cpu_tok_s:>13.1f} {r.engine.cpu_tok_s:>12.1f} {r.cpu_ratio:>8.1f}x")
+        print(f"{r.batch_size:>6} {r.hf.speed.wall_tok_s:>13.1f} {r.engine.speed.wall_tok_s:>12.1f} "
+              f"{r.ratio:>8.2f}x {r.hf.speed.cpu_tok_s:>13.1f} {r.engine.speed.cpu_tok_s:>12.1f} "
+              f"{r.cpu_ratio:>8.2f}x")
+    print_roofline(rows, args, machine, model_dir)
+
+
+def print_roofline(rows: list[Row], args: argparse.Namespace, machine: Machine, model_dir: str) -> None:
+    from sglang_lite.config import ModelConfig
+
+    config = ModelConfig.from_hf(model_dir)
+    print(f"\nroofline: fp32 GEMM peak {machine.gemm_gflops:.0f} GFLOP/s, memory bandwidth "
+          f"{machine.bandwidth_gbs:.1f} GB/s (measured here, {torch.get_num_threads()} threads); "
+          "% = share of each, FLOPs and bytes counted from the shape")
+    print(f"{'phase':<16} {'GFLOP':>7} {'MB':>7} {'engine ms':>10} {'GEMM %':>7} {'bw %':>6} "
+          f"{'HF ms':>9} {'GEMM %':>7} {'bw %':>6}")
+    context = args.input_len + args.output_len // 2
+    for r in rows:
+        b = r.batch_size
+        phases = ((f"prefill {b}x{args.input_len}", prefill_work(config, b, args.input_len),
+                   r.engine.prefill_s, r.hf.prefill_s),
+                  (f"decode bs {b}", decode_work(config, b, context),
+                   r.engine.decode_step_s(args.output_len), r.hf.decode_step_s(args.output_len)))
+        for name, work, engine_s, hf_s in phases:
+            (eg, eb), (hg, hb) = work.shares(engine_s, machine), work.shares(hf_s, machine)
+            print(f"{name:<16} {work.flops / 1e9:>7.2f} {work.bytes / 1e6:>7.1f} {engine_s * 1e3:>10.2f} "
+                  f"{100 * eg:>6.1f}% {100 * eb:>5.1f}% {hf_s * 1e3:>9.2f} {100 * hg:>6.1f}% {100 * hb:>5.1f}%")
 
 
 # A Qwen3.5-MoE shape whose forward is compute-bound on the CPU (dummy weights: only the speed is measured).
@@ -187,9 +297,6 @@ def _seconds(fn) -> float:
 
 
 def run_scaling(args: argparse.Namespace) -> None:
-    import json
-    import tempfile
-
     config = scaling_config(args.hidden)
     batch = args.batch_sizes[0]
     prompts = random_prompts(batch, args.input_len, config["vocab_size"], seed=0)
@@ -222,6 +329,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of both sides (default: torch's choice here, the CPU count in the engine)")
     parser.add_argument("--max-total-tokens", type=int, default=16384)
+    parser.add_argument("--model-shape", choices=SHAPES, default="tiny",
+                        help="tiny: the built-in model; mid: 34M parameters, hidden 256; large: hidden 1024, dummy")
     parser.add_argument("--torch-compile", action="store_true", help="engine decode steps through torch.compile")
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks of the engine")
     parser.add_argument("--scaling", action="store_true",
@@ -234,7 +343,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_heap_memory()  # as in the engine's scheduler process, so both sides allocate alike
-    print_table(run(args), args)
+    machine = measure_machine()
+    with shape_checkpoint(args.model_shape) as (model_dir, dummy):
+        print_table(run(args, model_dir, dummy), args, machine, model_dir)
 
 
 if __name__ == "__main__":

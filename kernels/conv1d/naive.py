@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..slots import slot_run
+
 
 def causal_conv1d_fn(
     x: torch.Tensor,
@@ -56,10 +58,14 @@ def causal_conv1d_update(
     activation: str | None = "silu",
 ) -> torch.Tensor:
     """Decode: one token per request ([B, D]); each request's pooled state is shifted by one in place."""
-    states = conv_states.index_select(0, state_indices).float()
+    run = slot_run(state_indices, conv_states)
+    states = conv_states[run] if run is not None else conv_states.index_select(0, state_indices).float()
     window = torch.cat([states, x.float().unsqueeze(-1)], dim=-1)  # [B, D, K]
     y = (window * weight.float()).sum(-1)
-    conv_states[state_indices] = window[..., 1:].to(conv_states.dtype)
+    if run is not None:
+        states.copy_(window[..., 1:])
+    else:  # index_copy_ from a strided source is several times slower than a copy first
+        conv_states.index_copy_(0, state_indices, window[..., 1:].to(conv_states.dtype).contiguous())
     return _activate(y, activation).to(x.dtype)
 
 

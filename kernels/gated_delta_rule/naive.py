@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from ..slots import slot_run
+
 
 def fused_gdn_gating(
     A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor
@@ -247,14 +249,24 @@ def fused_recurrent_gated_delta_rule(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
-    """Decode: one token per request (q, k [B, HK, dk]; v [B, HV, dv]); pooled states updated in place."""
+    """Decode: one token per request (q, k [B, HK, dk]; v [B, HV, dv]); pooled states updated in place.
+
+    The state is the big operand (dk x dv per head against dk + dv for the token), so it is passed over as few
+    times as possible: one read gives S^T k and S^T q together, and one fused multiply-add writes
+    S' = exp(g) S + k delta^T. The output needs no second read: S'^T q = exp(g) S^T q + (k . q) delta.
+    """
     _check_heads(k, v)
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     qf, kf = _prepare_qk(q, k, v.shape[-2], scale, use_qk_l2norm)
-    state = ssm_states.index_select(0, state_indices).float()  # [B, HV, dk, dv], a gathered copy
-    state.mul_(g.float().exp()[..., None, None])
-    predicted = (kf.unsqueeze(-2) @ state).squeeze(-2)  # S^T k
-    delta = beta.float().unsqueeze(-1) * (v.float() - predicted)
-    state.add_(kf.unsqueeze(-1) * delta.unsqueeze(-2))
-    ssm_states[state_indices] = state.to(ssm_states.dtype)
-    return (qf.unsqueeze(-2) @ state).squeeze(-2).to(v.dtype)
+    run = slot_run(state_indices, ssm_states)
+    state = ssm_states[run] if run is not None else ssm_states.index_select(0, state_indices).float()
+    flat = state.view(-1, *state.shape[2:])  # [B * HV, dk, dv]
+    decay = g.float().exp().reshape(-1, 1)
+    reads = torch.bmm(torch.stack([kf, qf], dim=-2).view(flat.shape[0], 2, -1), flat)  # [B * HV, 2, dv]
+    delta = (v.float().reshape(-1, v.shape[-1]) - reads[:, 0] * decay).mul_(beta.float().reshape(-1, 1))
+    out = torch.addcmul(reads[:, 1] * decay, torch.linalg.vecdot(kf, qf).reshape(-1, 1), delta)
+    flat.mul_(decay.unsqueeze(-1)).baddbmm_(kf.reshape(-1, kf.shape[-1], 1), delta.unsqueeze(1))
+    if run is None:
+        ssm_states.index_copy_(0, state_indices, state.to(ssm_states.dtype))
+    return out.view(v.shape).to(v.dtype)
+

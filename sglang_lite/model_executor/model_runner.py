@@ -9,6 +9,7 @@ from sglang_lite.distributed import get_parallel_state
 from sglang_lite.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.model_executor.cuda_graph_runner import CudaGraphRunner
+from sglang_lite.model_executor.weight_layout import store_input_major
 from sglang_lite.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(model, pools, max_bs, auto=args.alt_stream_overlap == "auto")
         # Decode steps only: prefill walks variable-length requests with host-side loops, which would keep
         # recompiling. dynamic=True lets one graph serve every batch size after the first few.
+        if not on_gpu:
+            logger.info("weights stored [in, out] for the CPU's GEMMs: %d", store_input_major(model))
         self.compiled_body = None
         if args.enable_torch_compile and not on_gpu:
             self.compiled_body = torch.compile(model.model, dynamic=True)

@@ -114,9 +114,10 @@ def test_packed_equals_per_request_loop(nan_allocations, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hk,hv", HEADS)
-def test_recurrent_matches_reference(nan_allocations, dtype, hk, hv):
+@pytest.mark.parametrize("slot_ids", [[4, 1, 3], [1, 2, 3]], ids=["scattered", "consecutive"])  # gather / in place
+def test_recurrent_matches_reference(nan_allocations, dtype, hk, hv, slot_ids):
     q, k, v, g, beta, pool = _inputs(3, hk, hv, 20, 48, dtype, slots=5)
-    slots = torch.tensor([4, 1, 3])
+    slots = torch.tensor(slot_ids)
     got_pool, want_pool = pool.clone(), pool.clone()
     got = gdn.fused_recurrent_gated_delta_rule(q, k, v, g, beta, got_pool, slots, backend="triton")
     want = naive.fused_recurrent_gated_delta_rule(q, k, v, g, beta, want_pool, slots)

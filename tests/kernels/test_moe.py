@@ -93,10 +93,11 @@ def test_fused_moe_triton_vs_naive(nan_allocations, num_tokens, num_experts, top
     assert_rel_close(got, naive.fused_moe(x, w13, w2, weights, ids), dtype)
 
 
-# the first three run one GEMM per expert; the last two the padded bmm with the shared expert overflowing
+# the first two run the one-token path; then one GEMM per expert; every expert on every token; the last two the
+# padded bmm with the shared expert overflowing
 @pytest.mark.parametrize(
     "num_tokens,num_experts,top_k,shared",
-    [(1, 8, 1, True), (7, 60, 8, False), (64, 16, 2, True), (300, 8, 2, True), (256, 16, 4, True)],
+    [(1, 8, 1, True), (1, 16, 4, True), (7, 60, 8, False), (64, 16, 2, True), (300, 8, 2, True), (256, 16, 4, True)],
 )
 def test_naive_fused_moe_vs_explicit_loop(num_tokens, num_experts, top_k, shared):
     total = num_experts + int(shared)
