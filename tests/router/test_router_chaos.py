@@ -79,13 +79,17 @@ def test_a_killed_rank_behind_the_router_fails_only_its_streams_and_is_used_agai
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in starts)), 20)
             os.kill(old_pids[VICTIM], signal.SIGKILL)
             killed_at = time.monotonic()
+            seen_down = []  # the router's view of the victim rank from the kill until the server restarted it
+
+            async def watch() -> None:
+                while True:
+                    seen_down.append(not (await get_json(s, router.url + "/workers"))["workers"][VICTIM]["rank_up"])
+                    await asyncio.sleep(0.1)
+            watcher = asyncio.create_task(watch())  # the survivors' streams may outlast the restart
             results = await asyncio.wait_for(asyncio.gather(*streams), 45)
             streams_done = time.monotonic() - killed_at
 
-            seen_down = []  # the router's view of the victim rank while the server restarts it
-
             async def restarted() -> bool:
-                seen_down.append(not (await get_json(s, router.url + "/workers"))["workers"][VICTIM]["rank_up"])
                 async with s.get(server.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                     if resp.status != 200:
                         return False
@@ -93,6 +97,8 @@ def test_a_killed_rank_behind_the_router_fails_only_its_streams_and_is_used_agai
                 return pids[VICTIM] != old_pids[VICTIM]
             back = await wait_for(restarted, timeout=RESTART_TIMEOUT_S, interval=0.2)
             back_after = time.monotonic() - killed_at
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
             new_pids = (await get_json(s, server.url + "/server_info"))["scheduler_pids"]
 
             async def routed_again() -> bool:
