@@ -190,8 +190,8 @@ def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> No
         if body.stream:
             if batched:
                 raise bad_request("stream supports one prompt per request")
-            stream = await until_disconnect(request, manager.submit(inputs[0]))
-            return SSEResponse(_native_events(stream, _logprob_texts(manager, body)))
+            streams = await until_disconnect(request, manager.submit_samples(inputs[0]))
+            return SSEResponse(_native_events(streams, _logprob_texts(manager, body)))
         results = await until_disconnect(request, manager.run_all(inputs))
         texts = _logprob_texts(manager, body)
         payload = [_native_result(r.new_token_ids, r.new_text, texts(r.meta_info)) for r in results]
@@ -265,19 +265,22 @@ def _native_result(ids: list[int], text: str, meta: dict[str, Any]) -> dict[str,
     return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
-async def _native_events(stream: RequestStream, texts: Callable[[dict], dict]) -> AsyncIterator[bytes]:
-    """SGLang's native stream: cumulative text, output ids and log-probabilities in every event."""
-    text, ids, logprobs = "", [], {}
+async def _native_events(streams: list[RequestStream], texts: Callable[[dict], dict]) -> AsyncIterator[bytes]:
+    """SGLang's native stream: cumulative text, output ids and log-probabilities in every event; with ``n`` > 1
+    the samples' events interleave, each with its ``index``."""
+    text, ids, logprobs = [""] * len(streams), [[] for _ in streams], [{} for _ in streams]
     try:
-        async for output in stream:
-            text, ids = text + output.new_text, ids + output.new_token_ids
+        async for i, output in openai_serving.merged(streams):
+            text[i], ids[i] = text[i] + output.new_text, ids[i] + output.new_token_ids
             for key in [k for k in (*OUTPUT_KEYS, *INPUT_KEYS) if k in output.meta_info]:
-                logprobs.setdefault(key, []).extend(texts({key: output.meta_info[key]})[key])
-            yield sse(_native_result(ids, text, {**output.meta_info, **logprobs}))
+                logprobs[i].setdefault(key, []).extend(texts({key: output.meta_info[key]})[key])
+            event = _native_result(ids[i], text[i], {**output.meta_info, **logprobs[i]})
+            yield sse({**event, "index": i} if len(streams) > 1 else event)
     except RequestError as error:
         yield sse_error(error)
     finally:
-        stream.close()
+        for stream in streams:
+            stream.close()
     yield sse("[DONE]")
 
 

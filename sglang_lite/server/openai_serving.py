@@ -269,7 +269,7 @@ async def _events(streams: list[RequestStream], shape: Shape, include_usage: boo
     metas: dict[int, dict[str, Any]] = {}
     started: set[int] = set()
     try:
-        async for index, output in _merged(streams):
+        async for index, output in merged(streams):
             metas[index] = output.meta_info
             reason = finish_reason(output.meta_info) if output.finished else None
             first = index not in started
@@ -287,7 +287,7 @@ async def _events(streams: list[RequestStream], shape: Shape, include_usage: boo
     yield sse("[DONE]")
 
 
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, ReqOutput]]:
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, ReqOutput]]:
     """(stream index, output) from all streams in arrival order; a stream's RequestError is raised."""
     if len(streams) == 1:
         async for output in streams[0]:

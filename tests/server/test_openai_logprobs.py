@@ -2,6 +2,8 @@
 the shapes clients read, streaming equal to non-streaming, and the same numbers on every route."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -91,3 +93,18 @@ def test_n_choices_share_one_prompt(server_dp1: ServerProcess, stream: bool):
                     finished.add(choice.index)
         assert finished == {0, 1, 2}
     assert sorted(texts) == [0, 1, 2] and len(set(texts.values())) > 1
+
+
+def test_native_stream_interleaves_parallel_samples_by_index(server_dp1: ServerProcess):
+    body = {"input_ids": PROMPT_IDS, "stream": True, "sampling_params": {"max_new_tokens": 5, "temperature": 1.0,
+                                                                         "seed": 4, "n": 2, "ignore_eos": True}}
+    last: dict[int, dict] = {}
+    with httpx.stream("POST", f"{server_dp1.url}/generate", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    for event in map(json.loads, lines[:-1]):
+        last[event["index"]] = event  # cumulative: the last event of a sample holds all of it
+    assert sorted(last) == [0, 1] and all(len(e["output_ids"]) == 5 for e in last.values())
+    whole = httpx.post(f"{server_dp1.url}/generate", json={**body, "stream": False}, timeout=60).json()
+    assert [r["output_ids"] for r in whole] == [last[0]["output_ids"], last[1]["output_ids"]]
