@@ -125,10 +125,10 @@ class Scheduler:
                 raise ValueError("n: parallel samples (n > 1) are not supported with PD disaggregation")
             if logprob is not None and logprob.return_logprob:  # the first token is sampled on the other server
                 raise ValueError("return_logprob: log-probabilities are not supported with PD disaggregation")
-        req = self._new_req(rid, list(input_ids), params)
+        seed = self._seed_of(params)
+        req = self._new_req(rid, list(input_ids), params, seed)
         if params.n > 1:
-            req.forks, req.fork_seed = fork_rids(rid, params.n)[1:], self._seed_of(params)
-            req.generator = make_generator(req.fork_seed, self.config.device)
+            req.forks, req.fork_seed = fork_rids(rid, params.n)[1:], seed
         if self.disagg is not None:
             req.bootstrap_room = bootstrap_room
         req.logprob = logprob
@@ -490,12 +490,13 @@ class Scheduler:
         """The parallel samples of a request whose prompt was just prefilled: each gets its own row and state slot,
         the prompt's KV (shared through the prefix cache, else copied) and a copy of the state, and decodes from
         here. One that cannot get memory now waits and prefills like any request."""
+        assert not parent.output_ids, "parallel samples fork before the first token"
+        self._cache_prefix(parent)  # the cache then owns the prompt's KV, which every sample reads in place
         forked = []
         for i, rid in enumerate(parent.forks, start=1):
             params = dataclasses.replace(parent.sampling_params, n=1, seed=parent.fork_seed + i)
-            child = self._new_req(rid, list(parent.input_ids), params)
+            child = self._new_req(rid, list(parent.input_ids), params, parent.fork_seed + i)
             child.arrival_time, child.logprob = parent.arrival_time, parent.logprob
-            assert not parent.output_ids, "parallel samples fork before the first token"
             child.grammar = parent.grammar.restarted() if parent.grammar is not None else None
             child.logprob_record = parent.logprob_record.copy_input()
             if self._share_prompt(parent, child):
@@ -514,7 +515,6 @@ class Scheduler:
         short."""
         rows = self.pools.req_to_token.allocator.alloc(1)
         slots = self.pools.states.alloc(1) if rows else None
-        self._cache_prefix(parent)  # the cache then owns the prompt's KV, which every sample reads in place
         n, shared = parent.num_cached, parent.cached_len
         if slots:
             self._make_room(n - shared)
@@ -655,9 +655,8 @@ class Scheduler:
     def _seed_of(self, params: SamplingParams) -> int:
         return params.seed if params.seed is not None else self._seeds.getrandbits(63)
 
-    def _new_req(self, rid: str, input_ids: list[int], params: SamplingParams) -> Req:
+    def _new_req(self, rid: str, input_ids: list[int], params: SamplingParams, seed: int) -> Req:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.config.eos_token_ids))
-        seed = self._seed_of(params)
         tokenizer = self.tokenizer
         return Req(
             rid=rid,

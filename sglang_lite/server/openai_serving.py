@@ -105,7 +105,7 @@ def _prompt_text(manager: TokenizerManager, prompt: Any, index: int, ids: list[i
         return prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         return prompt[index]
-    return "".join(manager.token_texts(ids)) if manager.tokenizer is None else manager.tokenizer.decode(ids)
+    return manager.tokenizer.decode(ids) if manager.tokenizer is not None else ""
 
 
 def _inputs(body: _OpenAISampling, prompts: list[list[int]], params: SamplingParams,

@@ -241,7 +241,7 @@ class TokenizerManager:
         """Each token's own text (empty without a tokenizer), for log-probability entries."""
         if self.tokenizer is None:
             return ["" for _ in ids]
-        return [self.tokenizer.decode([token]) for token in ids]
+        return self.tokenizer.batch_decode([[token] for token in ids])
 
     def check_prompt_count(self, count: int, name: str) -> None:
         """A batched request carries at most ``--max-queued-requests`` prompts: more could never be queued."""
