@@ -68,6 +68,23 @@ def _admit_waiting(waiting: list[Req], budget: PrefillBudget, tokens_left: int) 
     return admitted
 
 
+# Prefix-cache snapshots of long prompts: the chunk that would finish a prompt stops at the last multiple of
+# SNAPSHOT_ALIGN before its last token when that leaves a state snapshot at least SNAPSHOT_MIN_GAIN tokens past
+# the previous one. A chat template renders the end of a prompt (the generation prompt, e.g. "<think>\n")
+# differently once the turn is history, so the next turn diverges a few tokens before the prompt's end, where no
+# snapshot would otherwise be; the price is one more (short) forward for the prompt's tail.
+SNAPSHOT_ALIGN = 256
+SNAPSHOT_MIN_GAIN = 512
+
+
+def snapshot_aligned_chunk(num_cached: int, seq_len: int, tokens: int) -> int:
+    """Tokens to run now: ``tokens``, or fewer so that a chunk finishing the prompt leaves an aligned snapshot."""
+    if num_cached + tokens != seq_len:
+        return tokens
+    cut = (seq_len - 1) // SNAPSHOT_ALIGN * SNAPSHOT_ALIGN
+    return cut - num_cached if cut - num_cached >= SNAPSHOT_MIN_GAIN else tokens
+
+
 @dataclass
 class NewTokenRatio:
     """Fraction of the remaining max_new_tokens that admission reserves per request."""

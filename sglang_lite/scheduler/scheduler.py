@@ -38,6 +38,7 @@ from sglang_lite.scheduler.policy import (
     order_waiting,
     plan_prefill,
     reserved_decode_tokens,
+    snapshot_aligned_chunk,
 )
 from sglang_lite.scheduler.request import INTERNAL_ERROR, FinishReason, Req, ReqOutput, ReqStatus, fork_rids
 from sglang_lite.scheduler.sampling import StepSampler
@@ -266,7 +267,11 @@ class Scheduler:
             if not req.holds_memory:
                 self._admit(req)
         # a prefix-cache hit at admission leaves fewer tokens to run than were planned
-        return ScheduleBatch(ForwardMode.EXTEND, [r for r, _ in plan], [min(n, r.num_uncached) for r, n in plan])
+        counts = [min(n, r.num_uncached) for r, n in plan]
+        if self.cache is not None:  # only the last request of a batch may stop part-way (it becomes the chunked one)
+            last = plan[-1][0]
+            counts[-1] = snapshot_aligned_chunk(last.num_cached, last.seq_len, counts[-1])
+        return ScheduleBatch(ForwardMode.EXTEND, [r for r, _ in plan], counts)
 
     def reserved_decode_tokens(self) -> int:
         """KV slots the running requests are expected to need for their remaining output."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_lite.runtime.factory import create_scheduler
+from sglang_lite.scheduler.policy import SNAPSHOT_ALIGN, SNAPSHOT_MIN_GAIN, snapshot_aligned_chunk
 from sglang_lite.server_args import ServerArgs
 from tests.engine.conftest import random_prompts
 
@@ -79,3 +80,28 @@ def test_concurrent_requests_on_one_prefix_and_a_tiny_pool(checkpoints):
     assert sched.flush_cache() > 0 and sched.get_loads().cached_tokens == 0
     sched.check_invariants()
     assert sched.pools.kv.allocator.num_used == 0 and sched.pools.states.snapshots.num_used == 0
+
+
+def test_a_next_turn_that_rewrites_the_prompt_end_reuses_an_aligned_snapshot():
+    """A chat template renders the end of a prompt (its generation prompt) differently once the turn is history, so
+    the next turn diverges a few tokens before the prompt's end. The chunk that finishes a long prompt stops at the
+    last multiple of SNAPSHOT_ALIGN, whose snapshot the next turn then reuses (the built-in model: long context)."""
+    prompt, turn = random_prompts([SNAPSHOT_ALIGN * 2 + 190, 30], vocab=4000, seed=11)
+    requests = [("first", prompt), ("next", prompt[:-2] + turn)]
+
+    def engine(cache: bool):
+        return create_scheduler(ServerArgs(skip_tokenizer_init=True, disable_radix_cache=not cache,
+                                           max_total_tokens=4096, max_running_requests=4))
+
+    with_cache, without = run(engine(True), requests), run(engine(False), requests)
+    assert [with_cache[rid][0] for rid, _ in requests] == [without[rid][0] for rid, _ in requests]
+    assert with_cache["next"][1]["cached_tokens"] == SNAPSHOT_ALIGN * 2
+
+
+def test_snapshot_aligned_chunk():
+    align, gain = SNAPSHOT_ALIGN, SNAPSHOT_MIN_GAIN
+    assert snapshot_aligned_chunk(0, 3 * align + 10, 3 * align + 10) == 3 * align  # finishes the prompt: cut
+    assert snapshot_aligned_chunk(0, 3 * align + 10, 2 * align) == 2 * align  # does not finish it: as planned
+    assert snapshot_aligned_chunk(0, 3 * align, 3 * align) == 2 * align  # the snapshot lands before the last token
+    start = 3 * align - gain + 1  # the aligned point is too close to the previous snapshot: one chunk
+    assert snapshot_aligned_chunk(start, 3 * align + 10, 3 * align + 10 - start) == 3 * align + 10 - start
