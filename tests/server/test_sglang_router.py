@@ -11,11 +11,10 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import sglang_router  # noqa: F401  (not skipped when missing: the test extra pins sglang-router 0.3.2)
 
 from sglang_lite.utils.process import wait_until_healthy
 from tests.server.conftest import ServerProcess, free_port
-
-pytest.importorskip("sglang_router")
 
 
 class RouterProcess:
