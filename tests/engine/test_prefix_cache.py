@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from sglang_lite.runtime.factory import create_scheduler
-from sglang_lite.scheduler.policy import SNAPSHOT_ALIGN, SNAPSHOT_MIN_GAIN, snapshot_aligned_chunk
+from sglang_lite.scheduler.policy import (
+    SNAPSHOT_ALIGN,
+    SNAPSHOT_MIN_GAIN,
+    SNAPSHOT_MIN_PREFIX,
+    snapshot_aligned_chunk,
+)
 from sglang_lite.server_args import ServerArgs
 from tests.engine.conftest import random_prompts
 
@@ -86,7 +91,7 @@ def test_a_next_turn_that_rewrites_the_prompt_end_reuses_an_aligned_snapshot():
     """A chat template renders the end of a prompt (its generation prompt) differently once the turn is history, so
     the next turn diverges a few tokens before the prompt's end. The chunk that finishes a long prompt stops at the
     last multiple of SNAPSHOT_ALIGN, whose snapshot the next turn then reuses (the built-in model: long context)."""
-    prompt, turn = random_prompts([SNAPSHOT_ALIGN * 2 + 190, 30], vocab=4000, seed=11)
+    prompt, turn = random_prompts([SNAPSHOT_MIN_PREFIX + 190, 30], vocab=4000, seed=11)
     requests = [("first", prompt), ("next", prompt[:-2] + turn)]
 
     def engine(cache: bool):
@@ -95,13 +100,15 @@ def test_a_next_turn_that_rewrites_the_prompt_end_reuses_an_aligned_snapshot():
 
     with_cache, without = run(engine(True), requests), run(engine(False), requests)
     assert [with_cache[rid][0] for rid, _ in requests] == [without[rid][0] for rid, _ in requests]
-    assert with_cache["next"][1]["cached_tokens"] == SNAPSHOT_ALIGN * 2
+    assert with_cache["next"][1]["cached_tokens"] == SNAPSHOT_MIN_PREFIX
 
 
 def test_snapshot_aligned_chunk():
-    align, gain = SNAPSHOT_ALIGN, SNAPSHOT_MIN_GAIN
-    assert snapshot_aligned_chunk(0, 3 * align + 10, 3 * align + 10) == 3 * align  # finishes the prompt: cut
-    assert snapshot_aligned_chunk(0, 3 * align + 10, 2 * align) == 2 * align  # does not finish it: as planned
-    assert snapshot_aligned_chunk(0, 3 * align, 3 * align) == 2 * align  # the snapshot lands before the last token
-    start = 3 * align - gain + 1  # the aligned point is too close to the previous snapshot: one chunk
-    assert snapshot_aligned_chunk(start, 3 * align + 10, 3 * align + 10 - start) == 3 * align + 10 - start
+    align, gain, floor = SNAPSHOT_ALIGN, SNAPSHOT_MIN_GAIN, SNAPSHOT_MIN_PREFIX
+    end = floor + align + 10
+    assert snapshot_aligned_chunk(0, end, end) == floor + align  # finishes the prompt: cut
+    assert snapshot_aligned_chunk(0, end, floor) == floor  # does not finish it: as planned
+    assert snapshot_aligned_chunk(0, floor + align, floor + align) == floor  # the snapshot comes before the last token
+    start = floor + align - gain + 1  # the aligned point is too close to the previous snapshot: one chunk
+    assert snapshot_aligned_chunk(start, end, end - start) == end - start
+    assert snapshot_aligned_chunk(0, floor - 10, floor - 10) == floor - 10  # a short prompt: one chunk
