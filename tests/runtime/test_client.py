@@ -79,7 +79,12 @@ def test_a_stuck_rank_gets_a_bounded_queue_and_is_respawned_without_the_key_on_i
             assert sent < 200_000, "the command queue is unbounded"
         ack = next_reply(client, Ack, timeout_s=10)  # looped back at once, not from the stuck rank
         assert (ack.rid, ack.status) == (f"r{sent}", 503) and "not taking commands" in ack.message
-        assert not client.send(0, LoadsQuery(client.next_query_id(), ("core",)))  # dropped, reported
+        # a query is refused (and logged) too; ZMQ's I/O thread may first take a batch of queued messages (up to
+        # its 8 KiB write batch) off the queue, which frees places in it, so the refusal may come a few sends later
+        accepted = 0
+        while client.send(0, LoadsQuery(client.next_query_id(), ("core",))):
+            accepted += 1
+            assert accepted < 2000, "queries to a stuck rank are never refused"
         client.respawn(0)  # kills the stuck process; what it never read is discarded
         assert old.poll() is not None
         ready = next_reply(client, Ready)
