@@ -20,17 +20,43 @@ def sample(
     """logits [B, V] -> next token ids [B] (int64). ``banned[i]`` are ids request i may not produce now."""
     assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators), "one row per request"
     if all(p.is_greedy for p in params) and not (banned and any(banned)):
-        return logits.argmax(dim=-1)  # argmax is the same in the logits' dtype as in fp32
+        return argmax_rows(logits)  # the argmax is the same in the logits' dtype as in fp32
     logits = logits.float()
     if banned and any(banned):
         logits = _ban(logits.clone(), banned)
-    next_ids = logits.argmax(dim=-1)
+    next_ids = argmax_rows(logits)
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if rows:
         index = torch.tensor(rows, device=logits.device)
         drawn = _sample_rows(logits[index], [params[i] for i in rows], [generators[i] for i in rows])
         next_ids[index] = drawn
     return next_ids
+
+
+# Columns per block of the CPU argmax below.
+_ARGMAX_BLOCK = 256
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of [B, V] logits: the first index of each row's maximum, NaN counting as the
+    maximum, as torch's.
+
+    On the CPU torch's argmax over a long last dimension is not vectorised (0.9 ms for [32, 32000] against 0.06 ms
+    for ``amax``), so there each row's maximum is found by blocks with ``amax``, and the argmax runs only within
+    the first block that holds it: 5-7x faster from batch 8 at Qwen3.5's vocabulary (248320), from batch 32 at
+    32000, even at batch 1 there (``benchmarks/bench_greedy_argmax.py``)."""
+    rows, vocab = logits.shape
+    block = _ARGMAX_BLOCK
+    if logits.device.type != "cpu" or vocab < 4 * block or logits.stride(-1) != 1:
+        return logits.argmax(dim=-1)
+    full = vocab - vocab % block
+    block_max = logits[:, :full].reshape(rows, full // block, block).amax(dim=-1)
+    if full < vocab:
+        block_max = torch.cat([block_max, logits[:, full:].amax(dim=-1, keepdim=True)], dim=1)
+    first = block_max.argmax(dim=-1)  # the first block holding the row's maximum (or its first NaN)
+    # that block's columns; a short last block repeats the last column after it, which argmax never returns first
+    cols = (first.unsqueeze(1) * block + torch.arange(block, device=logits.device)).clamp_(max=vocab - 1)
+    return first * block + logits.gather(1, cols).argmax(dim=-1)
 
 
 def _ban(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from sglang_lite.sampling import SamplingParams, make_generator, sample
+from sglang_lite.sampling.sampler import argmax_rows
 from sglang_lite.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 
 BAD_PARAMS = [
@@ -53,6 +54,25 @@ def test_greedy_and_top_k_1_take_the_argmax():
     top1 = SamplingParams(temperature=5.0, top_k=1)
     gens = [make_generator(0), make_generator(1)]
     assert sample(logits, [greedy, top1], gens).tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "nan", "all -inf", "max in the short last block"])
+@pytest.mark.parametrize("vocab", [1024, 1000, 4097, 32000])
+def test_blocked_argmax_equals_torch_argmax(kind, vocab):
+    """The CPU's blocked argmax returns torch's index: the first maximum, NaN counting as the maximum."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen)
+    if kind == "ties":
+        logits = torch.randint(0, 3, (5, vocab), generator=gen).float()
+    elif kind == "nan":
+        logits[:, torch.randint(0, vocab, (3,), generator=gen)] = float("nan")
+        logits[0] = torch.randn(vocab, generator=gen)  # a row without NaN beside them
+    elif kind == "all -inf":
+        logits[:] = float("-inf")
+    elif kind == "max in the short last block":
+        logits[:, -1] = logits[:, -2] = 100.0
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(argmax_rows(logits[:, :-3]), logits[:, :-3].argmax(dim=-1))  # rows that are strided
 
 
 def test_top_k_top_p_min_p_restrict_the_support():

@@ -53,9 +53,10 @@ def test_packed_equals_per_request_loop():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 3])
-def test_causal_conv1d_update(nan_allocations, dtype, batch):
+@pytest.mark.parametrize("consecutive", [False, True])  # the reference updates a run of slots in place
+def test_causal_conv1d_update(nan_allocations, dtype, batch, consecutive):
     x, weight, pool = _inputs(batch, 48, batch + 2, dtype)
-    slots = torch.arange(batch + 1, 1, -1)
+    slots = torch.arange(2, batch + 2) if consecutive else torch.arange(batch + 1, 1, -1)
     got_pool, want_pool = pool.clone(), pool.clone()
     got = conv1d.causal_conv1d_update(x, weight, got_pool, slots, backend="triton")
     want = naive.causal_conv1d_update(x, weight, want_pool, slots)
@@ -63,14 +64,15 @@ def test_causal_conv1d_update(nan_allocations, dtype, batch):
     assert_rel_close(got_pool, want_pool, dtype, "conv state pool")
 
 
-def test_prefill_then_decode_equals_longer_prefill():
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_prefill_then_decode_equals_longer_prefill(backend):
     x, weight, pool = _inputs(9, 20, 2, torch.float32)
     decode_pool, prefill_pool = pool.clone(), pool.clone()
     slot = torch.tensor([1])
-    outs = [conv1d.causal_conv1d_fn(x[:6], weight, decode_pool, slot, _cu([6]), backend="triton")]
+    outs = [conv1d.causal_conv1d_fn(x[:6], weight, decode_pool, slot, _cu([6]), backend=backend)]
     for t in range(6, 9):
-        outs.append(conv1d.causal_conv1d_update(x[t : t + 1], weight, decode_pool, slot, backend="triton"))
-    whole = conv1d.causal_conv1d_fn(x, weight, prefill_pool, slot, _cu([9]), backend="triton")
+        outs.append(conv1d.causal_conv1d_update(x[t : t + 1], weight, decode_pool, slot, backend=backend))
+    whole = conv1d.causal_conv1d_fn(x, weight, prefill_pool, slot, _cu([9]), backend=backend)
     assert_rel_close(torch.cat(outs), whole, torch.float32)
     assert_rel_close(decode_pool, prefill_pool, torch.float32, "conv state pool")
 
