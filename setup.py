@@ -14,7 +14,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["sglang_lite", "sglang_lite.*"]) + kernel_packages,
     package_dir={"sglang_lite.kernels": "kernels"},
-    package_data={"sglang_lite": ["assets/*/*"]},
+    package_data={"sglang_lite": ["assets/*/*"], "sglang_lite.kernels.cpu": ["csrc/*.cpp"]},
     install_requires=[
         "torch>=2.4",
         "triton>=3.0",
@@ -33,6 +33,7 @@ setup(
         "xgrammar>=0.2.9",  # structured output (json_schema, regex, ebnf): grammars and token masks
         "matplotlib",
         "uvloop; sys_platform != 'win32'",  # the router's event loop: about 20% less CPU per request
+        "ninja",  # builds the fused C++ CPU kernels (kernels/cpu) on first use, with the machine's g++
     ],
     extras_require={
         # PD disaggregation's transfer engine (CPU build; it links libibverbs.so.1: Debian's libibverbs1)

@@ -1,8 +1,10 @@
-"""Choose between the Triton kernel and the plain-PyTorch reference for one call.
+"""Choose between the Triton kernel, the fused C++ CPU kernel and the plain-PyTorch reference for one call.
 
-Triton runs on a GPU (CUDA or ROCm). On the CPU the PyTorch reference is the fast path, unless Triton is asked for
-explicitly, which together with ``TRITON_INTERPRET=1`` is how the tests run the Triton kernels without a GPU.
-The environment variable ``SGLANG_KERNEL_BACKEND`` (``auto`` | ``triton`` | ``torch``) forces one side for a run;
+Triton runs on a GPU (CUDA or ROCm). On the CPU, float32 data take the fused C++ kernels of ``kernels/cpu`` where a
+family has one (decode-step ops) and they build, and the PyTorch reference otherwise; Triton runs there only when
+asked for explicitly, which together with ``TRITON_INTERPRET=1`` is how the tests run the Triton kernels without a
+GPU. The environment variable ``SGLANG_KERNEL_BACKEND`` (``auto`` | ``triton`` | ``torch`` | ``native``) forces one
+side for a run (``torch``: the references only; ``native``: the C++ kernels, an error when they cannot be built);
 the ``backend`` argument of each public kernel function forces it for a call and wins over the variable.
 """
 from __future__ import annotations
@@ -12,6 +14,8 @@ import functools
 import torch
 
 from sglang_lite import envs
+
+from . import cpu
 
 BACKENDS = envs.SGLANG_KERNEL_BACKEND.choices
 
@@ -60,3 +64,17 @@ def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
             raise RuntimeError("the Triton backend on CPU tensors needs TRITON_INTERPRET=1")
         return True
     return tensor.device.type == "cuda"  # torch.cuda covers ROCm (HIP) devices too
+
+
+def use_native(*tensors: torch.Tensor, backend: str | None = None) -> bool:
+    """True when this call should run the fused C++ CPU kernel: every tensor float32 on the CPU, outside
+    torch.compile's tracing (it fuses the references itself), the kernels built, and no other backend forced."""
+    choice = _requested(backend)
+    if choice in ("torch", "triton") or torch.compiler.is_compiling():
+        return False
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return False
+    if choice == "native":
+        cpu.require()
+        return True
+    return cpu.available()

@@ -95,8 +95,12 @@ SGLANG_GDN_ALT_STREAM_MAX_TOKENS = EnvInt(
     "SGLANG_GDN_ALT_STREAM_MAX_TOKENS", 1024, "GDN projections overlap only for batches under this many tokens."
 )
 SGLANG_KERNEL_BACKEND = EnvChoice(
-    "SGLANG_KERNEL_BACKEND", "auto", ("auto", "triton", "torch"),
-    "Force Triton or PyTorch kernels (kernels/dispatch.py).",
+    "SGLANG_KERNEL_BACKEND", "auto", ("auto", "triton", "torch", "native"),
+    "Force Triton, PyTorch or the fused C++ CPU kernels (kernels/dispatch.py).",
+)
+SGLANG_CPU_KERNEL_CACHE = EnvStr(
+    "SGLANG_CPU_KERNEL_CACHE", "",
+    "Where the fused C++ CPU kernels are built (default ~/.cache/sglang_lite/cpu_kernels).",
 )
 TRITON_INTERPRET = EnvBool(
     "TRITON_INTERPRET", False, "Triton's own flag: run Triton kernels on the CPU in its interpreter (as the tests do)."

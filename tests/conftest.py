@@ -7,3 +7,11 @@ from __future__ import annotations
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_sessionstart(session) -> None:
+    """Build the fused C++ CPU kernels once, before any test starts a server process: those load the build, and
+    tests of the kernels fail loudly if it cannot be made (tests/kernels/test_cpu_native.py)."""
+    from sglang_lite.kernels import cpu
+
+    cpu.available()

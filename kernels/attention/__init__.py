@@ -1,12 +1,14 @@
 """Paged attention over a token-level KV pool: store, extend (prefill) and decode.
 
-Each function runs the Triton kernel or the PyTorch reference per call (see ``kernels/dispatch.py``).
+Each function runs the Triton kernel, the fused C++ CPU kernel (decode, float32) or the PyTorch reference per call
+(see ``kernels/dispatch.py``).
 """
 from __future__ import annotations
 
 import torch
 
-from ..dispatch import use_triton
+from .. import cpu
+from ..dispatch import use_native, use_triton
 from . import naive, triton_attention
 
 
@@ -57,6 +59,8 @@ def decode_attention(
 
     ``max_seq_len``, when the caller knows it on the host, spares the PyTorch path reading ``seq_lens.max()`` back
     (a sync, and a graph break under torch.compile); the Triton kernel does not need it."""
+    if use_native(q, k_cache, v_cache, backend=backend):
+        return cpu.decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
     if use_triton(q, backend):
         return triton_attention.decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
     return naive.decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, max_seq_len)

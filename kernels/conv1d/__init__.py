@@ -1,13 +1,15 @@
 """Causal depthwise conv1d with SiLU over packed requests (prefill) and one token per request (decode).
 
-Each public function runs the Triton kernel on a GPU and the PyTorch reference on the CPU; ``backend`` forces one
+Each public function runs the Triton kernel on a GPU and, on the CPU, the PyTorch reference (the decode step: the
+fused C++ kernel for float32 data); ``backend`` forces one
 (see ``kernels/dispatch.py``).
 """
 from __future__ import annotations
 
 import torch
 
-from ..dispatch import use_triton
+from .. import cpu
+from ..dispatch import use_native, use_triton
 from . import naive, triton_conv1d
 
 
@@ -34,6 +36,8 @@ def causal_conv1d_update(
     *,
     backend: str | None = None,
 ) -> torch.Tensor:
+    if use_native(x, conv_states, backend=backend):
+        return cpu.causal_conv1d_update(x, weight, conv_states, state_indices, activation)
     impl = triton_conv1d.causal_conv1d_update_triton if use_triton(x, backend) else naive.causal_conv1d_update
     return impl(x, weight, conv_states, state_indices, activation)
 

@@ -1,19 +1,23 @@
 """Gated delta rule: gating, chunked prefill over packed requests, recurrent decode.
 
-Each public function runs the Triton kernel on a GPU and the PyTorch reference on the CPU; ``backend`` forces one
+Each public function runs the Triton kernel on a GPU and, on the CPU, the PyTorch reference (gating and decode: the
+fused C++ kernel for float32 data); ``backend`` forces one
 (see ``kernels/dispatch.py``).
 """
 from __future__ import annotations
 
 import torch
 
-from ..dispatch import use_triton
+from .. import cpu
+from ..dispatch import use_native, use_triton
 from . import naive, triton_gdn
 
 
 def fused_gdn_gating(
     A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor, *, backend: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_native(a, backend=backend):
+        return cpu.fused_gdn_gating(A_log, a, dt_bias, b)
     impl = triton_gdn.fused_gdn_gating_triton if use_triton(a, backend) else naive.fused_gdn_gating
     return impl(A_log, a, dt_bias, b)
 
@@ -50,6 +54,8 @@ def fused_recurrent_gated_delta_rule(
     *,
     backend: str | None = None,
 ) -> torch.Tensor:
+    if use_native(q, k, v, ssm_states, backend=backend):
+        return cpu.fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_states, state_indices, scale, use_qk_l2norm)
     triton_impl = triton_gdn.fused_recurrent_gated_delta_rule_triton
     impl = triton_impl if use_triton(q, backend) else naive.fused_recurrent_gated_delta_rule
     return impl(q, k, v, g, beta, ssm_states, state_indices, scale, use_qk_l2norm)

@@ -1,12 +1,14 @@
 """Fused mixture of experts: softmax top-k routing and the grouped expert computation.
 
-Each function runs the Triton kernel or the PyTorch reference per call (see ``kernels/dispatch.py``).
+Each function runs the Triton kernel, the fused C++ CPU kernel (float32 experts) or the PyTorch reference per call
+(see ``kernels/dispatch.py``).
 """
 from __future__ import annotations
 
 import torch
 
-from ..dispatch import use_triton
+from .. import cpu
+from ..dispatch import use_native, use_triton
 from . import naive, triton_moe, triton_moe_fp8
 
 
@@ -40,6 +42,8 @@ def fused_moe(
         impl = triton_moe_fp8 if use_triton(x, backend) else naive
         fp8 = impl.fused_moe if impl is triton_moe_fp8 else naive.fused_moe_fp8
         return fp8(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
+    if x.shape[0] <= cpu.MOE_MAX_TOKENS and use_native(x, w13, w2, backend=backend):
+        return cpu.fused_moe(x, w13, w2, topk_weights, topk_ids)
     impl = triton_moe if use_triton(x, backend) else naive
     return impl.fused_moe(x, w13, w2, topk_weights, topk_ids)
 

@@ -7,6 +7,7 @@ import torch
 
 from sglang_lite.distributed import get_parallel_state
 from sglang_lite.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang_lite.model_executor.weight_layout import store_input_major
@@ -31,6 +32,7 @@ class ModelRunner:
         # recompiling. dynamic=True lets one graph serve every batch size after the first few.
         if not on_gpu:
             logger.info("weights stored [in, out] for the CPU's GEMMs: %d", store_input_major(model))
+            logger.info("fused C++ CPU kernels (float32 decode ops, small MoE batches): %s", cpu_kernels.prepare())
         self.compiled_body = None
         if args.enable_torch_compile and not on_gpu:
             self.compiled_body = torch.compile(model.model, dynamic=True)

@@ -1,0 +1,204 @@
+"""Fused float32 CPU kernels for the decode step, in C++ (``csrc/decode_ops.cpp``).
+
+On the CPU a decode step is made of small ops, and dispatching each one (Python, then ATen) costs more than its
+arithmetic: a GDN layer was ~107 dispatched ops at batch 1. Each kernel here computes what one reference in
+``kernels/<family>/naive.py`` computes, in one call and one pass over its operands. They are the CPU's fast path
+for float32 data (``dispatch.use_native``); the references stay the definition and the path for other dtypes.
+
+The source is compiled with torch's ``cpp_extension`` on first use (about 15 s; g++ and ninja must be on the
+machine) into ``SGLANG_CPU_KERNEL_CACHE`` (default ``~/.cache/sglang_lite/cpu_kernels``), one build per source,
+torch version and CPU (``-march=native``), and loaded from there afterwards. When it cannot be built the CPU runs
+the references and says why once. ``SGLANG_KERNEL_BACKEND=torch`` turns these kernels off for a run.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+
+import torch
+
+from sglang_lite import envs
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "decode_ops.cpp")
+# -fopenmp: at::parallel_for's OpenMP region is inlined from the headers; the library it links (libgomp.so.1) is
+# the one torch has already loaded, so both share torch's thread pool.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+_error = ""
+
+
+def available() -> bool:
+    """True when the kernels are built and loaded (building them on the first call)."""
+    global _loaded, _error
+    with _lock:
+        if _loaded is None:
+            try:
+                _build_and_load()
+                _loaded = True
+            except Exception as exc:  # noqa: BLE001 - any build failure means: run the references
+                _loaded, _error = False, f"{type(exc).__name__}: {exc}"
+                logger.warning("fused CPU kernels unavailable, the CPU runs the PyTorch references: %s", _error)
+        return _loaded
+
+
+def prepare() -> str:
+    """Build (or load) the kernels now unless a run forces another backend, so that an engine starting on the CPU
+    pays the first build at start rather than in its first request; says which path float32 models will take."""
+    if envs.SGLANG_KERNEL_BACKEND.get() in ("torch", "triton"):
+        return f"off (SGLANG_KERNEL_BACKEND={envs.SGLANG_KERNEL_BACKEND.get()})"
+    return "on" if available() else f"off, the PyTorch references run ({_error})"
+
+
+def require() -> None:
+    """Raise, with the build's reason, when the kernels cannot be built (``SGLANG_KERNEL_BACKEND=native``)."""
+    if not available():
+        raise RuntimeError(f"the fused CPU kernels (kernels/cpu) could not be built: {_error}")
+
+
+def _build_and_load() -> None:
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    build_dir = os.path.join(_cache_root(), _build_key())
+    os.makedirs(build_dir, exist_ok=True)
+    cpp_extension.load(
+        name="sglang_lite_cpu_ops", sources=[_SOURCE], build_directory=build_dir, extra_cflags=_CFLAGS,
+        extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False,
+    )
+
+
+def _cache_root() -> str:
+    configured = envs.SGLANG_CPU_KERNEL_CACHE.get()
+    return configured or os.path.join(os.path.expanduser("~"), ".cache", "sglang_lite", "cpu_kernels")
+
+
+def _build_key() -> str:
+    """Source, flags, torch and the CPU's features: a build made for another machine is never loaded."""
+    digest = hashlib.sha256()
+    with open(_SOURCE, "rb") as f:
+        digest.update(f.read())
+    digest.update(" ".join(_CFLAGS + _LDFLAGS + [torch.__version__, sys.version]).encode())
+    digest.update(_cpu_features().encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; pip's copy (a dependency) sits beside this Python, which a virtual
+    environment run without activation does not have on PATH."""
+    beside = os.path.dirname(sys.executable)
+    if not shutil.which("ninja") and shutil.which("ninja", path=beside):
+        os.environ["PATH"] = beside + os.pathsep + os.environ.get("PATH", "")
+
+
+def _ops():
+    return torch.ops.sglang_lite_cpu
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as [A, B, n] rows with a unit stride in the last dimension (a view whenever one exists)."""
+    if t.dim() == 3:
+        rows = t
+    elif t.dim() < 3:
+        rows = t.reshape((1,) * (3 - t.dim()) + tuple(t.shape))
+    else:
+        rows = t.reshape(-1, t.shape[-2], t.shape[-1])
+    return rows if rows.shape[-1] <= 1 or rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _float(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def gemma_rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """As ``norms.naive.gemma_rmsnorm``: float32 x (and residual) of any shape, normalised over the last dim."""
+    y, total = _ops().gemma_rmsnorm(_rows(x), _float(weight), eps, None if residual is None else _rows(residual))
+    y = y.view(x.shape)
+    return y if residual is None else (y, total.view(x.shape))
+
+
+def fused_qk_gemma_rmsnorm(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``norms.naive.fused_qk_gemma_rmsnorm``: every head_dim-sized row of q and of k."""
+    q_rows, k_rows = q.reshape(-1, 1, head_dim), k.reshape(-1, 1, head_dim)
+    return gemma_rmsnorm(q_rows, q_weight, eps).view(q.shape), gemma_rmsnorm(k_rows, k_weight, eps).view(k.shape)
+
+
+def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As ``norms.naive.gated_rmsnorm``."""
+    return _ops().gated_rmsnorm(_rows(o), _rows(_float(z)), _float(weight), eps).view(o.shape)
+
+
+def causal_conv1d_update(
+    x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, state_indices: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """As ``conv1d.naive.causal_conv1d_update``: x [B, D]; the float32 pool's slots are shifted in place."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    return _ops().causal_conv1d_update(
+        _last_dim_contiguous(x), _float(weight).contiguous(), conv_states, state_indices, activation is not None
+    )
+
+
+def fused_gdn_gating(
+    A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``gated_delta_rule.naive.fused_gdn_gating``: a, b [T, H]."""
+    return _ops().gdn_gating(_float(A_log), _last_dim_contiguous(a), _float(dt_bias), _last_dim_contiguous(_float(b)))
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    ssm_states: torch.Tensor, state_indices: torch.Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """As ``gated_delta_rule.naive.fused_recurrent_gated_delta_rule``; the float32 pool is updated in place."""
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    g, beta = _last_dim_contiguous(_float(g)), _last_dim_contiguous(_float(beta))
+    return _ops().gated_delta_rule_decode(q, k, v, g, beta, ssm_states, state_indices, scale, use_qk_l2norm)
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """As ``attention.naive.decode_attention`` over a float32 pool."""
+    return _ops().decode_attention(_last_dim_contiguous(q), k_cache, v_cache, req_to_token, req_pool_indices,
+                                   seq_lens, scale)
+
+
+# The fused MoE's own loops reach ~75 GFLOP/s on 2 threads, MKL's batched GEMMs several times that: from a few
+# thousand tokens (prefill) the reference's grouping wins (H 256, 16 experts top-4 + shared: 2-4x faster up to 32
+# tokens, 1.15x at 1024, 0.89x at 4096).
+MOE_MAX_TOKENS = 1024
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """As ``moe.naive.fused_moe`` for float32 x and experts, in either weight layout."""
+    return _ops().fused_moe(_last_dim_contiguous(x), w13, w2, _float(topk_weights), topk_ids.contiguous())

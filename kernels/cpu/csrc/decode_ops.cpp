@@ -1,0 +1,587 @@
+// Fused float32 CPU kernels for the decode step of Qwen3.5 (kernels/cpu/__init__.py builds and loads this file).
+//
+// Each op computes what its plain-PyTorch reference in kernels/<family>/naive.py computes, in one pass over its
+// operands instead of the reference's 5-15 dispatched ops: on the CPU a decode step is made of small ops, and the
+// dispatch of each one costs more than its arithmetic. Rows may be strided (views of packed projections); the last
+// dimension of every float tensor must be contiguous. Work is split over at::parallel_for (torch's OpenMP pool).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+void check_float(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor, got ",
+              t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", t.sizes());
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+// A 1-D int32 or int64 index tensor, read as int64.
+class Index {
+ public:
+  Index(const at::Tensor& t, const char* name) : ptr_(t.data_ptr()), wide_(t.scalar_type() == at::kLong) {
+    TORCH_CHECK(t.device().is_cpu() && (wide_ || t.scalar_type() == at::kInt), name,
+                " must be an int32 or int64 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+    TORCH_CHECK(t.dim() == 1 && (t.numel() <= 1 || t.stride(0) == 1), name, " must be a contiguous 1-D tensor");
+  }
+  int64_t operator[](int64_t i) const {
+    return wide_ ? static_cast<const int64_t*>(ptr_)[i] : static_cast<const int32_t*>(ptr_)[i];
+  }
+
+ private:
+  const void* ptr_;
+  bool wide_;
+};
+
+void check_slots(const Index& slots, int64_t count, int64_t pool_size, const char* name) {
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < pool_size, name, "[", i, "] = ", slots[i], " is outside the pool of ",
+                pool_size, " slots");
+  }
+}
+
+// exp that vectorises inside `omp simd` loops (std::exp does not): 2^n e^r with |r| <= ln2 / 2 and e^r by its
+// Taylor polynomial of degree 7 (its truncation, 5e-9, is below float rounding). Inputs are clamped to [-87, 88],
+// so results stay normal floats: exp(-100) reads 1.6e-38, which no sum or sigmoid here can tell from 0.
+inline float vexp(float x) {
+  const float clamped = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
+  const float r = (clamped - n * 0.693145752f) - n * 1.42860677e-6f;   // ln 2 split in two (Cody-Waite)
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x != x ? x : p * scale;  // NaN stays NaN
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
+
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold
+
+inline float sum_of_squares(const float* x, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += x[i] * x[i];
+  return acc;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// Rows of a [A, B, n] view (any strides on A and B): row r is (r / B, r % B).
+struct Rows {
+  float* data;
+  int64_t inner, stride0, stride1;
+  Rows(const at::Tensor& t) : data(t.data_ptr<float>()), inner(t.size(1)), stride0(t.stride(0)), stride1(t.stride(1)) {}
+  float* operator[](int64_t r) const { return data + (r / inner) * stride0 + (r % inner) * stride1; }
+};
+
+// Grain of at::parallel_for: below this many elements of work a range runs on the calling thread.
+constexpr int64_t kGrainElements = 16384;
+
+int64_t grain(int64_t work_per_item) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, work_per_item)); }
+
+// ---- causal conv1d, one decode token per request ----------------------------------------------------------------
+
+at::Tensor causal_conv1d_update(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& conv_states,
+                                const at::Tensor& state_indices, bool silu) {
+  check_float(x, "x", 2);
+  check_float(weight, "weight", 2);
+  check_float(conv_states, "conv_states", 3);
+  const int64_t batch = x.size(0), dim = x.size(1), taps = weight.size(1), width = taps - 1;
+  TORCH_CHECK(weight.size(0) == dim && weight.is_contiguous(), "weight must be a contiguous [", dim, ", K] tensor");
+  TORCH_CHECK(conv_states.size(1) == dim && conv_states.size(2) == width, "conv_states must be [S, ", dim, ", ",
+              width, "], got ", conv_states.sizes());
+  Index slots(state_indices, "state_indices");
+  TORCH_CHECK(state_indices.numel() == batch, "state_indices must hold one slot per row of x");
+  check_slots(slots, batch, conv_states.size(0), "state_indices");
+  at::Tensor out = at::empty({batch, dim}, x.options());
+  const float *xs = x.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float *states = conv_states.data_ptr<float>(), *o = out.data_ptr<float>();
+  const int64_t x_row = x.stride(0), s_slot = conv_states.stride(0), s_chan = conv_states.stride(1);
+  at::parallel_for(0, batch, grain(dim * taps), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      float* row = o + b * dim;
+      float* slot = states + slots[b] * s_slot;
+      const float* newest = xs + b * x_row;
+      for (int64_t d = 0; d < dim; ++d) {
+        float* state = slot + d * s_chan;
+        const float* wd = w + d * taps;
+        float acc = 0.0f;
+        for (int64_t j = 0; j < width; ++j) acc += state[j] * wd[j];
+        row[d] = acc + newest[d] * wd[width];
+        for (int64_t j = 0; j + 1 < width; ++j) state[j] = state[j + 1];
+        if (width > 0) state[width - 1] = newest[d];
+      }
+      if (silu) {
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) row[d] = row[d] * sigmoid(row[d]);
+      }
+    }
+  });
+  return out;
+}
+
+// ---- gated delta rule: gating and the recurrent decode step -----------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> gdn_gating(const at::Tensor& A_log, const at::Tensor& a, const at::Tensor& dt_bias,
+                                              const at::Tensor& b) {
+  check_float(a, "a", 2);
+  check_float(b, "b", 2);
+  check_float(A_log, "A_log", 1);
+  check_float(dt_bias, "dt_bias", 1);
+  const int64_t tokens = a.size(0), heads = a.size(1);
+  TORCH_CHECK(b.sizes() == a.sizes() && A_log.size(0) == heads && dt_bias.size(0) == heads,
+              "a and b must be [T, H] and A_log, dt_bias [H]; got a ", a.sizes(), ", b ", b.sizes(), ", A_log ",
+              A_log.sizes(), ", dt_bias ", dt_bias.sizes());
+  at::Tensor g = at::empty({tokens, heads}, a.options()), beta = at::empty({tokens, heads}, a.options());
+  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+  const float *alog = A_log.data_ptr<float>(), *bias = dt_bias.data_ptr<float>();
+  float *gp = g.data_ptr<float>(), *betap = beta.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      gp[t * heads + h] = -std::exp(alog[h]) * softplus(ap[t * a.stride(0) + h] + bias[h]);
+      betap[t * heads + h] = sigmoid(bp[t * b.stride(0) + h]);
+    }
+  }
+  return {g, beta};
+}
+
+// One (request, value head): S [dk, dv] decays by exp(g), takes the delta update with the l2-normalised key, and
+// is read by the query. S^T k and S^T q come from one pass; the update is a second pass over a 16 KB state that is
+// still in L1; the output needs no third: S'^T q = exp(g) S^T q + (k . q) delta.
+void delta_rule_step(float* state, const float* q, const float* k, const float* v, float g, float beta, int64_t dk,
+                     int64_t dv, float scale, bool l2norm, float* kn, float* qn, float* reads_k, float* reads_q,
+                     float* out) {
+  const float q_factor = l2norm ? scale / std::sqrt(sum_of_squares(q, dk) + 1e-6f) : scale;
+  const float k_factor = l2norm ? 1.0f / std::sqrt(sum_of_squares(k, dk) + 1e-6f) : 1.0f;
+  for (int64_t i = 0; i < dk; ++i) {
+    qn[i] = q[i] * q_factor;
+    kn[i] = k[i] * k_factor;
+  }
+  std::fill(reads_k, reads_k + dv, 0.0f);
+  std::fill(reads_q, reads_q + dv, 0.0f);
+  for (int64_t i = 0; i < dk; ++i) {
+    const float* row = state + i * dv;
+    const float ki = kn[i], qi = qn[i];
+#pragma omp simd
+    for (int64_t j = 0; j < dv; ++j) {
+      reads_k[j] += ki * row[j];
+      reads_q[j] += qi * row[j];
+    }
+  }
+  const float decay = std::exp(g), kq = dot(kn, qn, dk);
+  float* delta = reads_k;  // reused in place
+#pragma omp simd
+  for (int64_t j = 0; j < dv; ++j) {
+    delta[j] = (v[j] - reads_k[j] * decay) * beta;
+    out[j] = reads_q[j] * decay + kq * delta[j];
+  }
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = state + i * dv;
+    const float ki = kn[i];
+#pragma omp simd
+    for (int64_t j = 0; j < dv; ++j) row[j] = row[j] * decay + ki * delta[j];
+  }
+}
+
+at::Tensor gated_delta_rule_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                   const at::Tensor& beta, const at::Tensor& ssm_states,
+                                   const at::Tensor& state_indices, double scale, bool use_qk_l2norm) {
+  check_float(q, "q", 3);
+  check_float(k, "k", 3);
+  check_float(v, "v", 3);
+  check_float(g, "g", 2);
+  check_float(beta, "beta", 2);
+  check_float(ssm_states, "ssm_states", 4);
+  const int64_t batch = q.size(0), hk = q.size(1), dk = q.size(2), hv = v.size(1), dv = v.size(2);
+  TORCH_CHECK(k.sizes() == q.sizes(), "k must be shaped like q ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(v.size(0) == batch && hv % hk == 0, "v must be [", batch, ", HV, dv] with HV a multiple of ", hk,
+              " key heads, got ", v.sizes());
+  TORCH_CHECK(g.size(0) == batch && g.size(1) == hv && beta.sizes() == g.sizes(), "g and beta must be [", batch,
+              ", ", hv, "], got ", g.sizes(), " and ", beta.sizes());
+  TORCH_CHECK(ssm_states.size(1) == hv && ssm_states.size(2) == dk && ssm_states.size(3) == dv &&
+                  ssm_states.stride(2) == dv,
+              "ssm_states must be [S, ", hv, ", ", dk, ", ", dv, "] with contiguous states, got ", ssm_states.sizes());
+  Index slots(state_indices, "state_indices");
+  TORCH_CHECK(state_indices.numel() == batch, "state_indices must hold one slot per request");
+  check_slots(slots, batch, ssm_states.size(0), "state_indices");
+  at::Tensor out = at::empty({batch, hv, dv}, v.options());
+  const int64_t groups = hv / hk;
+  const Rows qs(q), ks(k), vs(v);
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float *states = ssm_states.data_ptr<float>(), *o = out.data_ptr<float>();
+  const int64_t s_slot = ssm_states.stride(0), s_head = ssm_states.stride(1);
+  at::parallel_for(0, batch * hv, grain(2 * dk * dv), [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(2 * dk + 2 * dv);
+    float *kn = scratch.data(), *qn = kn + dk, *reads_k = qn + dk, *reads_q = reads_k + dv;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / hv, h = i % hv, key_row = b * hk + h / groups;
+      delta_rule_step(states + slots[b] * s_slot + h * s_head, qs[key_row], ks[key_row], vs[i],
+                      gp[b * g.stride(0) + h], bp[b * beta.stride(0) + h], dk, dv, static_cast<float>(scale),
+                      use_qk_l2norm, kn, qn, reads_k, reads_q, o + i * dv);
+    }
+  });
+  return out;
+}
+
+// ---- RMSNorms ---------------------------------------------------------------------------------------------------
+
+// Gemma RMSNorm of every row of x [A, B, n] (x + residual first, when given): x * rsqrt(mean(x^2) + eps) * (1 + w).
+// Returns the normalised rows and, with a residual, the sum (both contiguous, shaped like x).
+std::tuple<at::Tensor, at::Tensor> gemma_rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                                 const c10::optional<at::Tensor>& residual) {
+  check_float(x, "x", 3);
+  check_float(weight, "weight", 1);
+  const int64_t n = x.size(2), rows = x.size(0) * x.size(1);
+  TORCH_CHECK(weight.size(0) == n, "weight must have ", n, " elements, got ", weight.size(0));
+  const bool add = residual.has_value();
+  if (add) {
+    check_float(*residual, "residual", 3);
+    TORCH_CHECK(residual->sizes() == x.sizes(), "residual must be shaped like x ", x.sizes());
+  }
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  at::Tensor sum = at::empty(add ? x.sizes() : at::IntArrayRef{0}, x.options());  // empty: no residual
+  const Rows xs(x);
+  const c10::optional<Rows> rs = add ? c10::optional<Rows>(Rows(*residual)) : c10::nullopt;
+  const float* w = weight.data_ptr<float>();
+  float *yp = y.data_ptr<float>(), *sp = add ? sum.data_ptr<float>() : nullptr;
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* in = xs[r];
+      if (add) {
+        float* s = sp + r * n;
+        const float* res = (*rs)[r];
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) s[j] = in[j] + res[j];
+        in = s;
+      }
+      const float inv = 1.0f / std::sqrt(sum_of_squares(in, n) / static_cast<float>(n) + static_cast<float>(eps));
+      float* out = yp + r * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) out[j] = in[j] * inv * (1.0f + w[j]);
+    }
+  });
+  return {y, sum};
+}
+
+// Gated RMSNorm of every row of o [A, B, n] with its gate z: w * o * rsqrt(mean(o^2) + eps) * silu(z).
+at::Tensor gated_rmsnorm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight, double eps) {
+  check_float(o, "o", 3);
+  check_float(z, "z", 3);
+  check_float(weight, "weight", 1);
+  const int64_t n = o.size(2), rows = o.size(0) * o.size(1);
+  TORCH_CHECK(z.sizes() == o.sizes(), "z must be shaped like o ", o.sizes(), ", got ", z.sizes());
+  TORCH_CHECK(weight.size(0) == n, "weight must have ", n, " elements, got ", weight.size(0));
+  at::Tensor y = at::empty(o.sizes(), o.options());
+  const Rows os(o), zs(z);
+  const float* w = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float *in = os[r], *gate = zs[r];
+      const float inv = 1.0f / std::sqrt(sum_of_squares(in, n) / static_cast<float>(n) + static_cast<float>(eps));
+      float* out = yp + r * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) out[j] = in[j] * inv * w[j] * (gate[j] * sigmoid(gate[j]));
+    }
+  });
+  return y;
+}
+
+// ---- small matmuls (the experts', attention's) ------------------------------------------------------------------
+
+// C[t, n] = sum_k A[t, k] W[n, k] for a few rows t, W an [N, K] view with strides (wn, wk). The two layouts the
+// engine stores (kernels' [out, in] and weight_layout's [in, out] under the same shape) each get a register-blocked
+// loop that vectorises along W's contiguous dimension; tails and other strides take the plain loop.
+template <int TB>
+void matmul_rows_contiguous_n(const float* A, int64_t lda, const float* W, int64_t wk, int64_t N, int64_t K,
+                              float* C, int64_t ldc) {  // wn == 1: row k of W^T is contiguous over n
+  constexpr int64_t NB = 64;
+  for (int64_t n0 = 0; n0 < N; n0 += NB) {
+    const int64_t width = std::min(NB, N - n0);
+    float acc[TB][NB] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const float* w = W + k * wk + n0;
+      for (int t = 0; t < TB; ++t) {
+        const float a = A[t * lda + k];
+        if (width == NB) {  // a constant trip count: the block's accumulators stay in registers
+#pragma omp simd
+          for (int64_t j = 0; j < NB; ++j) acc[t][j] += a * w[j];
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j < width; ++j) acc[t][j] += a * w[j];
+        }
+      }
+    }
+    for (int t = 0; t < TB; ++t) std::copy(acc[t], acc[t] + width, C + t * ldc + n0);
+  }
+}
+
+template <int TB>
+void matmul_rows_contiguous_k(const float* A, int64_t lda, const float* W, int64_t wn, int64_t N, int64_t K,
+                              float* C, int64_t ldc) {  // wk == 1: row n of W is contiguous over k
+  constexpr int64_t RB = 4, KB = 16;
+  const int64_t k_main = K - K % KB;
+  int64_t n0 = 0;
+  for (; n0 + RB <= N; n0 += RB) {
+    float acc[TB][RB][KB] = {};
+    for (int64_t k0 = 0; k0 < k_main; k0 += KB) {
+      for (int r = 0; r < RB; ++r) {
+        const float* w = W + (n0 + r) * wn + k0;
+        for (int t = 0; t < TB; ++t) {
+          const float* a = A + t * lda + k0;
+#pragma omp simd
+          for (int64_t j = 0; j < KB; ++j) acc[t][r][j] += a[j] * w[j];
+        }
+      }
+    }
+    for (int t = 0; t < TB; ++t) {
+      for (int r = 0; r < RB; ++r) {
+        float total = 0.0f;
+        for (int64_t j = 0; j < KB; ++j) total += acc[t][r][j];
+        for (int64_t k = k_main; k < K; ++k) total += A[t * lda + k] * W[(n0 + r) * wn + k];
+        C[t * ldc + n0 + r] = total;
+      }
+    }
+  }
+  for (int t = 0; t < TB; ++t) {
+    for (int64_t n = n0; n < N; ++n) C[t * ldc + n] = dot(A + t * lda, W + n * wn, K);
+  }
+}
+
+template <int TB>
+void matmul_block(const float* A, int64_t lda, const float* W, int64_t wn, int64_t wk, int64_t N, int64_t K,
+                  float* C, int64_t ldc) {
+  if (wn == 1) return matmul_rows_contiguous_n<TB>(A, lda, W, wk, N, K, C, ldc);
+  if (wk == 1) return matmul_rows_contiguous_k<TB>(A, lda, W, wn, N, K, C, ldc);
+  for (int t = 0; t < TB; ++t) {
+    for (int64_t n = 0; n < N; ++n) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += A[t * lda + k] * W[n * wn + k * wk];
+      C[t * ldc + n] = acc;
+    }
+  }
+}
+
+void matmul_wt(const float* A, int64_t lda, int64_t rows, const float* W, int64_t wn, int64_t wk, int64_t N,
+               int64_t K, float* C, int64_t ldc) {
+  constexpr int64_t TB = 4;
+  int64_t t = 0;
+  for (; t + TB <= rows; t += TB) matmul_block<TB>(A + t * lda, lda, W, wn, wk, N, K, C + t * ldc, ldc);
+  switch (rows - t) {
+    case 3: return matmul_block<3>(A + t * lda, lda, W, wn, wk, N, K, C + t * ldc, ldc);
+    case 2: return matmul_block<2>(A + t * lda, lda, W, wn, wk, N, K, C + t * ldc, ldc);
+    case 1: return matmul_block<1>(A + t * lda, lda, W, wn, wk, N, K, C + t * ldc, ldc);
+    default: return;
+  }
+}
+
+// ---- paged decode attention --------------------------------------------------------------------------------------
+
+// One query per request over its first seq_lens[b] cached tokens; the KV heads are shared by groups of query heads.
+// Per (request, KV head): its keys and values are gathered into contiguous rows, then scores = (scale q) K^T and
+// out = softmax(scores) V run as two small blocked matmuls over the group's query heads.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                            const at::Tensor& seq_lens, double scale) {
+  check_float(q, "q", 3);
+  check_float(k_cache, "k_cache", 3);
+  check_float(v_cache, "v_cache", 3);
+  const int64_t batch = q.size(0), heads = q.size(1), hd = q.size(2), kv_heads = k_cache.size(1);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == hd && heads % kv_heads == 0,
+              "k_cache and v_cache must be [N, KV, ", hd, "] with KV dividing ", heads, " heads, got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(req_to_token.dim() == 2 && req_to_token.stride(1) == 1 &&
+                  (req_to_token.scalar_type() == at::kLong || req_to_token.scalar_type() == at::kInt),
+              "req_to_token must be an int32 or int64 [R, C] tensor, contiguous in its rows");
+  Index rows(req_pool_indices, "req_pool_indices"), lens(seq_lens, "seq_lens");
+  TORCH_CHECK(req_pool_indices.numel() == batch && seq_lens.numel() == batch,
+              "req_pool_indices and seq_lens must hold one entry per query");
+  const int64_t pool = k_cache.size(0), context = req_to_token.size(1);
+  check_slots(rows, batch, req_to_token.size(0), "req_pool_indices");
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= context, "seq_lens[", b, "] = ", lens[b], " must be in [1, ", context, "]");
+    longest = std::max(longest, lens[b]);
+  }
+  const bool wide = req_to_token.scalar_type() == at::kLong;
+  const void* table = req_to_token.data_ptr();
+  const int64_t table_row = req_to_token.stride(0);
+  auto slot_of = [&](int64_t row, int64_t t) {
+    const int64_t at = row * table_row + t;
+    return wide ? static_cast<const int64_t*>(table)[at] : int64_t(static_cast<const int32_t*>(table)[at]);
+  };
+  for (int64_t b = 0; b < batch; ++b) {  // a bad slot would read outside the pool
+    for (int64_t t = 0; t < lens[b]; ++t) {
+      const int64_t slot = slot_of(rows[b], t);
+      TORCH_CHECK(slot >= 0 && slot < pool, "req_to_token[", rows[b], ", ", t, "] = ", slot,
+                  " is outside the KV pool of ", pool, " slots");
+    }
+  }
+  at::Tensor out = at::empty({batch, heads, hd}, q.options());
+  const int64_t group = heads / kv_heads;
+  const Rows qs(q);
+  const float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t k_slot = k_cache.stride(0), k_head = k_cache.stride(1);
+  const int64_t v_slot = v_cache.stride(0), v_head = v_cache.stride(1);
+  float* o = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(group * hd), scores(group * longest), keys(longest * hd), values(longest * hd);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / kv_heads, h = i % kv_heads, len = lens[b], row = rows[b];
+      for (int64_t j = 0; j < group; ++j) {
+        const float* src = qs[b * heads + h * group + j];
+        for (int64_t d = 0; d < hd; ++d) queries[j * hd + d] = src[d] * sc;
+      }
+      for (int64_t t = 0; t < len; ++t) {  // keys transposed ([hd, len]): both products run along contiguous rows
+        const int64_t slot = slot_of(row, t);
+        const float* key = kc + slot * k_slot + h * k_head;
+        for (int64_t d = 0; d < hd; ++d) keys[d * len + t] = key[d];
+        std::copy_n(vc + slot * v_slot + h * v_head, hd, values.data() + t * hd);
+      }
+      matmul_wt(queries.data(), hd, group, keys.data(), 1, len, len, hd, scores.data(), len);
+      for (int64_t j = 0; j < group; ++j) {
+        float* s = scores.data() + j * len;
+        const float top = *std::max_element(s, s + len);
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) s[t] = vexp(s[t] - top);
+        float total = 0.0f;
+        for (int64_t t = 0; t < len; ++t) total += s[t];
+        const float inv = 1.0f / total;
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
+      matmul_wt(scores.data(), len, group, values.data(), 1, hd, hd, len, o + (b * heads + h * group) * hd, hd);
+    }
+  });
+  return out;
+}
+
+// ---- fused MoE ---------------------------------------------------------------------------------------------------
+
+// sum over each token's selected experts of weight * down(silu(gate(x)) * up(x)). Pairs (token, slot) are grouped
+// by expert; each work item runs up to kMoeChunk rows of one expert through both projections (its weights then come
+// from cache), writing one output row per pair; a last pass sums each token's k rows in slot order.
+constexpr int64_t kMoeChunk = 8;
+
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                     const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+  check_float(x, "x", 2);
+  check_float(topk_weights, "topk_weights", 2);
+  TORCH_CHECK(w13.device().is_cpu() && w13.scalar_type() == at::kFloat && w13.dim() == 3, "w13 must be a float32 "
+              "CPU tensor [E, 2I, H], got ", w13.scalar_type(), " ", w13.sizes());
+  TORCH_CHECK(w2.device().is_cpu() && w2.scalar_type() == at::kFloat && w2.dim() == 3, "w2 must be a float32 CPU "
+              "tensor [E, H, I], got ", w2.scalar_type(), " ", w2.sizes());
+  const int64_t tokens = x.size(0), hidden = x.size(1), experts = w13.size(0), inter = w2.size(2);
+  TORCH_CHECK(w13.size(1) == 2 * inter && w13.size(2) == hidden && w2.size(0) == experts && w2.size(1) == hidden,
+              "w13 [E, 2I, H] and w2 [E, H, I] do not match x [T, ", hidden, "]: w13 ", w13.sizes(), ", w2 ",
+              w2.sizes());
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == tokens && topk_weights.sizes() == topk_ids.sizes(),
+              "topk_ids and topk_weights must both be [", tokens, ", k], got ", topk_ids.sizes(), " and ",
+              topk_weights.sizes());
+  TORCH_CHECK(topk_ids.is_contiguous(), "topk_ids must be contiguous");
+  const int64_t top_k = topk_ids.size(1), pairs = tokens * top_k;
+  Index ids(topk_ids.view({-1}), "topk_ids");
+  check_slots(ids, pairs, experts, "topk_ids");
+  std::vector<int64_t> starts(experts + 1, 0), order(pairs);
+  for (int64_t p = 0; p < pairs; ++p) ++starts[ids[p] + 1];
+  for (int64_t e = 0; e < experts; ++e) starts[e + 1] += starts[e];
+  std::vector<int64_t> fill(starts.begin(), starts.end() - 1);
+  for (int64_t p = 0; p < pairs; ++p) order[fill[ids[p]]++] = p;
+  std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first position in order)
+  for (int64_t e = 0; e < experts; ++e) {
+    for (int64_t i = starts[e]; i < starts[e + 1]; i += kMoeChunk) items.emplace_back(e, i);
+  }
+  at::Tensor pair_rows = at::empty({pairs, hidden}, x.options());
+  const float *xs = x.data_ptr<float>(), *w13p = w13.data_ptr<float>(), *w2p = w2.data_ptr<float>();
+  float* rows = pair_rows.data_ptr<float>();
+  const int64_t x_row = x.stride(0);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> a(kMoeChunk * hidden), gate_up(kMoeChunk * 2 * inter), out(kMoeChunk * hidden);
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [e, first] = items[item];
+      const int64_t count = std::min(kMoeChunk, starts[e + 1] - first);
+      for (int64_t r = 0; r < count; ++r) {
+        const float* src = xs + (order[first + r] / top_k) * x_row;
+        std::copy(src, src + hidden, a.data() + r * hidden);
+      }
+      matmul_wt(a.data(), hidden, count, w13p + e * w13.stride(0), w13.stride(1), w13.stride(2), 2 * inter, hidden,
+                gate_up.data(), 2 * inter);
+      for (int64_t r = 0; r < count; ++r) {  // silu(gate) * up, in place over the gate half
+        float* g = gate_up.data() + r * 2 * inter;
+#pragma omp simd
+        for (int64_t j = 0; j < inter; ++j) g[j] = g[j] * sigmoid(g[j]) * g[inter + j];
+      }
+      matmul_wt(gate_up.data(), 2 * inter, count, w2p + e * w2.stride(0), w2.stride(1), w2.stride(2), hidden, inter,
+                out.data(), hidden);
+      for (int64_t r = 0; r < count; ++r) {
+        std::copy(out.data() + r * hidden, out.data() + (r + 1) * hidden, rows + order[first + r] * hidden);
+      }
+    }
+  });
+  at::Tensor result = at::empty({tokens, hidden}, x.options());
+  float* res = result.data_ptr<float>();
+  const float* wts = topk_weights.data_ptr<float>();
+  const int64_t w_row = topk_weights.stride(0), w_col = topk_weights.stride(1);
+  at::parallel_for(0, tokens, grain(hidden * top_k), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* o = res + t * hidden;
+      const float w0 = wts[t * w_row];
+      const float* r0 = rows + t * top_k * hidden;
+#pragma omp simd
+      for (int64_t j = 0; j < hidden; ++j) o[j] = r0[j] * w0;
+      for (int64_t slot = 1; slot < top_k; ++slot) {
+        const float w = wts[t * w_row + slot * w_col];
+        const float* r = rows + (t * top_k + slot) * hidden;
+#pragma omp simd
+        for (int64_t j = 0; j < hidden; ++j) o[j] += r[j] * w;
+      }
+    }
+  });
+  return result;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sglang_lite_cpu, m) {
+  m.def("causal_conv1d_update(Tensor x, Tensor weight, Tensor(a!) conv_states, Tensor state_indices, bool silu) "
+        "-> Tensor");
+  m.def("gdn_gating(Tensor A_log, Tensor a, Tensor dt_bias, Tensor b) -> (Tensor, Tensor)");
+  m.def("gated_delta_rule_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) ssm_states, "
+        "Tensor state_indices, float scale, bool use_qk_l2norm) -> Tensor");
+  m.def("gemma_rmsnorm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
+  m.def("gated_rmsnorm(Tensor o, Tensor z, Tensor weight, float eps) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor req_pool_indices, "
+        "Tensor seq_lens, float scale) -> Tensor");
+  m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) {
+  m.impl("causal_conv1d_update", &causal_conv1d_update);
+  m.impl("gdn_gating", &gdn_gating);
+  m.impl("gated_delta_rule_decode", &gated_delta_rule_decode);
+  m.impl("gemma_rmsnorm", &gemma_rmsnorm);
+  m.impl("gated_rmsnorm", &gated_rmsnorm);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("fused_moe", &fused_moe);
+}

@@ -1,0 +1,186 @@
+"""The fused C++ CPU kernels (kernels/cpu) against the PyTorch references, over awkward shapes and strided views.
+
+Their outputs are allocated in C++, out of reach of the NaN poisoning; each case runs twice on fresh inputs of the
+same shape instead, so an element left unwritten would hold the first run's value and fail the second comparison.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_lite import envs
+from sglang_lite.kernels import attention, conv1d, cpu, gated_delta_rule, moe, norms
+from sglang_lite.kernels.attention import naive as attention_ref
+from sglang_lite.kernels.conv1d import naive as conv_ref
+from sglang_lite.kernels.gated_delta_rule import naive as gdn_ref
+from sglang_lite.kernels.moe import naive as moe_ref
+from sglang_lite.kernels.norms import naive as norm_ref
+
+from .utils import assert_rel_close
+
+F32 = torch.float32
+EPS = 1e-6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    cpu.require()  # the CI machine has g++: a build failure must fail here, not fall back silently
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=_gen(seed))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("shape", [(1, 64), (63, 20), (5, 3, 65), (2, 4, 1, 48)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemma_rmsnorm(seed, shape, with_residual):
+    x, residual = _randn(*shape, seed=seed), _randn(*shape, seed=seed + 10)
+    weight = _randn(shape[-1], seed=seed + 20)
+    got = norms.gemma_rmsnorm(x, weight, EPS, residual if with_residual else None, backend="native")
+    want = norm_ref.gemma_rmsnorm(x, weight, EPS, residual if with_residual else None)
+    if with_residual:
+        assert_rel_close(got[1], want[1], F32, "sum")
+        got, want = got[0], want[0]
+    assert_rel_close(got, want, F32)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_qk_rmsnorm_of_strided_heads(seed):
+    """q as the attention layer has it: the first half of each head's [q | gate] row."""
+    q_gate, k = _randn(7, 4, 2 * 64, seed=seed), _randn(7, 2, 64, seed=seed + 1)
+    q = q_gate[..., :64]
+    wq, wk = _randn(64, seed=seed + 2), _randn(64, seed=seed + 3)
+    assert_rel_close(norms.gemma_rmsnorm(q, wq, EPS, backend="native"), norm_ref.gemma_rmsnorm(q, wq, EPS), F32)
+    got = norms.fused_qk_gemma_rmsnorm(q, k, wq, wk, EPS, 64, backend="native")
+    for g, w, name in zip(got, norm_ref.fused_qk_gemma_rmsnorm(q, k, wq, wk, EPS, 64), "qk"):
+        assert_rel_close(g, w, F32, name)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("tokens, heads, dim", [(1, 8, 64), (33, 3, 20)])
+def test_gated_rmsnorm_with_strided_gate(seed, tokens, heads, dim):
+    """z as the GDN layer has it: a column slice of the packed qkvz projection."""
+    o = _randn(tokens, heads, dim, seed=seed)
+    z = _randn(tokens, 3 * heads * dim, seed=seed + 1)[:, heads * dim : 2 * heads * dim].reshape(tokens, heads, dim)
+    weight = _randn(dim, seed=seed + 2)
+    expected = norm_ref.gated_rmsnorm(o, z, weight, EPS)
+    assert_rel_close(norms.gated_rmsnorm(o, z, weight, EPS, backend="native"), expected, F32)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("slots", [[3, 4, 5], [7, 0, 2, 5], [1]])
+@pytest.mark.parametrize("taps, activation", [(4, "silu"), (2, None)])
+def test_conv1d_update(seed, slots, taps, activation):
+    dim, pool = 37, 8
+    x = _randn(len(slots), 2 * dim, seed=seed)[:, :dim]  # strided rows, as a slice of the projection
+    weight = _randn(dim, taps, seed=seed + 1)
+    states = _randn(pool, dim, taps - 1, seed=seed + 2)
+    want_states, indices = states.clone(), torch.tensor(slots)
+    got = conv1d.causal_conv1d_update(x, weight, states, indices, activation, backend="native")
+    want = conv_ref.causal_conv1d_update(x, weight, want_states, indices, activation)
+    assert_rel_close(got, want, F32)
+    assert_rel_close(states, want_states, F32, "conv states")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gdn_gating(seed):
+    ba = _randn(5, 16, seed=seed) * 4  # large |a| reaches softplus's linear branch
+    a, b = ba[:, :8], ba[:, 8:]
+    A_log, dt_bias = _randn(8, seed=seed + 1), _randn(8, seed=seed + 2)
+    got = gated_delta_rule.fused_gdn_gating(A_log, a, dt_bias, b, backend="native")
+    for g, w, name in zip(got, gdn_ref.fused_gdn_gating(A_log, a, dt_bias, b), ("g", "beta")):
+        assert_rel_close(g, w, F32, name)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("slots", [[2, 3, 4, 5], [6, 1, 3], [0]])
+@pytest.mark.parametrize("hk, hv, dk, dv", [(2, 4, 32, 48), (4, 4, 16, 16), (1, 3, 24, 8)])
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_recurrent_gated_delta_rule(seed, slots, hk, hv, dk, dv, l2norm):
+    """q, k, v as views of the conv output [B, 2 HK dk + HV dv]; GQA; final states compared too."""
+    batch, pool = len(slots), 8
+    qkv = _randn(batch, 2 * hk * dk + hv * dv, seed=seed)
+    q = qkv[:, : hk * dk].view(batch, hk, dk)
+    k = qkv[:, hk * dk : 2 * hk * dk].view(batch, hk, dk)
+    v = qkv[:, 2 * hk * dk :].view(batch, hv, dv)
+    g, beta = -torch.rand(batch, hv, generator=_gen(seed + 1)), torch.rand(batch, hv, generator=_gen(seed + 2))
+    states = _randn(pool, hv, dk, dv, seed=seed + 3)
+    want_states, indices = states.clone(), torch.tensor(slots)
+    got = gated_delta_rule.fused_recurrent_gated_delta_rule(q, k, v, g, beta, states, indices, None, l2norm,
+                                                             backend="native")
+    want = gdn_ref.fused_recurrent_gated_delta_rule(q, k, v, g, beta, want_states, indices, None, l2norm)
+    assert_rel_close(got, want, F32)
+    assert_rel_close(states, want_states, F32, "ssm states")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("heads, kv_heads, hd", [(8, 2, 64), (4, 4, 16), (6, 2, 72)])
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_decode_attention(seed, heads, kv_heads, hd, table_dtype):
+    pool, rows, context = 600, 6, 80
+    k_cache, v_cache = _randn(pool, kv_heads, hd, seed=seed), _randn(pool, kv_heads, hd, seed=seed + 1)
+    table = torch.randperm(pool, generator=_gen(seed + 2))[: rows * context].view(rows, context).to(table_dtype)
+    req_rows, seq_lens = torch.tensor([4, 0, 5, 2]), torch.tensor([1, 80, 17, 64])
+    q = _randn(4, heads, hd, seed=seed + 3)
+    got = attention.decode_attention(q, k_cache, v_cache, table, req_rows, seq_lens, hd**-0.5, backend="native")
+    want = attention_ref.decode_attention(q, k_cache, v_cache, table, req_rows, seq_lens, hd**-0.5)
+    assert_rel_close(got, want, F32)
+
+
+def _transposed_memory(w: torch.Tensor) -> torch.Tensor:
+    """The same values stored [in, out], as weight_layout stores wide projections on the CPU."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
+def test_fused_moe(seed, tokens, layout):
+    """Top-k routed experts plus an always-selected shared one (id E - 1), as the fused shared expert runs."""
+    experts, hidden, inter, top_k = 9, 72, 40, 3
+    w13, w2 = _randn(experts, 2 * inter, hidden, seed=seed) / 8, _randn(experts, hidden, inter, seed=seed + 1) / 8
+    if layout == "in_out":
+        w13, w2 = _transposed_memory(w13), _transposed_memory(w2)
+    x = _randn(tokens, hidden, seed=seed + 2)
+    routed = torch.stack([torch.randperm(experts - 1, generator=_gen(seed + t))[: top_k - 1] for t in range(tokens)])
+    ids = torch.cat([routed, torch.full((tokens, 1), experts - 1)], dim=1).to(torch.int32)
+    weights = torch.rand(tokens, top_k, generator=_gen(seed + 3))
+    got = moe.fused_moe(x, w13, w2, weights, ids, backend="native")
+    assert_rel_close(got, moe_ref.fused_moe(x, w13, w2, weights, ids), F32)
+
+
+def test_bad_slot_is_an_error_naming_it():
+    states = torch.zeros(4, 8, 3)
+    with pytest.raises(RuntimeError, match=r"state_indices\[1\] = 9 is outside the pool of 4 slots"):
+        conv1d.causal_conv1d_update(torch.zeros(2, 8), torch.zeros(8, 4), states, torch.tensor([0, 9]),
+                                    backend="native")
+
+
+def test_bad_expert_id_is_an_error_naming_it():
+    with pytest.raises(RuntimeError, match=r"topk_ids\[0\] = 5 is outside the pool of 4"):
+        moe.fused_moe(torch.zeros(1, 8), torch.zeros(4, 6, 8), torch.zeros(4, 8, 3), torch.ones(1, 1),
+                      torch.tensor([[5]], dtype=torch.int32), backend="native")
+
+
+def test_dispatch(monkeypatch):
+    """auto takes the C++ kernels for float32 CPU data; torch and other dtypes take the references."""
+    x, w = _randn(3, 16, seed=0), _randn(16, seed=1)
+    calls = []
+    real = cpu.gemma_rmsnorm
+    monkeypatch.setattr(cpu, "gemma_rmsnorm", lambda *a: calls.append(a) or real(*a))
+    norms.gemma_rmsnorm(x, w, EPS)
+    assert len(calls) == 1
+    norms.gemma_rmsnorm(x, w, EPS, backend="torch")
+    norms.gemma_rmsnorm(x.bfloat16(), w.bfloat16(), EPS, backend="native")
+    monkeypatch.setenv("SGLANG_KERNEL_BACKEND", "torch")
+    norms.gemma_rmsnorm(x, w, EPS)
+    assert len(calls) == 1
+    monkeypatch.setenv("SGLANG_KERNEL_BACKEND", "native")
+    assert envs.SGLANG_KERNEL_BACKEND.get() == "native"
+    norms.gemma_rmsnorm(x, w, EPS)
+    assert len(calls) == 2
