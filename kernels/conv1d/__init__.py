@@ -1,7 +1,7 @@
 """Causal depthwise conv1d with SiLU over packed requests (prefill) and one token per request (decode).
 
-Each public function runs the Triton kernel on a GPU and, on the CPU, the PyTorch reference (the decode step: the
-fused C++ kernel for float32 data); ``backend`` forces one
+Each public function runs the Triton kernel on a GPU and, on the CPU, the fused C++ kernel for float32 data (the
+PyTorch reference for other dtypes); ``backend`` forces one
 (see ``kernels/dispatch.py``).
 """
 from __future__ import annotations
@@ -23,6 +23,8 @@ def causal_conv1d_fn(
     *,
     backend: str | None = None,
 ) -> torch.Tensor:
+    if use_native(x, conv_states, backend=backend):
+        return cpu.causal_conv1d_fn(x, weight, conv_states, state_indices, cu_seqlens, activation)
     impl = triton_conv1d.causal_conv1d_fn_triton if use_triton(x, backend) else naive.causal_conv1d_fn
     return impl(x, weight, conv_states, state_indices, cu_seqlens, activation)
 

@@ -1,12 +1,13 @@
-"""Fused float32 CPU kernels for the decode step, in C++ (``csrc/decode_ops.cpp``).
+"""Fused float32 CPU kernels in C++: the decode step's ops (``csrc/decode_ops.cpp``) and the Gated DeltaNet prefill
+(``csrc/prefill_ops.cpp``).
 
 On the CPU a decode step is made of small ops, and dispatching each one (Python, then ATen) costs more than its
 arithmetic: a GDN layer was ~107 dispatched ops at batch 1. Each kernel here computes what one reference in
 ``kernels/<family>/naive.py`` computes, in one call and one pass over its operands. They are the CPU's fast path
 for float32 data (``dispatch.use_native``); the references stay the definition and the path for other dtypes.
 
-The source is compiled with torch's ``cpp_extension`` on first use (about 15 s; g++ and ninja must be on the
-machine) into ``SGLANG_CPU_KERNEL_CACHE`` (default ``~/.cache/sglang_lite/cpu_kernels``), one build per source,
+The sources are compiled with torch's ``cpp_extension`` on first use (about 30 s; g++ and ninja must be on the
+machine) into ``SGLANG_CPU_KERNEL_CACHE`` (default ``~/.cache/sglang_lite/cpu_kernels``), one build per sources,
 torch version and CPU (``-march=native``), and loaded from there afterwards. When it cannot be built the CPU runs
 the references and says why once. ``SGLANG_KERNEL_BACKEND=torch`` turns these kernels off for a run.
 """
@@ -25,7 +26,8 @@ from sglang_lite import envs
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "decode_ops.cpp")
+_SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_SOURCES = [os.path.join(_SOURCE_DIR, name) for name in ("decode_ops.cpp", "prefill_ops.cpp")]
 # -fopenmp: at::parallel_for's OpenMP region is inlined from the headers; the library it links (libgomp.so.1) is
 # the one torch has already loaded, so both share torch's thread pool.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -71,7 +73,7 @@ def _build_and_load() -> None:
     build_dir = os.path.join(_cache_root(), _build_key())
     os.makedirs(build_dir, exist_ok=True)
     cpp_extension.load(
-        name="sglang_lite_cpu_ops", sources=[_SOURCE], build_directory=build_dir, extra_cflags=_CFLAGS,
+        name="sglang_lite_cpu_ops", sources=_SOURCES, build_directory=build_dir, extra_cflags=_CFLAGS,
         extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False,
     )
 
@@ -82,10 +84,12 @@ def _cache_root() -> str:
 
 
 def _build_key() -> str:
-    """Source, flags, torch and the CPU's features: a build made for another machine is never loaded."""
+    """Sources (headers included), flags, torch and the CPU's features: a build made for another machine or from
+    other sources is never loaded."""
     digest = hashlib.sha256()
-    with open(_SOURCE, "rb") as f:
-        digest.update(f.read())
+    for name in sorted(os.listdir(_SOURCE_DIR)):
+        with open(os.path.join(_SOURCE_DIR, name), "rb") as f:
+            digest.update(name.encode() + f.read())
     digest.update(" ".join(_CFLAGS + _LDFLAGS + [torch.__version__, sys.version]).encode())
     digest.update(_cpu_features().encode())
     return digest.hexdigest()[:16]
@@ -164,11 +168,39 @@ def causal_conv1d_update(
     )
 
 
+def causal_conv1d_fn(
+    x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor, activation: str | None = "silu",
+) -> torch.Tensor:
+    """As ``conv1d.naive.causal_conv1d_fn``: x [T, D] packed requests; the float32 pool's slots are replaced by
+    each request's last K-1 inputs."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    return _ops().causal_conv1d_prefill(
+        _last_dim_contiguous(x), _float(weight).contiguous(), conv_states, state_indices, cu_seqlens,
+        activation is not None,
+    )
+
+
 def fused_gdn_gating(
     A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``gated_delta_rule.naive.fused_gdn_gating``: a, b [T, H]."""
     return _ops().gdn_gating(_float(A_log), _last_dim_contiguous(a), _float(dt_bias), _last_dim_contiguous(_float(b)))
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    ssm_states: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """As ``gated_delta_rule.naive.chunk_gated_delta_rule`` (whatever its chunk size: this runs the recurrence token
+    by token); the float32 pool is updated in place."""
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    g, beta = _last_dim_contiguous(_float(g)), _last_dim_contiguous(_float(beta))
+    return _ops().gated_delta_rule_prefill(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, scale,
+                                           use_qk_l2norm)
 
 
 def fused_recurrent_gated_delta_rule(

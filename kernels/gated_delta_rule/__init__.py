@@ -1,7 +1,7 @@
 """Gated delta rule: gating, chunked prefill over packed requests, recurrent decode.
 
-Each public function runs the Triton kernel on a GPU and, on the CPU, the PyTorch reference (gating and decode: the
-fused C++ kernel for float32 data); ``backend`` forces one
+Each public function runs the Triton kernel on a GPU and, on the CPU, the fused C++ kernel for float32 data (the
+PyTorch reference for other dtypes); ``backend`` forces one
 (see ``kernels/dispatch.py``).
 """
 from __future__ import annotations
@@ -37,6 +37,8 @@ def chunk_gated_delta_rule(
     *,
     backend: str | None = None,
 ) -> torch.Tensor:
+    if use_native(q, k, v, ssm_states, backend=backend):
+        return cpu.chunk_gated_delta_rule(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, scale, use_qk_l2norm)
     impl = triton_gdn.chunk_gated_delta_rule_triton if use_triton(q, backend) else naive.chunk_gated_delta_rule
     return impl(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, scale, use_qk_l2norm, chunk_size)
 

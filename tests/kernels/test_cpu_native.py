@@ -118,6 +118,78 @@ def test_recurrent_gated_delta_rule(seed, slots, hk, hv, dk, dv, l2norm):
     assert_rel_close(states, want_states, F32, "ssm states")
 
 
+def _cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("lens, slots", [([130], [3]), ([5, 37, 1, 64], [6, 1, 3, 2]), ([2, 0, 9], [4, 5, 1])])
+@pytest.mark.parametrize("hk, hv, dk, dv", [(2, 4, 32, 48), (4, 8, 64, 64), (1, 3, 20, 136)])
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_chunk_gated_delta_rule(seed, lens, slots, hk, hv, dk, dv, l2norm):
+    """The token-by-token prefill against the chunked reference: packed requests of any length (an empty one
+    included) continuing from non-zero pooled states, q, k, v as views of the conv output, GQA, column counts that
+    leave 64- and 16-wide blocks and a scalar tail; outputs and final states."""
+    tokens, pool = sum(lens), 8
+    qkv = _randn(tokens, 2 * hk * dk + hv * dv, seed=seed)
+    if not l2norm:  # keys of about unit norm, as a model gives it: with |k|^2 ~ dk the recurrence is unstable
+        qkv[:, : 2 * hk * dk] /= dk**0.5
+    q = qkv[:, : hk * dk].view(tokens, hk, dk)
+    k = qkv[:, hk * dk : 2 * hk * dk].view(tokens, hk, dk)
+    v = qkv[:, 2 * hk * dk :].view(tokens, hv, dv)
+    g = -2 * torch.rand(tokens, hv, generator=_gen(seed + 1))
+    beta = torch.rand(tokens, hv, generator=_gen(seed + 2))
+    states = _randn(pool, hv, dk, dv, seed=seed + 3) / 4
+    want_states, indices = states.clone(), torch.tensor(slots)
+    got = gated_delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, states, indices, _cu(lens), None, l2norm,
+                                                  backend="native")
+    want = gdn_ref.chunk_gated_delta_rule(q, k, v, g, beta, want_states, indices, _cu(lens), None, l2norm)
+    assert_rel_close(got, want, F32)
+    assert_rel_close(states, want_states, F32, "ssm states")
+
+
+def test_chunk_gated_delta_rule_then_decode_is_one_prefill():
+    """A prompt prefilled in two pieces, then decoded, leaves the state and outputs of one whole prefill."""
+    hk, hv, dk, dv, steps = 2, 4, 32, 32, 23
+    q, k = _randn(steps, hk, dk, seed=0), _randn(steps, hk, dk, seed=1)
+    v, g = _randn(steps, hv, dv, seed=2), -torch.rand(steps, hv, generator=_gen(3))
+    beta = torch.rand(steps, hv, generator=_gen(4))
+    whole_pool, split_pool, slot = torch.zeros(2, hv, dk, dv), torch.zeros(2, hv, dk, dv), torch.tensor([1])
+    whole = gated_delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, whole_pool, slot, _cu([steps]),
+                                                    backend="native")
+    pieces = [gated_delta_rule.chunk_gated_delta_rule(*(t[a:b] for t in (q, k, v, g, beta)), split_pool, slot,
+                                                      _cu([b - a]), backend="native") for a, b in ((0, 9), (9, 22))]
+    pieces.append(gated_delta_rule.fused_recurrent_gated_delta_rule(*(t[22:] for t in (q, k, v, g, beta)),
+                                                                    split_pool, slot, backend="native"))
+    assert_rel_close(torch.cat(pieces), whole, F32)
+    assert_rel_close(split_pool, whole_pool, F32, "ssm states")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("lens, slots", [([128, 128], [2, 5]), ([1, 2, 7, 40], [3, 1, 6, 2]), ([1, 3], [4, 1])])
+@pytest.mark.parametrize("dim", [37, 300])
+@pytest.mark.parametrize("taps, activation", [(4, "silu"), (2, None), (5, "silu")])
+def test_causal_conv1d_prefill(seed, lens, slots, dim, taps, activation):
+    """Packed requests, some shorter than the kernel (they keep part of their old state), strided rows."""
+    tokens, pool = sum(lens), 8
+    x = _randn(tokens, 2 * dim, seed=seed)[:, :dim]
+    weight = _randn(dim, taps, seed=seed + 1)
+    states = _randn(pool, dim, taps - 1, seed=seed + 2)
+    want_states, indices = states.clone(), torch.tensor(slots)
+    got = conv1d.causal_conv1d_fn(x, weight, states, indices, _cu(lens), activation, backend="native")
+    want = conv_ref.causal_conv1d_fn(x, weight, want_states, indices, _cu(lens), activation)
+    assert_rel_close(got, want, F32)
+    assert_rel_close(states, want_states, F32, "conv states")
+
+
+def test_bad_cu_seqlens_is_an_error_naming_it():
+    x, states = torch.zeros(4, 8), torch.zeros(3, 8, 3)
+    with pytest.raises(RuntimeError, match=r"cu_seqlens must run from 0 to the 4 tokens, got 0 to 3"):
+        conv1d.causal_conv1d_fn(x, torch.zeros(8, 4), states, torch.tensor([1]), _cu([3]), backend="native")
+    with pytest.raises(RuntimeError, match=r"cu_seqlens must hold 3 entries"):
+        conv1d.causal_conv1d_fn(x, torch.zeros(8, 4), states, torch.tensor([1, 2]), _cu([4]), backend="native")
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("heads, kv_heads, hd", [(8, 2, 64), (4, 4, 16), (6, 2, 72)])
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])

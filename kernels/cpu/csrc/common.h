@@ -1,0 +1,210 @@
+// Helpers shared by the fused CPU kernels: argument checks, index and row views, a vectorisable exp, and the
+// register-blocked small matmul that the experts, attention and the chunked delta rule use.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace sgl_cpu {
+
+
+inline void check_float(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor, got ",
+              t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", t.sizes());
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+// A 1-D int32 or int64 index tensor, read as int64.
+class Index {
+ public:
+  Index(const at::Tensor& t, const char* name) : ptr_(t.data_ptr()), wide_(t.scalar_type() == at::kLong) {
+    TORCH_CHECK(t.device().is_cpu() && (wide_ || t.scalar_type() == at::kInt), name,
+                " must be an int32 or int64 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+    TORCH_CHECK(t.dim() == 1 && (t.numel() <= 1 || t.stride(0) == 1), name, " must be a contiguous 1-D tensor");
+  }
+  int64_t operator[](int64_t i) const {
+    return wide_ ? static_cast<const int64_t*>(ptr_)[i] : static_cast<const int32_t*>(ptr_)[i];
+  }
+
+ private:
+  const void* ptr_;
+  bool wide_;
+};
+
+inline void check_slots(const Index& slots, int64_t count, int64_t pool_size, const char* name) {
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < pool_size, name, "[", i, "] = ", slots[i], " is outside the pool of ",
+                pool_size, " slots");
+  }
+}
+
+// exp that vectorises inside `omp simd` loops (std::exp does not): 2^n e^r with |r| <= ln2 / 2 and e^r by its
+// Taylor polynomial of degree 7 (its truncation, 5e-9, is below float rounding). Inputs are clamped to [-87, 88],
+// so results stay normal floats: exp(-100) reads 1.6e-38, which no sum or sigmoid here can tell from 0.
+inline float vexp(float x) {
+  const float clamped = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
+  const float r = (clamped - n * 0.693145752f) - n * 1.42860677e-6f;   // ln 2 split in two (Cody-Waite)
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x != x ? x : p * scale;  // NaN stays NaN
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
+
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold
+
+inline float sum_of_squares(const float* x, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += x[i] * x[i];
+  return acc;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// Rows of a [A, B, n] view (any strides on A and B): row r is (r / B, r % B).
+struct Rows {
+  float* data;
+  int64_t inner, stride0, stride1;
+  Rows(const at::Tensor& t) : data(t.data_ptr<float>()), inner(t.size(1)), stride0(t.stride(0)), stride1(t.stride(1)) {}
+  float* operator[](int64_t r) const { return data + (r / inner) * stride0 + (r % inner) * stride1; }
+};
+
+// Grain of at::parallel_for: below this many elements of work a range runs on the calling thread.
+inline constexpr int64_t kGrainElements = 16384;
+
+inline int64_t grain(int64_t work_per_item) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, work_per_item));
+}
+
+// ---- small matmuls (the experts', attention's, the chunked delta rule's) ------------------------------------------
+
+// C[t, n] (+)= sum_k A[t, k] W[n, k] for a few rows t, W an [N, K] view with strides (wn, wk); with `accumulate`
+// the product is added to C, otherwise C is overwritten. The two layouts the engine stores (kernels' [out, in]
+// and weight_layout's [in, out] under the same shape) each get a register-blocked loop that vectorises along W's
+// contiguous dimension; other strides take the plain loop.
+template <int TB>
+void matmul_rows_contiguous_n(const float* A, int64_t lda, const float* W, int64_t wk, int64_t N, int64_t K,
+                              float* C, int64_t ldc, bool accumulate) {  // wn == 1: row k of W^T is contiguous over n
+  constexpr int64_t NB = 64;
+  int64_t n0 = 0;
+  for (; n0 + NB <= N; n0 += NB) {  // a constant trip count: the block's accumulators stay in registers
+    float acc[TB][NB];
+    for (int t = 0; t < TB; ++t) {
+      for (int64_t j = 0; j < NB; ++j) acc[t][j] = accumulate ? C[t * ldc + n0 + j] : 0.0f;
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      const float* w = W + k * wk + n0;
+      for (int t = 0; t < TB; ++t) {
+        const float a = A[t * lda + k];
+#pragma omp simd
+        for (int64_t j = 0; j < NB; ++j) acc[t][j] += a * w[j];
+      }
+    }
+    for (int t = 0; t < TB; ++t) std::copy(acc[t], acc[t] + NB, C + t * ldc + n0);
+  }
+  if (n0 == N) return;
+  const int64_t width = N - n0;
+  float acc[TB][NB];
+  for (int t = 0; t < TB; ++t) {
+    for (int64_t j = 0; j < width; ++j) acc[t][j] = accumulate ? C[t * ldc + n0 + j] : 0.0f;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const float* w = W + k * wk + n0;
+    for (int t = 0; t < TB; ++t) {
+      const float a = A[t * lda + k];
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) acc[t][j] += a * w[j];
+    }
+  }
+  for (int t = 0; t < TB; ++t) std::copy(acc[t], acc[t] + width, C + t * ldc + n0);
+}
+
+template <int TB>
+void matmul_rows_contiguous_k(const float* A, int64_t lda, const float* W, int64_t wn, int64_t N, int64_t K,
+                              float* C, int64_t ldc, bool accumulate) {  // wk == 1: row n of W is contiguous over k
+  constexpr int64_t RB = 4, KB = 16;
+  const int64_t k_main = K - K % KB;
+  int64_t n0 = 0;
+  for (; n0 + RB <= N; n0 += RB) {
+    float acc[TB][RB][KB] = {};
+    for (int64_t k0 = 0; k0 < k_main; k0 += KB) {
+      for (int r = 0; r < RB; ++r) {
+        const float* w = W + (n0 + r) * wn + k0;
+        for (int t = 0; t < TB; ++t) {
+          const float* a = A + t * lda + k0;
+#pragma omp simd
+          for (int64_t j = 0; j < KB; ++j) acc[t][r][j] += a[j] * w[j];
+        }
+      }
+    }
+    for (int t = 0; t < TB; ++t) {
+      for (int r = 0; r < RB; ++r) {
+        float total = 0.0f;
+        for (int64_t j = 0; j < KB; ++j) total += acc[t][r][j];
+        for (int64_t k = k_main; k < K; ++k) total += A[t * lda + k] * W[(n0 + r) * wn + k];
+        C[t * ldc + n0 + r] = (accumulate ? C[t * ldc + n0 + r] : 0.0f) + total;
+      }
+    }
+  }
+  for (int t = 0; t < TB; ++t) {
+    for (int64_t n = n0; n < N; ++n) {
+      C[t * ldc + n] = (accumulate ? C[t * ldc + n] : 0.0f) + dot(A + t * lda, W + n * wn, K);
+    }
+  }
+}
+
+template <int TB>
+void matmul_block(const float* A, int64_t lda, const float* W, int64_t wn, int64_t wk, int64_t N, int64_t K,
+                  float* C, int64_t ldc, bool accumulate) {
+  if (wn == 1) return matmul_rows_contiguous_n<TB>(A, lda, W, wk, N, K, C, ldc, accumulate);
+  if (wk == 1) return matmul_rows_contiguous_k<TB>(A, lda, W, wn, N, K, C, ldc, accumulate);
+  for (int t = 0; t < TB; ++t) {
+    for (int64_t n = 0; n < N; ++n) {
+      float acc = accumulate ? C[t * ldc + n] : 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += A[t * lda + k] * W[n * wn + k * wk];
+      C[t * ldc + n] = acc;
+    }
+  }
+}
+
+inline void matmul_wt(const float* A, int64_t lda, int64_t rows, const float* W, int64_t wn, int64_t wk, int64_t N,
+                      int64_t K, float* C, int64_t ldc, bool accumulate = false) {
+  constexpr int64_t TB = 4;
+  int64_t t = 0;
+  for (; t + TB <= rows; t += TB) matmul_block<TB>(A + t * lda, lda, W, wn, wk, N, K, C + t * ldc, ldc, accumulate);
+  const float* a = A + t * lda;
+  float* c = C + t * ldc;
+  switch (rows - t) {
+    case 3: return matmul_block<3>(a, lda, W, wn, wk, N, K, c, ldc, accumulate);
+    case 2: return matmul_block<2>(a, lda, W, wn, wk, N, K, c, ldc, accumulate);
+    case 1: return matmul_block<1>(a, lda, W, wn, wk, N, K, c, ldc, accumulate);
+    default: return;
+  }
+}
+
+}  // namespace sgl_cpu

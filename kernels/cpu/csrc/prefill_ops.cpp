@@ -1,0 +1,275 @@
+// Fused float32 CPU kernels for the prefill of Qwen3.5's Gated DeltaNet layers: the gated delta rule run token by
+// token with each state held in cache, and the causal conv1d over packed requests.
+//
+// The chunked form of the delta rule (kernels/gated_delta_rule/naive.py) exists for matrix units: it trades the
+// token-by-token recurrence for small matmuls, a triangular solve and chunk-major copies of every operand, which on
+// the CPU cost more than the recurrence itself. Here each (request, value head) walks its tokens with its [dk, dv]
+// state in L1/L2: one pass over the state per token, which decays and updates it for this token and reads it for
+// the next (S^T k and S^T q). That is 6 dk dv flops per token and head, fewer than the chunked form's.
+#include "common.h"
+
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using namespace sgl_cpu;
+
+// 16 floats: one AVX-512 register, two AVX2 ones, four NEON ones (the compiler splits it for the target).
+typedef float vec16 __attribute__((vector_size(64)));
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Columns [0, 16 NV) of the state rows S[i, :] (row stride dv), i < dk. UPDATE: S = decay S + kn delta^T. READ:
+// rk = S^T a, rq = S^T b of the rows as they leave (a, b: the next token's key and query after an update, this
+// token's otherwise).
+template <int NV, bool UPDATE, bool READ>
+void state_block(float* S, int64_t dv, int64_t dk, float decay, const float* kn, const float* delta, const float* a,
+                 const float* b, float* rk, float* rq) {
+  vec16 dl[NV], ak[NV], aq[NV];
+  for (int v = 0; v < NV; ++v) {
+    dl[v] = UPDATE ? load16(delta + 16 * v) : vec16{};
+    ak[v] = vec16{};
+    aq[v] = vec16{};
+  }
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = S + i * dv;
+    for (int v = 0; v < NV; ++v) {
+      vec16 r = load16(row + 16 * v);
+      if (UPDATE) {
+        r = r * decay + kn[i] * dl[v];
+        store16(row + 16 * v, r);
+      }
+      if (READ) {
+        ak[v] += a[i] * r;
+        aq[v] += b[i] * r;
+      }
+    }
+  }
+  if (READ) {
+    for (int v = 0; v < NV; ++v) {
+      store16(rk + 16 * v, ak[v]);
+      store16(rq + 16 * v, aq[v]);
+    }
+  }
+}
+
+// The same over every column: blocks of 64 and 16 columns, then the last dv % 16 one by one.
+template <bool UPDATE, bool READ>
+void state_pass(float* S, int64_t dv, int64_t dk, float decay, const float* kn, const float* delta, const float* a,
+                const float* b, float* rk, float* rq) {
+  int64_t j = 0;
+  for (; j + 64 <= dv; j += 64) state_block<4, UPDATE, READ>(S + j, dv, dk, decay, kn, delta + j, a, b, rk + j, rq + j);
+  for (; j + 16 <= dv; j += 16) state_block<1, UPDATE, READ>(S + j, dv, dk, decay, kn, delta + j, a, b, rk + j, rq + j);
+  for (; j < dv; ++j) {
+    float ak = 0.0f, aq = 0.0f;
+    for (int64_t i = 0; i < dk; ++i) {
+      float& s = S[i * dv + j];
+      if (UPDATE) s = s * decay + kn[i] * delta[j];
+      if (READ) {
+        ak += a[i] * s;
+        aq += b[i] * s;
+      }
+    }
+    if (READ) {
+      rk[j] = ak;
+      rq[j] = aq;
+    }
+  }
+}
+
+// The normalised query and key of one token: l2-normalised (eps 1e-6 under the root, as the reference) and the
+// query scaled.
+inline void normalise_qk(const float* q, const float* k, int64_t dk, float scale, bool l2norm, float* qn, float* kn) {
+  const float q_factor = l2norm ? scale / std::sqrt(sum_of_squares(q, dk) + 1e-6f) : scale;
+  const float k_factor = l2norm ? 1.0f / std::sqrt(sum_of_squares(k, dk) + 1e-6f) : 1.0f;
+#pragma omp simd
+  for (int64_t i = 0; i < dk; ++i) {
+    qn[i] = q[i] * q_factor;
+    kn[i] = k[i] * k_factor;
+  }
+}
+
+// Reads cu_seqlens (int32 or int64, [B + 1]) and checks that it splits `tokens` rows into B requests.
+std::vector<int64_t> request_bounds(const at::Tensor& cu_seqlens, int64_t batch, int64_t tokens) {
+  Index cu(cu_seqlens, "cu_seqlens");
+  TORCH_CHECK(cu_seqlens.numel() == batch + 1, "cu_seqlens must hold ", batch + 1, " entries (one more than the ",
+              batch, " state_indices), got ", cu_seqlens.numel());
+  std::vector<int64_t> bounds(batch + 1);
+  for (int64_t b = 0; b <= batch; ++b) bounds[b] = cu[b];
+  TORCH_CHECK(bounds[0] == 0 && bounds[batch] == tokens, "cu_seqlens must run from 0 to the ", tokens,
+              " tokens, got ", bounds[0], " to ", bounds[batch]);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(bounds[b] <= bounds[b + 1], "cu_seqlens must not decrease, got ", bounds[b], " then ", bounds[b + 1]);
+  }
+  return bounds;
+}
+
+// ---- gated delta rule over packed requests -----------------------------------------------------------------------
+
+// q, k [T, HK, dk]; v [T, HV, dv]; g, beta [T, HV]; ssm_states [S, HV, dk, dv] (float32, updated in place: each
+// request starts from its slot's state and leaves its final state there). Returns o [T, HV, dv].
+at::Tensor gated_delta_rule_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                    const at::Tensor& beta, const at::Tensor& ssm_states,
+                                    const at::Tensor& state_indices, const at::Tensor& cu_seqlens, double scale,
+                                    bool use_qk_l2norm) {
+  check_float(q, "q", 3);
+  check_float(k, "k", 3);
+  check_float(v, "v", 3);
+  check_float(g, "g", 2);
+  check_float(beta, "beta", 2);
+  check_float(ssm_states, "ssm_states", 4);
+  const int64_t tokens = q.size(0), hk = q.size(1), dk = q.size(2), hv = v.size(1), dv = v.size(2);
+  TORCH_CHECK(k.sizes() == q.sizes(), "k must be shaped like q ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(v.size(0) == tokens && hv % hk == 0, "v must be [", tokens, ", HV, dv] with HV a multiple of ", hk,
+              " key heads, got ", v.sizes());
+  TORCH_CHECK(g.size(0) == tokens && g.size(1) == hv && beta.sizes() == g.sizes(), "g and beta must be [", tokens,
+              ", ", hv, "], got ", g.sizes(), " and ", beta.sizes());
+  TORCH_CHECK(ssm_states.size(1) == hv && ssm_states.size(2) == dk && ssm_states.size(3) == dv &&
+                  ssm_states.stride(2) == dv,
+              "ssm_states must be [S, ", hv, ", ", dk, ", ", dv, "] with contiguous states, got ", ssm_states.sizes());
+  Index slots(state_indices, "state_indices");
+  const int64_t batch = state_indices.numel();
+  check_slots(slots, batch, ssm_states.size(0), "state_indices");
+  const std::vector<int64_t> bounds = request_bounds(cu_seqlens, batch, tokens);
+  at::Tensor out = at::empty({tokens, hv, dv}, v.options());
+  const int64_t groups = hv / hk;
+  const Rows qs(q), ks(k), vs(v);
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float *states = ssm_states.data_ptr<float>(), *o = out.data_ptr<float>();
+  const int64_t s_slot = ssm_states.stride(0), s_head = ssm_states.stride(1);
+  const int64_t g_row = g.stride(0), b_row = beta.stride(0);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, batch * hv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(4 * dk + 3 * dv);
+    float *qn = scratch.data(), *kn = qn + dk, *qn_next = kn + dk, *kn_next = qn_next + dk;
+    float *rk = kn_next + dk, *rq = rk + dv, *delta = rq + dv;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / hv, h = item % hv, first = bounds[b], last = bounds[b + 1];
+      if (first == last) continue;
+      float* S = states + slots[b] * s_slot + h * s_head;
+      const int64_t key_head = h / groups;
+      normalise_qk(qs[first * hk + key_head], ks[first * hk + key_head], dk, sc, use_qk_l2norm, qn, kn);
+      state_pass<false, true>(S, dv, dk, 1.0f, kn, delta, kn, qn, rk, rq);  // S^T k and S^T q of the first
+      for (int64_t t = first; t < last; ++t) {
+        const float decay = std::exp(gp[t * g_row + h]), b_t = bp[t * b_row + h], kq = dot(kn, qn, dk);
+        const float* vt = vs[t * hv + h];
+        float* ot = o + (t * hv + h) * dv;
+#pragma omp simd
+        for (int64_t j = 0; j < dv; ++j) {
+          delta[j] = (vt[j] - decay * rk[j]) * b_t;
+          ot[j] = decay * rq[j] + kq * delta[j];  // S'^T q = exp(g) S^T q + (k . q) delta
+        }
+        const bool more = t + 1 < last;
+        if (more) {
+          normalise_qk(qs[(t + 1) * hk + key_head], ks[(t + 1) * hk + key_head], dk, sc, use_qk_l2norm, qn_next,
+                       kn_next);
+        }
+        if (more) {
+          state_pass<true, true>(S, dv, dk, decay, kn, delta, kn_next, qn_next, rk, rq);
+        } else {
+          state_pass<true, false>(S, dv, dk, decay, kn, delta, kn_next, qn_next, rk, rq);
+        }
+        std::swap(qn, qn_next);
+        std::swap(kn, kn_next);
+      }
+    }
+  });
+  return out;
+}
+
+// ---- causal conv1d over packed requests --------------------------------------------------------------------------
+
+constexpr int64_t kConvChannels = 256;  // channels per work item: one row segment of every tap stays in cache
+constexpr int64_t kMaxTaps = 16;
+
+// x [T, D] packed requests (rows may be strided); weight [D, K]; conv_states [S, D, K-1], the last K-1 inputs of
+// each request oldest first, read as the inputs before its first token and replaced by its last K-1 inputs.
+// Returns silu(conv) (or the plain conv) [T, D].
+at::Tensor causal_conv1d_prefill(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& conv_states,
+                                 const at::Tensor& state_indices, const at::Tensor& cu_seqlens, bool silu) {
+  check_float(x, "x", 2);
+  check_float(weight, "weight", 2);
+  check_float(conv_states, "conv_states", 3);
+  const int64_t tokens = x.size(0), dim = x.size(1), taps = weight.size(1), width = taps - 1;
+  TORCH_CHECK(weight.size(0) == dim && weight.is_contiguous(), "weight must be a contiguous [", dim, ", K] tensor");
+  TORCH_CHECK(taps >= 1 && taps <= kMaxTaps, "the conv1d kernel must have 1 to ", kMaxTaps, " taps, got ", taps);
+  TORCH_CHECK(conv_states.size(1) == dim && conv_states.size(2) == width, "conv_states must be [S, ", dim, ", ",
+              width, "], got ", conv_states.sizes());
+  Index slots(state_indices, "state_indices");
+  const int64_t batch = state_indices.numel();
+  check_slots(slots, batch, conv_states.size(0), "state_indices");
+  const std::vector<int64_t> bounds = request_bounds(cu_seqlens, batch, tokens);
+  const at::Tensor taps_major = weight.t().contiguous();  // [K, D]: each tap's weights along the channels
+  at::Tensor out = at::empty({tokens, dim}, x.options());
+  const float *xs = x.data_ptr<float>(), *w = taps_major.data_ptr<float>();
+  float *states = conv_states.data_ptr<float>(), *o = out.data_ptr<float>();
+  const int64_t x_row = x.stride(0), s_slot = conv_states.stride(0), s_chan = conv_states.stride(1);
+  const int64_t s_tap = conv_states.stride(2);
+  const int64_t blocks = (dim + kConvChannels - 1) / kConvChannels;
+  at::parallel_for(0, batch * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> history(std::max<int64_t>(width, 1) * kConvChannels);  // [K-1, channels]: the state
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / blocks, d0 = (item % blocks) * kConvChannels;
+      const int64_t channels = std::min(kConvChannels, dim - d0), first = bounds[b], last = bounds[b + 1];
+      float* state = states + slots[b] * s_slot + d0 * s_chan;
+      for (int64_t j = 0; j < width; ++j) {
+        for (int64_t c = 0; c < channels; ++c) history[j * kConvChannels + c] = state[c * s_chan + j * s_tap];
+      }
+      // input u of this request (u < 0: the state's, -1 the newest) for the block's channels
+      auto input = [&](int64_t u) -> const float* {
+        return u >= 0 ? xs + (first + u) * x_row + d0 : history.data() + (width + u) * kConvChannels;
+      };
+      for (int64_t t = 0; t < last - first; ++t) {
+        const float* in[kMaxTaps];
+        for (int64_t j = 0; j < taps; ++j) in[j] = input(t - width + j);
+        float* row = o + (first + t) * dim + d0;
+        int64_t c = 0;
+        for (; c + 16 <= channels; c += 16) {
+          vec16 acc = vec16{};
+          for (int64_t j = 0; j < taps; ++j) acc += load16(w + j * dim + d0 + c) * load16(in[j] + c);
+          store16(row + c, acc);
+        }
+        for (; c < channels; ++c) {
+          float acc = 0.0f;
+          for (int64_t j = 0; j < taps; ++j) acc += w[j * dim + d0 + c] * in[j][c];
+          row[c] = acc;
+        }
+        if (silu) {
+#pragma omp simd
+          for (int64_t i = 0; i < channels; ++i) row[i] = row[i] * sigmoid(row[i]);
+        }
+      }
+      for (int64_t j = 0; j < width; ++j) {  // the last K-1 inputs become the state (history is a copy)
+        const float* src = input(last - first - width + j);
+        for (int64_t c = 0; c < channels; ++c) state[c * s_chan + j * s_tap] = src[c];
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
+  m.def("gated_delta_rule_prefill(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) ssm_states, "
+        "Tensor state_indices, Tensor cu_seqlens, float scale, bool use_qk_l2norm) -> Tensor");
+  m.def("causal_conv1d_prefill(Tensor x, Tensor weight, Tensor(a!) conv_states, Tensor state_indices, "
+        "Tensor cu_seqlens, bool silu) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) {
+  m.impl("gated_delta_rule_prefill", &gated_delta_rule_prefill);
+  m.impl("causal_conv1d_prefill", &causal_conv1d_prefill);
+}
