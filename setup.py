@@ -14,7 +14,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["sglang_lite", "sglang_lite.*"]) + kernel_packages,
     package_dir={"sglang_lite.kernels": "kernels"},
-    package_data={"sglang_lite": ["assets/*/*"], "sglang_lite.kernels.cpu": ["csrc/*.cpp"]},
+    package_data={"sglang_lite": ["assets/*/*"], "sglang_lite.kernels.cpu": ["csrc/*.cpp", "csrc/*.h"]},
     install_requires=[
         "torch>=2.4",
         "triton>=3.0",

@@ -31,6 +31,7 @@ else:
     from .attention import decode_attention, extend_attention, store_kv
     from .conv1d import causal_conv1d_fn, causal_conv1d_update
     from .gated_delta_rule import chunk_gated_delta_rule, fused_gdn_gating, fused_recurrent_gated_delta_rule
+    from .linear import linear
     from .moe import fused_moe, topk_softmax
     from .norms import fused_qk_gemma_rmsnorm, gated_rmsnorm, gemma_rmsnorm
     from .quant import fp8_dtype, per_token_group_quant_fp8, w8a8_block_fp8_matmul
@@ -50,6 +51,7 @@ else:
         "fused_recurrent_gated_delta_rule",
         "gated_rmsnorm",
         "gemma_rmsnorm",
+        "linear",
         "per_token_group_quant_fp8",
         "store_kv",
         "topk_softmax",

@@ -12,7 +12,7 @@ from sglang_lite.config import ModelConfig
 from sglang_lite.distributed import attn_all_reduce, get_parallel_state
 from sglang_lite.forward_batch import ForwardBatch
 from sglang_lite.kernels import decode_attention, extend_attention, fused_qk_gemma_rmsnorm, store_kv
-from sglang_lite.layers.linear import PackedLinear, ShardMap, Split, input_columns, packed_rows
+from sglang_lite.layers.linear import Linear, PackedLinear, ShardMap, Split, input_columns, packed_rows
 from sglang_lite.layers.norm import GemmaRMSNorm
 from sglang_lite.layers.rotary import RotaryEmbedding
 from sglang_lite.streams.runtime import OverlapContext, overlap
@@ -32,7 +32,7 @@ class Qwen3_5Attention(nn.Module):
         # q_proj rows are interleaved per head as [q_h | gate_h]
         kv_size = self.num_kv_heads * hd
         self.qkv_proj = PackedLinear(config.hidden_size, [2 * self.num_heads * hd, kv_size, kv_size])
-        self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.num_heads * hd, config.hidden_size)
         self.q_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
         self._rotary = (rotary,)  # shared table, owned by the model (a tuple keeps it out of this module's children)

@@ -20,7 +20,7 @@ from sglang_lite.kernels import (
     fused_gdn_gating,
     fused_recurrent_gated_delta_rule,
 )
-from sglang_lite.layers.linear import PackedLinear, Shard, ShardMap, Split, input_columns, packed_rows
+from sglang_lite.layers.linear import Linear, PackedLinear, Shard, ShardMap, Split, input_columns, packed_rows
 from sglang_lite.layers.norm import GatedRMSNorm
 from sglang_lite.streams.runtime import overlap
 
@@ -45,7 +45,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden)
 
     def packed_shards(self) -> ShardMap:
         qkvz_names, ba_names = ["in_proj_qkv.weight", "in_proj_z.weight"], ["in_proj_b.weight", "in_proj_a.weight"]

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+
+from sglang_lite.kernels import linear
 
 
 @dataclass(frozen=True)
@@ -38,11 +41,21 @@ class Split:
 NO_SPLIT = Split()
 
 
-class PackedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """A bias-free ``nn.Linear`` whose product is the kernels' ``linear`` (the fused CPU kernel for a few rows)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
+class PackedLinear(Linear):
     """A bias-free linear layer whose output rows are the concatenation of ``output_sizes``."""
 
     def __init__(self, in_features: int, output_sizes: list[int]) -> None:
-        super().__init__(in_features, sum(output_sizes), bias=False)
+        super().__init__(in_features, sum(output_sizes))
         self.output_sizes = list(output_sizes)
 
     def row_slices(self) -> list[slice]:

@@ -14,7 +14,7 @@ from torch import nn
 from sglang_lite.config import ModelConfig, shard_size
 from sglang_lite.distributed import get_parallel_state
 from sglang_lite.kernels import fused_moe, topk_softmax
-from sglang_lite.layers.linear import NO_SPLIT, PackedLinear, Shard, ShardMap, Split, input_columns, packed_rows
+from sglang_lite.layers.linear import NO_SPLIT, Linear, PackedLinear, Shard, ShardMap, Split, input_columns, packed_rows
 from sglang_lite.streams.runtime import PLAIN, OverlapContext, overlap
 
 
@@ -27,7 +27,7 @@ class GatedMLP(nn.Module):
         self.split, self.intermediate_size = split, intermediate_size
         local = shard_size(intermediate_size, split.parts, "intermediate_size")
         self.gate_up_proj = PackedLinear(hidden_size, [local, local])
-        self.down_proj = nn.Linear(local, hidden_size, bias=False)
+        self.down_proj = Linear(local, hidden_size)
 
     def packed_shards(self) -> ShardMap:
         names = ["gate_proj.weight", "up_proj.weight"]
@@ -76,7 +76,7 @@ class Qwen3_5SparseMoeBlock(nn.Module):
         inter = shard_size(self.inter, self.expert_split.parts, "moe_intermediate_size")
         self.shared_inter = config.shared_expert_intermediate_size
         rows = self.num_local + int(fuse_shared_expert)
-        self.gate = nn.Linear(hidden, self.num_experts, bias=False)
+        self.gate = Linear(hidden, self.num_experts)
         self.experts = nn.Module()
         self.experts.w13 = nn.Parameter(torch.zeros(rows, 2 * inter, hidden))
         self.experts.w2 = nn.Parameter(torch.zeros(rows, hidden, inter))
@@ -84,7 +84,7 @@ class Qwen3_5SparseMoeBlock(nn.Module):
             self.shared_expert = GatedMLP(hidden, self.shared_inter, self.shared_split)
         else:
             shard_size(self.shared_inter, self.shared_split.parts, "shared_expert_intermediate_size")
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.shared_expert_gate = Linear(hidden, 1)
 
     def packed_shards(self) -> ShardMap:
         """A fused shared expert is one more row of the expert weights; the routed experts are declared apart, in

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_lite.distributed import attn_all_gather, attn_all_reduce, get_parallel_state
+from sglang_lite.kernels import linear
 from sglang_lite.layers.linear import Shard, ShardMap
 
 
@@ -45,7 +46,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """``hidden @ weight^T`` over the whole vocabulary: [N, H] -> [N, vocab]."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.parts == 1:
             return logits
         return attn_all_gather(logits)[..., : self.vocab_size]

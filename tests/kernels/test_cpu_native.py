@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sglang_lite import envs
-from sglang_lite.kernels import attention, conv1d, cpu, gated_delta_rule, moe, norms
+from sglang_lite.kernels import attention, conv1d, cpu, gated_delta_rule, linear, moe, norms
 from sglang_lite.kernels.attention import naive as attention_ref
 from sglang_lite.kernels.conv1d import naive as conv_ref
 from sglang_lite.kernels.gated_delta_rule import naive as gdn_ref
@@ -224,6 +224,36 @@ def test_fused_moe(seed, tokens, layout):
     weights = torch.rand(tokens, top_k, generator=_gen(seed + 3))
     got = moe.fused_moe(x, w13, w2, weights, ids, backend="native")
     assert_rel_close(got, moe_ref.fused_moe(x, w13, w2, weights, ids), F32)
+
+
+def _input_major(w: torch.Tensor) -> torch.Tensor:
+    """An [N, K] weight as weight_layout stores it: a view of [K, N] memory."""
+    return w.t().contiguous().t()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("rows", [1, 3, 8, 33, 256])
+@pytest.mark.parametrize("columns", [16, 17, 48, 300, 544])
+@pytest.mark.parametrize("depth", [7, 64, 100])
+def test_linear(seed, rows, columns, depth):
+    """Row counts around the kernel's blocks of 8 rows, widths around its 32-, 16- and 256-column blocks and a
+    scalar tail; x with strided rows (a slice of a wider activation)."""
+    x = _randn(rows, depth + 5, seed=seed)[:, 2 : 2 + depth]
+    weight = _input_major(_randn(columns, depth, seed=seed + 1))
+    got = linear(x, weight, backend="native")
+    assert_rel_close(got, torch.nn.functional.linear(x, weight), F32)
+
+
+def test_linear_takes_only_what_it_serves():
+    """[out, in] weights, fewer than 16 columns and more than LINEAR_MAX_ROWS rows go to F.linear; leading
+    dimensions of x are kept."""
+    weight = _input_major(_randn(40, 24, seed=0))
+    assert cpu.takes_linear(_randn(5, 24, seed=1), weight)
+    assert not cpu.takes_linear(_randn(5, 24, seed=1), weight.contiguous())
+    assert not cpu.takes_linear(_randn(5, 24, seed=1), _input_major(_randn(15, 24, seed=2)))
+    assert not cpu.takes_linear(_randn(cpu.LINEAR_MAX_ROWS + 1, 24, seed=1), weight)
+    x = _randn(2, 3, 24, seed=3)
+    assert_rel_close(linear(x, weight), torch.nn.functional.linear(x, weight), F32)
 
 
 def test_bad_slot_is_an_error_naming_it():

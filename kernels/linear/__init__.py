@@ -1,0 +1,25 @@
+"""Bias-free linear layers: ``x @ weight^T``.
+
+On the CPU, float32 inputs of a few rows (decode batches, short prompts) take the fused C++ kernel when the weight
+is stored [in, out] (``model_executor/weight_layout.py`` stores every projection so): MKL packs the whole weight for
+each call, which at a decode batch's LM head ran at a third of the GEMM peak. Everything else, GPUs included, is
+``F.linear``; ``backend`` forces one (see ``kernels/dispatch.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import cpu
+from ..dispatch import use_native
+from . import naive
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """x [..., K], weight [N, K] -> [..., N]."""
+    if cpu.takes_linear(x, weight) and use_native(x, weight, backend=backend):
+        rows = x.reshape(-1, x.shape[-1])
+        return cpu.linear(rows, weight).view(*x.shape[:-1], weight.shape[0])
+    return naive.linear(x, weight)
+
+
+__all__ = ["linear"]
