@@ -61,7 +61,8 @@ class Engine:
         prompts, batched = self._prompts(prompt, input_ids)
         requests = self._validated(prompts, sampling_params, logprob)
         rids = [uuid.uuid4().hex for _ in requests]
-        streams = [self._submit(rid, ids, p, logprob) for rid, (ids, p) in zip(rids, requests)]
+        # not streamed: each request sends one output, when it finishes
+        streams = [self._submit(rid, ids, p, logprob, stream=False) for rid, (ids, p) in zip(rids, requests)]
         samples = [fork_rids(rid, p.n) for rid, (_, p) in zip(rids, requests)]
         try:
             results = [_result(join_outputs(outputs)) for s, group in zip(streams, samples)
@@ -140,8 +141,8 @@ class Engine:
 
     # ---- helpers -----------------------------------------------------------------------------------------------
     def _submit(self, rid: str, input_ids: list[int], params: SamplingParams,
-                logprob: LogprobParams | None = None) -> queue.Queue:
-        return self._running_client().submit(rid, input_ids, params, logprob)
+                logprob: LogprobParams | None = None, stream: bool = True) -> queue.Queue:
+        return self._running_client().submit(rid, input_ids, params, logprob, stream)
 
     def _running_client(self) -> SyncClient:
         if self._client is None:

@@ -47,16 +47,17 @@ class SyncClient:
 
     # ---- called from any thread --------------------------------------------------------------------------------
     def submit(self, rid: str, input_ids: list[int], params: SamplingParams,
-               logprob: LogprobParams | None = None) -> queue.Queue:
+               logprob: LogprobParams | None = None, stream: bool = True) -> queue.Queue:
         """Queues a request; its ReqOutputs (or an exception) arrive on the returned queue, those of all its
-        parallel samples (``params.n``) too, each under its own rid (``fork_rids``)."""
-        stream: queue.Queue = queue.Queue()
+        parallel samples (``params.n``) too, each under its own rid (``fork_rids``); ``stream=False``: only the
+        finished one."""
+        outputs: queue.Queue = queue.Queue()
         with self._lock:
             self._check_alive()
             for sample_rid in fork_rids(rid, params.n):
-                self._streams[sample_rid] = stream
-        self.core.send(RANK, AddRequest(rid, input_ids, params, None, logprob))
-        return stream
+                self._streams[sample_rid] = outputs
+        self.core.send(RANK, AddRequest(rid, input_ids, params, None, logprob, stream))
+        return outputs
 
     def abort(self, rid: str) -> None:
         """Ends a request wherever it is; nothing to do once the process is gone."""

@@ -45,15 +45,19 @@ class AddRequest(Message):
     sampling_params: SamplingParams
     bootstrap_room: int | None = None  # PD disaggregation: the transfer's id (prefill and decode ranks need one)
     logprob: LogprobParams | None = None  # the log-probabilities to report
+    # False: the front end reads only the finished output, which is then the one output sent (as SGLang does for a
+    # request that does not stream): no per-token message wakes the front end while the rank computes
+    stream: bool = True
 
     def to_wire(self) -> list[Any]:
         logprob = dataclasses.asdict(self.logprob) if self.logprob is not None else None
-        return [self.rid, self.input_ids, dataclasses.asdict(self.sampling_params), self.bootstrap_room, logprob]
+        return [self.rid, self.input_ids, dataclasses.asdict(self.sampling_params), self.bootstrap_room, logprob,
+                self.stream]
 
     @classmethod
     def from_wire(cls, values: list[Any]) -> AddRequest:
-        rid, input_ids, params, room, logprob = values
-        return cls(rid, input_ids, SamplingParams.from_dict(params), room, LogprobParams.from_dict(logprob))
+        rid, input_ids, params, room, logprob, stream = values
+        return cls(rid, input_ids, SamplingParams.from_dict(params), room, LogprobParams.from_dict(logprob), stream)
 
 
 @dataclass(frozen=True)

@@ -296,7 +296,7 @@ class WorldLoop:
             return Ack(self.dp_rank, request.rid, UNAVAILABLE, message)
         try:
             self.scheduler.add_request(request.rid, request.input_ids, request.sampling_params, request.bootstrap_room,
-                                       request.logprob)
+                                       request.logprob, request.stream)
         except (ValueError, TypeError, AssertionError) as error:
             return Ack(self.dp_rank, request.rid, REFUSED, str(error))
         except Exception as error:  # not the input's fault as far as validation knows: fail it, keep the rank

@@ -71,6 +71,7 @@ class Req:
     bootstrap_room: int | None = None  # PD disaggregation: the transfer's id, shared by the two sides
     transfer_target: dict[str, Any] | None = None  # PD prefill side: where the decode rank wants the data
     logprob: LogprobParams | None = None  # the log-probabilities it asked for
+    stream: bool = True  # outputs every stream_interval tokens; False: one output, when it finishes
     logprob_record: LogprobRecord = field(default_factory=LogprobRecord)
     forks: list[str] = field(default_factory=list)  # n > 1: rids of the parallel samples not yet forked from it
     fork_seed: int = 0  # n > 1: fork i draws with seed fork_seed + i

@@ -110,10 +110,12 @@ class Scheduler:
 
     # ---- requests in, outputs out ----------------------------------------------------------------------------
     def add_request(self, rid: str, input_ids: list[int], sampling_params: SamplingParams | dict | None,
-                    bootstrap_room: int | None = None, logprob: LogprobParams | dict | None = None) -> None:
+                    bootstrap_room: int | None = None, logprob: LogprobParams | dict | None = None,
+                    stream: bool = True) -> None:
         """Queues a request; raises ValueError (naming the field) and leaves the scheduler untouched if invalid.
         ``bootstrap_room``: the PD transfer's id, required on a prefill or decode rank (ignored otherwise).
-        ``logprob``: the log-probabilities to report in ``meta_info``."""
+        ``logprob``: the log-probabilities to report in ``meta_info``. ``stream``: outputs every
+        ``stream_interval`` tokens, else one output when the request finishes."""
         params = SamplingParams.from_dict(sampling_params)
         logprob = LogprobParams.from_dict(logprob)
         validate_request(input_ids, params, self.config, self.tokenizer is not None, logprob)
@@ -132,7 +134,7 @@ class Scheduler:
             req.forks, req.fork_seed = fork_rids(rid, params.n)[1:], seed
         if self.disagg is not None:
             req.bootstrap_room = bootstrap_room
-        req.logprob = logprob
+        req.logprob, req.stream = logprob, stream
         grammar = grammar_key(params)
         if req.max_new_tokens == 0 and not (logprob is not None and logprob.wants_input):
             self._finish(req, FinishReason("length", length=0))
@@ -456,7 +458,7 @@ class Scheduler:
                 self._update_text_and_finish(req, token)
             except Exception as error:  # detokenising or stop matching raised: this request's fault alone
                 self._fail_request(req, error)
-            if not req.finished and len(req.unsent_ids) >= self.config.stream_interval:
+            if not req.finished and req.stream and len(req.unsent_ids) >= self.config.stream_interval:
                 self._emit(req)
         self._throughput.record(now, len(reqs))
 
@@ -501,7 +503,7 @@ class Scheduler:
         for i, rid in enumerate(parent.forks, start=1):
             params = dataclasses.replace(parent.sampling_params, n=1, seed=parent.fork_seed + i)
             child = self._new_req(rid, list(parent.input_ids), params, parent.fork_seed + i)
-            child.arrival_time, child.logprob = parent.arrival_time, parent.logprob
+            child.arrival_time, child.logprob, child.stream = parent.arrival_time, parent.logprob, parent.stream
             child.grammar = parent.grammar.restarted() if parent.grammar is not None else None
             child.logprob_record = parent.logprob_record.copy_input()
             if self._share_prompt(parent, child):

@@ -10,7 +10,7 @@ from sglang_lite.runtime.factory import create_scheduler
 from sglang_lite.sampling import SamplingParams
 from sglang_lite.scheduler.loads import ThroughputMeter
 from sglang_lite.scheduler.policy import NewTokenRatio, PrefillBudget, order_waiting, plan_prefill
-from sglang_lite.scheduler.request import Req, ReqStatus
+from sglang_lite.scheduler.request import Req, ReqStatus, join_outputs
 from sglang_lite.server_args import ServerArgs
 from tests.engine.conftest import random_prompts
 
@@ -187,6 +187,25 @@ def test_stop_token_min_new_tokens_and_zero_max_new(scheduler):
     scheduler.add_request("min", prompt, {**GREEDY, "stop_token_ids": [free[0]], "min_new_tokens": 3})
     min_ids = [t for out in drain(scheduler)["min"] for t in out.new_token_ids]
     assert len(min_ids) >= 3 and free[0] not in min_ids[:3]
+    assert_empty(scheduler)
+
+
+def test_a_request_that_does_not_stream_sends_one_output(scheduler):
+    """stream=False (the Engine's blocking generate): one output, when it finishes, with every token, the same
+    tokens and log-probabilities as the streamed request's outputs joined (up to rounding: the two are different
+    rows of each batch)."""
+    prompt = random_prompts([7], vocab=4000, seed=11)[0]
+    logprob = {"return_logprob": True, "top_logprobs_num": 2}
+    scheduler.add_request("streamed", prompt, {**GREEDY, "max_new_tokens": 6}, logprob=logprob)
+    scheduler.add_request("whole", prompt, {**GREEDY, "max_new_tokens": 6}, logprob=logprob, stream=False)
+    outputs = drain(scheduler)
+    assert len(outputs["streamed"]) == 6 and len(outputs["whole"]) == 1 and outputs["whole"][0].finished
+    streamed, whole = join_outputs(outputs["streamed"]), outputs["whole"][0]
+    assert whole.new_token_ids == streamed.new_token_ids
+    got, want = whole.meta_info["output_token_logprobs"], streamed.meta_info["output_token_logprobs"]
+    assert [ids for _, ids, _ in got] == [ids for _, ids, _ in want]
+    assert [lp for lp, _, _ in got] == pytest.approx([lp for lp, _, _ in want], rel=1e-5)
+    assert len(whole.meta_info["output_top_logprobs"]) == len(streamed.meta_info["output_top_logprobs"]) == 6
     assert_empty(scheduler)
 
 

@@ -15,6 +15,7 @@ CONFIG = SchedulerConfig(max_total_tokens=64, max_running_requests=2, context_le
                          max_prefill_tokens=16, vocab_size=100, eos_token_ids=(1, 2))
 EVERY_MESSAGE = [
     m.AddRequest("r1", [5, 6], SamplingParams(max_new_tokens=3, stop=["\n"], seed=7)),
+    m.AddRequest("r2", [5], SamplingParams(), stream=False),
     m.AbortRequest("r1"),
     m.LoadsQuery(3, ("core", "queues")),
     m.CheckQuery(4),
@@ -35,7 +36,7 @@ def test_every_message_round_trips_with_its_types(message):
 
 
 def test_structured_fields_come_back_typed():
-    ready = m.decode(m.encode(EVERY_MESSAGE[5]))
+    ready = m.decode(m.encode(EVERY_MESSAGE[6]))
     assert ready.config.eos_token_ids == (1, 2)
     add = m.decode(m.encode(EVERY_MESSAGE[0]))
     assert isinstance(add.sampling_params, SamplingParams) and add.sampling_params.stop == ["\n"]
