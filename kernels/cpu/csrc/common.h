@@ -101,6 +101,81 @@ inline int64_t grain(int64_t work_per_item) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, work_per_item));
 }
 
+// ---- register-blocked products of a few rows with a row-major [K, N] weight ------------------------------------
+
+// 16 floats: one AVX-512 register, two AVX2 ones, four NEON ones (the compiler splits it for the target).
+typedef float vec16 __attribute__((vector_size(64)));
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// C[t, n0:n0+16 NV] = sum_k A[t, k] W[k, n0:n0+16 NV] for TB rows t: TB NV accumulators in registers, each W row
+// segment loaded once for all TB rows.
+template <int TB, int NV>
+void rows_times_columns(const float* A, int64_t lda, const float* W, int64_t ldw, int64_t K, float* C, int64_t ldc) {
+  vec16 acc[TB][NV];
+  for (int t = 0; t < TB; ++t) {
+    for (int v = 0; v < NV; ++v) acc[t][v] = vec16{};
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    vec16 w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = load16(W + k * ldw + 16 * v);
+    for (int t = 0; t < TB; ++t) {
+      const float a = A[t * lda + k];
+      for (int v = 0; v < NV; ++v) acc[t][v] += a * w[v];
+    }
+  }
+  for (int t = 0; t < TB; ++t) {
+    for (int v = 0; v < NV; ++v) store16(C + t * ldc + 16 * v, acc[t][v]);
+  }
+}
+
+// Every row of A through one block of 16 NV columns, 8 rows at a time.
+template <int NV>
+void all_rows_times_columns(const float* A, int64_t lda, int64_t M, const float* W, int64_t ldw, int64_t K, float* C,
+                            int64_t ldc) {
+  int64_t t = 0;
+  for (; t + 8 <= M; t += 8) rows_times_columns<8, NV>(A + t * lda, lda, W, ldw, K, C + t * ldc, ldc);
+  const float* a = A + t * lda;
+  float* c = C + t * ldc;
+  switch (M - t) {
+    case 7: return rows_times_columns<7, NV>(a, lda, W, ldw, K, c, ldc);
+    case 6: return rows_times_columns<6, NV>(a, lda, W, ldw, K, c, ldc);
+    case 5: return rows_times_columns<5, NV>(a, lda, W, ldw, K, c, ldc);
+    case 4: return rows_times_columns<4, NV>(a, lda, W, ldw, K, c, ldc);
+    case 3: return rows_times_columns<3, NV>(a, lda, W, ldw, K, c, ldc);
+    case 2: return rows_times_columns<2, NV>(a, lda, W, ldw, K, c, ldc);
+    case 1: return rows_times_columns<1, NV>(a, lda, W, ldw, K, c, ldc);
+    default: return;
+  }
+}
+
+// C[:, n0:n1] = A W[:, n0:n1] for every row of A (M rows), W row-major [K, ldw]: blocks of 16 NV columns (wide
+// blocks read longer runs of each weight row, for one or two rows of A), then of 32 and 16, then single columns.
+template <int NV = 2>
+void rows_times_weight_columns(const float* A, int64_t lda, int64_t M, const float* W, int64_t ldw, int64_t K,
+                               int64_t n0, int64_t n1, float* C, int64_t ldc) {
+  int64_t n = n0;
+  for (; n + 16 * NV <= n1; n += 16 * NV) all_rows_times_columns<NV>(A, lda, M, W + n, ldw, K, C + n, ldc);
+  for (; n + 32 <= n1; n += 32) all_rows_times_columns<2>(A, lda, M, W + n, ldw, K, C + n, ldc);
+  if (n + 16 <= n1) {
+    all_rows_times_columns<1>(A, lda, M, W + n, ldw, K, C + n, ldc);
+    n += 16;
+  }
+  for (; n < n1; ++n) {
+    for (int64_t t = 0; t < M; ++t) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += A[t * lda + k] * W[k * ldw + n];
+      C[t * ldc + n] = acc;
+    }
+  }
+}
+
 // ---- small matmuls (the experts', attention's, the chunked delta rule's) ------------------------------------------
 
 // C[t, n] (+)= sum_k A[t, k] W[n, k] for a few rows t, W an [N, K] view with strides (wn, wk); with `accumulate`

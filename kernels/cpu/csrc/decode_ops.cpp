@@ -229,58 +229,6 @@ at::Tensor gated_rmsnorm(const at::Tensor& o, const at::Tensor& z, const at::Ten
 
 // ---- linear layers of a few rows ----------------------------------------------------------------------------------
 
-// 16 floats: one AVX-512 register, two AVX2 ones, four NEON ones (the compiler splits it for the target).
-typedef float vec16 __attribute__((vector_size(64)));
-
-inline vec16 load16(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
-
-// C[t, n0:n0+16 NV] = sum_k A[t, k] W[k, n0:n0+16 NV] for TB rows t: TB NV accumulators in registers, each W row
-// segment loaded once for all TB rows.
-template <int TB, int NV>
-void rows_times_columns(const float* A, int64_t lda, const float* W, int64_t ldw, int64_t K, float* C, int64_t ldc) {
-  vec16 acc[TB][NV];
-  for (int t = 0; t < TB; ++t) {
-    for (int v = 0; v < NV; ++v) acc[t][v] = vec16{};
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    vec16 w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = load16(W + k * ldw + 16 * v);
-    for (int t = 0; t < TB; ++t) {
-      const float a = A[t * lda + k];
-      for (int v = 0; v < NV; ++v) acc[t][v] += a * w[v];
-    }
-  }
-  for (int t = 0; t < TB; ++t) {
-    for (int v = 0; v < NV; ++v) store16(C + t * ldc + 16 * v, acc[t][v]);
-  }
-}
-
-// Every row of A through one block of 16 NV columns, 8 rows at a time.
-template <int NV>
-void all_rows_times_columns(const float* A, int64_t lda, int64_t M, const float* W, int64_t ldw, int64_t K, float* C,
-                            int64_t ldc) {
-  int64_t t = 0;
-  for (; t + 8 <= M; t += 8) rows_times_columns<8, NV>(A + t * lda, lda, W, ldw, K, C + t * ldc, ldc);
-  const float* a = A + t * lda;
-  float* c = C + t * ldc;
-  switch (M - t) {
-    case 7: return rows_times_columns<7, NV>(a, lda, W, ldw, K, c, ldc);
-    case 6: return rows_times_columns<6, NV>(a, lda, W, ldw, K, c, ldc);
-    case 5: return rows_times_columns<5, NV>(a, lda, W, ldw, K, c, ldc);
-    case 4: return rows_times_columns<4, NV>(a, lda, W, ldw, K, c, ldc);
-    case 3: return rows_times_columns<3, NV>(a, lda, W, ldw, K, c, ldc);
-    case 2: return rows_times_columns<2, NV>(a, lda, W, ldw, K, c, ldc);
-    case 1: return rows_times_columns<1, NV>(a, lda, W, ldw, K, c, ldc);
-    default: return;
-  }
-}
-
 // y = x W^T for x [M, K] and W an [N, K] view of [K, N] row-major memory (weight_layout's [in, out] storage), M
 // small: MKL packs the whole weight for every call, which at the LM head ([32, 256] x [256, 32000]) ran at a third
 // of the GEMM peak. Here each thread takes blocks of 32 output columns and runs every row through them while the
@@ -309,18 +257,7 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
   at::parallel_for(first_block, blocks, grain(M * K * 32 / 4), [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) all_rows_times_columns<2>(xs, lda, M, w + blk * 32, ldw, K, o + blk * 32, N);
   });
-  n = blocks * 32;
-  if (n + 16 <= N) {
-    all_rows_times_columns<1>(xs, lda, M, w + n, ldw, K, o + n, N);
-    n += 16;
-  }
-  for (; n < N; ++n) {
-    for (int64_t t = 0; t < M; ++t) {
-      float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) acc += xs[t * lda + k] * w[k * ldw + n];
-      o[t * N + n] = acc;
-    }
-  }
+  rows_times_weight_columns(xs, lda, M, w, ldw, K, blocks * 32, N, o, N);  // the last N % 32 columns
   return out;
 }
 
@@ -408,9 +345,106 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 // ---- fused MoE ---------------------------------------------------------------------------------------------------
 
 // sum over each token's selected experts of weight * down(silu(gate(x)) * up(x)). Pairs (token, slot) are grouped
-// by expert; each work item runs up to kMoeChunk rows of one expert through both projections (its weights then come
-// from cache), writing one output row per pair; a last pass sums each token's k rows in slot order.
+// by expert and run through both projections (below, by the weights' layout), one output row per pair; a last pass
+// sums each token's k rows in slot order.
 constexpr int64_t kMoeChunk = 8;
+
+// Both projections for weights in any other layout: each work item runs up to kMoeChunk rows of one expert through
+// both (its weights then come from cache).
+void experts_by_row_chunks(const float* xs, int64_t x_row, const at::Tensor& w13, const at::Tensor& w2,
+                           const std::vector<int64_t>& starts, const std::vector<int64_t>& order, int64_t top_k,
+                           int64_t hidden, int64_t inter, float* rows) {
+  const int64_t experts = static_cast<int64_t>(starts.size()) - 1;
+  const float *w13p = w13.data_ptr<float>(), *w2p = w2.data_ptr<float>();
+  std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first position in order)
+  for (int64_t e = 0; e < experts; ++e) {
+    for (int64_t i = starts[e]; i < starts[e + 1]; i += kMoeChunk) items.emplace_back(e, i);
+  }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> a(kMoeChunk * hidden), gate_up(kMoeChunk * 2 * inter), out(kMoeChunk * hidden);
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [e, first] = items[item];
+      const int64_t count = std::min(kMoeChunk, starts[e + 1] - first);
+      for (int64_t r = 0; r < count; ++r) {
+        const float* src = xs + (order[first + r] / top_k) * x_row;
+        std::copy(src, src + hidden, a.data() + r * hidden);
+      }
+      matmul_wt(a.data(), hidden, count, w13p + e * w13.stride(0), w13.stride(1), w13.stride(2), 2 * inter, hidden,
+                gate_up.data(), 2 * inter);
+      for (int64_t r = 0; r < count; ++r) {  // silu(gate) * up, in place over the gate half
+        float* g = gate_up.data() + r * 2 * inter;
+#pragma omp simd
+        for (int64_t j = 0; j < inter; ++j) g[j] = g[j] * sigmoid(g[j]) * g[inter + j];
+      }
+      matmul_wt(gate_up.data(), 2 * inter, count, w2p + e * w2.stride(0), w2.stride(1), w2.stride(2), hidden, inter,
+                out.data(), hidden);
+      for (int64_t r = 0; r < count; ++r) {
+        std::copy(out.data() + r * hidden, out.data() + (r + 1) * hidden, rows + order[first + r] * hidden);
+      }
+    }
+  });
+}
+
+// Both projections of every expert hit, for weights stored [in, out] (w13 [H, 2I] and w2 [I, H] row-major per
+// expert): the pairs' token rows are copied in expert order, then each work item runs one expert's rows through one
+// block of 32 output columns (register-blocked, the block's weights in cache), so the threads share every expert
+// even when a few tokens hit a few experts (decode at batch 1: 5 experts on 2 threads).
+void experts_input_major(const float* xs, int64_t x_row, const float* w13, int64_t w13_expert, int64_t w13_row,
+                         const float* w2, int64_t w2_expert, int64_t w2_row, const std::vector<int64_t>& starts,
+                         const std::vector<int64_t>& order, int64_t top_k, int64_t hidden, int64_t inter,
+                         float* rows) {
+  const int64_t pairs = static_cast<int64_t>(order.size()), experts = static_cast<int64_t>(starts.size()) - 1;
+  std::vector<float> gathered(pairs * hidden), gate_up(pairs * 2 * inter), expert_out(pairs * hidden);
+  at::parallel_for(0, pairs, grain(hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* src = xs + (order[i] / top_k) * x_row;
+      std::copy(src, src + hidden, gathered.data() + i * hidden);
+    }
+  });
+  std::vector<int64_t> hit;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (starts[e + 1] > starts[e]) hit.push_back(e);
+  }
+  const int64_t hits = static_cast<int64_t>(hit.size());
+  int64_t most_rows = 0;
+  for (int64_t e : hit) most_rows = std::max(most_rows, starts[e + 1] - starts[e]);
+  // Items (expert hit, column block); the last block of each expert takes the columns left over. Experts of one or
+  // two rows (decode at small batches) read each weight once: 128-column blocks read 512 B runs of each weight row
+  // (32-column ones ran the batch-1 MoE ~1.2x slower); more rows reuse each block's weights from cache.
+  const bool wide = most_rows <= 2;
+  const int64_t block = wide ? 128 : 32;
+  auto project = [&](const float* in, int64_t lda, int64_t depth, const float* w, int64_t w_expert, int64_t w_row,
+                     int64_t width, float* out) {
+    const int64_t blocks = std::max<int64_t>(1, width / block);
+    at::parallel_for(0, hits * blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t e = hit[item / blocks], j = item % blocks, first = starts[e], count = starts[e + 1] - first;
+        const int64_t n0 = j * block, n1 = j + 1 == blocks ? width : n0 + block;
+        const float* a = in + first * lda;
+        float* c = out + first * width;
+        if (wide) {
+          rows_times_weight_columns<8>(a, lda, count, w + e * w_expert, w_row, depth, n0, n1, c, width);
+        } else {
+          rows_times_weight_columns<2>(a, lda, count, w + e * w_expert, w_row, depth, n0, n1, c, width);
+        }
+      }
+    });
+  };
+  project(gathered.data(), hidden, hidden, w13, w13_expert, w13_row, 2 * inter, gate_up.data());
+  at::parallel_for(0, pairs, grain(inter), [&](int64_t begin, int64_t end) {  // silu(gate) * up, over the gate half
+    for (int64_t i = begin; i < end; ++i) {
+      float* g = gate_up.data() + i * 2 * inter;
+#pragma omp simd
+      for (int64_t j = 0; j < inter; ++j) g[j] = g[j] * sigmoid(g[j]) * g[inter + j];
+    }
+  });
+  project(gate_up.data(), 2 * inter, inter, w2, w2_expert, w2_row, hidden, expert_out.data());  // the gate half
+  at::parallel_for(0, pairs, grain(hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::copy(expert_out.data() + i * hidden, expert_out.data() + (i + 1) * hidden, rows + order[i] * hidden);
+    }
+  });
+}
 
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                      const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
@@ -436,37 +470,17 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   for (int64_t e = 0; e < experts; ++e) starts[e + 1] += starts[e];
   std::vector<int64_t> fill(starts.begin(), starts.end() - 1);
   for (int64_t p = 0; p < pairs; ++p) order[fill[ids[p]]++] = p;
-  std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first position in order)
-  for (int64_t e = 0; e < experts; ++e) {
-    for (int64_t i = starts[e]; i < starts[e + 1]; i += kMoeChunk) items.emplace_back(e, i);
-  }
+  // rows: each pair's expert output, at its pair index (token * top_k + slot)
   at::Tensor pair_rows = at::empty({pairs, hidden}, x.options());
   const float *xs = x.data_ptr<float>(), *w13p = w13.data_ptr<float>(), *w2p = w2.data_ptr<float>();
   float* rows = pair_rows.data_ptr<float>();
   const int64_t x_row = x.stride(0);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> a(kMoeChunk * hidden), gate_up(kMoeChunk * 2 * inter), out(kMoeChunk * hidden);
-    for (int64_t item = begin; item < end; ++item) {
-      const auto [e, first] = items[item];
-      const int64_t count = std::min(kMoeChunk, starts[e + 1] - first);
-      for (int64_t r = 0; r < count; ++r) {
-        const float* src = xs + (order[first + r] / top_k) * x_row;
-        std::copy(src, src + hidden, a.data() + r * hidden);
-      }
-      matmul_wt(a.data(), hidden, count, w13p + e * w13.stride(0), w13.stride(1), w13.stride(2), 2 * inter, hidden,
-                gate_up.data(), 2 * inter);
-      for (int64_t r = 0; r < count; ++r) {  // silu(gate) * up, in place over the gate half
-        float* g = gate_up.data() + r * 2 * inter;
-#pragma omp simd
-        for (int64_t j = 0; j < inter; ++j) g[j] = g[j] * sigmoid(g[j]) * g[inter + j];
-      }
-      matmul_wt(gate_up.data(), 2 * inter, count, w2p + e * w2.stride(0), w2.stride(1), w2.stride(2), hidden, inter,
-                out.data(), hidden);
-      for (int64_t r = 0; r < count; ++r) {
-        std::copy(out.data() + r * hidden, out.data() + (r + 1) * hidden, rows + order[first + r] * hidden);
-      }
-    }
-  });
+  if (w13.stride(1) == 1 && w2.stride(1) == 1) {
+    experts_input_major(xs, x_row, w13p, w13.stride(0), w13.stride(2), w2p, w2.stride(0), w2.stride(2), starts, order,
+                        top_k, hidden, inter, rows);
+  } else {
+    experts_by_row_chunks(xs, x_row, w13, w2, starts, order, top_k, hidden, inter, rows);
+  }
   at::Tensor result = at::empty({tokens, hidden}, x.options());
   float* res = result.data_ptr<float>();
   const float* wts = topk_weights.data_ptr<float>();

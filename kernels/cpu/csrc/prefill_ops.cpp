@@ -20,17 +20,6 @@ namespace {
 
 using namespace sgl_cpu;
 
-// 16 floats: one AVX-512 register, two AVX2 ones, four NEON ones (the compiler splits it for the target).
-typedef float vec16 __attribute__((vector_size(64)));
-
-inline vec16 load16(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
-
 // Columns [0, 16 NV) of the state rows S[i, :] (row stride dv), i < dk. UPDATE: S = decay S + kn delta^T. READ:
 // rk = S^T a, rq = S^T b of the rows as they leave (a, b: the next token's key and query after an update, this
 // token's otherwise).
