@@ -32,7 +32,7 @@ else:
     from .conv1d import causal_conv1d_fn, causal_conv1d_update
     from .gated_delta_rule import chunk_gated_delta_rule, fused_gdn_gating, fused_recurrent_gated_delta_rule
     from .linear import linear
-    from .moe import fused_moe, topk_softmax
+    from .moe import fused_moe, moe_route, topk_softmax
     from .norms import fused_qk_gemma_rmsnorm, gated_rmsnorm, gemma_rmsnorm
     from .quant import fp8_dtype, per_token_group_quant_fp8, w8a8_block_fp8_matmul
     from .rotary import apply_rotary
@@ -52,6 +52,7 @@ else:
         "gated_rmsnorm",
         "gemma_rmsnorm",
         "linear",
+        "moe_route",
         "per_token_group_quant_fp8",
         "store_kv",
         "topk_softmax",

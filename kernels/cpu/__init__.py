@@ -242,6 +242,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _ops().linear_rows(_last_dim_contiguous(x), weight)
 
 
+def moe_route(
+    router_logits: torch.Tensor, shared_logits: torch.Tensor | None, top_k: int, renormalize: bool, shared_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``moe.naive.moe_route``: float32 router logits [T, E] (and shared-expert logits [T, 1])."""
+    return _ops().moe_route(_last_dim_contiguous(router_logits), shared_logits, top_k, renormalize, shared_id)
+
+
 # The fused MoE's own loops reach ~75 GFLOP/s on 2 threads, MKL's batched GEMMs several times that: from a few
 # thousand tokens (prefill) the reference's grouping wins (H 256, 16 experts top-4 + shared: 2-4x faster up to 32
 # tokens, 1.15x at 1024, 0.89x at 4096).

@@ -20,6 +20,23 @@ def topk_softmax(
     return impl.topk_softmax(router_logits, top_k, renormalize)
 
 
+def moe_route(
+    router_logits: torch.Tensor, shared_logits: torch.Tensor | None, top_k: int, renormalize: bool = True,
+    shared_id: int = 0, *, backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk_softmax`` (weights fp32 [T, k], ids int32 [T, k]); with ``shared_logits`` [T, 1] one more column:
+    the fused shared expert ``shared_id`` with weight sigmoid(shared logit). One fused call on the CPU."""
+    if use_native(router_logits, *([] if shared_logits is None else [shared_logits]), backend=backend):
+        return cpu.moe_route(router_logits, shared_logits, top_k, renormalize, shared_id)
+    if use_triton(router_logits, backend):
+        weights, ids = triton_moe.topk_softmax(router_logits, top_k, renormalize)
+        if shared_logits is None:
+            return weights, ids
+        shared = torch.full_like(ids[:, :1], shared_id)
+        return (torch.cat([weights, torch.sigmoid(shared_logits.float())], dim=1), torch.cat([ids, shared], dim=1))
+    return naive.moe_route(router_logits, shared_logits, top_k, renormalize, shared_id)
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -48,4 +65,4 @@ def fused_moe(
     return impl.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
-__all__ = ["topk_softmax", "fused_moe"]
+__all__ = ["topk_softmax", "moe_route", "fused_moe"]

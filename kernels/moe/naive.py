@@ -28,6 +28,19 @@ def topk_softmax(
     return weights, ids.to(torch.int32)
 
 
+def moe_route(
+    router_logits: torch.Tensor, shared_logits: torch.Tensor | None, top_k: int, renormalize: bool, shared_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk_softmax``, then with ``shared_logits`` [T, 1] one more column per token: the fused shared expert, id
+    ``shared_id``, weight sigmoid(shared logit)."""
+    weights, ids = topk_softmax(router_logits, top_k, renormalize)
+    if shared_logits is None:
+        return weights, ids
+    shared_weight = torch.sigmoid(shared_logits.float())
+    shared = torch.full_like(ids[:, :1], shared_id)
+    return torch.cat([weights, shared_weight], dim=1), torch.cat([ids, shared], dim=1)
+
+
 # What one more GEMM call costs, in multiply-adds one CPU core would do meanwhile (~15 us at ~33 GMAC/s).
 _GEMM_CALL_MACS = 500_000
 

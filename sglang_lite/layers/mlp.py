@@ -13,7 +13,7 @@ from torch import nn
 
 from sglang_lite.config import ModelConfig, shard_size
 from sglang_lite.distributed import get_parallel_state
-from sglang_lite.kernels import fused_moe, topk_softmax
+from sglang_lite.kernels import fused_moe, moe_route
 from sglang_lite.layers.linear import NO_SPLIT, Linear, PackedLinear, Shard, ShardMap, Split, input_columns, packed_rows
 from sglang_lite.streams.runtime import PLAIN, OverlapContext, overlap
 
@@ -141,17 +141,16 @@ class Qwen3_5SparseMoeBlock(nn.Module):
         return routed + shared
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = topk_softmax(self.gate(x), self.top_k, renormalize=True)
+        weights, ids = moe_route(self.gate(x), None, self.top_k, renormalize=True)
         return self._experts(x, weights, ids)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = topk_softmax(self.gate(x), self.top_k, renormalize=True)
-        shared_weight = torch.sigmoid(self.shared_expert_gate(x).float())
-        shared_id = torch.full_like(ids[:, :1], self.num_experts)
-        return self._experts(x, torch.cat([weights, shared_weight], dim=1), torch.cat([ids, shared_id], dim=1))
+        # the shared expert is one more column: id E, weight sigmoid(shared_expert_gate(x))
+        weights, ids = moe_route(self.gate(x), self.shared_expert_gate(x), self.top_k, True, self.num_experts)
+        return self._experts(x, weights, ids)
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The fused MoE over this rank's experts; ``ids`` are global (the fused shared expert is id E)."""

@@ -256,6 +256,20 @@ def test_linear_takes_only_what_it_serves():
     assert_rel_close(linear(x, weight), torch.nn.functional.linear(x, weight), F32)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 16, 4), (33, 8, 2), (5, 3, 3)])
+@pytest.mark.parametrize("shared, renormalize", [(True, True), (False, True), (False, False)])
+def test_moe_route(seed, tokens, experts, top_k, shared, renormalize):
+    """Routing weights and ids against the reference (softmax, top-k, renormalisation, the shared expert's
+    column); router logits as a strided view."""
+    logits = _randn(tokens, experts + 3, seed=seed)[:, :experts] * 3
+    shared_logits = _randn(tokens, 1, seed=seed + 1) if shared else None
+    got = moe.moe_route(logits, shared_logits, top_k, renormalize, experts, backend="native")
+    want = moe_ref.moe_route(logits, shared_logits, top_k, renormalize, experts)
+    assert torch.equal(got[1], want[1]) and got[1].dtype == torch.int32
+    assert_rel_close(got[0], want[0], F32)
+
+
 def test_bad_slot_is_an_error_naming_it():
     states = torch.zeros(4, 8, 3)
     with pytest.raises(RuntimeError, match=r"state_indices\[1\] = 9 is outside the pool of 4 slots"):

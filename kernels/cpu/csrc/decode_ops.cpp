@@ -342,6 +342,63 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
+// ---- MoE routing -------------------------------------------------------------------------------------------------
+
+// Per token: softmax over the router logits [T, E], the top_k largest probabilities (descending; ties to the lower
+// id), renormalised to sum to 1 when asked; with shared_logits [T, 1], one more column: the fused shared expert
+// (id shared_id) with weight sigmoid(shared logit). Returns (weights float32 [T, k'], ids int32 [T, k']).
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, const c10::optional<at::Tensor>& shared,
+                                             int64_t top_k, bool renormalize, int64_t shared_id) {
+  check_float(router_logits, "router_logits", 2);
+  const int64_t tokens = router_logits.size(0), experts = router_logits.size(1);
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "top_k must be in [1, ", experts, "], got ", top_k);
+  const bool with_shared = shared.has_value();
+  if (with_shared) {
+    check_float(*shared, "shared_logits", 2);
+    TORCH_CHECK(shared->size(0) == tokens && shared->size(1) == 1, "shared_logits must be [", tokens,
+                ", 1], got ", shared->sizes());
+  }
+  const int64_t width = top_k + (with_shared ? 1 : 0);
+  at::Tensor weights = at::empty({tokens, width}, router_logits.options());
+  at::Tensor ids = at::empty({tokens, width}, router_logits.options().dtype(at::kInt));
+  const float* logits = router_logits.data_ptr<float>();
+  const float* shared_p = with_shared ? shared->data_ptr<float>() : nullptr;
+  const int64_t row = router_logits.stride(0), shared_row = with_shared ? shared->stride(0) : 0;
+  float* wp = weights.data_ptr<float>();
+  int32_t* ip = ids.data_ptr<int32_t>();
+  at::parallel_for(0, tokens, grain(experts * top_k), [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(experts);
+    std::vector<char> taken(experts);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* l = logits + t * row;
+      const float top = *std::max_element(l, l + experts);
+      float total = 0.0f;
+      for (int64_t e = 0; e < experts; ++e) total += probs[e] = std::exp(l[e] - top);
+      for (int64_t e = 0; e < experts; ++e) probs[e] /= total;
+      std::fill(taken.begin(), taken.end(), 0);
+      float kept = 0.0f;
+      for (int64_t j = 0; j < top_k; ++j) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < experts; ++e) {
+          if (!taken[e] && (best < 0 || probs[e] > probs[best])) best = e;
+        }
+        taken[best] = 1;
+        wp[t * width + j] = probs[best];
+        ip[t * width + j] = static_cast<int32_t>(best);
+        kept += probs[best];
+      }
+      if (renormalize) {
+        for (int64_t j = 0; j < top_k; ++j) wp[t * width + j] /= kept;
+      }
+      if (with_shared) {
+        wp[t * width + top_k] = 1.0f / (1.0f + std::exp(-shared_p[t * shared_row]));
+        ip[t * width + top_k] = static_cast<int32_t>(shared_id);
+      }
+    }
+  });
+  return {weights, ids};
+}
+
 // ---- fused MoE ---------------------------------------------------------------------------------------------------
 
 // sum over each token's selected experts of weight * down(silu(gate(x)) * up(x)). Pairs (token, slot) are grouped
@@ -517,6 +574,8 @@ TORCH_LIBRARY(sglang_lite_cpu, m) {
         "Tensor seq_lens, float scale) -> Tensor");
   m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight) -> Tensor");
+  m.def("moe_route(Tensor router_logits, Tensor? shared_logits, int top_k, bool renormalize, int shared_id) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) {
@@ -528,4 +587,5 @@ TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("fused_moe", &fused_moe);
   m.impl("linear_rows", &linear_rows);
+  m.impl("moe_route", &moe_route);
 }
