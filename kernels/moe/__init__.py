@@ -59,7 +59,7 @@ def fused_moe(
         impl = triton_moe_fp8 if use_triton(x, backend) else naive
         fp8 = impl.fused_moe if impl is triton_moe_fp8 else naive.fused_moe_fp8
         return fp8(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
-    if x.shape[0] <= cpu.MOE_MAX_TOKENS and use_native(x, w13, w2, backend=backend):
+    if use_native(x, w13, w2, backend=backend):
         return cpu.fused_moe(x, w13, w2, topk_weights, topk_ids)
     impl = triton_moe if use_triton(x, backend) else naive
     return impl.fused_moe(x, w13, w2, topk_weights, topk_ids)

@@ -256,6 +256,19 @@ def test_linear_takes_only_what_it_serves():
     assert_rel_close(linear(x, weight), torch.nn.functional.linear(x, weight), F32)
 
 
+def test_fused_moe_in_token_chunks(monkeypatch):
+    """A prefill's tokens run in chunks of MOE_CHUNK_TOKENS (here 16: 40 tokens in 16 + 16 + 8)."""
+    monkeypatch.setattr(cpu, "MOE_CHUNK_TOKENS", 16)
+    experts, hidden, inter, top_k, tokens = 6, 48, 32, 2, 40
+    w13 = _transposed_memory(_randn(experts, 2 * inter, hidden, seed=0) / 8)
+    w2 = _transposed_memory(_randn(experts, hidden, inter, seed=1) / 8)
+    x = _randn(tokens, hidden, seed=2)
+    ids = torch.stack([torch.randperm(experts, generator=_gen(t))[:top_k] for t in range(tokens)]).to(torch.int32)
+    weights = torch.rand(tokens, top_k, generator=_gen(3))
+    got = moe.fused_moe(x, w13, w2, weights, ids, backend="native")
+    assert_rel_close(got, moe_ref.fused_moe(x, w13, w2, weights, ids), F32)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 16, 4), (33, 8, 2), (5, 3, 3)])
 @pytest.mark.parametrize("shared, renormalize", [(True, True), (False, True), (False, False)])

@@ -135,21 +135,23 @@ void rows_times_columns(const float* A, int64_t lda, const float* W, int64_t ldw
   }
 }
 
-// Every row of A through one block of 16 NV columns, 8 rows at a time.
+// Every row of A through one block of 16 NV columns, RB rows at a time: RB NV accumulators stay in registers (16:
+// 8 rows of 32 columns, 4 of 64, 2 of 128).
 template <int NV>
 void all_rows_times_columns(const float* A, int64_t lda, int64_t M, const float* W, int64_t ldw, int64_t K, float* C,
                             int64_t ldc) {
+  constexpr int RB = NV <= 2 ? 8 : (NV <= 4 ? 4 : (NV <= 8 ? 2 : 1));
   int64_t t = 0;
-  for (; t + 8 <= M; t += 8) rows_times_columns<8, NV>(A + t * lda, lda, W, ldw, K, C + t * ldc, ldc);
+  for (; t + RB <= M; t += RB) rows_times_columns<RB, NV>(A + t * lda, lda, W, ldw, K, C + t * ldc, ldc);
   const float* a = A + t * lda;
   float* c = C + t * ldc;
   switch (M - t) {
-    case 7: return rows_times_columns<7, NV>(a, lda, W, ldw, K, c, ldc);
-    case 6: return rows_times_columns<6, NV>(a, lda, W, ldw, K, c, ldc);
-    case 5: return rows_times_columns<5, NV>(a, lda, W, ldw, K, c, ldc);
-    case 4: return rows_times_columns<4, NV>(a, lda, W, ldw, K, c, ldc);
-    case 3: return rows_times_columns<3, NV>(a, lda, W, ldw, K, c, ldc);
-    case 2: return rows_times_columns<2, NV>(a, lda, W, ldw, K, c, ldc);
+    case 7: return rows_times_columns<(RB > 7 ? 7 : 1), NV>(a, lda, W, ldw, K, c, ldc);
+    case 6: return rows_times_columns<(RB > 6 ? 6 : 1), NV>(a, lda, W, ldw, K, c, ldc);
+    case 5: return rows_times_columns<(RB > 5 ? 5 : 1), NV>(a, lda, W, ldw, K, c, ldc);
+    case 4: return rows_times_columns<(RB > 4 ? 4 : 1), NV>(a, lda, W, ldw, K, c, ldc);
+    case 3: return rows_times_columns<(RB > 3 ? 3 : 1), NV>(a, lda, W, ldw, K, c, ldc);
+    case 2: return rows_times_columns<(RB > 2 ? 2 : 1), NV>(a, lda, W, ldw, K, c, ldc);
     case 1: return rows_times_columns<1, NV>(a, lda, W, ldw, K, c, ldc);
     default: return;
   }

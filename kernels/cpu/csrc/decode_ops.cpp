@@ -469,7 +469,7 @@ void experts_input_major(const float* xs, int64_t x_row, const float* w13, int64
   // two rows (decode at small batches) read each weight once: 128-column blocks read 512 B runs of each weight row
   // (32-column ones ran the batch-1 MoE ~1.2x slower); more rows reuse each block's weights from cache.
   const bool wide = most_rows <= 2;
-  const int64_t block = wide ? 128 : 32;
+  const int64_t block = wide ? 128 : 64;
   auto project = [&](const float* in, int64_t lda, int64_t depth, const float* w, int64_t w_expert, int64_t w_row,
                      int64_t width, float* out) {
     const int64_t blocks = std::max<int64_t>(1, width / block);
@@ -482,7 +482,7 @@ void experts_input_major(const float* xs, int64_t x_row, const float* w13, int64
         if (wide) {
           rows_times_weight_columns<8>(a, lda, count, w + e * w_expert, w_row, depth, n0, n1, c, width);
         } else {
-          rows_times_weight_columns<2>(a, lda, count, w + e * w_expert, w_row, depth, n0, n1, c, width);
+          rows_times_weight_columns<4>(a, lda, count, w + e * w_expert, w_row, depth, n0, n1, c, width);
         }
       }
     });
