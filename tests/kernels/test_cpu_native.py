@@ -212,9 +212,11 @@ def _transposed_memory(w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("tokens", [1, 5, 33])
 @pytest.mark.parametrize("layout", ["out_in", "in_out"])
-def test_fused_moe(seed, tokens, layout):
-    """Top-k routed experts plus an always-selected shared one (id E - 1), as the fused shared expert runs."""
-    experts, hidden, inter, top_k = 9, 72, 40, 3
+@pytest.mark.parametrize("hidden, inter", [(72, 40), (258, 64)])
+def test_fused_moe(seed, tokens, layout, hidden, inter):
+    """Top-k routed experts plus an always-selected shared one (id E - 1), as the fused shared expert runs; widths
+    around the kernel's column blocks (128-column runs of one-row experts included) and depths off a multiple of 4."""
+    experts, top_k = 9, 3
     w13, w2 = _randn(experts, 2 * inter, hidden, seed=seed) / 8, _randn(experts, hidden, inter, seed=seed + 1) / 8
     if layout == "in_out":
         w13, w2 = _transposed_memory(w13), _transposed_memory(w2)

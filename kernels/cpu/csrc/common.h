@@ -135,6 +135,27 @@ void rows_times_columns(const float* A, int64_t lda, const float* W, int64_t ldw
   }
 }
 
+// y[0:16 NV] = x W[:, 0:16 NV] for one row x and a row-major [K, ldw] weight read from memory: four weight rows at a
+// time, each as one run of 64 NV bytes (four streams the prefetchers follow), the accumulators in registers / L1.
+template <int NV>
+void one_row_times_columns(const float* x, const float* W, int64_t ldw, int64_t K, float* y) {
+  vec16 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = vec16{};
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    const float a0 = x[k], a1 = x[k + 1], a2 = x[k + 2], a3 = x[k + 3];
+    const float *w0 = W + k * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
+    for (int v = 0; v < NV; ++v) {
+      acc[v] += a0 * load16(w0 + 16 * v) + a1 * load16(w1 + 16 * v) + a2 * load16(w2 + 16 * v) +
+                a3 * load16(w3 + 16 * v);
+    }
+  }
+  for (; k < K; ++k) {
+    for (int v = 0; v < NV; ++v) acc[v] += x[k] * load16(W + k * ldw + 16 * v);
+  }
+  for (int v = 0; v < NV; ++v) store16(y + 16 * v, acc[v]);
+}
+
 // Every row of A through one block of 16 NV columns, RB rows at a time: RB NV accumulators stay in registers (16:
 // 8 rows of 32 columns, 4 of 64, 2 of 128).
 template <int NV>
