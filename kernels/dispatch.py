@@ -69,10 +69,11 @@ def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
 def use_native(*tensors: torch.Tensor, backend: str | None = None) -> bool:
     """True when this call should run the fused C++ CPU kernel: every tensor float32 on the CPU, outside
     torch.compile's tracing (it fuses the references itself), the kernels built, and no other backend forced."""
+    for t in tensors:  # the cheap checks first: this runs for every op of a decode step
+        if not t.is_cpu or t.dtype is not torch.float32:
+            return False
     choice = _requested(backend)
     if choice in ("torch", "triton") or torch.compiler.is_compiling():
-        return False
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return False
     if choice == "native":
         cpu.require()
