@@ -237,21 +237,26 @@ def _input_major(w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 3, 8, 33, 256])
 @pytest.mark.parametrize("columns", [16, 17, 48, 300, 544])
 @pytest.mark.parametrize("depth", [7, 64, 100])
-def test_linear(seed, rows, columns, depth):
-    """Row counts around the kernel's blocks of 8 rows, widths around its 32-, 16- and 256-column blocks and a
-    scalar tail; x with strided rows (a slice of a wider activation)."""
+@pytest.mark.parametrize("layout", ["in_out", "out_in"])
+def test_linear(seed, rows, columns, depth, layout):
+    """Row counts around the kernel's blocks of 8 rows, widths around its 512-, 128-, 32- and 16-column blocks and
+    a scalar tail, both weight layouts (the kernel itself takes either at any row count); x with strided rows (a
+    slice of a wider activation)."""
     x = _randn(rows, depth + 5, seed=seed)[:, 2 : 2 + depth]
-    weight = _input_major(_randn(columns, depth, seed=seed + 1))
-    got = linear(x, weight, backend="native")
+    weight = _randn(columns, depth, seed=seed + 1)
+    weight = _input_major(weight) if layout == "in_out" else weight
+    got = cpu.linear(x, weight)
     assert_rel_close(got, torch.nn.functional.linear(x, weight), F32)
 
 
 def test_linear_takes_only_what_it_serves():
-    """[out, in] weights, fewer than 16 columns and more than LINEAR_MAX_ROWS rows go to F.linear; leading
-    dimensions of x are kept."""
+    """Fewer than 16 columns, more rows than a layout's limit and weights contiguous along neither dimension go to
+    F.linear; leading dimensions of x are kept."""
     weight = _input_major(_randn(40, 24, seed=0))
     assert cpu.takes_linear(_randn(5, 24, seed=1), weight)
-    assert not cpu.takes_linear(_randn(5, 24, seed=1), weight.contiguous())
+    assert cpu.takes_linear(_randn(5, 24, seed=1), weight.contiguous())
+    assert not cpu.takes_linear(_randn(cpu.LINEAR_MAX_ROWS_OUT_IN + 1, 24, seed=1), weight.contiguous())
+    assert not cpu.takes_linear(_randn(5, 24, seed=1), _randn(40, 48, seed=4)[:, ::2])  # strides (48, 2)
     assert not cpu.takes_linear(_randn(5, 24, seed=1), _input_major(_randn(15, 24, seed=2)))
     assert not cpu.takes_linear(_randn(cpu.LINEAR_MAX_ROWS + 1, 24, seed=1), weight)
     x = _randn(2, 3, 24, seed=3)

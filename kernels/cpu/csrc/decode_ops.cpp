@@ -260,11 +260,21 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
               "weight must be a float32 CPU matrix, got ", weight.scalar_type(), " ", weight.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "weight must be [N, ", K, "], got ", weight.sizes());
-  TORCH_CHECK(weight.stride(0) == 1 || N == 1, "weight must be stored [in, out] (an [N, K] view with strides (1, ",
-              "N)), got strides ", weight.strides());
+  TORCH_CHECK(weight.stride(0) == 1 || weight.stride(1) == 1, "weight must be contiguous along one of its "
+              "dimensions, got strides ", weight.strides());
   at::Tensor out = at::empty({M, N}, x.options());
   const float *xs = x.data_ptr<float>(), *w = weight.data_ptr<float>();
   float* o = out.data_ptr<float>();
+  if (weight.stride(0) != 1 || N == 1) {  // [out, in] rows (a tied LM head is the embedding): dot products
+    const int64_t wn = weight.stride(0), lda = x.stride(0);
+    at::parallel_for(0, (N + 63) / 64, grain(M * K * 64 / 4), [&](int64_t begin, int64_t end) {
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t n0 = blk * 64, width = std::min<int64_t>(64, N - n0);
+        matmul_wt(xs, lda, M, w + n0 * wn, wn, 1, width, K, o + n0, N);
+      }
+    });
+    return out;
+  }
   const int64_t lda = x.stride(0), ldw = weight.stride(1);
   int64_t n = 0;
   // One row reads each weight once, from memory: blocks of 512 columns (128 where that leaves too few blocks for the
