@@ -263,6 +263,19 @@ def test_linear_takes_only_what_it_serves():
     assert_rel_close(linear(x, weight), torch.nn.functional.linear(x, weight), F32)
 
 
+def test_fused_moe_with_experts_of_many_rows():
+    """A prefill's experts of 128 rows or more run as GEMMs (MKL's), the others in the kernel's own loops."""
+    experts, hidden, inter, top_k, tokens = 5, 40, 24, 2, 300
+    w13 = _transposed_memory(_randn(experts, 2 * inter, hidden, seed=0) / 8)
+    w2 = _transposed_memory(_randn(experts, hidden, inter, seed=1) / 8)
+    x = _randn(tokens, hidden, seed=2)
+    ids = torch.stack([torch.tensor([t % 2, 2 + t % 3]) for t in range(tokens)]).to(torch.int32)  # 150, 150, 100...
+    ids[:7, 1] = 4  # and one expert of 7 rows
+    weights = torch.rand(tokens, top_k, generator=_gen(3))
+    got = moe.fused_moe(x, w13, w2, weights, ids, backend="native")
+    assert_rel_close(got, moe_ref.fused_moe(x, w13, w2, weights, ids), F32)
+
+
 def test_fused_moe_in_token_chunks(monkeypatch):
     """A prefill's tokens run in chunks of MOE_CHUNK_TOKENS (here 16: 40 tokens in 16 + 16 + 8)."""
     monkeypatch.setattr(cpu, "MOE_CHUNK_TOKENS", 16)
