@@ -10,6 +10,7 @@ the ``backend`` argument of each public kernel function forces it for a call and
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -21,8 +22,8 @@ BACKENDS = envs.SGLANG_KERNEL_BACKEND.choices
 
 
 def _requested(backend: str | None) -> str:
-    if backend is None:
-        return envs.SGLANG_KERNEL_BACKEND.get()
+    if backend is None:  # every op of a decode step asks: the unset variable is the quick case
+        return envs.SGLANG_KERNEL_BACKEND.get() if envs.SGLANG_KERNEL_BACKEND.name in os.environ else "auto"
     choice = backend.strip().lower()
     if choice not in BACKENDS:
         raise ValueError(f"kernel backend argument must be one of {BACKENDS}, got {backend!r}")

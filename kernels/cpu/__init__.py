@@ -41,6 +41,8 @@ _error = ""
 def available() -> bool:
     """True when the kernels are built and loaded (building them on the first call)."""
     global _loaded, _error
+    if _loaded is not None:  # asked before every op: no lock once decided
+        return _loaded
     with _lock:
         if _loaded is None:
             try:
@@ -115,17 +117,6 @@ def _ops():
     return torch.ops.sglang_lite_cpu
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as [A, B, n] rows with a unit stride in the last dimension (a view whenever one exists)."""
-    if t.dim() == 3:
-        rows = t
-    elif t.dim() < 3:
-        rows = t.reshape((1,) * (3 - t.dim()) + tuple(t.shape))
-    else:
-        rows = t.reshape(-1, t.shape[-2], t.shape[-1])
-    return rows if rows.shape[-1] <= 1 or rows.stride(-1) == 1 else rows.contiguous()
-
-
 def _float(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
@@ -138,9 +129,8 @@ def gemma_rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """As ``norms.naive.gemma_rmsnorm``: float32 x (and residual) of any shape, normalised over the last dim."""
-    y, total = _ops().gemma_rmsnorm(_rows(x), _float(weight), eps, None if residual is None else _rows(residual))
-    y = y.view(x.shape)
-    return y if residual is None else (y, total.view(x.shape))
+    y, total = _ops().gemma_rmsnorm(x, _float(weight), eps, residual)  # shaped like x
+    return y if residual is None else (y, total)
 
 
 def fused_qk_gemma_rmsnorm(
@@ -153,7 +143,7 @@ def fused_qk_gemma_rmsnorm(
 
 def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As ``norms.naive.gated_rmsnorm``."""
-    return _ops().gated_rmsnorm(_rows(o), _rows(_float(z)), _float(weight), eps).view(o.shape)
+    return _ops().gated_rmsnorm(o, _float(z), _float(weight), eps)  # shaped like o
 
 
 def causal_conv1d_update(
@@ -237,7 +227,7 @@ def takes_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     LINEAR_MAX_ROWS rows, or stored [out, in] (contiguous) and up to LINEAR_MAX_ROWS_OUT_IN rows."""
     if weight.dim() != 2 or weight.shape[0] < LINEAR_MIN_COLUMNS:
         return False
-    rows = x.numel() // max(x.shape[-1], 1)
+    rows = x.shape[0] if x.dim() == 2 else x.numel() // max(x.shape[-1], 1)
     if weight.stride(0) == 1:
         return 0 < rows <= LINEAR_MAX_ROWS
     return weight.stride(1) == 1 and 0 < rows <= LINEAR_MAX_ROWS_OUT_IN

@@ -18,8 +18,9 @@ from . import naive
 def linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """x [..., K], weight [N, K] -> [..., N]."""
     if cpu.takes_linear(x, weight) and use_native(x, weight, backend=backend):
-        rows = x.reshape(-1, x.shape[-1])
-        return cpu.linear(rows, weight).view(*x.shape[:-1], weight.shape[0])
+        if x.dim() == 2:
+            return cpu.linear(x, weight)
+        return cpu.linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
     return naive.linear(x, weight)
 
 

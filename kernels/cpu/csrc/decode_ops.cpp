@@ -189,8 +189,11 @@ at::Tensor gated_delta_rule_decode(const at::Tensor& q, const at::Tensor& k, con
 
 // Gemma RMSNorm of every row of x [A, B, n] (x + residual first, when given): x * rsqrt(mean(x^2) + eps) * (1 + w).
 // Returns the normalised rows and, with a residual, the sum (both contiguous, shaped like x).
-std::tuple<at::Tensor, at::Tensor> gemma_rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps,
-                                                 const c10::optional<at::Tensor>& residual) {
+std::tuple<at::Tensor, at::Tensor> gemma_rmsnorm(const at::Tensor& x_in, const at::Tensor& weight, double eps,
+                                                 const c10::optional<at::Tensor>& residual_in) {
+  const at::Tensor x = as_rows(x_in);
+  const c10::optional<at::Tensor> residual =
+      residual_in.has_value() ? c10::optional<at::Tensor>(as_rows(*residual_in)) : c10::nullopt;
   check_float(x, "x", 3);
   check_float(weight, "weight", 1);
   const int64_t n = x.size(2), rows = x.size(0) * x.size(1);
@@ -200,8 +203,8 @@ std::tuple<at::Tensor, at::Tensor> gemma_rmsnorm(const at::Tensor& x, const at::
     check_float(*residual, "residual", 3);
     TORCH_CHECK(residual->sizes() == x.sizes(), "residual must be shaped like x ", x.sizes());
   }
-  at::Tensor y = at::empty(x.sizes(), x.options());
-  at::Tensor sum = at::empty(add ? x.sizes() : at::IntArrayRef{0}, x.options());  // empty: no residual
+  at::Tensor y = at::empty(x_in.sizes(), x.options());  // shaped like the input; rows in x's order
+  at::Tensor sum = at::empty(add ? x_in.sizes() : at::IntArrayRef{0}, x.options());  // empty: no residual
   const Rows xs(x);
   const c10::optional<Rows> rs = add ? c10::optional<Rows>(Rows(*residual)) : c10::nullopt;
   const float* w = weight.data_ptr<float>();
@@ -226,14 +229,15 @@ std::tuple<at::Tensor, at::Tensor> gemma_rmsnorm(const at::Tensor& x, const at::
 }
 
 // Gated RMSNorm of every row of o [A, B, n] with its gate z: w * o * rsqrt(mean(o^2) + eps) * silu(z).
-at::Tensor gated_rmsnorm(const at::Tensor& o, const at::Tensor& z, const at::Tensor& weight, double eps) {
+at::Tensor gated_rmsnorm(const at::Tensor& o_in, const at::Tensor& z_in, const at::Tensor& weight, double eps) {
+  const at::Tensor o = as_rows(o_in), z = as_rows(z_in);
   check_float(o, "o", 3);
   check_float(z, "z", 3);
   check_float(weight, "weight", 1);
   const int64_t n = o.size(2), rows = o.size(0) * o.size(1);
   TORCH_CHECK(z.sizes() == o.sizes(), "z must be shaped like o ", o.sizes(), ", got ", z.sizes());
   TORCH_CHECK(weight.size(0) == n, "weight must have ", n, " elements, got ", weight.size(0));
-  at::Tensor y = at::empty(o.sizes(), o.options());
+  at::Tensor y = at::empty(o_in.sizes(), o.options());
   const Rows os(o), zs(z);
   const float* w = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
