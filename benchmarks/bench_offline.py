@@ -9,7 +9,8 @@ process and of the engine's scheduler process): on a shared, busy host the secon
 Shapes (``--model-shape``): ``tiny`` is the built-in model (its trained weights); ``mid`` a Qwen3.5-MoE of 34M
 parameters (hidden 256, 8 layers, 16 experts top-4, vocab 32000) with random weights saved as safetensors, both
 sides loading the same files; ``large`` hidden 1024 (4 layers, 16 experts top-4 of 512, vocab 32000, 190M
-parameters) with dummy weights (each side its own random ones: only the speed is compared).
+parameters) with dummy weights (each side its own random ones: only the speed is compared). ``--model-config``
+takes a JSON object (or a JSON file) of config fields over mid's: another shape, saved and loaded like mid.
 
 The roofline table splits each run into its phases: the prefill (the call with one new token) and a decode step
 ((whole call - prefill call) / (output_len - 1)). Each phase's FLOPs and bytes are counted from the model shape
@@ -17,6 +18,7 @@ The roofline table splits each run into its phases: the prefill (the call with o
 same thread count.
 
     python benchmarks/bench_offline.py --model-shape mid --threads 2 --batch-sizes 1 32
+    python benchmarks/bench_offline.py --model-config '{"hidden_size": 512, "num_experts": 32}' --threads 2
     python benchmarks/bench_offline.py                     # tiny, 128 in, 64 out, batch 1, 8, 32
     python benchmarks/bench_offline.py --tp-size 2 --threads 1   # the engine on two tensor-parallel ranks
 
@@ -134,8 +136,14 @@ def large_config() -> dict:
 
 
 @contextmanager
-def shape_checkpoint(shape: str) -> Iterator[tuple[str, bool]]:
-    """The model folder of ``shape`` and whether it holds only a config (dummy weights)."""
+def shape_checkpoint(shape: str, overrides: dict | None = None) -> Iterator[tuple[str, bool]]:
+    """The model folder of ``shape`` (mid with ``overrides`` applied, when given) and whether it holds only a config
+    (dummy weights)."""
+    if overrides:
+        with tempfile.TemporaryDirectory() as model_dir:
+            _save_random_model({**MID, **overrides}, model_dir)
+            yield model_dir, False
+        return
     if shape == "tiny":
         from sglang_lite.assets import TINY_MODEL_DIR
 
@@ -331,6 +339,8 @@ def main() -> None:
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--model-shape", choices=SHAPES, default="tiny",
                         help="tiny: the built-in model; mid: 34M parameters, hidden 256; large: hidden 1024, dummy")
+    parser.add_argument("--model-config", default=None,
+                        help="JSON object or JSON file of Qwen3.5-MoE config fields over mid's (random weights)")
     parser.add_argument("--torch-compile", action="store_true", help="engine decode steps through torch.compile")
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks of the engine")
     parser.add_argument("--scaling", action="store_true",
@@ -344,8 +354,21 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     keep_freed_heap_memory()  # as in the engine's scheduler process, so both sides allocate alike
     machine = measure_machine()
-    with shape_checkpoint(args.model_shape) as (model_dir, dummy):
+    overrides = _model_config(args.model_config)
+    if overrides:
+        args.model_shape = "custom"
+    with shape_checkpoint(args.model_shape, overrides) as (model_dir, dummy):
         print_table(run(args, model_dir, dummy), args, machine, model_dir)
+
+
+def _model_config(value: str | None) -> dict:
+    if not value:
+        return {}
+    text = open(value).read() if os.path.isfile(value) else value
+    overrides = json.loads(text)
+    if not isinstance(overrides, dict):
+        raise SystemExit(f"--model-config: expected a JSON object of config fields, got {text!r}")
+    return overrides
 
 
 if __name__ == "__main__":
