@@ -112,6 +112,33 @@ inline int64_t grain(int64_t work_per_item) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, work_per_item));
 }
 
+// The gated delta rule's operands: q, k [T, HK, dk]; v [T, HV, dv] with HV a multiple of HK; g, beta [T, HV];
+// ssm_states [S, HV, dk, dv] with contiguous states (all float32, last dimensions contiguous).
+struct GdnShapes {
+  int64_t tokens, hk, dk, hv, dv;
+};
+
+inline GdnShapes check_gdn_operands(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                    const at::Tensor& beta, const at::Tensor& ssm_states) {
+  check_float(q, "q", 3);
+  check_float(k, "k", 3);
+  check_float(v, "v", 3);
+  check_float(g, "g", 2);
+  check_float(beta, "beta", 2);
+  check_float(ssm_states, "ssm_states", 4);
+  const GdnShapes s{q.size(0), q.size(1), q.size(2), v.size(1), v.size(2)};
+  TORCH_CHECK(k.sizes() == q.sizes(), "k must be shaped like q ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(v.size(0) == s.tokens && s.hv % s.hk == 0, "v must be [", s.tokens, ", HV, dv] with HV a multiple of ",
+              s.hk, " key heads, got ", v.sizes());
+  TORCH_CHECK(g.size(0) == s.tokens && g.size(1) == s.hv && beta.sizes() == g.sizes(), "g and beta must be [",
+              s.tokens, ", ", s.hv, "], got ", g.sizes(), " and ", beta.sizes());
+  TORCH_CHECK(ssm_states.size(1) == s.hv && ssm_states.size(2) == s.dk && ssm_states.size(3) == s.dv &&
+                  ssm_states.stride(2) == s.dv,
+              "ssm_states must be [S, ", s.hv, ", ", s.dk, ", ", s.dv, "] with contiguous states, got ",
+              ssm_states.sizes());
+  return s;
+}
+
 // ---- register-blocked products of a few rows with a row-major [K, N] weight ------------------------------------
 
 // 16 floats: one AVX-512 register, two AVX2 ones, four NEON ones (the compiler splits it for the target).
@@ -216,41 +243,35 @@ void rows_times_weight_columns(const float* A, int64_t lda, int64_t M, const flo
 // the product is added to C, otherwise C is overwritten. The two layouts the engine stores (kernels' [out, in]
 // and weight_layout's [in, out] under the same shape) each get a register-blocked loop that vectorises along W's
 // contiguous dimension; other strides take the plain loop.
+// Columns n0 .. n0 + width of C for TB rows (width <= 64; FULL: exactly 64, a constant trip count, so the block's
+// accumulators stay in registers).
+template <int TB, bool FULL>
+void contiguous_n_block(const float* A, int64_t lda, const float* W, int64_t wk, int64_t K, float* C, int64_t ldc,
+                        bool accumulate, int64_t width) {
+  constexpr int64_t NB = 64;
+  const int64_t cols = FULL ? NB : width;
+  float acc[TB][NB];
+  for (int t = 0; t < TB; ++t) {
+    for (int64_t j = 0; j < cols; ++j) acc[t][j] = accumulate ? C[t * ldc + j] : 0.0f;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const float* w = W + k * wk;
+    for (int t = 0; t < TB; ++t) {
+      const float a = A[t * lda + k];
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) acc[t][j] += a * w[j];
+    }
+  }
+  for (int t = 0; t < TB; ++t) std::copy(acc[t], acc[t] + cols, C + t * ldc);
+}
+
 template <int TB>
 void matmul_rows_contiguous_n(const float* A, int64_t lda, const float* W, int64_t wk, int64_t N, int64_t K,
                               float* C, int64_t ldc, bool accumulate) {  // wn == 1: row k of W^T is contiguous over n
   constexpr int64_t NB = 64;
   int64_t n0 = 0;
-  for (; n0 + NB <= N; n0 += NB) {  // a constant trip count: the block's accumulators stay in registers
-    float acc[TB][NB];
-    for (int t = 0; t < TB; ++t) {
-      for (int64_t j = 0; j < NB; ++j) acc[t][j] = accumulate ? C[t * ldc + n0 + j] : 0.0f;
-    }
-    for (int64_t k = 0; k < K; ++k) {
-      const float* w = W + k * wk + n0;
-      for (int t = 0; t < TB; ++t) {
-        const float a = A[t * lda + k];
-#pragma omp simd
-        for (int64_t j = 0; j < NB; ++j) acc[t][j] += a * w[j];
-      }
-    }
-    for (int t = 0; t < TB; ++t) std::copy(acc[t], acc[t] + NB, C + t * ldc + n0);
-  }
-  if (n0 == N) return;
-  const int64_t width = N - n0;
-  float acc[TB][NB];
-  for (int t = 0; t < TB; ++t) {
-    for (int64_t j = 0; j < width; ++j) acc[t][j] = accumulate ? C[t * ldc + n0 + j] : 0.0f;
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    const float* w = W + k * wk + n0;
-    for (int t = 0; t < TB; ++t) {
-      const float a = A[t * lda + k];
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) acc[t][j] += a * w[j];
-    }
-  }
-  for (int t = 0; t < TB; ++t) std::copy(acc[t], acc[t] + width, C + t * ldc + n0);
+  for (; n0 + NB <= N; n0 += NB) contiguous_n_block<TB, true>(A, lda, W + n0, wk, K, C + n0, ldc, accumulate, NB);
+  if (n0 < N) contiguous_n_block<TB, false>(A, lda, W + n0, wk, K, C + n0, ldc, accumulate, N - n0);
 }
 
 template <int TB>

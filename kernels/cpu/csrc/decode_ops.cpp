@@ -148,21 +148,8 @@ void delta_rule_step(float* state, const float* q, const float* k, const float* 
 at::Tensor gated_delta_rule_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                    const at::Tensor& beta, const at::Tensor& ssm_states,
                                    const at::Tensor& state_indices, double scale, bool use_qk_l2norm) {
-  check_float(q, "q", 3);
-  check_float(k, "k", 3);
-  check_float(v, "v", 3);
-  check_float(g, "g", 2);
-  check_float(beta, "beta", 2);
-  check_float(ssm_states, "ssm_states", 4);
-  const int64_t batch = q.size(0), hk = q.size(1), dk = q.size(2), hv = v.size(1), dv = v.size(2);
-  TORCH_CHECK(k.sizes() == q.sizes(), "k must be shaped like q ", q.sizes(), ", got ", k.sizes());
-  TORCH_CHECK(v.size(0) == batch && hv % hk == 0, "v must be [", batch, ", HV, dv] with HV a multiple of ", hk,
-              " key heads, got ", v.sizes());
-  TORCH_CHECK(g.size(0) == batch && g.size(1) == hv && beta.sizes() == g.sizes(), "g and beta must be [", batch,
-              ", ", hv, "], got ", g.sizes(), " and ", beta.sizes());
-  TORCH_CHECK(ssm_states.size(1) == hv && ssm_states.size(2) == dk && ssm_states.size(3) == dv &&
-                  ssm_states.stride(2) == dv,
-              "ssm_states must be [S, ", hv, ", ", dk, ", ", dv, "] with contiguous states, got ", ssm_states.sizes());
+  const GdnShapes shapes = check_gdn_operands(q, k, v, g, beta, ssm_states);
+  const int64_t batch = shapes.tokens, hk = shapes.hk, dk = shapes.dk, hv = shapes.hv, dv = shapes.dv;
   Index slots(state_indices, "state_indices");
   TORCH_CHECK(state_indices.numel() == batch, "state_indices must hold one slot per request");
   check_slots(slots, batch, ssm_states.size(0), "state_indices");

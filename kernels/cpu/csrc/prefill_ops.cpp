@@ -113,21 +113,8 @@ at::Tensor gated_delta_rule_prefill(const at::Tensor& q, const at::Tensor& k, co
                                     const at::Tensor& beta, const at::Tensor& ssm_states,
                                     const at::Tensor& state_indices, const at::Tensor& cu_seqlens, double scale,
                                     bool use_qk_l2norm) {
-  check_float(q, "q", 3);
-  check_float(k, "k", 3);
-  check_float(v, "v", 3);
-  check_float(g, "g", 2);
-  check_float(beta, "beta", 2);
-  check_float(ssm_states, "ssm_states", 4);
-  const int64_t tokens = q.size(0), hk = q.size(1), dk = q.size(2), hv = v.size(1), dv = v.size(2);
-  TORCH_CHECK(k.sizes() == q.sizes(), "k must be shaped like q ", q.sizes(), ", got ", k.sizes());
-  TORCH_CHECK(v.size(0) == tokens && hv % hk == 0, "v must be [", tokens, ", HV, dv] with HV a multiple of ", hk,
-              " key heads, got ", v.sizes());
-  TORCH_CHECK(g.size(0) == tokens && g.size(1) == hv && beta.sizes() == g.sizes(), "g and beta must be [", tokens,
-              ", ", hv, "], got ", g.sizes(), " and ", beta.sizes());
-  TORCH_CHECK(ssm_states.size(1) == hv && ssm_states.size(2) == dk && ssm_states.size(3) == dv &&
-                  ssm_states.stride(2) == dv,
-              "ssm_states must be [S, ", hv, ", ", dk, ", ", dv, "] with contiguous states, got ", ssm_states.sizes());
+  const GdnShapes shapes = check_gdn_operands(q, k, v, g, beta, ssm_states);
+  const int64_t tokens = shapes.tokens, hk = shapes.hk, dk = shapes.dk, hv = shapes.hv, dv = shapes.dv;
   Index slots(state_indices, "state_indices");
   const int64_t batch = state_indices.numel();
   check_slots(slots, batch, ssm_states.size(0), "state_indices");
