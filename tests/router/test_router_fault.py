@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 
 import aiohttp
 
-from .helpers import generate, get_json, in_flight, routed, run, wait_for
+from .helpers import Result, generate, get_json, in_flight, payload, read_events, routed, run, wait_for
 
 HEALTH = ["--health-check-interval-secs", "0.2", "--health-failure-threshold", "2", "--health-success-threshold", "1",
           "--cb-failure-threshold", "3", "--cb-timeout-duration-secs", "1", "--retry-max-retries", "3",
@@ -35,10 +36,8 @@ def test_killed_server_is_avoided_requests_fail_over_and_it_rejoins(procs):
                     if i >= TOTAL and monitor.done():
                         return
                     if i == TOTAL // 4 and not kill_at:
-                        # the kill lands while the victim holds requests, so the failure path is exercised
-                        await wait_for(lambda: _victim_busy(s, router.url, victim.url), timeout=5, interval=0.005)
-                        victim.kill()  # SIGKILL to its process group: its in-flight connections are reset
-                        kill_at.append(time.monotonic())
+                        # the kill lands while a stream runs on the victim, so the failure path is exercised
+                        results.append(await _stream_until_killed(s, router.url, victim, "s1", kill_at))
                     start = time.monotonic()
                     r = await generate(s, router.url, stream=i % 2 == 0, max_new_tokens=32,
                                          timeout=TIMEOUT + 2)
@@ -110,5 +109,35 @@ async def _all_zero(s: aiohttp.ClientSession, url: str) -> bool:
     return set((await in_flight(s, url)).values()) == {0}
 
 
-async def _victim_busy(s: aiohttp.ClientSession, router_url: str, victim_url: str) -> bool:
-    return (await in_flight(s, router_url)).get(victim_url, 0) > 0
+async def _stream_until_killed(s: aiohttp.ClientSession, router_url: str, victim, victim_name: str,
+                               kill_at: list[float]) -> tuple[float, Result]:
+    """Completion streams through the router until one lands on the victim (each chunk names its server); the
+    victim is killed (SIGKILL to its process group) once that stream has started, so it fails mid-stream however
+    fast the servers generate. Streams that land elsewhere are closed at their first chunk."""
+    body = payload("/v1/completions", True, 200, "hello")
+    for _ in range(30):
+        start, result = time.monotonic(), Result(0)
+        try:
+            async with s.post(router_url + "/v1/completions", json=body,
+                              timeout=aiohttp.ClientTimeout(total=TIMEOUT + 2)) as resp:
+                result.status = resp.status
+                first = await _first_event(resp)
+                if first is None or first.get("model") != victim_name:
+                    continue
+                victim.kill()
+                kill_at.append(time.monotonic())
+                result.chunks = 1
+                await read_events(resp, result, time.perf_counter())
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            result.error = repr(exc)
+        result.elapsed = time.monotonic() - start
+        if kill_at:
+            return start, result
+    raise AssertionError("no completion stream through the router landed on the victim")
+
+
+async def _first_event(resp: aiohttp.ClientResponse) -> dict | None:
+    async for line in resp.content:
+        if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
+            return json.loads(line[6:])
+    return None

@@ -33,8 +33,9 @@ def rank_pids(server: ServerProcess) -> list[int]:
     return httpx.get(f"{server.url}/server_info", timeout=10).json()["scheduler_pids"]
 
 
-def stream_on(server: ServerProcess, rank: int, started: threading.Event) -> list[dict]:
-    """One streaming request on ``rank``; its events (``started`` is set at the first one)."""
+def stream_on(server: ServerProcess, rank: int, started: threading.Event, at_first=None) -> list[dict]:
+    """One streaming request on ``rank``; its events (``started`` is set at the first one, after ``at_first``
+    runs)."""
     body = {"text": f"chaos on rank {rank}", "stream": True, "routed_dp_rank": rank,
             "sampling_params": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": 0.0}}
     events = []
@@ -43,6 +44,8 @@ def stream_on(server: ServerProcess, rank: int, started: threading.Event) -> lis
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 events.append(json.loads(line.removeprefix("data: ")))
+                if at_first is not None and len(events) == 1:
+                    at_first()
                 started.set()
     return events
 
@@ -58,16 +61,21 @@ def wait_health(server: ServerProcess, status: int, timeout_s: float) -> httpx.R
 
 
 def under_load(server: ServerProcess, victim: int, signum: int) -> tuple[list[list[dict]], list[list[dict]]]:
-    """One stream on the victim rank, two on the other; once the victim's has started, ``signum`` goes to the
-    victim rank's process at once, so that stream cannot have finished however the threads were scheduled. Returns
-    the events of the victim's stream and of the others'."""
+    """One stream on the victim rank, two on the other; the thread reading the victim's stream sends ``signum`` to
+    the victim rank's process as soon as it has read its first event, so that stream cannot have finished however
+    fast the rank generates or the threads were scheduled. Returns the events of the victim's stream and of the
+    others'."""
     pid = rank_pids(server)[victim]
     ranks = [victim, 1 - victim, 1 - victim]
     starts = [threading.Event() for _ in ranks]
-    with ThreadPoolExecutor(len(ranks)) as pool:
-        futures = [pool.submit(stream_on, server, rank, started) for rank, started in zip(ranks, starts)]
-        assert starts[0].wait(60), "the victim's stream did not start"
+
+    def kill() -> None:
         os.kill(pid, signum)
+
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        futures = [pool.submit(stream_on, server, rank, started, kill if rank == victim else None)
+                   for rank, started in zip(ranks, starts)]
+        assert starts[0].wait(60), "the victim's stream did not start"
         degraded = wait_health(server, 503, 5 + HANG_TIMEOUT_S)
         results = [future.result(timeout=120) for future in futures]
     assert degraded.json()["status"] == "degraded"
