@@ -1,10 +1,11 @@
-"""Decode TPOT of a mid-size dummy Qwen3.5-MoE for {shared-expert fusion on/off} x {alt stream on/off}.
+"""Decode TPOT of dummy Qwen3.5-35B-A3B layers (bf16, a few of them) for {shared-expert fusion on/off} x
+{alt stream on/off}, the four variants of the upstream AMD alt-stream change.
 
 On a GPU: for each concurrency, every variant prefills the same prompts and times decode steps replayed from CUDA
 graphs (the overlaps are captured into them); the table gives each variant's TPOT delta against the baseline
 (fusion off, alt stream off), the shape of the upstream change's table. On a CPU it says so and exits 0.
 
-    python benchmarks/bench_alt_stream.py [--concurrency 1,8,32,128] [--layers 8] [--steps 32]
+    python benchmarks/bench_alt_stream.py [--concurrency 1,8,32,128] [--layers 8] [--experts 256] [--steps 32]
 """
 from __future__ import annotations
 
@@ -36,15 +37,16 @@ VARIANTS = {  # name -> (shared-expert fusion, alt stream overlaps)
 OVERLAP_FLAGS = {"SGLANG_GDN_QKVZ_BA_ALT_STREAM": "1", "SGLANG_QK_NORM_ALT_STREAM": "1", "SGLANG_ALT_STREAM": "1"}
 
 
-def mid_size_moe(num_layers: int) -> ModelConfig:
-    """A Qwen3.5-35B-A3B-like layer at a fraction of the depth and experts, so it loads in seconds."""
+def qwen3_5_35b_a3b_layers(num_layers: int, num_experts: int = 256) -> ModelConfig:
+    """Qwen3.5-35B-A3B's layers (its vocabulary, hidden size, heads and experts; ``num_experts`` fewer to fit a
+    smaller GPU) at a fraction of its depth, so that dummy weights load in seconds."""
     return ModelConfig(
-        is_moe=True, vocab_size=32768, hidden_size=2048,
+        is_moe=True, vocab_size=248320, hidden_size=2048,
         layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)),
         rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=8192, num_attention_heads=16,
         num_key_value_heads=2, head_dim=256, rotary_dim=64, rope_theta=1e7, linear_num_key_heads=16,
         linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        num_experts=num_experts, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
     )
 
 
@@ -108,12 +110,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256, help="routed experts (Qwen3.5-35B-A3B: 256)")
     parser.add_argument("--steps", type=int, default=32)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no GPU present: the alt-stream benchmark needs CUDA or ROCm; nothing to measure on the CPU")
         return 0
-    config = mid_size_moe(args.layers)
+    config = qwen3_5_35b_a3b_layers(args.layers, args.experts)
     levels = [int(c) for c in args.concurrency.split(",")]
     tpot = {}
     for name, (fusion, alt) in tqdm(VARIANTS.items(), desc="variants"):

@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 
 import torch
-from bench_alt_stream import DecodeSession, build_model, mid_size_moe  # benchmarks/ is on sys.path in the drivers
+
+# benchmarks/ is on sys.path in the drivers
+from bench_alt_stream import DecodeSession, build_model, qwen3_5_35b_a3b_layers
 
 STEPS = 4
 
 
 def _pair() -> tuple[torch.nn.Module, torch.nn.Module]:
-    config = mid_size_moe(num_layers=4)
+    config = qwen3_5_35b_a3b_layers(num_layers=4, num_experts=64)
     return build_model(config, fusion=False, alt=False), build_model(config, fusion=False, alt=True)
 
 
