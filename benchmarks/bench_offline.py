@@ -364,7 +364,10 @@ def main() -> None:
 def _model_config(value: str | None) -> dict:
     if not value:
         return {}
-    text = open(value).read() if os.path.isfile(value) else value
+    if os.path.isfile(value):
+        with open(value) as f:
+            value = f.read()
+    text = value
     overrides = json.loads(text)
     if not isinstance(overrides, dict):
         raise SystemExit(f"--model-config: expected a JSON object of config fields, got {text!r}")

@@ -7,7 +7,7 @@ arithmetic: a GDN layer was ~107 dispatched ops at batch 1. Each kernel here com
 for float32 data (``dispatch.use_native``); the references stay the definition and the path for other dtypes.
 
 The sources are compiled with torch's ``cpp_extension`` on first use (about 30 s; g++ and ninja must be on the
-machine) into ``SGLANG_CPU_KERNEL_CACHE`` (default ``~/.cache/sglang_lite/cpu_kernels``), one build per sources,
+machine) into ``SGLANG_CPU_KERNEL_CACHE`` (default ``~/.cache/sglang_lite/cpu_kernels``), one build per set of sources,
 torch version and CPU (``-march=native``), and loaded from there afterwards. When it cannot be built the CPU runs
 the references and says why once. ``SGLANG_KERNEL_BACKEND=torch`` turns these kernels off for a run.
 """

@@ -29,11 +29,8 @@ def moe_route(
     if use_native(router_logits, *([] if shared_logits is None else [shared_logits]), backend=backend):
         return cpu.moe_route(router_logits, shared_logits, top_k, renormalize, shared_id)
     if use_triton(router_logits, backend):
-        weights, ids = triton_moe.topk_softmax(router_logits, top_k, renormalize)
-        if shared_logits is None:
-            return weights, ids
-        shared = torch.full_like(ids[:, :1], shared_id)
-        return (torch.cat([weights, torch.sigmoid(shared_logits.float())], dim=1), torch.cat([ids, shared], dim=1))
+        routed = triton_moe.topk_softmax(router_logits, top_k, renormalize)
+        return naive.append_shared_expert(*routed, shared_logits, shared_id)
     return naive.moe_route(router_logits, shared_logits, top_k, renormalize, shared_id)
 
 

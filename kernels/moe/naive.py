@@ -33,7 +33,13 @@ def moe_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``topk_softmax``, then with ``shared_logits`` [T, 1] one more column per token: the fused shared expert, id
     ``shared_id``, weight sigmoid(shared logit)."""
-    weights, ids = topk_softmax(router_logits, top_k, renormalize)
+    return append_shared_expert(*topk_softmax(router_logits, top_k, renormalize), shared_logits, shared_id)
+
+
+def append_shared_expert(
+    weights: torch.Tensor, ids: torch.Tensor, shared_logits: torch.Tensor | None, shared_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights and ids [T, k] with the fused shared expert's column appended (when ``shared_logits``)."""
     if shared_logits is None:
         return weights, ids
     shared_weight = torch.sigmoid(shared_logits.float())

@@ -1,5 +1,5 @@
 // Helpers shared by the fused CPU kernels: argument checks, index and row views, a vectorisable exp, and the
-// register-blocked small matmul that the experts, attention and the chunked delta rule use.
+// register-blocked small matmuls that the linear layers, the experts and attention use.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -237,22 +237,18 @@ void rows_times_weight_columns(const float* A, int64_t lda, int64_t M, const flo
   }
 }
 
-// ---- small matmuls (the experts', attention's, the chunked delta rule's) ------------------------------------------
+// ---- small matmuls (the experts' in any layout, attention's, [out, in] linear rows) ------------------------------
 
-// C[t, n] (+)= sum_k A[t, k] W[n, k] for a few rows t, W an [N, K] view with strides (wn, wk); with `accumulate`
-// the product is added to C, otherwise C is overwritten. The two layouts the engine stores (kernels' [out, in]
-// and weight_layout's [in, out] under the same shape) each get a register-blocked loop that vectorises along W's
-// contiguous dimension; other strides take the plain loop.
-// Columns n0 .. n0 + width of C for TB rows (width <= 64; FULL: exactly 64, a constant trip count, so the block's
-// accumulators stay in registers).
+// Columns n0 .. n0 + width of C = A W^T for TB rows, W^T's row k contiguous over n (width <= 64; FULL: exactly 64,
+// a constant trip count, so the block's accumulators stay in registers).
 template <int TB, bool FULL>
 void contiguous_n_block(const float* A, int64_t lda, const float* W, int64_t wk, int64_t K, float* C, int64_t ldc,
-                        bool accumulate, int64_t width) {
+                        int64_t width) {
   constexpr int64_t NB = 64;
   const int64_t cols = FULL ? NB : width;
   float acc[TB][NB];
   for (int t = 0; t < TB; ++t) {
-    for (int64_t j = 0; j < cols; ++j) acc[t][j] = accumulate ? C[t * ldc + j] : 0.0f;
+    for (int64_t j = 0; j < cols; ++j) acc[t][j] = 0.0f;
   }
   for (int64_t k = 0; k < K; ++k) {
     const float* w = W + k * wk;
@@ -267,16 +263,16 @@ void contiguous_n_block(const float* A, int64_t lda, const float* W, int64_t wk,
 
 template <int TB>
 void matmul_rows_contiguous_n(const float* A, int64_t lda, const float* W, int64_t wk, int64_t N, int64_t K,
-                              float* C, int64_t ldc, bool accumulate) {  // wn == 1: row k of W^T is contiguous over n
+                              float* C, int64_t ldc) {  // wn == 1: row k of W^T is contiguous over n
   constexpr int64_t NB = 64;
   int64_t n0 = 0;
-  for (; n0 + NB <= N; n0 += NB) contiguous_n_block<TB, true>(A, lda, W + n0, wk, K, C + n0, ldc, accumulate, NB);
-  if (n0 < N) contiguous_n_block<TB, false>(A, lda, W + n0, wk, K, C + n0, ldc, accumulate, N - n0);
+  for (; n0 + NB <= N; n0 += NB) contiguous_n_block<TB, true>(A, lda, W + n0, wk, K, C + n0, ldc, NB);
+  if (n0 < N) contiguous_n_block<TB, false>(A, lda, W + n0, wk, K, C + n0, ldc, N - n0);
 }
 
 template <int TB>
 void matmul_rows_contiguous_k(const float* A, int64_t lda, const float* W, int64_t wn, int64_t N, int64_t K,
-                              float* C, int64_t ldc, bool accumulate) {  // wk == 1: row n of W is contiguous over k
+                              float* C, int64_t ldc) {  // wk == 1: row n of W is contiguous over k
   constexpr int64_t RB = 4, KB = 16;
   const int64_t k_main = K - K % KB;
   int64_t n0 = 0;
@@ -297,44 +293,51 @@ void matmul_rows_contiguous_k(const float* A, int64_t lda, const float* W, int64
         float total = 0.0f;
         for (int64_t j = 0; j < KB; ++j) total += acc[t][r][j];
         for (int64_t k = k_main; k < K; ++k) total += A[t * lda + k] * W[(n0 + r) * wn + k];
-        C[t * ldc + n0 + r] = (accumulate ? C[t * ldc + n0 + r] : 0.0f) + total;
+        C[t * ldc + n0 + r] = total;
       }
     }
   }
   for (int t = 0; t < TB; ++t) {
-    for (int64_t n = n0; n < N; ++n) {
-      C[t * ldc + n] = (accumulate ? C[t * ldc + n] : 0.0f) + dot(A + t * lda, W + n * wn, K);
-    }
+    for (int64_t n = n0; n < N; ++n) C[t * ldc + n] = dot(A + t * lda, W + n * wn, K);
   }
 }
 
 template <int TB>
 void matmul_block(const float* A, int64_t lda, const float* W, int64_t wn, int64_t wk, int64_t N, int64_t K,
-                  float* C, int64_t ldc, bool accumulate) {
-  if (wn == 1) return matmul_rows_contiguous_n<TB>(A, lda, W, wk, N, K, C, ldc, accumulate);
-  if (wk == 1) return matmul_rows_contiguous_k<TB>(A, lda, W, wn, N, K, C, ldc, accumulate);
+                  float* C, int64_t ldc) {
+  if (wn == 1) return matmul_rows_contiguous_n<TB>(A, lda, W, wk, N, K, C, ldc);
+  if (wk == 1) return matmul_rows_contiguous_k<TB>(A, lda, W, wn, N, K, C, ldc);
   for (int t = 0; t < TB; ++t) {
     for (int64_t n = 0; n < N; ++n) {
-      float acc = accumulate ? C[t * ldc + n] : 0.0f;
+      float acc = 0.0f;
       for (int64_t k = 0; k < K; ++k) acc += A[t * lda + k] * W[n * wn + k * wk];
       C[t * ldc + n] = acc;
     }
   }
 }
 
+// C[t, n] = sum_k A[t, k] W[n, k] for a few rows t, W an [N, K] view with strides (wn, wk). The two layouts the
+// engine stores (kernels' [out, in] and weight_layout's [in, out] under the same shape) each get a register-blocked
+// loop that vectorises along W's contiguous dimension; other strides take the plain loop.
 inline void matmul_wt(const float* A, int64_t lda, int64_t rows, const float* W, int64_t wn, int64_t wk, int64_t N,
-                      int64_t K, float* C, int64_t ldc, bool accumulate = false) {
+                      int64_t K, float* C, int64_t ldc) {
   constexpr int64_t TB = 4;
   int64_t t = 0;
-  for (; t + TB <= rows; t += TB) matmul_block<TB>(A + t * lda, lda, W, wn, wk, N, K, C + t * ldc, ldc, accumulate);
+  for (; t + TB <= rows; t += TB) matmul_block<TB>(A + t * lda, lda, W, wn, wk, N, K, C + t * ldc, ldc);
   const float* a = A + t * lda;
   float* c = C + t * ldc;
   switch (rows - t) {
-    case 3: return matmul_block<3>(a, lda, W, wn, wk, N, K, c, ldc, accumulate);
-    case 2: return matmul_block<2>(a, lda, W, wn, wk, N, K, c, ldc, accumulate);
-    case 1: return matmul_block<1>(a, lda, W, wn, wk, N, K, c, ldc, accumulate);
+    case 3: return matmul_block<3>(a, lda, W, wn, wk, N, K, c, ldc);
+    case 2: return matmul_block<2>(a, lda, W, wn, wk, N, K, c, ldc);
+    case 1: return matmul_block<1>(a, lda, W, wn, wk, N, K, c, ldc);
     default: return;
   }
+}
+
+// silu(gate) * up over one row [gate (inter) | up (inter)] of an MLP's first projection, in place over the gate half.
+inline void silu_and_mul(float* gate_up, int64_t inter) {
+#pragma omp simd
+  for (int64_t j = 0; j < inter; ++j) gate_up[j] = gate_up[j] * sigmoid(gate_up[j]) * gate_up[inter + j];
 }
 
 }  // namespace sgl_cpu

@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -463,11 +462,7 @@ void experts_by_row_chunks(const float* xs, int64_t x_row, const at::Tensor& w13
       }
       matmul_wt(a.data(), hidden, count, w13p + e * w13.stride(0), w13.stride(1), w13.stride(2), 2 * inter, hidden,
                 gate_up.data(), 2 * inter);
-      for (int64_t r = 0; r < count; ++r) {  // silu(gate) * up, in place over the gate half
-        float* g = gate_up.data() + r * 2 * inter;
-#pragma omp simd
-        for (int64_t j = 0; j < inter; ++j) g[j] = g[j] * sigmoid(g[j]) * g[inter + j];
-      }
+      for (int64_t r = 0; r < count; ++r) silu_and_mul(gate_up.data() + r * 2 * inter, inter);
       matmul_wt(gate_up.data(), 2 * inter, count, w2p + e * w2.stride(0), w2.stride(1), w2.stride(2), hidden, inter,
                 out.data(), hidden);
       for (int64_t r = 0; r < count; ++r) {
@@ -479,8 +474,8 @@ void experts_by_row_chunks(const float* xs, int64_t x_row, const at::Tensor& w13
 
 // Both projections of every expert hit, for weights stored [in, out] (w13 [H, 2I] and w2 [I, H] row-major per
 // expert): the pairs' token rows are copied in expert order, then each work item runs one expert's rows through one
-// block of 32 output columns (register-blocked, the block's weights in cache), so the threads share every expert
-// even when a few tokens hit a few experts (decode at batch 1: 5 experts on 2 threads).
+// block of output columns (register-blocked, the block's weights in cache), so the threads share every expert even
+// when a few tokens hit a few experts (decode at batch 1: 5 experts on 2 threads).
 void experts_input_major(const float* xs, int64_t x_row, const float* w13, int64_t w13_expert, int64_t w13_row,
                          const float* w2, int64_t w2_expert, int64_t w2_row, const std::vector<int64_t>& starts,
                          const std::vector<int64_t>& order, int64_t top_k, int64_t hidden, int64_t inter,
@@ -544,12 +539,8 @@ void experts_input_major(const float* xs, int64_t x_row, const float* w13, int64
   };
   gemm(gathered.data(), hidden, hidden, w13, w13_expert, w13_row, 2 * inter, gate_up.data());
   project(gathered.data(), hidden, hidden, w13, w13_expert, w13_row, 2 * inter, gate_up.data());
-  at::parallel_for(0, pairs, grain(inter), [&](int64_t begin, int64_t end) {  // silu(gate) * up, over the gate half
-    for (int64_t i = begin; i < end; ++i) {
-      float* g = gate_up.data() + i * 2 * inter;
-#pragma omp simd
-      for (int64_t j = 0; j < inter; ++j) g[j] = g[j] * sigmoid(g[j]) * g[inter + j];
-    }
+  at::parallel_for(0, pairs, grain(inter), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) silu_and_mul(gate_up.data() + i * 2 * inter, inter);
   });
   gemm(gate_up.data(), 2 * inter, inter, w2, w2_expert, w2_row, hidden, expert_out.data());  // the gate half
   project(gate_up.data(), 2 * inter, inter, w2, w2_expert, w2_row, hidden, expert_out.data());
