@@ -3,9 +3,12 @@
 The Triton kernels live in the top-level `kernels/` folder of the repository and are installed as
 `sglang_lite.kernels` (a bare top-level `kernels` package already exists on PyPI, so we never install one).
 """
+
 from setuptools import find_packages, setup
 
-kernel_packages = ["sglang_lite.kernels"] + [f"sglang_lite.kernels.{p}" for p in find_packages("kernels")]
+kernel_packages = ["sglang_lite.kernels"] + [
+    f"sglang_lite.kernels.{p}" for p in find_packages("kernels")
+]
 
 setup(
     name="sglang_lite",
@@ -14,7 +17,10 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["sglang_lite", "sglang_lite.*"]) + kernel_packages,
     package_dir={"sglang_lite.kernels": "kernels"},
-    package_data={"sglang_lite": ["assets/*/*"], "sglang_lite.kernels.cpu": ["csrc/*.cpp", "csrc/*.h"]},
+    package_data={
+        "sglang_lite": ["assets/*/*"],
+        "sglang_lite.kernels.cpu": ["csrc/*.cpp", "csrc/*.h"],
+    },
     install_requires=[
         "torch>=2.4",
         "triton>=3.0",
@@ -38,7 +44,17 @@ setup(
     extras_require={
         # PD disaggregation's transfer engine (CPU build; it links libibverbs.so.1: Debian's libibverbs1)
         "pd": ["mooncake-transfer-engine-non-cuda"],
-        "test": ["pytest", "pytest-timeout", "openai==3.57.0", "sglang-router==0.3.2", "schemathesis", "hypothesis",
-                 "ruff", "import-linter", "mooncake-transfer-engine-non-cuda", "lm-eval[api,hf]"],
+        "test": [
+            "pytest",
+            "pytest-timeout",
+            "openai==3.57.0",
+            "sglang-router==0.3.2",
+            "schemathesis",
+            "hypothesis",
+            "ruff",
+            "import-linter",
+            "mooncake-transfer-engine-non-cuda",
+            "lm-eval[api,hf]",
+        ],
     },
 )

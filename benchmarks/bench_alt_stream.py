@@ -7,6 +7,7 @@ graphs (the overlaps are captured into them); the table gives each variant's TPO
 
     python benchmarks/bench_alt_stream.py [--concurrency 1,8,32,128] [--layers 8] [--experts 256] [--steps 32]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,19 +35,40 @@ VARIANTS = {  # name -> (shared-expert fusion, alt stream overlaps)
     "fusion": (True, False),
     "fusion + alt stream": (True, True),
 }
-OVERLAP_FLAGS = {"SGLANG_GDN_QKVZ_BA_ALT_STREAM": "1", "SGLANG_QK_NORM_ALT_STREAM": "1", "SGLANG_ALT_STREAM": "1"}
+OVERLAP_FLAGS = {
+    "SGLANG_GDN_QKVZ_BA_ALT_STREAM": "1",
+    "SGLANG_QK_NORM_ALT_STREAM": "1",
+    "SGLANG_ALT_STREAM": "1",
+}
 
 
 def qwen3_5_35b_a3b_layers(num_layers: int, num_experts: int = 256) -> ModelConfig:
     """Qwen3.5-35B-A3B's layers (its vocabulary, hidden size, heads and experts; ``num_experts`` fewer to fit a
     smaller GPU) at a fraction of its depth, so that dummy weights load in seconds."""
     return ModelConfig(
-        is_moe=True, vocab_size=248320, hidden_size=2048,
-        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)),
-        rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=8192, num_attention_heads=16,
-        num_key_value_heads=2, head_dim=256, rotary_dim=64, rope_theta=1e7, linear_num_key_heads=16,
-        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        num_experts=num_experts, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        is_moe=True,
+        vocab_size=248320,
+        hidden_size=2048,
+        layer_types=tuple(
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)
+        ),
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        max_position_embeddings=8192,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        rotary_dim=64,
+        rope_theta=1e7,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=num_experts,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
     )
 
 
@@ -63,7 +85,9 @@ def overlap_flags(enabled: bool):
 
 def build_model(config: ModelConfig, fusion: bool, alt: bool) -> Qwen3_5MoeForCausalLM:
     with overlap_flags(alt):  # the flags are read while the model is built
-        model = create_model(config, torch.bfloat16, "cuda", ServerArgs(disable_shared_experts_fusion=not fusion))
+        model = create_model(
+            config, torch.bfloat16, "cuda", ServerArgs(disable_shared_experts_fusion=not fusion)
+        )
     init_dummy_weights(model, seed=0)
     if not alt:  # CUDA always has the stream; "off" means no site overlaps at any batch size
         model.streams.overlap_by_batch_size = {bs: False for bs in range(1, 1025)}
@@ -73,29 +97,48 @@ def build_model(config: ModelConfig, fusion: bool, alt: bool) -> Qwen3_5MoeForCa
 class DecodeSession:
     """``concurrency`` requests prefilled with the same random prompts, then stepped one decode token at a time."""
 
-    def __init__(self, model: Qwen3_5MoeForCausalLM, concurrency: int, steps: int, graphs: bool = True) -> None:
+    def __init__(
+        self, model: Qwen3_5MoeForCausalLM, concurrency: int, steps: int, graphs: bool = True
+    ) -> None:
         config = model.config
         context = PROMPT_LEN + steps + 8
-        self.pools = ModelPools.create(config, concurrency * context, concurrency, context, torch.bfloat16, "cuda")
-        args = ServerArgs(device="cuda", max_running_requests=concurrency, cuda_graph_max_bs=concurrency,
-                          disable_cuda_graph=not graphs)
-        self.runner = ModelRunner(model, self.pools, args)  # captures the decode graphs with the model's plan
+        self.pools = ModelPools.create(
+            config, concurrency * context, concurrency, context, torch.bfloat16, "cuda"
+        )
+        args = ServerArgs(
+            device="cuda",
+            max_running_requests=concurrency,
+            cuda_graph_max_bs=concurrency,
+            disable_cuda_graph=not graphs,
+        )
+        self.runner = ModelRunner(
+            model, self.pools, args
+        )  # captures the decode graphs with the model's plan
         self.rows = self.pools.req_to_token.allocator.alloc(concurrency)
         self.slots = self.pools.states.alloc(concurrency)
         gen = torch.Generator().manual_seed(concurrency)
-        prompts = [torch.randint(0, config.vocab_size, (PROMPT_LEN,), generator=gen).tolist() for _ in self.rows]
+        prompts = [
+            torch.randint(0, config.vocab_size, (PROMPT_LEN,), generator=gen).tolist()
+            for _ in self.rows
+        ]
         self.prefill_logits = self._forward(ForwardMode.EXTEND, prompts, [0] * concurrency)
         self.cached = PROMPT_LEN
 
-    def _forward(self, mode: ForwardMode, tokens: list[list[int]], prefix_lens: list[int]) -> torch.Tensor:
-        batch = build_forward_batch(self.pools, mode, tokens, prefix_lens, self.rows, self.slots, "cuda")
+    def _forward(
+        self, mode: ForwardMode, tokens: list[list[int]], prefix_lens: list[int]
+    ) -> torch.Tensor:
+        batch = build_forward_batch(
+            self.pools, mode, tokens, prefix_lens, self.rows, self.slots, "cuda"
+        )
         return self.runner.forward_batch(batch)
 
     def step(self) -> tuple[torch.Tensor, float]:
         """One decode step: (logits, milliseconds)."""
         torch.cuda.synchronize()
         start = time.perf_counter()
-        logits = self._forward(ForwardMode.DECODE, [[1]] * len(self.rows), [self.cached] * len(self.rows))
+        logits = self._forward(
+            ForwardMode.DECODE, [[1]] * len(self.rows), [self.cached] * len(self.rows)
+        )
         torch.cuda.synchronize()
         self.cached += 1
         return logits.clone(), (time.perf_counter() - start) * 1e3
@@ -107,14 +150,20 @@ def decode_tpot_ms(model: Qwen3_5MoeForCausalLM, concurrency: int, steps: int) -
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=256, help="routed experts (Qwen3.5-35B-A3B: 256)")
+    parser.add_argument(
+        "--experts", type=int, default=256, help="routed experts (Qwen3.5-35B-A3B: 256)"
+    )
     parser.add_argument("--steps", type=int, default=32)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("no GPU present: the alt-stream benchmark needs CUDA or ROCm; nothing to measure on the CPU")
+        print(
+            "no GPU present: the alt-stream benchmark needs CUDA or ROCm; nothing to measure on the CPU"
+        )
         return 0
     config = qwen3_5_35b_a3b_layers(args.layers, args.experts)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -126,8 +175,10 @@ def main() -> int:
         del model
         torch.cuda.empty_cache()
     platform = "ROCm" if torch.version.hip else "CUDA"
-    print(f"\nDecode TPOT on {torch.cuda.get_device_name()} ({platform}), {args.layers} layers, bf16, "
-          f"prompt {PROMPT_LEN}")
+    print(
+        f"\nDecode TPOT on {torch.cuda.get_device_name()} ({platform}), {args.layers} layers, bf16, "
+        f"prompt {PROMPT_LEN}"
+    )
     print(f"{'concurrency':>11} | " + " | ".join(f"{n:>22}" for n in VARIANTS))
     for c in levels:
         base = tpot["baseline", c]

@@ -18,6 +18,7 @@ share of the decode ranks' in-flight requests that wait on their KV transfer.
     python benchmarks/bench_balance.py --pd --dp-size 2 --out /tmp/bench_balance_pd
     python benchmarks/bench_balance.py --pd --dp-size 4 --sessions 192 --fit-cost --out /tmp/bb_pd4c  # calibration
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,16 +40,35 @@ from sglang_lite.bench.traces import AgenticTraceConfig, agentic_trace
 from sglang_lite.utils.process import wait_until_healthy
 
 # Small enough for the tiny model on a CPU, still input-heavy and growing turn by turn.
-SMALL_TRACE = AgenticTraceConfig(first_input_mean=300, tool_output_mean=80, output_mean=8, output_max=24,
-                                 min_turns=3, max_turns=8, max_context=1500)
+SMALL_TRACE = AgenticTraceConfig(
+    first_input_mean=300,
+    tool_output_mean=80,
+    output_mean=8,
+    output_max=24,
+    min_turns=3,
+    max_turns=8,
+    max_context=1500,
+)
 # Under --pd: shorter contexts, the settings docs/pd.md's figures were taken with (then, long prompts on a
 # well-used pool failed to transfer: docs/pd.md, "A bug found on the way", fixed since).
-PD_TRACE = dataclasses.replace(SMALL_TRACE, first_input_mean=200, tool_output_mean=60, max_context=700)
+PD_TRACE = dataclasses.replace(
+    SMALL_TRACE, first_input_mean=200, tool_output_mean=60, max_context=700
+)
 VOCAB = 4096
 TRANSFER_TOTALS = ("kv_transfers_total", "kv_transfer_bytes_total", "kv_transfer_seconds_total")
 GEN_THROUGHPUT_WINDOW_S = 10.0  # the scheduler's ThroughputMeter window behind gen_throughput
-SERVER_ARGS = ["--host", "127.0.0.1", "--load-format", "dummy", "--context-length", "2048",
-               "--max-running-requests", "16", "--cpu-threads-per-rank", "1"]
+SERVER_ARGS = [
+    "--host",
+    "127.0.0.1",
+    "--load-format",
+    "dummy",
+    "--context-length",
+    "2048",
+    "--max-running-requests",
+    "16",
+    "--cpu-threads-per-rank",
+    "1",
+]
 
 
 @dataclass(frozen=True)
@@ -57,7 +77,9 @@ class Cluster:
 
     worker_args: list[str]
     sampled_urls: list[str]
-    prefill_urls: list[str] = field(default_factory=list)  # polled for the calibration only (under --pd)
+    prefill_urls: list[str] = field(
+        default_factory=list
+    )  # polled for the calibration only (under --pd)
     procs: list[subprocess.Popen] = field(default_factory=list)
 
 
@@ -93,11 +115,22 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def server_cmd(port: int, args: argparse.Namespace, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "sglang_lite.launch_server", "--port", str(port), *SERVER_ARGS,
-            "--max-total-tokens", str(args.kv_tokens), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "sglang_lite.launch_server",
+        "--port",
+        str(port),
+        *SERVER_ARGS,
+        "--max-total-tokens",
+        str(args.kv_tokens),
+        *extra,
+    ]
 
 
-def launch(cluster: Cluster, cmds: dict[str, list[str]], args: argparse.Namespace, out: Path) -> Cluster:
+def launch(
+    cluster: Cluster, cmds: dict[str, list[str]], args: argparse.Namespace, out: Path
+) -> Cluster:
     """Starts every server (`cmds`: URL -> command) into `cluster.procs` first, so a failed start is cleaned up by
     the caller's `finally`, then waits for all of them."""
     for i, cmd in enumerate(cmds.values()):
@@ -111,8 +144,9 @@ def start_replicas(args: argparse.Namespace, out: Path, cluster: Cluster) -> Clu
     cmds = {}
     for i in range(args.servers):
         port = args.base_port + 1 + i
-        cmds[f"http://127.0.0.1:{port}"] = server_cmd(port, args, "--dp-size", str(args.dp_size),
-                                                     "--random-seed", str(i))
+        cmds[f"http://127.0.0.1:{port}"] = server_cmd(
+            port, args, "--dp-size", str(args.dp_size), "--random-seed", str(i)
+        )
     cluster.worker_args.extend(["--worker-urls", *cmds])
     cluster.sampled_urls.extend(cmds)
     return launch(cluster, cmds, args, out)
@@ -120,13 +154,37 @@ def start_replicas(args: argparse.Namespace, out: Path, cluster: Cluster) -> Clu
 
 def start_pd(args: argparse.Namespace, out: Path, cluster: Cluster) -> Cluster:
     """One prefill server (one rank) and one decode server with `--dp-size` ranks."""
-    prefill_port, decode_port, bootstrap_port = args.base_port + 1, args.base_port + 2, args.base_port + 3
+    prefill_port, decode_port, bootstrap_port = (
+        args.base_port + 1,
+        args.base_port + 2,
+        args.base_port + 3,
+    )
     prefill, decode = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
-    cmds = {prefill: server_cmd(prefill_port, args, "--disaggregation-mode", "prefill",
-                                "--disaggregation-bootstrap-port", str(bootstrap_port)),
-            decode: server_cmd(decode_port, args, "--disaggregation-mode", "decode", "--dp-size", str(args.dp_size))}
-    cluster.worker_args.extend(["--pd-disaggregation", "--prefill", prefill, str(bootstrap_port), "--decode", decode,
-                                "--prefill-policy", "round_robin"])
+    cmds = {
+        prefill: server_cmd(
+            prefill_port,
+            args,
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            str(bootstrap_port),
+        ),
+        decode: server_cmd(
+            decode_port, args, "--disaggregation-mode", "decode", "--dp-size", str(args.dp_size)
+        ),
+    }
+    cluster.worker_args.extend(
+        [
+            "--pd-disaggregation",
+            "--prefill",
+            prefill,
+            str(bootstrap_port),
+            "--decode",
+            decode,
+            "--prefill-policy",
+            "round_robin",
+        ]
+    )
     cluster.sampled_urls.append(decode)
     cluster.prefill_urls.append(prefill)
     return launch(cluster, cmds, args, out)
@@ -139,7 +197,9 @@ class InFlightSeries(LoadSeries):
 
     prealloc: list[int] = field(default_factory=list)
     transfer: list[int] = field(default_factory=list)
-    transfer_totals: list[list[float]] = field(default_factory=list)  # per sample, TRANSFER_TOTALS over ranks
+    transfer_totals: list[list[float]] = field(
+        default_factory=list
+    )  # per sample, TRANSFER_TOTALS over ranks
 
     def add(self, t: float, per_rank: dict[str, dict]) -> None:
         kept = len(self.times)
@@ -151,7 +211,9 @@ class InFlightSeries(LoadSeries):
             self.add_transfer_totals({r: per_rank[r] for r in self.ranks})
 
     def add_transfer_totals(self, per_rank: dict[str, dict]) -> None:
-        self.transfer_totals.append([sum(float(e.get(k, 0)) for e in per_rank.values()) for k in TRANSFER_TOTALS])
+        self.transfer_totals.append(
+            [sum(float(e.get(k, 0)) for e in per_rank.values()) for k in TRANSFER_TOTALS]
+        )
 
     def waiting_shares(self, min_total_outstanding: int) -> tuple[float, float]:
         """(prealloc, transfer) requests over all outstanding ones, summed over the steady-state samples."""
@@ -159,7 +221,9 @@ class InFlightSeries(LoadSeries):
         total = sum(sum(self.outstanding[i]) for i in keep)
         if not total:
             return 0.0, 0.0
-        return sum(self.prealloc[i] for i in keep) / total, sum(self.transfer[i] for i in keep) / total
+        return sum(self.prealloc[i] for i in keep) / total, sum(
+            self.transfer[i] for i in keep
+        ) / total
 
 
 @dataclass
@@ -177,17 +241,41 @@ class PrefillSeries:
         entries = list(per_rank.values())
         self.times.append(t)
         self.prefill_tokens.append(sum(int(e.get("num_prefill_tokens", 0)) for e in entries))
-        self.busy.append(any(int(e.get("num_running_reqs", 0)) + int(e.get("num_waiting_reqs", 0))
-                             + int(e.get("prefill_prealloc_queue_reqs", 0)) > 0 for e in entries))
+        self.busy.append(
+            any(
+                int(e.get("num_running_reqs", 0))
+                + int(e.get("num_waiting_reqs", 0))
+                + int(e.get("prefill_prealloc_queue_reqs", 0))
+                > 0
+                for e in entries
+            )
+        )
         self.cache_hit_rate.append(max(float(e.get("cache_hit_rate", 0.0)) for e in entries))
 
 
-async def run_policy(policy: str, cluster: Cluster, args: argparse.Namespace, out: Path, trace,
-                     shares: dict[str, tuple[float, float]]) -> BalanceStats:
+async def run_policy(
+    policy: str,
+    cluster: Cluster,
+    args: argparse.Namespace,
+    out: Path,
+    trace,
+    shares: dict[str, tuple[float, float]],
+) -> BalanceStats:
     url = f"http://127.0.0.1:{args.base_port}"
-    cmd = [sys.executable, "-m", "sglang_lite.router", *cluster.worker_args, "--dp-aware", "--host", "127.0.0.1",
-           "--port", str(args.base_port), "--worker-startup-check-interval", str(args.poll_interval),
-           *router_args(policy, args.pd)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_lite.router",
+        *cluster.worker_args,
+        "--dp-aware",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.base_port),
+        "--worker-startup-check-interval",
+        str(args.poll_interval),
+        *router_args(policy, args.pd),
+    ]
     router = start(cmd, out / f"router_{policy}.log")
     try:
         await asyncio.to_thread(wait_healthy, url, router, 60)
@@ -204,19 +292,33 @@ async def run_policy(policy: str, cluster: Cluster, args: argparse.Namespace, ou
     finally:
         stop(router)
     print(f"{policy}: {summary}", flush=True)
-    assert summary["failed"] == summary["short"] == 0, f"{policy}: requests failed or ended early; see {out}"
+    assert summary["failed"] == summary["short"] == 0, (
+        f"{policy}: requests failed or ended early; see {out}"
+    )
     sampler.series.write_csv(out / f"loads_{policy}.csv")
-    sampler.series.plot(out / f"loads_{policy}.png", title=f"{policy}, concurrency {args.concurrency}")
+    sampler.series.plot(
+        out / f"loads_{policy}.png", title=f"{policy}, concurrency {args.concurrency}"
+    )
     shares[policy] = sampler.series.waiting_shares(args.concurrency // 2)
     stats = sampler.series.stats(min_total_outstanding=args.concurrency // 2)
     pre = prefill_sampler.series
     # everything the calibration fits from, so that --reuse can redo the simulator part without servers
-    record = {"stats": dataclasses.asdict(stats), "summary": summary, "shares": shares[policy],
-              "prompt_tokens": sum(r.request.input_len for r in results if r.ok),
-              "requests": [(r.request.input_len, r.output_tokens, r.ttft, r.latency) for r in results if r.ok],
-              "transfer_totals": sampler.series.transfer_totals,
-              "prefill": {"times": pre.times, "prefill_tokens": pre.prefill_tokens, "busy": pre.busy,
-                          "cache_hit_rate": pre.cache_hit_rate}}
+    record = {
+        "stats": dataclasses.asdict(stats),
+        "summary": summary,
+        "shares": shares[policy],
+        "prompt_tokens": sum(r.request.input_len for r in results if r.ok),
+        "requests": [
+            (r.request.input_len, r.output_tokens, r.ttft, r.latency) for r in results if r.ok
+        ],
+        "transfer_totals": sampler.series.transfer_totals,
+        "prefill": {
+            "times": pre.times,
+            "prefill_tokens": pre.prefill_tokens,
+            "busy": pre.busy,
+            "cache_hit_rate": pre.cache_hit_rate,
+        },
+    }
     (out / f"real_{policy}.json").write_text(json.dumps(record, default=float))
     return stats
 
@@ -239,26 +341,38 @@ def fit_cost(args: argparse.Namespace, policies: list[str], out: Path):
     notes = []
     # Decode step from the replay's TPOTs: a request's TPOT is the step time of its rank while it decoded, at the
     # batch a decoding request sees (request-weighted mean running, per run) and its own KV.
-    obs = np.concatenate([tpot_observations(request_weighted_batch(out / f"loads_{p}.csv"), r["requests"])
-                          for p, r in zip(policies, records)])
+    obs = np.concatenate(
+        [
+            tpot_observations(request_weighted_batch(out / f"loads_{p}.csv"), r["requests"])
+            for p, r in zip(policies, records)
+        ]
+    )
     if len(obs) >= 10:
         cost = fit_decode(obs, cost)
         fitted = np.array([cost.rank_step_s(b, k) for b, k, _ in obs])
-        notes.append(f"decode step: TPOT of {len(obs)} requests; request-weighted batch per run "
-                     f"{sorted({round(float(b), 2) for b in obs[:, 0]})}; "
-                     f"TPOT median {np.median(obs[:, 2]) * 1e3:.2f} ms, "
-                     f"fit residual median |{np.median(np.abs(fitted - obs[:, 2])) * 1e3:.2f}| ms")
+        notes.append(
+            f"decode step: TPOT of {len(obs)} requests; request-weighted batch per run "
+            f"{sorted({round(float(b), 2) for b in obs[:, 0]})}; "
+            f"TPOT median {np.median(obs[:, 2]) * 1e3:.2f} ms, "
+            f"fit residual median |{np.median(np.abs(fitted - obs[:, 2])) * 1e3:.2f}| ms"
+        )
     # Cross-check, not used: the loads-based fit (running / gen_throughput per busy rank-sample).
-    loads_obs = np.concatenate([read_observations(out / f"loads_{p}.csv", GEN_THROUGHPUT_WINDOW_S) for p in policies])
+    loads_obs = np.concatenate(
+        [read_observations(out / f"loads_{p}.csv", GEN_THROUGHPUT_WINDOW_S) for p in policies]
+    )
     if len(loads_obs) >= 3:
         alt = fit_decode(loads_obs, cost)
-        notes.append(f"  (not used: the /v1/loads fit, {len(loads_obs)} rank-samples averaged over gen_throughput's "
-                     f"{GEN_THROUGHPUT_WINDOW_S:.0f} s window, gives base {alt.decode_base_s * 1e3:.2f} ms + "
-                     f"{alt.decode_per_req_s * 1e3:.2f} ms/request + {alt.decode_per_kv_token_s * 1e6:.3f} us/KV "
-                     f"token; observed steps median {np.median(loads_obs[:, 2]) * 1e3:.2f} ms)")
+        notes.append(
+            f"  (not used: the /v1/loads fit, {len(loads_obs)} rank-samples averaged over gen_throughput's "
+            f"{GEN_THROUGHPUT_WINDOW_S:.0f} s window, gives base {alt.decode_base_s * 1e3:.2f} ms + "
+            f"{alt.decode_per_req_s * 1e3:.2f} ms/request + {alt.decode_per_kv_token_s * 1e6:.3f} us/KV "
+            f"token; observed steps median {np.median(loads_obs[:, 2]) * 1e3:.2f} ms)"
+        )
     if args.pd:
         pre = [r["prefill"] for r in records]
-        times = np.concatenate([np.array(x["times"]) + 1e6 * i for i, x in enumerate(pre)])  # runs never join
+        times = np.concatenate(
+            [np.array(x["times"]) + 1e6 * i for i, x in enumerate(pre)]
+        )  # runs never join
         toks = np.concatenate([np.array(x["prefill_tokens"], dtype=float) for x in pre])
         busy = np.concatenate([np.array(x["busy"], dtype=bool) for x in pre])
         busy_joint = busy.copy()
@@ -266,22 +380,28 @@ def fit_cost(args: argparse.Namespace, policies: list[str], out: Path):
         busy_joint[starts] = False  # no interval across two runs
         cost = fit_prefill(times, toks, busy_joint, cost)
         hit = max(x["cache_hit_rate"][-1] for x in pre if x["cache_hit_rate"])
-        notes.append(f"prefill: {int(np.diff(toks)[busy_joint[:-1] & busy_joint[1:]].clip(0).sum())} tokens in busy "
-                     f"intervals, {np.mean(busy):.0%} of samples busy; prefix-cache hit rate at the end {hit:.1%}")
+        notes.append(
+            f"prefill: {int(np.diff(toks)[busy_joint[:-1] & busy_joint[1:]].clip(0).sum())} tokens in busy "
+            f"intervals, {np.mean(busy):.0%} of samples busy; prefix-cache hit rate at the end {hit:.1%}"
+        )
         tt = [np.array(r["transfer_totals"], dtype=float).reshape(-1, 3) for r in records]
         counts = np.concatenate([np.diff(t[:, 0], prepend=t[0, 0]) for t in tt]).cumsum()
         nbytes = np.concatenate([np.diff(t[:, 1], prepend=t[0, 1]) for t in tt]).cumsum()
         secs = np.concatenate([np.diff(t[:, 2], prepend=t[0, 2]) for t in tt]).cumsum()
         prompt_tokens = sum(int(r["prompt_tokens"]) for r in records)
         cost = fit_transfer(counts, nbytes, secs, prompt_tokens, cost)
-        notes.append(f"transfer: {int(counts[-1])} transfers, {nbytes[-1] / max(counts[-1], 1):,.0f} bytes and "
-                     f"{secs[-1] / max(counts[-1], 1) * 1e3:.2f} ms each (the prefill side's write time)")
+        notes.append(
+            f"transfer: {int(counts[-1])} transfers, {nbytes[-1] / max(counts[-1], 1):,.0f} bytes and "
+            f"{secs[-1] / max(counts[-1], 1) * 1e3:.2f} ms each (the prefill side's write time)"
+        )
     else:
         hit = 0.0
     return cost, hit, notes
 
 
-def simulate_like(args: argparse.Namespace, policies: list[str], out: Path, cost=None, prefix_cache: bool = False):
+def simulate_like(
+    args: argparse.Namespace, policies: list[str], out: Path, cost=None, prefix_cache: bool = False
+):
     from sglang_lite.sim.cluster import simulate
     from sglang_lite.sim.config import ClusterConfig, SimConfig, load_cluster_file
 
@@ -290,12 +410,26 @@ def simulate_like(args: argparse.Namespace, policies: list[str], out: Path, cost
     # server of its own; the policies still see as many workers as there are real ranks (servers x dp_size, or
     # the decode server's dp_size under --pd). The prefix cache is on only if the real prefill server hit its own.
     decode_ranks = args.dp_size if args.pd else args.servers * args.dp_size
-    cluster = ClusterConfig(num_prefill=1, num_decode=decode_ranks, decode_dp_size=1,
-                            gpus_per_server=1, rank_kv_tokens=args.kv_tokens, rank_max_running=16,
-                            prefill_cache_tokens=args.kv_tokens if prefix_cache else 0,
-                            poll_interval_s=args.poll_interval, sample_interval_s=args.sample_interval)
-    base = SimConfig(concurrency=args.concurrency, duration_s=args.sim_duration, warmup_s=30.0, seed=args.seed,
-                     cost=cost, cluster=cluster, trace=trace_config(args))
+    cluster = ClusterConfig(
+        num_prefill=1,
+        num_decode=decode_ranks,
+        decode_dp_size=1,
+        gpus_per_server=1,
+        rank_kv_tokens=args.kv_tokens,
+        rank_max_running=16,
+        prefill_cache_tokens=args.kv_tokens if prefix_cache else 0,
+        poll_interval_s=args.poll_interval,
+        sample_interval_s=args.sample_interval,
+    )
+    base = SimConfig(
+        concurrency=args.concurrency,
+        duration_s=args.sim_duration,
+        warmup_s=30.0,
+        seed=args.seed,
+        cost=cost,
+        cluster=cluster,
+        trace=trace_config(args),
+    )
     return {p: simulate(dataclasses.replace(base, policy=p)) for p in policies}
 
 
@@ -307,7 +441,7 @@ def order_by(stats: dict[str, BalanceStats], metric: str) -> list[str]:
 
 
 def pairs_agreeing(real: list[str], sim: list[str]) -> tuple[int, int]:
-    pairs = [(a, b) for i, a in enumerate(real) for b in real[i + 1:]]
+    pairs = [(a, b) for i, a in enumerate(real) for b in real[i + 1 :]]
     return sum(sim.index(a) < sim.index(b) for a, b in pairs), len(pairs)
 
 
@@ -317,8 +451,9 @@ def format_shares(shares: dict[str, tuple[float, float]]) -> str:
     return "\n".join(lines)
 
 
-async def run_real(args: argparse.Namespace, policies: list[str], out: Path,
-                   shares: dict[str, tuple[float, float]]) -> dict[str, BalanceStats]:
+async def run_real(
+    args: argparse.Namespace, policies: list[str], out: Path, shares: dict[str, tuple[float, float]]
+) -> dict[str, BalanceStats]:
     trace = agentic_trace(args.sessions, args.seed, trace_config(args))
     cluster = Cluster([], [])
     try:
@@ -334,8 +469,13 @@ def load_real(policies: list[str], out: Path, shares: dict[str, tuple[float, flo
     for p in policies:
         record = json.loads((out / f"real_{p}.json").read_text())
         st = record["stats"]
-        real[p] = BalanceStats(**{**st, "rank_batch_ratio": tuple(st["rank_batch_ratio"]),
-                                  "busiest_share": tuple(st["busiest_share"])})
+        real[p] = BalanceStats(
+            **{
+                **st,
+                "rank_batch_ratio": tuple(st["rank_batch_ratio"]),
+                "busiest_share": tuple(st["busiest_share"]),
+            }
+        )
         summaries[p], shares[p] = record["summary"], tuple(record["shares"])
     return real, summaries
 
@@ -349,14 +489,20 @@ async def main_async(args: argparse.Namespace) -> int:
         await run_real(args, policies, out, shares)
     real, summaries = load_real(policies, out, shares)
     setup = "1 prefill + 1 decode server (PD)" if args.pd else f"{args.servers} servers"
-    print(f"\nreal servers, {setup}, {args.dp_size} DP ranks each (sampled /v1/loads):\n"
-          + format_table(real, baseline=policies[0]))
+    print(
+        f"\nreal servers, {setup}, {args.dp_size} DP ranks each (sampled /v1/loads):\n"
+        + format_table(real, baseline=policies[0])
+    )
     for p, st in real.items():
-        print(f"  {p}: rank batch / mean {[round(x, 2) for x in st.rank_batch_ratio]}, "
-              f"busiest share {[round(x, 2) for x in st.busiest_share]}")
+        print(
+            f"  {p}: rank batch / mean {[round(x, 2) for x in st.rank_batch_ratio]}, "
+            f"busiest share {[round(x, 2) for x in st.busiest_share]}"
+        )
     if args.pd:
-        print("\nshare of the decode ranks' outstanding requests waiting (steady-state samples):\n"
-              + format_shares(shares))
+        print(
+            "\nshare of the decode ranks' outstanding requests waiting (steady-state samples):\n"
+            + format_shares(shares)
+        )
     cost, hit = None, 0.0
     if args.fit_cost:
         cost, hit, notes = fit_cost(args, policies, out)
@@ -371,47 +517,78 @@ async def main_async(args: argparse.Namespace) -> int:
         gap = float(np.mean([summaries[p]["ttft_p50_s"] - results[p].ttft_p50 for p in policies]))
         if gap > 0:
             cost = dataclasses.replace(cost, transfer_latency_s=cost.transfer_latency_s + gap)
-            print(f"  TTFT p50 real - simulated (mean over policies) {gap * 1e3:.1f} ms: transfer_latency_s -> "
-                  f"{cost.transfer_latency_s * 1e3:.1f} ms, simulated again")
+            print(
+                f"  TTFT p50 real - simulated (mean over policies) {gap * 1e3:.1f} ms: transfer_latency_s -> "
+                f"{cost.transfer_latency_s * 1e3:.1f} ms, simulated again"
+            )
             results = simulate_like(args, policies, out, cost, prefix_cache=hit > 0.05)
     sim = {p: r.balance for p, r in results.items()}
-    print(f"\nsimulator configured like this setup ({'fitted' if args.fit_cost else 'packaged'} cost model, "
-          f"{args.sim_duration:.0f} s, seed {args.seed}):\n" + format_table(sim, baseline=policies[0]))
-    print(f"\n{'policy':<18}{'TTFT p50 s real/sim':>22}{'TPOT p50 ms real/sim':>24}{'in transfer real/sim':>24}")
+    print(
+        f"\nsimulator configured like this setup ({'fitted' if args.fit_cost else 'packaged'} cost model, "
+        f"{args.sim_duration:.0f} s, seed {args.seed}):\n" + format_table(sim, baseline=policies[0])
+    )
+    print(
+        f"\n{'policy':<18}{'TTFT p50 s real/sim':>22}{'TPOT p50 ms real/sim':>24}{'in transfer real/sim':>24}"
+    )
     for p, r in results.items():
         s = summaries[p]
-        print(f"{p:<18}{s['ttft_p50_s']:>11.3f} / {r.ttft_p50:<8.3f}{s['tpot_p50_s'] * 1e3:>13.2f} / "
-              f"{r.tpot_p50 * 1e3:<8.2f}{shares[p][1]:>14.1%} / {np.mean(r.transfer_share or [0.0]):<6.1%}")
+        print(
+            f"{p:<18}{s['ttft_p50_s']:>11.3f} / {r.ttft_p50:<8.3f}{s['tpot_p50_s'] * 1e3:>13.2f} / "
+            f"{r.tpot_p50 * 1e3:<8.2f}{shares[p][1]:>14.1%} / {np.mean(r.transfer_share or [0.0]):<6.1%}"
+        )
     all_agree = True
     for metric in METRICS:
         r_order, s_order = order_by(real, metric), order_by(sim, metric)
         agree = r_order == s_order
         all_agree &= agree
         ok, n = pairs_agreeing(r_order, s_order)
-        print(f"order by {metric} (lowest first): real {r_order}, simulated {s_order}: "
-              f"{'agree' if agree else 'DISAGREE'} ({ok}/{n} pairs)")
+        print(
+            f"order by {metric} (lowest first): real {r_order}, simulated {s_order}: "
+            f"{'agree' if agree else 'DISAGREE'} ({ok}/{n} pairs)"
+        )
     return 0 if all_agree else 1
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--policies", default="round_robin,tokens,requests,least_requests")
-    p.add_argument("--pd", action="store_true", help="1 prefill + 1 decode server (--dp-size decode ranks)")
+    p.add_argument(
+        "--pd", action="store_true", help="1 prefill + 1 decode server (--dp-size decode ranks)"
+    )
     p.add_argument("--servers", type=int, default=2, help="replica mode: servers behind the router")
-    p.add_argument("--dp-size", type=int, default=2, help="DP ranks per server (the decode server's under --pd)")
+    p.add_argument(
+        "--dp-size",
+        type=int,
+        default=2,
+        help="DP ranks per server (the decode server's under --pd)",
+    )
     p.add_argument("--concurrency", type=int, default=None, help="default: 12, or 8 under --pd")
     p.add_argument("--sessions", type=int, default=48)
     p.add_argument("--kv-tokens", type=int, default=16384)
-    p.add_argument("--poll-interval", type=float, default=0.5, help="the router's /v1/loads polling period")
-    p.add_argument("--sample-interval", type=float, default=0.25, help="the balance sampler's period")
-    p.add_argument("--base-port", type=int, default=31000, help="router port; servers use the next ports")
+    p.add_argument(
+        "--poll-interval", type=float, default=0.5, help="the router's /v1/loads polling period"
+    )
+    p.add_argument(
+        "--sample-interval", type=float, default=0.25, help="the balance sampler's period"
+    )
+    p.add_argument(
+        "--base-port", type=int, default=31000, help="router port; servers use the next ports"
+    )
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fit-cost", action="store_true",
-                   help="simulate with the cost model fitted to the real runs (decode step; under --pd also the "
-                        "prefill rate and the KV transfer)")
-    p.add_argument("--reuse", action="store_true",
-                   help="start no servers: redo the simulator part from the files a previous run left in --out")
+    p.add_argument(
+        "--fit-cost",
+        action="store_true",
+        help="simulate with the cost model fitted to the real runs (decode step; under --pd also the "
+        "prefill rate and the KV transfer)",
+    )
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="start no servers: redo the simulator part from the files a previous run left in --out",
+    )
     p.add_argument("--sim-duration", type=float, default=600.0, help="simulated seconds per policy")
     p.add_argument("--out", default="bench_balance_out")
     args = p.parse_args()

@@ -7,6 +7,7 @@ of dequantizing the weight at load.
 
     python benchmarks/bench_fp8.py [--threads 1] [--dtype float32]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,31 +23,45 @@ from kernel_cases._timing import time_ms  # noqa: E402
 from sglang_lite.kernels.quant import dequantize_blocks, naive, quantize_blocks  # noqa: E402
 
 BLOCK = (128, 128)
-SHAPES = [(2048, 2048), (4096, 2048), (2048, 512)]  # (N, K): attention / GDN projections, an expert's down_proj
+SHAPES = [
+    (2048, 2048),
+    (4096, 2048),
+    (2048, 512),
+]  # (N, K): attention / GDN projections, an expert's down_proj
 TOKENS = [1, 16, 256]
 CPU = torch.device("cpu")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"{args.threads} thread(s), {args.dtype}; ms per call (median)\n")
-    print(f"{'N x K':>11} {'tokens':>6} {'dequantized at load':>20} {'per-GEMM dequant':>17} {'ratio':>6} "
-          f"{'load-time dequant':>18}")
+    print(
+        f"{'N x K':>11} {'tokens':>6} {'dequantized at load':>20} {'per-GEMM dequant':>17} {'ratio':>6} "
+        f"{'load-time dequant':>18}"
+    )
     for n, k in SHAPES:
         w, scale = quantize_blocks(torch.randn(n, k) * k**-0.5, BLOCK, torch.float8_e4m3fn)
-        load_ms = time_ms(partial(dequantize_blocks, w, scale, BLOCK, dtype), CPU, iters=10, warmup=1)
+        load_ms = time_ms(
+            partial(dequantize_blocks, w, scale, BLOCK, dtype), CPU, iters=10, warmup=1
+        )
         dense = dequantize_blocks(w, scale, BLOCK, dtype)
         for tokens in TOKENS:
             x = torch.randn(tokens, k, dtype=dtype)
             at_load = time_ms(partial(torch.matmul, x, dense.t()), CPU, iters=20, warmup=2)
-            per_gemm = time_ms(partial(naive.w8a8_block_fp8_matmul, x, w, scale, BLOCK), CPU, iters=10, warmup=1)
-            print(f"{n:>5} x {k:<5} {tokens:>6} {at_load:>20.3f} {per_gemm:>17.3f} {per_gemm / at_load:>6.1f} "
-                  f"{load_ms:>18.3f}")
+            per_gemm = time_ms(
+                partial(naive.w8a8_block_fp8_matmul, x, w, scale, BLOCK), CPU, iters=10, warmup=1
+            )
+            print(
+                f"{n:>5} x {k:<5} {tokens:>6} {at_load:>20.3f} {per_gemm:>17.3f} {per_gemm / at_load:>6.1f} "
+                f"{load_ms:>18.3f}"
+            )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ logits, checks that they return the same ids, and prints the ratio. Vocabularies
 
     python benchmarks/bench_greedy_argmax.py [--threads 2] [--batch-sizes 1 8 32 128]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,9 @@ VOCABS = (32000, 248320)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
     args = parser.parse_args()
@@ -37,7 +40,9 @@ def main() -> None:
         for batch in args.batch_sizes:
             logits = torch.randn(batch, vocab)
             if not torch.equal(argmax_rows(logits), logits.argmax(dim=-1)):
-                raise AssertionError(f"argmax_rows differs from torch.argmax at batch {batch}, vocab {vocab}")
+                raise AssertionError(
+                    f"argmax_rows differs from torch.argmax at batch {batch}, vocab {vocab}"
+                )
             plain = time_ms(partial(torch.argmax, logits, dim=-1), CPU, iters=100)
             ours = time_ms(partial(argmax_rows, logits), CPU, iters=100)
             rows.append((vocab, batch, plain, ours))

@@ -30,6 +30,7 @@ prompts, less the time of their first token.
 
     python benchmarks/bench_offline.py --scaling --tp-size 2 --input-len 1024 --batch-sizes 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -102,7 +103,9 @@ def cpu_seconds() -> float:
     total = 0
     for pid in pids:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # fields from the third on; utime and stime are 14 and 15
+            fields = (
+                f.read().rsplit(")", 1)[1].split()
+            )  # fields from the third on; utime and stime are 14 and 15
         total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
 
@@ -120,15 +123,32 @@ def best(speeds: list[Speed]) -> Speed:
 
 def random_prompts(batch_size: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab - 8, (batch_size, input_len), generator=gen).tolist()  # no special tokens
+    return torch.randint(
+        0, vocab - 8, (batch_size, input_len), generator=gen
+    ).tolist()  # no special tokens
 
 
 # The issue's mid-size model and a large one; the tiny one is the built-in model.
-MID = dict(model_type="qwen3_5_moe_text", vocab_size=32000, hidden_size=256, num_hidden_layers=8,
-           num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
-           linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
-           num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, shared_expert_intermediate_size=128,
-           max_position_embeddings=4096, tie_word_embeddings=False)
+MID = dict(
+    model_type="qwen3_5_moe_text",
+    vocab_size=32000,
+    hidden_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=128,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 
 
 def large_config() -> dict:
@@ -172,15 +192,22 @@ def build_hf_model(model_dir: str, dummy: bool) -> torch.nn.Module:
     if not dummy:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(model_dir), dtype=torch.float32
+    ).eval()
 
 
 def hf_generate(model: torch.nn.Module, prompts: list[list[int]], output_len: int) -> None:
     ids = torch.tensor(prompts)
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len, min_new_tokens=output_len,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
     assert out.shape == (len(prompts), ids.shape[1] + output_len)
 
@@ -205,20 +232,30 @@ def run(args: argparse.Namespace, model_dir: str, dummy: bool) -> list[Row]:
     hf_model = build_hf_model(model_dir, dummy)
     vocab = hf_model.config.vocab_size
     rows = []
-    with Engine(model_dir, load_format="dummy" if dummy else "auto", skip_tokenizer_init=True,
-                max_running_requests=max(args.batch_sizes), max_total_tokens=args.max_total_tokens,
-                enable_torch_compile=args.torch_compile, cpu_threads_per_rank=args.threads,
-                tp_size=args.tp_size) as engine:
+    with Engine(
+        model_dir,
+        load_format="dummy" if dummy else "auto",
+        skip_tokenizer_init=True,
+        max_running_requests=max(args.batch_sizes),
+        max_total_tokens=args.max_total_tokens,
+        enable_torch_compile=args.torch_compile,
+        cpu_threads_per_rank=args.threads,
+        tp_size=args.tp_size,
+    ) as engine:
         warm = random_prompts(2, 16, vocab, seed=99)
         hf_generate(hf_model, warm, 4)
         engine_generate(engine, warm, 4)
         for batch_size in tqdm(args.batch_sizes, desc=f"{args.model_shape}: batch sizes"):
             prompts = random_prompts(batch_size, args.input_len, vocab, seed=batch_size)
-            engine_generate(engine, random_prompts(batch_size, 16, vocab, seed=7), 4)  # compiles, when compiling
+            engine_generate(
+                engine, random_prompts(batch_size, 16, vocab, seed=7), 4
+            )  # compiles, when compiling
             sides = {}
             for _ in range(args.repeats):  # alternating, so that both sides share the host's noise
-                for name, generate in (("engine", partial(engine_generate, engine)),
-                                       ("hf", partial(hf_generate, hf_model))):
+                for name, generate in (
+                    ("engine", partial(engine_generate, engine)),
+                    ("hf", partial(hf_generate, hf_model)),
+                ):
                     side = measure_side(generate, prompts, args.output_len, 1)
                     sides[name] = side if name not in sides else _better(sides[name], side)
             rows.append(Row(batch_size, sides["hf"], sides["engine"]))
@@ -229,51 +266,92 @@ def _better(a: Side, b: Side) -> Side:
     return Side(best([a.speed, b.speed]), min(a.whole_s, b.whole_s), min(a.prefill_s, b.prefill_s))
 
 
-def print_table(rows: list[Row], args: argparse.Namespace, machine: Machine, model_dir: str) -> None:
-    print(f"\n{args.model_shape} Qwen3.5-MoE, engine TP={args.tp_size}, {args.input_len} prompt tokens, "
-          f"{args.output_len} new tokens, {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, engine "
-          f"torch.compile {'on' if args.torch_compile else 'off'}, load average {os.getloadavg()[0]:.1f} "
-          f"(best of {args.repeats})")
+def print_table(
+    rows: list[Row], args: argparse.Namespace, machine: Machine, model_dir: str
+) -> None:
+    print(
+        f"\n{args.model_shape} Qwen3.5-MoE, engine TP={args.tp_size}, {args.input_len} prompt tokens, "
+        f"{args.output_len} new tokens, {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, engine "
+        f"torch.compile {'on' if args.torch_compile else 'off'}, load average {os.getloadavg()[0]:.1f} "
+        f"(best of {args.repeats})"
+    )
     print(f"{'':>6} {'wall clock tok/s':^36} {'tok per CPU-second':^36}")
-    print(f"{'batch':>6} {'transformers':>13} {'sglang_lite':>12} {'ratio':>9} "
-          f"{'transformers':>13} {'sglang_lite':>12} {'ratio':>9}")
+    print(
+        f"{'batch':>6} {'transformers':>13} {'sglang_lite':>12} {'ratio':>9} "
+        f"{'transformers':>13} {'sglang_lite':>12} {'ratio':>9}"
+    )
     for r in rows:
-        print(f"{r.batch_size:>6} {r.hf.speed.wall_tok_s:>13.1f} {r.engine.speed.wall_tok_s:>12.1f} "
-              f"{r.ratio:>8.2f}x {r.hf.speed.cpu_tok_s:>13.1f} {r.engine.speed.cpu_tok_s:>12.1f} "
-              f"{r.cpu_ratio:>8.2f}x")
+        print(
+            f"{r.batch_size:>6} {r.hf.speed.wall_tok_s:>13.1f} {r.engine.speed.wall_tok_s:>12.1f} "
+            f"{r.ratio:>8.2f}x {r.hf.speed.cpu_tok_s:>13.1f} {r.engine.speed.cpu_tok_s:>12.1f} "
+            f"{r.cpu_ratio:>8.2f}x"
+        )
     print_roofline(rows, args, machine, model_dir)
 
 
-def print_roofline(rows: list[Row], args: argparse.Namespace, machine: Machine, model_dir: str) -> None:
+def print_roofline(
+    rows: list[Row], args: argparse.Namespace, machine: Machine, model_dir: str
+) -> None:
     from sglang_lite.config import ModelConfig
 
     config = ModelConfig.from_hf(model_dir)
-    print(f"\nroofline: fp32 GEMM peak {machine.gemm_gflops:.0f} GFLOP/s, memory bandwidth "
-          f"{machine.bandwidth_gbs:.1f} GB/s (measured here, {torch.get_num_threads()} threads); "
-          "% = share of each, FLOPs and bytes counted from the shape")
-    print(f"{'phase':<16} {'GFLOP':>7} {'MB':>7} {'engine ms':>10} {'GEMM %':>7} {'bw %':>6} "
-          f"{'HF ms':>9} {'GEMM %':>7} {'bw %':>6}")
+    print(
+        f"\nroofline: fp32 GEMM peak {machine.gemm_gflops:.0f} GFLOP/s, memory bandwidth "
+        f"{machine.bandwidth_gbs:.1f} GB/s (measured here, {torch.get_num_threads()} threads); "
+        "% = share of each, FLOPs and bytes counted from the shape"
+    )
+    print(
+        f"{'phase':<16} {'GFLOP':>7} {'MB':>7} {'engine ms':>10} {'GEMM %':>7} {'bw %':>6} "
+        f"{'HF ms':>9} {'GEMM %':>7} {'bw %':>6}"
+    )
     context = args.input_len + args.output_len // 2
     for r in rows:
         b = r.batch_size
-        phases = ((f"prefill {b}x{args.input_len}", prefill_work(config, b, args.input_len),
-                   r.engine.prefill_s, r.hf.prefill_s),
-                  (f"decode bs {b}", decode_work(config, b, context),
-                   r.engine.decode_step_s(args.output_len), r.hf.decode_step_s(args.output_len)))
+        phases = (
+            (
+                f"prefill {b}x{args.input_len}",
+                prefill_work(config, b, args.input_len),
+                r.engine.prefill_s,
+                r.hf.prefill_s,
+            ),
+            (
+                f"decode bs {b}",
+                decode_work(config, b, context),
+                r.engine.decode_step_s(args.output_len),
+                r.hf.decode_step_s(args.output_len),
+            ),
+        )
         for name, work, engine_s, hf_s in phases:
             (eg, eb), (hg, hb) = work.shares(engine_s, machine), work.shares(hf_s, machine)
-            print(f"{name:<16} {work.flops / 1e9:>7.2f} {work.bytes / 1e6:>7.1f} {engine_s * 1e3:>10.2f} "
-                  f"{100 * eg:>6.1f}% {100 * eb:>5.1f}% {hf_s * 1e3:>9.2f} {100 * hg:>6.1f}% {100 * hb:>5.1f}%")
+            print(
+                f"{name:<16} {work.flops / 1e9:>7.2f} {work.bytes / 1e6:>7.1f} {engine_s * 1e3:>10.2f} "
+                f"{100 * eg:>6.1f}% {100 * eb:>5.1f}% {hf_s * 1e3:>9.2f} {100 * hg:>6.1f}% {100 * hb:>5.1f}%"
+            )
 
 
 # A Qwen3.5-MoE shape whose forward is compute-bound on the CPU (dummy weights: only the speed is measured).
 def scaling_config(hidden: int) -> dict:
     heads = hidden // 128
-    return dict(model_type="qwen3_5_moe_text", vocab_size=8192, hidden_size=hidden, num_hidden_layers=4,
-                num_attention_heads=heads, num_key_value_heads=2, head_dim=128, linear_num_key_heads=heads // 2,
-                linear_num_value_heads=heads, linear_key_head_dim=128, linear_value_head_dim=128,
-                linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=hidden // 2,
-                shared_expert_intermediate_size=hidden // 2, max_position_embeddings=8192, tie_word_embeddings=False)
+    return dict(
+        model_type="qwen3_5_moe_text",
+        vocab_size=8192,
+        hidden_size=hidden,
+        num_hidden_layers=4,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=heads // 2,
+        linear_num_value_heads=heads,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=hidden // 2,
+        shared_expert_intermediate_size=hidden // 2,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
 
 
 @dataclass(frozen=True)
@@ -283,19 +361,33 @@ class ScalingRow:
     decode_tok_s: float
 
 
-def measure_tp(model_dir: str, tp_size: int, prompts: list[list[int]], output_len: int) -> ScalingRow:
+def measure_tp(
+    model_dir: str, tp_size: int, prompts: list[list[int]], output_len: int
+) -> ScalingRow:
     from sglang_lite import Engine
 
     batch, input_len = len(prompts), len(prompts[0])
-    with Engine(model_dir, tp_size=tp_size, cpu_threads_per_rank=1, load_format="dummy", skip_tokenizer_init=True,
-                max_running_requests=batch, max_total_tokens=batch * (input_len + output_len) + 64,
-                chunked_prefill_size=input_len, max_prefill_tokens=batch * input_len) as engine:
-        short = [p[:16] for p in prompts]  # decode from short prompts, so that their prefill is a small part
+    with Engine(
+        model_dir,
+        tp_size=tp_size,
+        cpu_threads_per_rank=1,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_running_requests=batch,
+        max_total_tokens=batch * (input_len + output_len) + 64,
+        chunked_prefill_size=input_len,
+        max_prefill_tokens=batch * input_len,
+    ) as engine:
+        short = [
+            p[:16] for p in prompts
+        ]  # decode from short prompts, so that their prefill is a small part
         engine_generate(engine, short, 2)  # warm-up
         prefill_s = _seconds(partial(engine_generate, engine, prompts, 1))
         first_token_s = _seconds(partial(engine_generate, engine, short, 1))
         decode_s = _seconds(partial(engine_generate, engine, short, output_len)) - first_token_s
-    return ScalingRow(tp_size, batch * input_len / prefill_s, batch * (output_len - 1) / max(decode_s, 1e-9))
+    return ScalingRow(
+        tp_size, batch * input_len / prefill_s, batch * (output_len - 1) / max(decode_s, 1e-9)
+    )
 
 
 def _seconds(fn) -> float:
@@ -312,40 +404,75 @@ def run_scaling(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(config, f)
-        rounds = [(r, tp) for r in range(args.repeats) for tp in (1, args.tp_size)]  # alternating: shared noise
+        rounds = [
+            (r, tp) for r in range(args.repeats) for tp in (1, args.tp_size)
+        ]  # alternating: shared noise
         for _, tp in tqdm(rounds, desc="TP scaling"):
             row = measure_tp(model_dir, tp, prompts, args.output_len)
             old = best_rows.get(tp)
-            best_rows[tp] = row if old is None else ScalingRow(tp, max(old.prefill_tok_s, row.prefill_tok_s),
-                                                               max(old.decode_tok_s, row.decode_tok_s))
+            best_rows[tp] = (
+                row
+                if old is None
+                else ScalingRow(
+                    tp,
+                    max(old.prefill_tok_s, row.prefill_tok_s),
+                    max(old.decode_tok_s, row.decode_tok_s),
+                )
+            )
     base = best_rows[1]
-    print(f"\nTP scaling: Qwen3.5-MoE hidden {args.hidden} (16 experts top-4, 4 layers), batch {batch} x "
-          f"{args.input_len} prompt tokens, {args.output_len} new tokens, one thread per rank, gloo, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (best of {args.repeats}, alternating)")
+    print(
+        f"\nTP scaling: Qwen3.5-MoE hidden {args.hidden} (16 experts top-4, 4 layers), batch {batch} x "
+        f"{args.input_len} prompt tokens, {args.output_len} new tokens, one thread per rank, gloo, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (best of {args.repeats}, alternating)"
+    )
     print(f"{'tp':>4} {'prefill tok/s':>14} {'vs TP=1':>8} {'decode tok/s':>13} {'vs TP=1':>8}")
     for tp, row in sorted(best_rows.items()):
-        print(f"{tp:>4} {row.prefill_tok_s:>14.1f} {row.prefill_tok_s / base.prefill_tok_s:>7.2f}x "
-              f"{row.decode_tok_s:>13.1f} {row.decode_tok_s / base.decode_tok_s:>7.2f}x")
+        print(
+            f"{tp:>4} {row.prefill_tok_s:>14.1f} {row.prefill_tok_s / base.prefill_tok_s:>7.2f}x "
+            f"{row.decode_tok_s:>13.1f} {row.decode_tok_s / base.decode_tok_s:>7.2f}x"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads of both sides (default: torch's choice here, the CPU count in the engine)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of both sides (default: torch's choice here, the CPU count in the engine)",
+    )
     parser.add_argument("--max-total-tokens", type=int, default=16384)
-    parser.add_argument("--model-shape", choices=SHAPES, default="tiny",
-                        help="tiny: the built-in model; mid: 34M parameters, hidden 256; large: hidden 1024, dummy")
-    parser.add_argument("--model-config", default=None,
-                        help="JSON object or JSON file of Qwen3.5-MoE config fields over mid's (random weights)")
-    parser.add_argument("--torch-compile", action="store_true", help="engine decode steps through torch.compile")
-    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks of the engine")
-    parser.add_argument("--scaling", action="store_true",
-                        help="TP=1 against TP=--tp-size (one thread per rank) instead of against transformers")
-    parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the --scaling model")
+    parser.add_argument(
+        "--model-shape",
+        choices=SHAPES,
+        default="tiny",
+        help="tiny: the built-in model; mid: 34M parameters, hidden 256; large: hidden 1024, dummy",
+    )
+    parser.add_argument(
+        "--model-config",
+        default=None,
+        help="JSON object or JSON file of Qwen3.5-MoE config fields over mid's (random weights)",
+    )
+    parser.add_argument(
+        "--torch-compile", action="store_true", help="engine decode steps through torch.compile"
+    )
+    parser.add_argument(
+        "--tp-size", type=int, default=1, help="tensor-parallel ranks of the engine"
+    )
+    parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="TP=1 against TP=--tp-size (one thread per rank) instead of against transformers",
+    )
+    parser.add_argument(
+        "--hidden", type=int, default=1024, help="hidden size of the --scaling model"
+    )
     args = parser.parse_args()
     if args.scaling:
         run_scaling(args)

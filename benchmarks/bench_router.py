@@ -9,6 +9,7 @@ time to first token when streaming, and router CPU seconds per request (from /pr
 sglang-router is started as `python -m sglang_router.launch_router --host 127.0.0.1 --port P --worker-urls ...
 --policy round_robin`; it is skipped when not importable.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-MOCK_WORKER = r'''
+MOCK_WORKER = r"""
 import asyncio, json, sys
 from aiohttp import web
 port, delay, tokens = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
@@ -70,7 +71,7 @@ for p, h in (("/health", health), ("/health_generate", health), ("/server_info",
              ("/get_model_info", info), ("/v1/loads", loads), ("/get_load", get_load)):
     app.router.add_get(p, h)
 web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
-'''
+"""
 
 
 def free_port() -> int:
@@ -116,7 +117,9 @@ def _group_ticks(pid: int, pgid: int) -> int:
 def spawn(cmd: list[str]) -> Process:
     log = Path(tempfile.mkstemp(prefix="bench-router-", suffix=".log")[1])
     with open(log, "wb") as out:
-        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        popen = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
+        )
     return Process(popen, log)
 
 
@@ -138,7 +141,9 @@ async def wait_http(url: str, timeout: float = 60.0) -> None:
 BODY = {"text": "benchmark prompt", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 
 
-async def one(s: aiohttp.ClientSession, url: str, stream: bool = False) -> tuple[float, float | None]:
+async def one(
+    s: aiohttp.ClientSession, url: str, stream: bool = False
+) -> tuple[float, float | None]:
     start = time.perf_counter()
     ttft = None
     async with s.post(url + "/generate", json={**BODY, "stream": stream}) as r:
@@ -157,6 +162,7 @@ async def throughput(urls: list[str], concurrency: int, duration: float) -> tupl
     stop = time.perf_counter() + duration
     conn = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=conn) as s:
+
         async def loop(i: int) -> None:
             nonlocal done
             k = i
@@ -189,19 +195,55 @@ async def measure(name: str, urls: list[str], router: Process | None, args) -> d
     cpu = (router.cpu_seconds() - cpu0) / n if router else None
     lat = [t for t, _ in await sequential(urls, args.sequential, stream=False)]
     ttft = [f for _, f in await sequential(urls, args.stream_requests, stream=True)]
-    return {"target": name, "rps": rps, "p50_ms": 1e3 * pct(lat, 0.5), "p99_ms": 1e3 * pct(lat, 0.99),
-            "ttft_ms": 1e3 * statistics.median(ttft), "cpu_us_per_req": None if cpu is None else 1e6 * cpu}
+    return {
+        "target": name,
+        "rps": rps,
+        "p50_ms": 1e3 * pct(lat, 0.5),
+        "p99_ms": 1e3 * pct(lat, 0.99),
+        "ttft_ms": 1e3 * statistics.median(ttft),
+        "cpu_us_per_req": None if cpu is None else 1e6 * cpu,
+    }
 
 
 # ---- targets -----------------------------------------------------------------------------------------------
 def start_ours(worker_urls: list[str], port: int, policy: str) -> Process:
-    return spawn([sys.executable, "-m", "sglang_lite.router", "--port", str(port), "--worker-urls", *worker_urls,
-                  "--policy", policy, "--log-level", "warn", "--worker-startup-check-interval", "1"])
+    return spawn(
+        [
+            sys.executable,
+            "-m",
+            "sglang_lite.router",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *worker_urls,
+            "--policy",
+            policy,
+            "--log-level",
+            "warn",
+            "--worker-startup-check-interval",
+            "1",
+        ]
+    )
 
 
 def start_peer(worker_urls: list[str], port: int, policy: str) -> Process:
-    return spawn([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-                  "--worker-urls", *worker_urls, "--policy", policy, "--log-level", "warn"])
+    return spawn(
+        [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *worker_urls,
+            "--policy",
+            policy,
+            "--log-level",
+            "warn",
+        ]
+    )
 
 
 async def bench_router(name: str, start, worker_urls: list[str], args) -> dict:
@@ -233,8 +275,19 @@ async def _wait_routable(url: str, timeout: float = 60.0) -> None:
 
 async def main(args) -> list[dict]:
     ports = [free_port() for _ in range(args.workers)]
-    workers = [spawn([sys.executable, "-c", MOCK_WORKER, str(p), str(args.token_delay), str(args.stream_tokens)])
-               for p in ports]
+    workers = [
+        spawn(
+            [
+                sys.executable,
+                "-c",
+                MOCK_WORKER,
+                str(p),
+                str(args.token_delay),
+                str(args.stream_tokens),
+            ]
+        )
+        for p in ports
+    ]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         await asyncio.gather(*(wait_http(u + "/health") for u in urls))
@@ -250,26 +303,36 @@ async def main(args) -> list[dict]:
 
 def report(rows: list[dict]) -> None:
     direct = rows[0]
-    print(f"{'target':<14}{'req/s@64':>10}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}"
-          f"{'TTFT ms':>9}{'CPU us/req':>12}")
+    print(
+        f"{'target':<14}{'req/s@64':>10}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}"
+        f"{'TTFT ms':>9}{'CPU us/req':>12}"
+    )
     for r in rows:
         cpu = "-" if r["cpu_us_per_req"] is None else f"{r['cpu_us_per_req']:.0f}"
-        print(f"{r['target']:<14}{r['rps']:>10.0f}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}"
-              f"{r['p50_ms'] - direct['p50_ms']:>9.2f}{r['p99_ms'] - direct['p99_ms']:>9.2f}"
-              f"{r['ttft_ms']:>9.2f}{cpu:>12}")
+        print(
+            f"{r['target']:<14}{r['rps']:>10.0f}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}"
+            f"{r['p50_ms'] - direct['p50_ms']:>9.2f}{r['p99_ms'] - direct['p99_ms']:>9.2f}"
+            f"{r['ttft_ms']:>9.2f}{cpu:>12}"
+        )
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--duration", type=float, default=3.0, help="seconds of the throughput phase")
     p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--sequential", type=int, default=300, help="requests at concurrency 1 for latency")
+    p.add_argument(
+        "--sequential", type=int, default=300, help="requests at concurrency 1 for latency"
+    )
     p.add_argument("--stream-requests", type=int, default=50)
     p.add_argument("--stream-tokens", type=int, default=4)
     p.add_argument("--token-delay", type=float, default=0.005)
     p.add_argument("--policy", default="round_robin")
-    p.add_argument("--skip-peer", action="store_true", help="do not run sglang-router even when installed")
+    p.add_argument(
+        "--skip-peer", action="store_true", help="do not run sglang-router even when installed"
+    )
     p.add_argument("--json", action="store_true", help="print rows as JSON too")
     cli = p.parse_args()
     result = asyncio.run(main(cli))

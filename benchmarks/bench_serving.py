@@ -21,6 +21,7 @@ prompt tokens its ranks served from the cache (``/v1/loads`` ``num_cached_prompt
     python benchmarks/bench_serving.py --backend sglang --dataset agentic --sessions 16 --input-len 1000 \
         --output-len 32 --concurrency 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,10 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-WORDS = ("alpha beta gamma delta kernel token batch cache queue rank model layer tensor stream router server "
-         "prompt output state block chunk decode prefill expert gate norm head value key query").split()
+WORDS = (
+    "alpha beta gamma delta kernel token batch cache queue rank model layer tensor stream router server "
+    "prompt output state block chunk decode prefill expert gate norm head value key query"
+).split()
 PATHS = {"sglang": "/generate", "openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
 
@@ -62,7 +65,11 @@ class RequestResult:
 
     @property
     def tpot(self) -> float | None:
-        return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+        return (
+            (self.latency - self.ttft) / (self.output_tokens - 1)
+            if self.output_tokens > 1
+            else None
+        )
 
 
 # ---- datasets ---------------------------------------------------------------------------------------------------
@@ -83,19 +90,29 @@ def agentic_prompts(args: argparse.Namespace) -> list[Prompt]:
     from sglang_lite.bench.replay import PromptTokens
     from sglang_lite.bench.traces import AgenticTraceConfig, agentic_trace
 
-    cfg = AgenticTraceConfig(first_input_mean=args.input_len, tool_output_mean=max(8, args.input_len // 8),
-                             output_mean=args.output_len, output_max=2 * args.output_len, min_turns=2, max_turns=6,
-                             max_context=args.max_context)
+    cfg = AgenticTraceConfig(
+        first_input_mean=args.input_len,
+        tool_output_mean=max(8, args.input_len // 8),
+        output_mean=args.output_len,
+        output_max=2 * args.output_len,
+        min_turns=2,
+        max_turns=6,
+        max_context=args.max_context,
+    )
     tokens = PromptTokens(args.vocab_size)
-    return [Prompt("", r.input_len, r.output_len, tokens.ids(r), r.session)
-            for r in agentic_trace(args.sessions, args.seed, cfg)]
+    return [
+        Prompt("", r.input_len, r.output_len, tokens.ids(r), r.session)
+        for r in agentic_trace(args.sessions, args.seed, cfg)
+    ]
 
 
 def _lengths(rng: random.Random, args: argparse.Namespace) -> tuple[int, int]:
     if args.dataset == "fixed":
         return args.input_len, args.output_len
     low = lambda n: max(1, int(n * (1 - args.range_ratio)))  # noqa: E731
-    return rng.randint(low(args.input_len), args.input_len), rng.randint(low(args.output_len), args.output_len)
+    return rng.randint(low(args.input_len), args.input_len), rng.randint(
+        low(args.output_len), args.output_len
+    )
 
 
 def _prompt_text(rng: random.Random, tokenizer: Any, n_tokens: int) -> str:
@@ -103,7 +120,11 @@ def _prompt_text(rng: random.Random, tokenizer: Any, n_tokens: int) -> str:
     if tokenizer is None:
         return " ".join(rng.choice(WORDS) for _ in range(n_tokens))
     special = set(tokenizer.all_special_ids)
-    ids = [i for i in (rng.randrange(tokenizer.vocab_size) for _ in range(n_tokens * 2)) if i not in special][:n_tokens]
+    ids = [
+        i
+        for i in (rng.randrange(tokenizer.vocab_size) for _ in range(n_tokens * 2))
+        if i not in special
+    ][:n_tokens]
     return tokenizer.decode(ids)
 
 
@@ -121,8 +142,14 @@ def request_body(backend: str, model: str, prompt: Prompt) -> dict[str, Any]:
         params = {"max_new_tokens": prompt.output_len, "ignore_eos": True, "temperature": 0}
         source = {"input_ids": prompt.ids} if prompt.ids is not None else {"text": prompt.text}
         return {**source, "sampling_params": params, "stream": True}
-    body = {"model": model, "max_tokens": prompt.output_len, "ignore_eos": True, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "max_tokens": prompt.output_len,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if backend == "openai":
         return {**body, "prompt": prompt.ids if prompt.ids is not None else prompt.text}
     if prompt.ids is not None:
@@ -133,19 +160,29 @@ def request_body(backend: str, model: str, prompt: Prompt) -> dict[str, Any]:
 def chunk_tokens(backend: str, event: dict[str, Any]) -> tuple[bool, int | None]:
     """(whether the event carries output, completion tokens the server reported so far or None)."""
     if backend == "sglang":
-        return bool(event.get("text") or event.get("output_ids")), event.get("meta_info", {}).get("completion_tokens")
+        return bool(event.get("text") or event.get("output_ids")), event.get("meta_info", {}).get(
+            "completion_tokens"
+        )
     usage = (event.get("usage") or {}).get("completion_tokens")
     choices = event.get("choices") or []
-    piece = choices[0].get("text") or (choices[0].get("delta") or {}).get("content") if choices else None
+    piece = (
+        choices[0].get("text") or (choices[0].get("delta") or {}).get("content")
+        if choices
+        else None
+    )
     return bool(piece), usage
 
 
-async def send_one(session: aiohttp.ClientSession, url: str, args: argparse.Namespace, prompt: Prompt) -> RequestResult:
+async def send_one(
+    session: aiohttp.ClientSession, url: str, args: argparse.Namespace, prompt: Prompt
+) -> RequestResult:
     result = RequestResult(input_len=prompt.input_len)
     start = last = time.perf_counter()
     chunks, reported = 0, None
     try:
-        async with session.post(url, json=request_body(args.backend, args.model, prompt)) as response:
+        async with session.post(
+            url, json=request_body(args.backend, args.model, prompt)
+        ) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return result
@@ -171,15 +208,25 @@ async def send_one(session: aiohttp.ClientSession, url: str, args: argparse.Name
     return result
 
 
-async def run_level(args: argparse.Namespace, prompts: list[Prompt], concurrency: int) -> dict[str, Any]:
+async def run_level(
+    args: argparse.Namespace, prompts: list[Prompt], concurrency: int
+) -> dict[str, Any]:
     url = args.base_url.rstrip("/") + PATHS[args.backend]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     gate = asyncio.Semaphore(concurrency)
-    progress = tqdm(total=len(prompts), desc=f"concurrency {concurrency}", file=sys.stderr, disable=args.no_progress)
+    progress = tqdm(
+        total=len(prompts),
+        desc=f"concurrency {concurrency}",
+        file=sys.stderr,
+        disable=args.no_progress,
+    )
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     connector = aiohttp.TCPConnector(limit=concurrency)
 
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
+    async with aiohttp.ClientSession(
+        headers=headers, timeout=timeout, connector=connector
+    ) as session:
+
         async def one(prompt: Prompt) -> RequestResult:
             async with gate:
                 result = await send_one(session, url, args, prompt)
@@ -188,7 +235,9 @@ async def run_level(args: argparse.Namespace, prompts: list[Prompt], concurrency
 
         cached_before = await cached_prompt_tokens(session, args.base_url)
         started = time.perf_counter()
-        if any(p.session for p in prompts):  # sessions: each client runs one session's turns in order
+        if any(
+            p.session for p in prompts
+        ):  # sessions: each client runs one session's turns in order
             sessions: dict[str, list[Prompt]] = {}
             for p in prompts:
                 sessions.setdefault(p.session, []).append(p)
@@ -201,7 +250,11 @@ async def run_level(args: argparse.Namespace, prompts: list[Prompt], concurrency
                         out.append(await one(turn))
                 return out
 
-            results = [r for rs in await asyncio.gather(*(client() for _ in range(concurrency))) for r in rs]
+            results = [
+                r
+                for rs in await asyncio.gather(*(client() for _ in range(concurrency)))
+                for r in rs
+            ]
         else:
             results = await asyncio.gather(*(one(p) for p in prompts))
         duration = time.perf_counter() - started
@@ -209,8 +262,11 @@ async def run_level(args: argparse.Namespace, prompts: list[Prompt], concurrency
     progress.close()
     summary = summarize(results, duration, concurrency)
     sent = sum(r.input_len for r in results if r.ok)
-    summary["cache_hit_rate"] = (cached_after - cached_before) / sent if None not in (cached_before, cached_after) \
-        and sent else None
+    summary["cache_hit_rate"] = (
+        (cached_after - cached_before) / sent
+        if None not in (cached_before, cached_after) and sent
+        else None
+    )
     return summary
 
 
@@ -229,7 +285,10 @@ def _stats_ms(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
     ms = np.asarray(values) * 1000.0
-    return {"mean": float(ms.mean()), **{f"p{q}": float(np.percentile(ms, q)) for q in (50, 90, 99)}}
+    return {
+        "mean": float(ms.mean()),
+        **{f"p{q}": float(np.percentile(ms, q)) for q in (50, 90, 99)},
+    }
 
 
 def summarize(results: list[RequestResult], duration: float, concurrency: int) -> dict[str, Any]:
@@ -237,12 +296,19 @@ def summarize(results: list[RequestResult], duration: float, concurrency: int) -
     output_tokens = sum(r.output_tokens for r in ok)
     errors = sorted({r.error for r in results if not r.ok})[:5]
     return {
-        "concurrency": concurrency, "completed": len(ok), "failed": len(results) - len(ok), "errors": errors,
-        "duration_s": duration, "request_throughput": len(ok) / duration,
-        "input_throughput": sum(r.input_len for r in ok) / duration, "output_throughput": output_tokens / duration,
+        "concurrency": concurrency,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors,
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "input_throughput": sum(r.input_len for r in ok) / duration,
+        "output_throughput": output_tokens / duration,
         "total_output_tokens": output_tokens,
-        "ttft_ms": _stats_ms([r.ttft for r in ok]), "tpot_ms": _stats_ms([r.tpot for r in ok if r.tpot is not None]),
-        "itl_ms": _stats_ms([gap for r in ok for gap in r.itl]), "e2e_latency_ms": _stats_ms([r.latency for r in ok]),
+        "ttft_ms": _stats_ms([r.ttft for r in ok]),
+        "tpot_ms": _stats_ms([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": _stats_ms([gap for r in ok for gap in r.itl]),
+        "e2e_latency_ms": _stats_ms([r.latency for r in ok]),
     }
 
 
@@ -251,14 +317,18 @@ def _trio(stats: dict[str, float]) -> str:
 
 
 def format_table(levels: list[dict[str, Any]]) -> str:
-    head = (f"{'conc':>5} {'ok':>5} {'fail':>4} {'req/s':>8} {'out tok/s':>10} | {'TTFT p50/p90/p99 ms':>22} | "
-            f"{'TPOT p50/p90/p99 ms':>22} | {'ITL p50/p90/p99 ms':>22} | {'cache hit':>9}")
+    head = (
+        f"{'conc':>5} {'ok':>5} {'fail':>4} {'req/s':>8} {'out tok/s':>10} | {'TTFT p50/p90/p99 ms':>22} | "
+        f"{'TPOT p50/p90/p99 ms':>22} | {'ITL p50/p90/p99 ms':>22} | {'cache hit':>9}"
+    )
     rows = [head, "-" * len(head)]
     for s in levels:
         hit = s.get("cache_hit_rate")
-        rows.append(f"{s['concurrency']:>5} {s['completed']:>5} {s['failed']:>4} {s['request_throughput']:>8.2f} "
-                    f"{s['output_throughput']:>10.1f} | {_trio(s['ttft_ms']):>22} | {_trio(s['tpot_ms']):>22} | "
-                    f"{_trio(s['itl_ms']):>22} | {'n/a' if hit is None else f'{hit:.1%}':>9}")
+        rows.append(
+            f"{s['concurrency']:>5} {s['completed']:>5} {s['failed']:>4} {s['request_throughput']:>8.2f} "
+            f"{s['output_throughput']:>10.1f} | {_trio(s['ttft_ms']):>22} | {_trio(s['tpot_ms']):>22} | "
+            f"{_trio(s['itl_ms']):>22} | {'n/a' if hit is None else f'{hit:.1%}':>9}"
+        )
     return "\n".join(rows)
 
 
@@ -267,19 +337,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:30000")
     parser.add_argument("--backend", choices=sorted(PATHS), default="openai")
-    parser.add_argument("--model", default=None,
-                        help="Model name for the OpenAI API; default: the first of /v1/models.")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="Model name for the OpenAI API; default: the first of /v1/models.",
+    )
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--dataset", choices=("random", "fixed", "agentic"), default="random")
-    parser.add_argument("--sessions", type=int, default=16, help="agentic: multi-turn sessions per level.")
-    parser.add_argument("--max-context", type=int, default=3000, help="agentic: longest prompt of a session.")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="agentic: token ids are drawn below this.")
-    parser.add_argument("--num-prompts", type=int, default=64, help="Requests per concurrency level.")
+    parser.add_argument(
+        "--sessions", type=int, default=16, help="agentic: multi-turn sessions per level."
+    )
+    parser.add_argument(
+        "--max-context", type=int, default=3000, help="agentic: longest prompt of a session."
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=4096, help="agentic: token ids are drawn below this."
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=64, help="Requests per concurrency level."
+    )
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--range-ratio", type=float, default=0.5, help="random: lengths in [len*(1-r), len].")
-    parser.add_argument("--concurrency", default="1,8,32", help="Comma-separated levels of the sweep.")
-    parser.add_argument("--tokenizer", default=None, help="Tokenizer folder for exact prompt lengths; else words.")
+    parser.add_argument(
+        "--range-ratio", type=float, default=0.5, help="random: lengths in [len*(1-r), len]."
+    )
+    parser.add_argument(
+        "--concurrency", default="1,8,32", help="Comma-separated levels of the sweep."
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, help="Tokenizer folder for exact prompt lengths; else words."
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--output-file", default=None, help="Write the results as JSON here.")

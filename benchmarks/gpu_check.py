@@ -2,6 +2,7 @@
 
 Prints PASS/FAIL per check and exits non-zero when any check fails. On a machine without a GPU it says so and exits 0.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,7 +28,9 @@ def run_checks(device: torch.device) -> bool:
             all_ok = False
             continue
         for r in results:
-            print(f"{'PASS' if r['ok'] else 'FAIL'} {family}: {r['name']} (max rel err {r['max_rel_err']:.2e})")
+            print(
+                f"{'PASS' if r['ok'] else 'FAIL'} {family}: {r['name']} (max rel err {r['max_rel_err']:.2e})"
+            )
             all_ok &= bool(r["ok"])
     return all_ok
 

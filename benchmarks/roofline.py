@@ -8,6 +8,7 @@ that size is expected to hit), the GDN states read and written, the KV cache rea
 input read and output written once (the activations). Norms, gates and other elementwise work are left out: they
 are small beside the GEMMs in FLOPs, and the bytes above already bound their traffic from below.
 """
+
 from __future__ import annotations
 
 import time
@@ -33,8 +34,10 @@ class Work:
 
     def shares(self, seconds: float, machine: Machine) -> tuple[float, float]:
         """Fraction of the GEMM peak and of the memory bandwidth that doing this work in ``seconds`` uses."""
-        return (self.flops / seconds / 1e9 / machine.gemm_gflops,
-                self.bytes / seconds / 1e9 / machine.bandwidth_gbs)
+        return (
+            self.flops / seconds / 1e9 / machine.gemm_gflops,
+            self.bytes / seconds / 1e9 / machine.bandwidth_gbs,
+        )
 
 
 def measure_machine(repeats: int = 5) -> Machine:
@@ -61,7 +64,10 @@ def _layer_weights(c: ModelConfig, kind: str) -> int:
     """Parameters of one layer's mixer (projections only)."""
     h = c.hidden_size
     if kind == "linear_attention":
-        return h * (c.conv_dim + c.linear_value_dim + 2 * c.linear_num_value_heads) + c.linear_value_dim * h
+        return (
+            h * (c.conv_dim + c.linear_value_dim + 2 * c.linear_num_value_heads)
+            + c.linear_value_dim * h
+        )
     q = c.num_attention_heads * c.head_dim
     return h * (2 * q + 2 * c.num_key_value_heads * c.head_dim) + q * h
 
@@ -105,11 +111,21 @@ def _weights_read(c: ModelConfig, tokens: int) -> float:
 def prefill_work(c: ModelConfig, batch: int, length: int) -> Work:
     """``batch`` prompts of ``length`` tokens in one forward, logits of each prompt's last token."""
     tokens = batch * length
-    gemm = tokens * (_mixer_weights(c) + c.num_layers * _mlp_active(c)) + batch * c.vocab_size * c.hidden_size
-    attention = len(c.full_attention_layers) * batch * length**2 * c.num_attention_heads * c.head_dim  # causal
+    gemm = (
+        tokens * (_mixer_weights(c) + c.num_layers * _mlp_active(c))
+        + batch * c.vocab_size * c.hidden_size
+    )
+    attention = (
+        len(c.full_attention_layers) * batch * length**2 * c.num_attention_heads * c.head_dim
+    )  # causal
     chunk = 32  # the CPU path's chunk: per token and value head, the state reads and writes plus the chunk's pairs
     dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-    gdn = len(c.linear_attention_layers) * tokens * c.linear_num_value_heads * (3 * dk * dv + chunk * (dk + dv))
+    gdn = (
+        len(c.linear_attention_layers)
+        * tokens
+        * c.linear_num_value_heads
+        * (3 * dk * dv + chunk * (dk + dv))
+    )
     activations = tokens * FP32 * c.num_layers * 2 * (c.hidden_size + _activation_width(c))
     return Work(2 * (gemm + attention + gdn), FP32 * _weights_read(c, tokens) + activations)
 
@@ -117,9 +133,15 @@ def prefill_work(c: ModelConfig, batch: int, length: int) -> Work:
 def _activation_width(c: ModelConfig) -> float:
     """Per token and layer, the widths of the GEMM inputs and outputs besides the hidden state (averaged over
     the layer types): mixer projections, and the expert rows the MoE gathers and produces."""
-    mixers = sum(c.conv_dim + 2 * c.linear_value_dim if kind == "linear_attention"
-                 else 3 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim
-                 for kind in c.layer_types) / c.num_layers
+    mixers = (
+        sum(
+            c.conv_dim + 2 * c.linear_value_dim
+            if kind == "linear_attention"
+            else 3 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim
+            for kind in c.layer_types
+        )
+        / c.num_layers
+    )
     inter = c.moe_intermediate_size if c.is_moe else c.intermediate_size
     rows = c.num_experts_per_tok + (c.shared_expert_intermediate_size > 0) if c.is_moe else 1
     return mixers + rows * (2 * c.hidden_size + 3 * inter)
@@ -127,9 +149,13 @@ def _activation_width(c: ModelConfig) -> float:
 
 def decode_work(c: ModelConfig, batch: int, context: int) -> Work:
     """One decode step of ``batch`` requests, each with ``context`` tokens cached."""
-    gemm = batch * (_mixer_weights(c) + c.num_layers * _mlp_active(c) + c.vocab_size * c.hidden_size)
+    gemm = batch * (
+        _mixer_weights(c) + c.num_layers * _mlp_active(c) + c.vocab_size * c.hidden_size
+    )
     kv = c.num_key_value_heads * c.head_dim
-    attention = len(c.full_attention_layers) * batch * context * 2 * c.num_attention_heads * c.head_dim
+    attention = (
+        len(c.full_attention_layers) * batch * context * 2 * c.num_attention_heads * c.head_dim
+    )
     states = len(c.linear_attention_layers) * batch * _gdn_state_elems(c)
     kv_bytes = len(c.full_attention_layers) * batch * context * 2 * kv * FP32
     flops = 2 * (gemm + attention + 3 * states)

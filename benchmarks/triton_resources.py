@@ -9,6 +9,7 @@ a cost to weigh rather than an error (spills made a norm kernel run at a few per
 
     python benchmarks/triton_resources.py [--targets sm90,gfx942]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,9 @@ class Launch:
     kernel: JITFunction
     signature: tuple[tuple[str, str], ...]  # every parameter: its type, or "constexpr"
     constexprs: tuple[tuple[str, object], ...]
-    aligned: tuple[int, ...]  # parameters the launcher would mark 16-divisible (enables vector and async copies)
+    aligned: tuple[
+        int, ...
+    ]  # parameters the launcher would mark 16-divisible (enables vector and async copies)
     options: tuple[tuple[str, int], ...]
 
     @property
@@ -70,8 +73,13 @@ def record_launches(hip_version: str | None, arch: str) -> list[Launch]:
             if param.is_constexpr:
                 kind, spec = "constexpr", None
             else:
-                kind, spec = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
-                                                    not param.do_not_specialize_on_alignment)
+                kind, spec = native_specialize_impl(
+                    BaseBackend,
+                    value,
+                    False,
+                    not param.do_not_specialize,
+                    not param.do_not_specialize_on_alignment,
+                )
             signature.append((param.name, kind))
             if kind == "constexpr":
                 constexprs.append((param.name, value))
@@ -81,7 +89,10 @@ def record_launches(hip_version: str | None, arch: str) -> list[Launch]:
         launches[Launch(self, tuple(signature), tuple(constexprs), tuple(aligned), options)] = None
 
     real = JITFunction.run, dispatch.triton_interpreting, dispatch._hip_arch, torch.version.hip
-    JITFunction.run, dispatch.triton_interpreting = record, lambda: True  # CPU tensors may take the Triton side
+    JITFunction.run, dispatch.triton_interpreting = (
+        record,
+        lambda: True,
+    )  # CPU tensors may take the Triton side
     dispatch._hip_arch, torch.version.hip = (lambda: arch), hip_version
     try:
         for module in load_cases():
@@ -99,19 +110,32 @@ def record_launches(hip_version: str | None, arch: str) -> list[Launch]:
 def resources(launch: Launch, target: GPUTarget) -> dict:
     """Registers, stack and shared memory of one compiled configuration (from the binary's resource table)."""
     attrs = {(i,): [["tt.divisibility", 16]] for i in launch.aligned}
-    source = ASTSource(fn=launch.kernel, signature=dict(launch.signature), constexprs=dict(launch.constexprs),
-                       attrs=attrs)
+    source = ASTSource(
+        fn=launch.kernel,
+        signature=dict(launch.signature),
+        constexprs=dict(launch.constexprs),
+        attrs=attrs,
+    )
     start = time.perf_counter()
     compiled = triton.compile(source, target=target, options=dict(launch.options))
     seconds = time.perf_counter() - start
     if target.backend == "cuda":
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        tool = os.path.join(
+            os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"
+        )
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
             f.flush()
-            usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        fields = dict(item.split(":") for line in usage.splitlines() if "REG:" in line for item in line.split()
-                      if item.count(":") == 1)
+            usage = subprocess.run(
+                [tool, "--dump-resource-usage", f.name], capture_output=True, text=True
+            ).stdout
+        fields = dict(
+            item.split(":")
+            for line in usage.splitlines()
+            if "REG:" in line
+            for item in line.split()
+            if item.count(":") == 1
+        )
         regs, stack = int(fields["REG"]), int(fields["STACK"])
     else:  # AMD: the assembly's metadata block gives vector registers and scratch (spill) bytes per lane
         asm = compiled.asm["amdgcn"]
@@ -121,11 +145,15 @@ def resources(launch: Launch, target: GPUTarget) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--targets", default=",".join(TARGETS))
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
-    print(f"Triton {triton.__version__}; regs: per thread (NVIDIA) or vector registers per lane (AMD)\n")
+    print(
+        f"Triton {triton.__version__}; regs: per thread (NVIDIA) or vector registers per lane (AMD)\n"
+    )
     print(f"{'target':<7} {'regs':>5} {'stack B':>8} {'shared KB':>10} {'compile s':>9}  kernel")
     failures = spills = 0
     for name in args.targets.split(","):
@@ -134,16 +162,23 @@ def main() -> int:
             try:
                 r = resources(launch, target)
             except Exception as exc:  # noqa: BLE001 - a compile error is a finding, not the end of the report
-                print(f"{name:<7} {'compile error':>34}  {launch.name}: {type(exc).__name__}: {str(exc)[:200]}")
+                print(
+                    f"{name:<7} {'compile error':>34}  {launch.name}: {type(exc).__name__}: {str(exc)[:200]}"
+                )
                 failures += 1
                 continue
             too_big = r["shared"] > shared_limit
             failures += too_big
             spills += r["stack"] > 0
             mark = "  <-- FAIL: shared memory" if too_big else "  (spills)" if r["stack"] else ""
-            print(f"{name:<7} {r['regs']:>5} {r['stack']:>8} {r['shared'] / 1024:>10.1f} {r['seconds']:>9.1f}  "
-                  f"{launch.name}{mark}", flush=True)
-    print(f"\n{failures} configuration(s) fail (shared memory or compile error); {spills} spill registers")
+            print(
+                f"{name:<7} {r['regs']:>5} {r['stack']:>8} {r['shared'] / 1024:>10.1f} {r['seconds']:>9.1f}  "
+                f"{launch.name}{mark}",
+                flush=True,
+            )
+    print(
+        f"\n{failures} configuration(s) fail (shared memory or compile error); {spills} spill registers"
+    )
     return 1 if failures else 0
 
 

@@ -9,6 +9,7 @@ Face's kernel-hub distribution (which transformers probes by importing it). Impo
 exports nothing: it loads the real ``kernels`` in its place when one is installed, and otherwise looks like an empty
 namespace package (no ``__file__``), which transformers reads as "not installed"; nothing here imports triton then.
 """
+
 from __future__ import annotations
 
 if __name__ == "kernels":  # found by folder name from the repository root: not sglang_lite.kernels
@@ -30,7 +31,11 @@ if __name__ == "kernels":  # found by folder name from the repository root: not 
 else:
     from .attention import decode_attention, extend_attention, store_kv
     from .conv1d import causal_conv1d_fn, causal_conv1d_update
-    from .gated_delta_rule import chunk_gated_delta_rule, fused_gdn_gating, fused_recurrent_gated_delta_rule
+    from .gated_delta_rule import (
+        chunk_gated_delta_rule,
+        fused_gdn_gating,
+        fused_recurrent_gated_delta_rule,
+    )
     from .linear import linear
     from .moe import fused_moe, moe_route, topk_softmax
     from .norms import fused_qk_gemma_rmsnorm, gated_rmsnorm, gemma_rmsnorm

@@ -7,6 +7,7 @@ GPU. The environment variable ``SGLANG_KERNEL_BACKEND`` (``auto`` | ``triton`` |
 side for a run (``torch``: the references only; ``native``: the C++ kernels, an error when they cannot be built);
 the ``backend`` argument of each public kernel function forces it for a call and wins over the variable.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,7 +24,11 @@ BACKENDS = envs.SGLANG_KERNEL_BACKEND.choices
 
 def _requested(backend: str | None) -> str:
     if backend is None:  # every op of a decode step asks: the unset variable is the quick case
-        return envs.SGLANG_KERNEL_BACKEND.get() if envs.SGLANG_KERNEL_BACKEND.name in os.environ else "auto"
+        return (
+            envs.SGLANG_KERNEL_BACKEND.get()
+            if envs.SGLANG_KERNEL_BACKEND.name in os.environ
+            else "auto"
+        )
     choice = backend.strip().lower()
     if choice not in BACKENDS:
         raise ValueError(f"kernel backend argument must be one of {BACKENDS}, got {backend!r}")

@@ -1,4 +1,5 @@
 """Pool slots of a batch, as the CPU references read and write them."""
+
 from __future__ import annotations
 
 import torch

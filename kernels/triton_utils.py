@@ -1,4 +1,5 @@
 """Device-side helpers shared by the Triton kernels (``@triton.jit`` functions, inlined into their callers)."""
+
 from __future__ import annotations
 
 import triton

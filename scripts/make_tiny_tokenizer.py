@@ -9,6 +9,7 @@ Run from the repository root:  python scripts/make_tiny_tokenizer.py
 It writes tokenizer.json, tokenizer_config.json, special_tokens_map.json and generation_config.json; config.json
 (the model shape) is kept by hand and only checked here against the tokenizer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,7 @@ MAX_CORPUS_BYTES = 6 * 1024 * 1024
 SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 
 # The pre-tokenizer split of Qwen2/Qwen3 tokenizers.
-QWEN_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+QWEN_SPLIT_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"  # noqa: E501
 
 # Qwen3.5's chat format, written from its description: a system turn that lists the tools (JSON, one a line) and
 # asks for the <tool_call><function=...><parameter=...> format; assistant turns after the last user query keep
@@ -123,7 +122,9 @@ def new_tokenizer() -> Tokenizer:
     tokenizer = Tokenizer(models.BPE(byte_fallback=False))
     tokenizer.normalizer = normalizers.NFC()
     split = pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated", invert=False)
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    byte_level = pre_tokenizers.ByteLevel(
+        add_prefix_space=False, trim_offsets=False, use_regex=False
+    )
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
@@ -147,7 +148,12 @@ def train(root: Path) -> Tokenizer:
 def tokenizer_config(tokenizer: Tokenizer) -> dict:
     added = {
         str(tokenizer.token_to_id(t)): {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True,
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
         }
         for t in SPECIAL_TOKENS
     }
@@ -175,10 +181,18 @@ def write_assets(tokenizer: Tokenizer, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
     write_json(out / "tokenizer_config.json", tokenizer_config(tokenizer))
-    special_map = {"eos_token": IM_END, "pad_token": PAD_TOKEN, "additional_special_tokens": [IM_START, IM_END]}
+    special_map = {
+        "eos_token": IM_END,
+        "pad_token": PAD_TOKEN,
+        "additional_special_tokens": [IM_START, IM_END],
+    }
     write_json(out / "special_tokens_map.json", special_map)
     ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-    generation = {"eos_token_id": [ids[IM_END], ids[PAD_TOKEN]], "pad_token_id": ids[PAD_TOKEN], "bos_token_id": None}
+    generation = {
+        "eos_token_id": [ids[IM_END], ids[PAD_TOKEN]],
+        "pad_token_id": ids[PAD_TOKEN],
+        "bos_token_id": None,
+    }
     write_json(out / "generation_config.json", generation)
 
 
@@ -188,9 +202,15 @@ def check_model_config(tokenizer: Tokenizer, out: Path) -> None:
         print(f"note: {path} is missing; it is kept by hand")
         return
     config = json.loads(path.read_text())
-    assert config["vocab_size"] >= tokenizer.get_vocab_size(), "config.json vocab_size is below the tokenizer's"
-    assert config["eos_token_id"] == tokenizer.token_to_id(IM_END), "config.json eos_token_id is not <|im_end|>"
-    assert config["pad_token_id"] == tokenizer.token_to_id(PAD_TOKEN), "config.json pad_token_id is not pad"
+    assert config["vocab_size"] >= tokenizer.get_vocab_size(), (
+        "config.json vocab_size is below the tokenizer's"
+    )
+    assert config["eos_token_id"] == tokenizer.token_to_id(IM_END), (
+        "config.json eos_token_id is not <|im_end|>"
+    )
+    assert config["pad_token_id"] == tokenizer.token_to_id(PAD_TOKEN), (
+        "config.json pad_token_id is not pad"
+    )
 
 
 def main() -> None:

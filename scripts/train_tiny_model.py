@@ -20,6 +20,7 @@ and the tokenizer files are left as they are.
 Run from the repository root:  python scripts/train_tiny_model.py [--steps N] [--seed S] [--threads T] [--out DIR]
 It writes model.safetensors and training.json into --out and the loss curve to docs/tiny_model_loss.png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,7 +63,9 @@ def load_tokenizer_script():
 class TrainConfig:
     steps: int = 1400
     seed: int = 0
-    corpus_bytes: int = 32 * 1024 * 1024  # the whole stdlib (10 MB under the per-file cap); the tokenizer took 6 MB
+    corpus_bytes: int = (
+        32 * 1024 * 1024
+    )  # the whole stdlib (10 MB under the per-file cap); the tokenizer took 6 MB
     threads: int = 2
     batch_size: int = 16
     seq_len: int = 256
@@ -71,7 +74,9 @@ class TrainConfig:
     warmup_steps: int = 60
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    eval_every: int = 200  # every eval scores the whole held-out split, so the points of the curve compare
+    eval_every: int = (
+        200  # every eval scores the whole held-out split, so the points of the curve compare
+    )
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ def windows(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Non-overlapping windows of seq_len + 1 tokens (inputs plus the shifted targets)."""
     n = (len(tokens) - 1) // seq_len
     starts = torch.arange(n) * seq_len
-    return torch.stack([tokens[s:s + seq_len + 1] for s in starts.tolist()])
+    return torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -117,27 +122,35 @@ def batch_order(n_windows: int, cfg: TrainConfig) -> torch.Tensor:
     """Window indices for every step: seeded permutations, one epoch after another."""
     generator = torch.Generator().manual_seed(cfg.seed)
     needed = cfg.steps * cfg.batch_size
-    epochs = [torch.randperm(n_windows, generator=generator) for _ in range(math.ceil(needed / n_windows))]
+    epochs = [
+        torch.randperm(n_windows, generator=generator) for _ in range(math.ceil(needed / n_windows))
+    ]
     return torch.cat(epochs)[:needed].view(cfg.steps, cfg.batch_size)
 
 
 def build_model(asset_dir: Path, seed: int) -> Qwen3_5MoeForCausalLM:
     torch.manual_seed(seed)
     config = Qwen3_5MoeTextConfig.from_pretrained(asset_dir)
-    config.output_router_logits = False  # the router aux loss stays off: 8 experts balance well enough here
+    config.output_router_logits = (
+        False  # the router aux loss stays off: 8 experts balance well enough here
+    )
     return Qwen3_5MoeForCausalLM(config).float()
 
 
 def next_token_loss(model, batch: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=batch[:, :-1], use_cache=False).logits
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)
+    )
 
 
 @torch.no_grad()
 def evaluate(model, heldout: torch.Tensor, batch_size: int) -> float:
     """Mean next-token loss (nats/token) over the given windows."""
     model.eval()
-    total = sum(next_token_loss(model, chunk).item() * len(chunk) for chunk in heldout.split(batch_size))
+    total = sum(
+        next_token_loss(model, chunk).item() * len(chunk) for chunk in heldout.split(batch_size)
+    )
     model.train()
     return total / len(heldout)
 
@@ -146,11 +159,16 @@ def make_optimizer(model, cfg: TrainConfig) -> torch.optim.AdamW:
     # Weight decay on matrices only; norms, biases and the GDN gate parameters (A_log, dt_bias) are left alone.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
-def train(model, train_windows: torch.Tensor, heldout_windows: torch.Tensor, cfg: TrainConfig) -> dict:
+def train(
+    model, train_windows: torch.Tensor, heldout_windows: torch.Tensor, cfg: TrainConfig
+) -> dict:
     optimizer = make_optimizer(model, cfg)
     order = batch_order(len(train_windows), cfg)
     curve: dict = {"train_steps": [], "train_loss": [], "heldout_steps": [], "heldout_loss": []}
@@ -208,13 +226,22 @@ def parse_args() -> tuple[TrainConfig, Path, Path, Path]:
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--threads", type=int, default=defaults.threads)
-    parser.add_argument("--out", type=Path, default=ASSET_DIR, help="where model.safetensors and training.json go")
+    parser.add_argument(
+        "--out", type=Path, default=ASSET_DIR, help="where model.safetensors and training.json go"
+    )
     parser.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
     parser.add_argument("--corpus-bytes", type=int, default=defaults.corpus_bytes)
-    parser.add_argument("--plot", type=Path, default=LOSS_PLOT, help="where the loss curve PNG goes")
+    parser.add_argument(
+        "--plot", type=Path, default=LOSS_PLOT, help="where the loss curve PNG goes"
+    )
     args = parser.parse_args()
-    cfg = TrainConfig(steps=args.steps, seed=args.seed, threads=args.threads, corpus_bytes=args.corpus_bytes,
-                      warmup_steps=min(defaults.warmup_steps, max(1, args.steps // 10)))
+    cfg = TrainConfig(
+        steps=args.steps,
+        seed=args.seed,
+        threads=args.threads,
+        corpus_bytes=args.corpus_bytes,
+        warmup_steps=min(defaults.warmup_steps, max(1, args.steps // 10)),
+    )
     return cfg, args.out, args.stdlib, args.plot
 
 
@@ -227,8 +254,10 @@ def main() -> None:
     train_split, heldout_split = tokenize(tokenizer, train_docs), tokenize(tokenizer, heldout_docs)
     train_windows = windows(train_split.tokens, cfg.seq_len)
     heldout_windows = windows(heldout_split.tokens, cfg.seq_len)
-    print(f"train: {train_split.n_files} files, {train_split.n_bytes} bytes, {len(train_split.tokens)} tokens; "
-          f"held-out: {heldout_split.n_files} files, {heldout_split.n_bytes} bytes, {len(heldout_split.tokens)} tokens")
+    print(
+        f"train: {train_split.n_files} files, {train_split.n_bytes} bytes, {len(train_split.tokens)} tokens; "
+        f"held-out: {heldout_split.n_files} files, {heldout_split.n_bytes} bytes, {len(heldout_split.tokens)} tokens"
+    )
     model = build_model(ASSET_DIR, cfg.seed)
     curve = train(model, train_windows, heldout_windows, cfg)
     final_heldout = evaluate(model, heldout_windows, cfg.batch_size)
@@ -236,8 +265,10 @@ def main() -> None:
     curve["heldout_loss"].append(final_heldout)
     final_train = sum(curve["train_loss"][-50:]) / len(curve["train_loss"][-50:])
     wall = time.perf_counter() - started
-    print(f"final: train {final_train:.3f} (mean of last 50 batches), held-out {final_heldout:.3f} nats/token, "
-          f"{wall:.0f} s")
+    print(
+        f"final: train {final_train:.3f} (mean of last 50 batches), held-out {final_heldout:.3f} nats/token, "
+        f"{wall:.0f} s"
+    )
     save_checkpoint(model, out)
     plot_curve(curve, plot)
     report = {
@@ -246,14 +277,23 @@ def main() -> None:
         "torch_version": torch.__version__,
         "heldout_every_nth_file": HELDOUT_EVERY,
         "corpus": {
-            "train": {"files": train_split.n_files, "bytes": train_split.n_bytes, "tokens": len(train_split.tokens)},
-            "heldout": {"files": heldout_split.n_files, "bytes": heldout_split.n_bytes,
-                        "tokens": len(heldout_split.tokens)},
+            "train": {
+                "files": train_split.n_files,
+                "bytes": train_split.n_bytes,
+                "tokens": len(train_split.tokens),
+            },
+            "heldout": {
+                "files": heldout_split.n_files,
+                "bytes": heldout_split.n_bytes,
+                "tokens": len(heldout_split.tokens),
+            },
         },
         "tokens_trained": cfg.steps * cfg.batch_size * cfg.seq_len,
         "final_train_loss": round(final_train, 4),
         "final_heldout_loss": round(final_heldout, 4),
-        "heldout_curve": dict(zip(curve["heldout_steps"], [round(x, 4) for x in curve["heldout_loss"]])),
+        "heldout_curve": dict(
+            zip(curve["heldout_steps"], [round(x, 4) for x in curve["heldout_loss"]])
+        ),
         "wall_time_s": round(wall, 1),
     }
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -3,6 +3,7 @@
 Heavy parts (torch, models, engine) are imported on first use, so that light entry points such as
 ``python -m sglang_lite.router`` start without importing torch.
 """
+
 from __future__ import annotations
 
 import importlib

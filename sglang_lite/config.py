@@ -1,4 +1,5 @@
 """The model configuration: a Hugging Face Qwen3.5 config normalised once into a frozen dataclass."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,16 +29,27 @@ class QuantConfig:
     def from_dict(cls, raw: dict[str, Any]) -> QuantConfig:
         method = raw.get("quant_method")
         if method not in QUANT_METHODS:
-            raise ValueError(f"unsupported quantization_config quant_method {method!r}; expected one of "
-                             f"{QUANT_METHODS}")
-        config = cls(method=method, fmt=raw.get("fmt", "e4m3"),
-                     activation_scheme=raw.get("activation_scheme", "dynamic"),
-                     block_size=tuple(raw.get("weight_block_size") or ()),
-                     modules_to_not_convert=tuple(raw.get("modules_to_not_convert") or ()))
-        if config.fmt != "e4m3" or config.activation_scheme != "dynamic" or len(config.block_size) != 2:
-            raise ValueError(f"unsupported fp8 quantization_config (fmt {config.fmt!r}, activation_scheme "
-                             f"{config.activation_scheme!r}, weight_block_size {list(config.block_size)}): only e4m3 "
-                             "weights in 2-D blocks with dynamic activation scales are supported")
+            raise ValueError(
+                f"unsupported quantization_config quant_method {method!r}; expected one of "
+                f"{QUANT_METHODS}"
+            )
+        config = cls(
+            method=method,
+            fmt=raw.get("fmt", "e4m3"),
+            activation_scheme=raw.get("activation_scheme", "dynamic"),
+            block_size=tuple(raw.get("weight_block_size") or ()),
+            modules_to_not_convert=tuple(raw.get("modules_to_not_convert") or ()),
+        )
+        if (
+            config.fmt != "e4m3"
+            or config.activation_scheme != "dynamic"
+            or len(config.block_size) != 2
+        ):
+            raise ValueError(
+                f"unsupported fp8 quantization_config (fmt {config.fmt!r}, activation_scheme "
+                f"{config.activation_scheme!r}, weight_block_size {list(config.block_size)}): only e4m3 "
+                "weights in 2-D blocks with dynamic activation scales are supported"
+            )
         return config
 
     def converts(self, module: str) -> bool:
@@ -53,7 +65,11 @@ class QuantConfig:
 
 
 def _text_name(name: str) -> str:
-    return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+    return (
+        "model." + name[len("model.language_model.") :]
+        if name.startswith("model.language_model.")
+        else name
+    )
 
 
 @dataclass(frozen=True)
@@ -90,9 +106,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
         assert not bad, f"unknown layer types {bad}"
-        assert self.linear_num_value_heads % self.linear_num_key_heads == 0, "linear value heads % key heads != 0"
-        assert self.num_attention_heads % self.num_key_value_heads == 0, "attention heads % kv heads != 0"
-        assert 0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0, f"bad rotary_dim {self.rotary_dim}"
+        assert self.linear_num_value_heads % self.linear_num_key_heads == 0, (
+            "linear value heads % key heads != 0"
+        )
+        assert self.num_attention_heads % self.num_key_value_heads == 0, (
+            "attention heads % kv heads != 0"
+        )
+        assert 0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0, (
+            f"bad rotary_dim {self.rotary_dim}"
+        )
 
     @property
     def num_layers(self) -> int:
@@ -127,17 +149,25 @@ class ModelConfig:
         kv_heads = self.num_key_value_heads
         if kv_heads < attn_tp_size:
             if attn_tp_size % kv_heads:
-                raise ValueError(f"num_key_value_heads ({kv_heads}) must divide the attention tp size "
-                                 f"({attn_tp_size}) to be replicated over it")
+                raise ValueError(
+                    f"num_key_value_heads ({kv_heads}) must divide the attention tp size "
+                    f"({attn_tp_size}) to be replicated over it"
+                )
             kv_heads = 1
         else:
             kv_heads = shard_size(kv_heads, attn_tp_size, "num_key_value_heads")
         return dataclasses.replace(
             self,
-            num_attention_heads=shard_size(self.num_attention_heads, attn_tp_size, "num_attention_heads"),
+            num_attention_heads=shard_size(
+                self.num_attention_heads, attn_tp_size, "num_attention_heads"
+            ),
             num_key_value_heads=kv_heads,
-            linear_num_key_heads=shard_size(self.linear_num_key_heads, attn_tp_size, "linear_num_key_heads"),
-            linear_num_value_heads=shard_size(self.linear_num_value_heads, attn_tp_size, "linear_num_value_heads"),
+            linear_num_key_heads=shard_size(
+                self.linear_num_key_heads, attn_tp_size, "linear_num_key_heads"
+            ),
+            linear_num_value_heads=shard_size(
+                self.linear_num_value_heads, attn_tp_size, "linear_num_value_heads"
+            ),
         )
 
     @classmethod
@@ -157,7 +187,9 @@ class ModelConfig:
             layer_types=_layer_types(text),
             rms_norm_eps=text.get("rms_norm_eps", 1e-6),
             # a VL wrapper ties (or not) at the top level, which is what the wrapped model follows
-            tie_word_embeddings=bool(outer.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            tie_word_embeddings=bool(
+                outer.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            ),
             max_position_embeddings=text.get("max_position_embeddings", 32768),
             num_attention_heads=text["num_attention_heads"],
             num_key_value_heads=text.get("num_key_value_heads", text["num_attention_heads"]),
@@ -183,7 +215,9 @@ class ModelConfig:
 def shard_size(size: int, parts: int, name: str, over: str = "tp size") -> int:
     """``size / parts``, or ValueError naming the size and the tp (or ep) size when it does not divide."""
     if size % parts:
-        raise ValueError(f"{name} ({size}) is not divisible by the {over} ({parts}): it cannot be sharded")
+        raise ValueError(
+            f"{name} ({size}) is not divisible by the {over} ({parts}): it cannot be sharded"
+        )
     return size // parts
 
 
@@ -228,14 +262,17 @@ def _layer_types(text: dict[str, Any]) -> tuple[str, ...]:
         return tuple(text["layer_types"][: text["num_hidden_layers"]])
     interval = text.get("full_attention_interval", 4)
     return tuple(
-        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(text["num_hidden_layers"])
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(text["num_hidden_layers"])
     )
 
 
 def quantization_in_use(config: ModelConfig, requested: str | None) -> str:
     """``"fp8"`` when the model runs its checkpoint's FP8 weights (``requested``: ``--quantization``; ``"none"``
     dequantizes them at load), else ``"none"``."""
-    return "none" if requested == "none" or config.quantization is None else config.quantization.method
+    return (
+        "none" if requested == "none" or config.quantization is None else config.quantization.method
+    )
 
 
 def _quantization(text: dict[str, Any], outer: dict[str, Any]) -> QuantConfig | None:

@@ -3,6 +3,7 @@
 Booleans accept true/1/yes and false/0/no (any case); an empty variable counts as unset; anything else raises a
 ValueError naming the variable. This module imports nothing heavy so the router can use it too.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,10 @@ class EnvBool:
             return True
         if value.lower() in FALSE_WORDS:
             return False
-        raise ValueError(f"environment variable {self.name}={value!r} is not a boolean (use one of "
-                         f"{TRUE_WORDS + FALSE_WORDS})")
+        raise ValueError(
+            f"environment variable {self.name}={value!r} is not a boolean (use one of "
+            f"{TRUE_WORDS + FALSE_WORDS})"
+        )
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,9 @@ class EnvInt:
         try:
             return int(value)
         except ValueError:
-            raise ValueError(f"environment variable {self.name}={value!r} is not an integer") from None
+            raise ValueError(
+                f"environment variable {self.name}={value!r} is not an integer"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,9 @@ class EnvChoice:
         if value is None:
             return self.default
         if value.lower() not in self.choices:
-            raise ValueError(f"environment variable {self.name}={value!r} must be one of {self.choices}")
+            raise ValueError(
+                f"environment variable {self.name}={value!r} must be one of {self.choices}"
+            )
         return value.lower()
 
 
@@ -79,34 +86,49 @@ class EnvStr:
 
 
 SGLANG_ALT_STREAM = EnvBool(
-    "SGLANG_ALT_STREAM", False, "Create the alternate stream on ROCm (CUDA always has it; the CPU never)."
+    "SGLANG_ALT_STREAM",
+    False,
+    "Create the alternate stream on ROCm (CUDA always has it; the CPU never).",
 )
 SGLANG_GDN_QKVZ_BA_ALT_STREAM = EnvBool(
-    "SGLANG_GDN_QKVZ_BA_ALT_STREAM", False,
+    "SGLANG_GDN_QKVZ_BA_ALT_STREAM",
+    False,
     "ROCm: overlap the GDN in_proj_qkvz and in_proj_ba GEMMs (CUDA always does, as upstream).",
 )
 SGLANG_QK_NORM_ALT_STREAM = EnvBool(
-    "SGLANG_QK_NORM_ALT_STREAM", None, "ROCm: overlap q_norm and k_norm (CUDA always does, as upstream)."
+    "SGLANG_QK_NORM_ALT_STREAM",
+    None,
+    "ROCm: overlap q_norm and k_norm (CUDA always does, as upstream).",
 )
 SGLANG_ALT_STREAM_EAGER = EnvBool(
-    "SGLANG_ALT_STREAM_EAGER", False, "Also overlap outside CUDA-graph capture (upstream overlaps only in capture)."
+    "SGLANG_ALT_STREAM_EAGER",
+    False,
+    "Also overlap outside CUDA-graph capture (upstream overlaps only in capture).",
 )
 SGLANG_GDN_ALT_STREAM_MAX_TOKENS = EnvInt(
-    "SGLANG_GDN_ALT_STREAM_MAX_TOKENS", 1024, "GDN projections overlap only for batches under this many tokens."
+    "SGLANG_GDN_ALT_STREAM_MAX_TOKENS",
+    1024,
+    "GDN projections overlap only for batches under this many tokens.",
 )
 SGLANG_KERNEL_BACKEND = EnvChoice(
-    "SGLANG_KERNEL_BACKEND", "auto", ("auto", "triton", "torch", "native"),
+    "SGLANG_KERNEL_BACKEND",
+    "auto",
+    ("auto", "triton", "torch", "native"),
     "Force Triton, PyTorch or the fused C++ CPU kernels (kernels/dispatch.py).",
 )
 SGLANG_CPU_KERNEL_CACHE = EnvStr(
-    "SGLANG_CPU_KERNEL_CACHE", "",
+    "SGLANG_CPU_KERNEL_CACHE",
+    "",
     "Where the fused C++ CPU kernels are built (default ~/.cache/sglang_lite/cpu_kernels).",
 )
 TRITON_INTERPRET = EnvBool(
-    "TRITON_INTERPRET", False, "Triton's own flag: run Triton kernels on the CPU in its interpreter (as the tests do)."
+    "TRITON_INTERPRET",
+    False,
+    "Triton's own flag: run Triton kernels on the CPU in its interpreter (as the tests do).",
 )
 SGLANG_ROUTER_P2C_LOAD_METRIC = EnvStr(
-    "SGLANG_ROUTER_P2C_LOAD_METRIC", "tokens",
+    "SGLANG_ROUTER_P2C_LOAD_METRIC",
+    "tokens",
     "Load metric of the router's power_of_two policy; as upstream, an unknown value means tokens (the flag wins).",
 )
 

@@ -4,6 +4,7 @@ EXTEND runs new tokens of each request (a whole prompt, or a chunk continuing fr
 DECODE runs exactly one new token per request. Tokens are packed request after request ([T] rows, no padding).
 Layers read positions and boundaries from here and their KV / linear-attention state from ``pools``.
 """
+
 from __future__ import annotations
 
 import enum
@@ -34,7 +35,9 @@ class ForwardBatch:
     pools: ModelPools
     capturing: bool = False  # set while a CUDA graph records this batch
     overlap: OverlapContext = PLAIN  # set by the model for each forward from its stream plan
-    dp_tokens: DPTokens | None = None  # set by the model under DP attention: every DP rank's token counts
+    dp_tokens: DPTokens | None = (
+        None  # set by the model under DP attention: every DP rank's token counts
+    )
     # Device copies of the lengths. Derived from the lists unless given: a CUDA-graph runner passes its own static
     # buffers, which it refills before each replay (the lists are then only placeholders of the right length).
     seq_lens_t: torch.Tensor | None = None  # [B] int32: prefix + extend
@@ -46,9 +49,18 @@ class ForwardBatch:
     max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
-        assert len(self.prefix_lens) == len(self.extend_lens) == self.batch_size, "per-request lengths disagree"
-        assert sum(self.extend_lens) == self.num_tokens == self.positions.numel() == self.out_cache_loc.numel()
-        assert self.mode is ForwardMode.EXTEND or all(n == 1 for n in self.extend_lens), "decode takes 1 token each"
+        assert len(self.prefix_lens) == len(self.extend_lens) == self.batch_size, (
+            "per-request lengths disagree"
+        )
+        assert (
+            sum(self.extend_lens)
+            == self.num_tokens
+            == self.positions.numel()
+            == self.out_cache_loc.numel()
+        )
+        assert self.mode is ForwardMode.EXTEND or all(n == 1 for n in self.extend_lens), (
+            "decode takes 1 token each"
+        )
         device = self.input_ids.device
         if self.prefix_lens_t is None:
             self.prefix_lens_t = torch.tensor(self.prefix_lens, dtype=torch.int32, device=device)
@@ -57,7 +69,9 @@ class ForwardBatch:
         if self.seq_lens_t is None:
             self.seq_lens_t = self.prefix_lens_t + self.extend_lens_t
         if self.cu_seqlens is None:
-            self.cu_seqlens = torch.tensor([0, *_cumsum(self.extend_lens)], dtype=torch.int32, device=device)
+            self.cu_seqlens = torch.tensor(
+                [0, *_cumsum(self.extend_lens)], dtype=torch.int32, device=device
+            )
 
     @property
     def batch_size(self) -> int:
@@ -103,7 +117,9 @@ def build_forward_batch(
     extend_lens = [len(t) for t in token_ids]
     slots = pools.kv.allocator.alloc(sum(extend_lens))
     if slots is None:
-        raise MemoryError(f"KV pool has {pools.kv.allocator.num_free} free slots, {sum(extend_lens)} needed")
+        raise MemoryError(
+            f"KV pool has {pools.kv.allocator.num_free} free slots, {sum(extend_lens)} needed"
+        )
     loc = torch.tensor(slots, dtype=torch.int64, device=device)
     rows = torch.tensor(req_rows, dtype=torch.int64, device=device)
     positions = _token_positions(prefix_lens, extend_lens, device)
@@ -131,7 +147,9 @@ def _per_token(values: torch.Tensor, extend_lens: list[int]) -> torch.Tensor:
     return values.repeat_interleave(torch.tensor(extend_lens, device=values.device))
 
 
-def _token_positions(prefix_lens: list[int], extend_lens: list[int], device: torch.device | str) -> torch.Tensor:
+def _token_positions(
+    prefix_lens: list[int], extend_lens: list[int], device: torch.device | str
+) -> torch.Tensor:
     """[T] position of each new token in its request: prefix, prefix + 1, ... per request."""
     prefixes = torch.tensor(prefix_lens, dtype=torch.int64, device=device)
     if all(n == 1 for n in extend_lens):

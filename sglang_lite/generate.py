@@ -2,6 +2,7 @@
 
 It shows the cached mode on its own: one prefill of the prompt, then one decode step per new token.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,9 @@ from sglang_lite.tokenizer.loader import load_tokenizer
 
 
 @torch.no_grad()
-def greedy_generate(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def greedy_generate(
+    model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int
+) -> list[int]:
     """Greedy continuation of one prompt; stops at the model's end-of-sequence tokens."""
     device = model.lm_head.weight.device
     total = len(prompt_ids) + max_new_tokens
@@ -24,8 +27,15 @@ def greedy_generate(model: torch.nn.Module, prompt_ids: list[int], max_new_token
     output: list[int] = []
     new_tokens, mode = list(prompt_ids), ForwardMode.EXTEND
     for _ in range(max_new_tokens):
-        batch = build_forward_batch(pools, mode, [new_tokens], [len(prompt_ids) + len(output) - len(new_tokens)],
-                                    row, slot, device)
+        batch = build_forward_batch(
+            pools,
+            mode,
+            [new_tokens],
+            [len(prompt_ids) + len(output) - len(new_tokens)],
+            row,
+            slot,
+            device,
+        )
         token = int(model.forward_batch(batch)[0].argmax())
         output.append(token)
         if token in model.config.eos_token_ids:
@@ -36,7 +46,9 @@ def greedy_generate(model: torch.nn.Module, prompt_ids: list[int], max_new_token
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model-path", default=None, help="checkpoint folder (default: the built-in tiny model)")
+    parser.add_argument(
+        "--model-path", default=None, help="checkpoint folder (default: the built-in tiny model)"
+    )
     parser.add_argument("--prompt", default="The capital of France is")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
@@ -44,7 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(args.model_path)
     ids = tokenizer(args.prompt)["input_ids"]
     output = greedy_generate(model, ids, args.max_new_tokens)
-    print(f"prompt: {args.prompt!r}\ncompletion ({len(output)} tokens): {tokenizer.decode(output)!r}")
+    print(
+        f"prompt: {args.prompt!r}\ncompletion ({len(output)} tokens): {tokenizer.decode(output)!r}"
+    )
 
 
 if __name__ == "__main__":

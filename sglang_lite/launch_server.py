@@ -4,6 +4,7 @@ Every ServerArgs field is a flag (``--dp-size 2 --port 30000 --api-key KEY ...``
 the same command with their own ``--node-rank``: node 0 serves HTTP, every other node only runs its ranks of the
 world (``run_node``) until they exit or it is told to stop.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,11 +18,17 @@ from sglang_lite.server_args import ServerArgs
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
-    parser = argparse.ArgumentParser(description="sglang_lite HTTP server (SGLang-native and OpenAI-compatible API)")
+    parser = argparse.ArgumentParser(
+        description="sglang_lite HTTP server (SGLang-native and OpenAI-compatible API)"
+    )
     ServerArgs.add_cli_args(parser)
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+    )
     namespace = parser.parse_args(argv)
-    logging.basicConfig(level=namespace.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=namespace.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return ServerArgs.from_cli_args(namespace)
 
 
@@ -66,10 +73,15 @@ def main(argv: list[str] | None = None) -> None:
     layout = f"dp_size={args.dp_size} tp_size={args.tp_size} nnodes={args.nnodes}"
     if args.node_rank > 0:
         first = args.node_rank * args.ranks_per_node
-        print(f"sglang_lite node {args.node_rank}: world ranks [{first}, {first + args.ranks_per_node}) {layout}",
-              file=sys.stderr, flush=True)
+        print(
+            f"sglang_lite node {args.node_rank}: world ranks [{first}, {first + args.ranks_per_node}) {layout}",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(run_node(args))
-    print(f"sglang_lite server: http://{args.host}:{args.port} {layout}", file=sys.stderr, flush=True)
+    print(
+        f"sglang_lite server: http://{args.host}:{args.port} {layout}", file=sys.stderr, flush=True
+    )
     run_server(args)
 
 

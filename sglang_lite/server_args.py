@@ -3,6 +3,7 @@
 The engine reads it to load the model and size the pools; per-rank copies come from ``dataclasses.replace``.
 Later layers (the HTTP server, DP ranks) extend the same dataclass rather than growing a second flag list.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -157,9 +158,13 @@ class ServerArgs:
             self._check_choice("quantization", QUANTIZATIONS)
         self._check_choice("schedule_policy", SCHEDULE_POLICIES)
         self._check_choice("load_balance_method", LOAD_BALANCE_METHODS)
-        self._check_positive("max_queued_requests", "max_request_body_bytes", "max_concurrent_requests")
+        self._check_positive(
+            "max_queued_requests", "max_request_body_bytes", "max_concurrent_requests"
+        )
         if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank <= 0:
-            raise ValueError(f"cpu_threads_per_rank must be positive, got {self.cpu_threads_per_rank}")
+            raise ValueError(
+                f"cpu_threads_per_rank must be positive, got {self.cpu_threads_per_rank}"
+            )
         self._check_positive("rank_hang_timeout_s")
         if self.rank_max_restarts < 0:
             raise ValueError(f"rank_max_restarts must be >= 0, got {self.rank_max_restarts}")
@@ -168,35 +173,49 @@ class ServerArgs:
             self._check_choice("tool_call_parser", TOOL_CALL_PARSERS)
         if self.reasoning_parser is not None:
             self._check_choice("reasoning_parser", REASONING_PARSERS)
-        self._check_positive("max_running_requests", "max_prefill_tokens", "stream_interval", "dp_size")
+        self._check_positive(
+            "max_running_requests", "max_prefill_tokens", "stream_interval", "dp_size"
+        )
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError(f"max_total_tokens must be positive, got {self.max_total_tokens}")
         if self.context_length is not None and self.context_length <= 1:
             raise ValueError(f"context_length must be > 1, got {self.context_length}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
-            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
+            )
         if self.schedule_conservativeness < 0:
-            raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
+            raise ValueError(
+                f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}"
+            )
         self._check_parallel()
         self._check_choice("disaggregation_mode", DISAGGREGATION_MODES)
         self._check_choice("disaggregation_transfer_backend", TRANSFER_BACKENDS)
         self._check_positive("disaggregation_transfer_timeout")
         if self.disaggregation_mode != "null" and self.tp_size > 1:
-            raise ValueError(f"disaggregation_mode {self.disaggregation_mode} runs with tp_size 1 (got {self.tp_size}):"
-                             " tensor-parallel shards are not transferred yet")
+            raise ValueError(
+                f"disaggregation_mode {self.disaggregation_mode} runs with tp_size 1 (got {self.tp_size}):"
+                " tensor-parallel shards are not transferred yet"
+            )
 
     def _check_parallel(self) -> None:
         self._check_positive("tp_size", "ep_size", "nnodes", "dist_timeout")
         if self.tp_size % self.ep_size:
             raise ValueError(f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size})")
         if self.enable_dp_attention and self.tp_size % self.dp_size:
-            raise ValueError(f"dp_size ({self.dp_size}) must divide tp_size ({self.tp_size}) with "
-                             "enable_dp_attention")
+            raise ValueError(
+                f"dp_size ({self.dp_size}) must divide tp_size ({self.tp_size}) with "
+                "enable_dp_attention"
+            )
         if self.world_size % self.nnodes:
-            raise ValueError(f"nnodes ({self.nnodes}) must divide the processes of the world (tp_size "
-                             f"{self.tp_size})")
+            raise ValueError(
+                f"nnodes ({self.nnodes}) must divide the processes of the world (tp_size "
+                f"{self.tp_size})"
+            )
         if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+            raise ValueError(
+                f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}"
+            )
         if self.dist_init_addr is not None:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit():
@@ -204,8 +223,10 @@ class ServerArgs:
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("dist_init_addr (HOST:PORT of node 0) is required with nnodes > 1")
         if self.nnodes > 1 and self.dp_size > 1 and not self.enable_dp_attention:
-            raise ValueError(f"nnodes > 1 needs dp_size 1 or enable_dp_attention (dp_size {self.dp_size} would "
-                             "make independent replicas)")
+            raise ValueError(
+                f"nnodes > 1 needs dp_size 1 or enable_dp_attention (dp_size {self.dp_size} would "
+                "make independent replicas)"
+            )
 
     def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
         if getattr(self, name) not in choices:
@@ -228,7 +249,9 @@ class ServerArgs:
     @property
     def parallel_config(self) -> ParallelConfig:
         """The layout of one world."""
-        from sglang_lite.distributed.parallel_state import ParallelConfig  # torch: only processes that join a world
+        from sglang_lite.distributed.parallel_state import (
+            ParallelConfig,
+        )  # torch: only processes that join a world
 
         return ParallelConfig(self.tp_size, self.ep_size, self.dp_size, self.enable_dp_attention)
 
@@ -278,7 +301,9 @@ class ServerArgs:
     @property
     def effective_prefill_chunk(self) -> int:
         """Tokens one request may prefill in one forward."""
-        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_prefill_tokens
+        return (
+            self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_prefill_tokens
+        )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -299,14 +324,23 @@ def _add_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> Non
     if field.type in ("bool", bool):
         parser.add_argument(*flags, action="store_true", default=field.default, help=help_text)
         return
-    kwargs: dict[str, Any] = {"default": field.default, "help": f"{help_text} (default: {field.default})"}
+    kwargs: dict[str, Any] = {
+        "default": field.default,
+        "help": f"{help_text} (default: {field.default})",
+    }
     kwargs["type"] = _parse_type(field.type)
-    choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "schedule_policy": SCHEDULE_POLICIES,
-               "quantization": QUANTIZATIONS,
-               "alt_stream_overlap": ALT_STREAM_OVERLAP, "load_balance_method": LOAD_BALANCE_METHODS,
-               "disaggregation_mode": DISAGGREGATION_MODES,
-               "disaggregation_transfer_backend": TRANSFER_BACKENDS,
-               "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS}
+    choices = {
+        "dtype": DTYPES,
+        "load_format": LOAD_FORMATS,
+        "schedule_policy": SCHEDULE_POLICIES,
+        "quantization": QUANTIZATIONS,
+        "alt_stream_overlap": ALT_STREAM_OVERLAP,
+        "load_balance_method": LOAD_BALANCE_METHODS,
+        "disaggregation_mode": DISAGGREGATION_MODES,
+        "disaggregation_transfer_backend": TRANSFER_BACKENDS,
+        "tool_call_parser": TOOL_CALL_PARSERS,
+        "reasoning_parser": REASONING_PARSERS,
+    }
     if field.name in choices:
         kwargs["choices"] = choices[field.name]
     parser.add_argument(*flags, dest=field.name, **kwargs)

@@ -2,6 +2,7 @@
 CPU (``triton.jit`` decides between interpreted and compiled kernels when a kernel module is imported, and test
 folders other than tests/kernels import the kernels too). On the CPU the library itself runs the PyTorch
 references unless Triton is asked for, so only the kernel tests, which ask, see the difference."""
+
 from __future__ import annotations
 
 import os

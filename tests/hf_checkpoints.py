@@ -1,4 +1,5 @@
 """Tiny random transformers Qwen3.5 models saved as checkpoints in the layouts real ones use."""
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,12 @@ BASE = dict(
     linear_conv_kernel_dim=4,
     tie_word_embeddings=False,
 )
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=16)
+MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=16,
+)
 DENSE = dict(intermediate_size=40)
 
 
@@ -48,9 +54,16 @@ def greedy_tokens(model: torch.nn.Module, prompt: list[int], new_tokens: int) ->
     """transformers ``generate``'s greedy continuation of one prompt, exactly ``new_tokens`` long."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def save_checkpoint(model: torch.nn.Module, path: str, layout: str = "text") -> str:
@@ -87,13 +100,18 @@ def _write_config(path: str, config: dict) -> None:
 
 def _to_vl(tensors: dict, text_config: dict) -> tuple[dict, dict]:
     renamed = {
-        (f"model.language_model.{k[len('model.'):]}" if k.startswith("model.") else k): v for k, v in tensors.items()
+        (f"model.language_model.{k[len('model.') :]}" if k.startswith("model.") else k): v
+        for k, v in tensors.items()
     }
     renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2)
     renamed["mtp.fc.weight"] = torch.zeros(4, 4)
     wrapper_type = text_config["model_type"].removesuffix("_text")
-    config = {"model_type": wrapper_type, "architectures": ["VLWrapperForTest"], "text_config": text_config,
-              "tie_word_embeddings": text_config.get("tie_word_embeddings", False)}
+    config = {
+        "model_type": wrapper_type,
+        "architectures": ["VLWrapperForTest"],
+        "text_config": text_config,
+        "tie_word_embeddings": text_config.get("tie_word_embeddings", False),
+    }
     return renamed, config
 
 
@@ -101,12 +119,23 @@ def _fuse_experts(tensors: dict) -> dict:
     out = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
     layers = sorted({k.split(".mlp.experts.")[0] for k in tensors if ".mlp.experts." in k})
     for layer in layers:
-        count = len({k for k in tensors if k.startswith(f"{layer}.mlp.experts.") and k.endswith("down_proj.weight")})
+        count = len(
+            {
+                k
+                for k in tensors
+                if k.startswith(f"{layer}.mlp.experts.") and k.endswith("down_proj.weight")
+            }
+        )
         experts = [f"{layer}.mlp.experts.{e}" for e in range(count)]
         out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([tensors[f"{e}.gate_proj.weight"], tensors[f"{e}.up_proj.weight"]]) for e in experts]
+            [
+                torch.cat([tensors[f"{e}.gate_proj.weight"], tensors[f"{e}.up_proj.weight"]])
+                for e in experts
+            ]
         )
-        out[f"{layer}.mlp.experts.down_proj"] = torch.stack([tensors[f"{e}.down_proj.weight"] for e in experts])
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack(
+            [tensors[f"{e}.down_proj.weight"] for e in experts]
+        )
     return out
 
 

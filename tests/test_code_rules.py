@@ -1,6 +1,7 @@
 """The house rules that hold for the whole tree: ruff is clean, the layers of docs/architecture.md hold
 (import-linter), no import cycles, the kernels import nothing of ours but the flags, and the global server
 arguments have one setter and are read only by model code."""
+
 from __future__ import annotations
 
 import ast
@@ -54,8 +55,8 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
             elif other in stack:
                 low[node] = min(low[node], index[other])
         if low[node] == index[node]:
-            component = stack[stack.index(node):]
-            del stack[stack.index(node):]
+            component = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
             if len(component) > 1:
                 found.append(sorted(component))
 
@@ -71,7 +72,9 @@ def package_of(module: str) -> str:
 
 def test_no_import_cycle_between_modules_or_packages(graph):
     modules = {m for m in graph.modules if m.startswith("sglang_lite")}
-    module_edges = {m: {t for t in graph.find_modules_directly_imported_by(m) if t in modules} for m in modules}
+    module_edges = {
+        m: {t for t in graph.find_modules_directly_imported_by(m) if t in modules} for m in modules
+    }
     assert cycles(module_edges) == []
     package_edges: dict[str, set[str]] = {}
     for module, targets in module_edges.items():
@@ -87,8 +90,13 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_engine_and_server_do_not_import_each_other(graph):
-    for source, target in (("sglang_lite.engine", "sglang_lite.server"), ("sglang_lite.server", "sglang_lite.engine")):
-        assert not graph.chain_exists(source, target, as_packages=True), f"{source} reaches {target}"
+    for source, target in (
+        ("sglang_lite.engine", "sglang_lite.server"),
+        ("sglang_lite.server", "sglang_lite.engine"),
+    ):
+        assert not graph.chain_exists(source, target, as_packages=True), (
+            f"{source} reaches {target}"
+        )
 
 
 def imported_names(path: Path) -> list[tuple[str, int]]:
@@ -108,7 +116,11 @@ def test_kernels_import_only_torch_triton_einops_and_the_flags():
     bad = []
     for path in sorted((ROOT / "kernels").rglob("*.py")):
         for name, line in imported_names(path):
-            ours = name.startswith(".") or name == "sglang_lite.envs" or name.startswith("sglang_lite.envs.")
+            ours = (
+                name.startswith(".")
+                or name == "sglang_lite.envs"
+                or name.startswith("sglang_lite.envs.")
+            )
             if not ours and name.split(".")[0] not in allowed:
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
     assert bad == []

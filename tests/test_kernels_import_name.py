@@ -1,6 +1,7 @@
 """The top-level ``kernels/`` folder is ``sglang_lite.kernels``; from the repository root Python also finds it as
 ``kernels``, the import name of Hugging Face's kernel-hub distribution. It must not stand in for that package:
 transformers probes ``kernels`` by importing it, which failed where triton is missing."""
+
 from __future__ import annotations
 
 import os
@@ -13,17 +14,20 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run_in_repo_root(code: str, extra_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(extra_path), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=180)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+    )
 
 
 def test_transformers_imports_from_the_repository_root_without_triton(tmp_path):
     stub = tmp_path / "triton"
     stub.mkdir()
     (stub / "__init__.py").write_text('raise ImportError("no triton in this environment")\n')
-    code = ("from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM\n"
-            "import kernels\n"
-            "print('exports:', hasattr(kernels, 'fused_moe'), getattr(kernels, '__file__', None))\n")
+    code = (
+        "from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM\n"
+        "import kernels\n"
+        "print('exports:', hasattr(kernels, 'fused_moe'), getattr(kernels, '__file__', None))\n"
+    )
     result = run_in_repo_root(code, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "exports: False None" in result.stdout  # ours exports nothing under that name
@@ -33,6 +37,8 @@ def test_an_installed_kernels_package_wins_over_the_folder(tmp_path):
     hub = tmp_path / "kernels"
     hub.mkdir()
     (hub / "__init__.py").write_text('__version__ = "0.9.0"\nFROM_THE_HUB = True\n')
-    result = run_in_repo_root("import kernels\nprint(kernels.FROM_THE_HUB, kernels.__version__)\n", tmp_path)
+    result = run_in_repo_root(
+        "import kernels\nprint(kernels.FROM_THE_HUB, kernels.__version__)\n", tmp_path
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["True", "0.9.0"]

@@ -1,10 +1,13 @@
 """The built-in tiny Qwen3.5-MoE assets load with stock transformers, offline, and behave like a Qwen tokenizer."""
+
 from __future__ import annotations
 
 import json
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported; local_files_only backs it up
+os.environ.setdefault(
+    "HF_HUB_OFFLINE", "1"
+)  # before transformers is imported; local_files_only backs it up
 
 import pytest
 from transformers import AutoConfig, AutoTokenizer
@@ -65,19 +68,31 @@ def test_plain_encode_adds_no_bos_or_eos(tokenizer) -> None:
 
 
 def test_chat_template_renders_chatml(tokenizer) -> None:
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    expected = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
-                "<|im_start|>assistant\n")
-    assert text == expected + "<think>\n"  # Qwen3.5 thinks by default: the prompt opens the think block
-    no_thinking = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                enable_thinking=False)
+    expected = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert (
+        text == expected + "<think>\n"
+    )  # Qwen3.5 thinks by default: the prompt opens the think block
+    no_thinking = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
     assert no_thinking == expected + "<think>\n\n</think>\n\n"
-    assert not tokenizer.apply_chat_template(messages, tokenize=False).endswith("<|im_start|>assistant\n")
+    assert not tokenizer.apply_chat_template(messages, tokenize=False).endswith(
+        "<|im_start|>assistant\n"
+    )
 
 
 def test_chat_template_takes_text_parts(tokenizer) -> None:
-    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     assert text == "<|im_start|>user\nab<|im_end|>\n"
 
@@ -94,9 +109,12 @@ def test_config_shape(config) -> None:
     assert type(config).__name__ == "Qwen3_5MoeTextConfig"
     assert config.architectures == ["Qwen3_5MoeForCausalLM"]
     assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
-    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (
-        128, 4, 2, 32
-    )
+    assert (
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    ) == (128, 4, 2, 32)
     assert (config.num_experts, config.num_experts_per_tok) == (8, 2)
     assert config.rope_parameters["partial_rotary_factor"] == 0.25
     assert config.tie_word_embeddings is False

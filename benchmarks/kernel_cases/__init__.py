@@ -7,6 +7,7 @@ Each module defines
   ``ours_ms``, ``ref_name``, ``ref_ms`` and optionally ``bytes`` (bytes moved by our kernel) or ``flops``, from
   which the drivers (``bench_kernels.py``, ``gpu_check.py``) derive bandwidth and TFLOP/s shares.
 """
+
 import importlib
 import pkgutil
 

@@ -1,4 +1,5 @@
 """Timing helpers shared by the kernel benchmark cases: median of many runs, CUDA events on a GPU."""
+
 from __future__ import annotations
 
 import statistics
@@ -8,7 +9,9 @@ from typing import Callable
 import torch
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, iters: int = 50, warmup: int = 5) -> float:
+def time_ms(
+    fn: Callable[[], object], device: torch.device, iters: int = 50, warmup: int = 5
+) -> float:
     """Median wall time of ``fn()`` in milliseconds (events on CUDA/ROCm, perf_counter on the CPU)."""
     for _ in range(warmup):
         fn()

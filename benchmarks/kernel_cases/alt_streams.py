@@ -1,5 +1,6 @@
 """GPU check of the alt-stream overlaps: overlapped and plain execution give bit-identical logits, eagerly and
 replayed from CUDA graphs; timing rows compare decode steps with and without the overlaps."""
+
 from __future__ import annotations
 
 import os
@@ -23,20 +24,33 @@ def _logits(model: torch.nn.Module, concurrency: int, graphs: bool) -> list[torc
 
 
 def check(device: torch.device) -> list[dict]:
-    os.environ["SGLANG_ALT_STREAM_EAGER"] = "1"  # eager forwards overlap too, so the eager check exercises them
+    os.environ["SGLANG_ALT_STREAM_EAGER"] = (
+        "1"  # eager forwards overlap too, so the eager check exercises them
+    )
     try:
         plain, overlapped = _pair()
     finally:
         os.environ.pop("SGLANG_ALT_STREAM_EAGER")
-    assert overlapped.streams.plan(capturing=True, num_tokens=8).any_overlap, "the overlapped model plans no overlap"
+    assert overlapped.streams.plan(capturing=True, num_tokens=8).any_overlap, (
+        "the overlapped model plans no overlap"
+    )
     results = []
     for graphs in (False, True):
         for concurrency in (1, 16):
             a, b = _logits(plain, concurrency, graphs), _logits(overlapped, concurrency, graphs)
-            err = max(((x.float() - y.float()).abs().max() / y.float().abs().max()).item() for x, y in zip(a, b))
+            err = max(
+                ((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
+                for x, y in zip(a, b)
+            )
             same = all(torch.equal(x, y) for x, y in zip(a, b))
             mode = "graph" if graphs else "eager"
-            results.append({"name": f"overlap == plain, {mode}, bs={concurrency}", "ok": same, "max_rel_err": err})
+            results.append(
+                {
+                    "name": f"overlap == plain, {mode}, bs={concurrency}",
+                    "ok": same,
+                    "max_rel_err": err,
+                }
+            )
     return results
 
 
@@ -50,6 +64,13 @@ def bench(device: torch.device, quick: bool) -> list[dict]:
         for name, model in (("plain", plain), ("overlapped", overlapped)):
             session = DecodeSession(model, concurrency, 16)
             ms[name] = sorted(session.step()[1] for _ in range(16))[8]
-        rows.append({"kernel": "decode step (alt-stream overlaps)", "shape": f"bs={concurrency}, 4 layers",
-                     "ours_ms": ms["overlapped"], "ref_name": "same graph without overlaps", "ref_ms": ms["plain"]})
+        rows.append(
+            {
+                "kernel": "decode step (alt-stream overlaps)",
+                "shape": f"bs={concurrency}, 4 layers",
+                "ours_ms": ms["overlapped"],
+                "ref_name": "same graph without overlaps",
+                "ref_ms": ms["plain"],
+            }
+        )
     return rows

@@ -1,10 +1,14 @@
 """Benchmark and GPU-check cases for paged attention (extend, decode) and the partial NeoX rotary."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import torch
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
 
 from sglang_lite.kernels import attention, rotary
 from sglang_lite.kernels.rotary import naive as naive_rotary
@@ -13,7 +17,10 @@ from ._timing import time_ms
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max().clamp_min(1e-12)).item()
+    return (
+        (actual.double() - expected.double()).abs().max()
+        / expected.double().abs().max().clamp_min(1e-12)
+    ).item()
 
 
 def _row(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> dict:
@@ -24,8 +31,16 @@ def _row(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> dict:
 class Batch:
     """Requests with the given prefix and new-token lengths, their keys and values stored in a shuffled pool."""
 
-    def __init__(self, prefix_lens: list[int], extend_lens: list[int], heads: int, kv_heads: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         self.k_cache = torch.randn(sum(lens) + 1, kv_heads, head_dim, device=device, dtype=dtype)
         self.v_cache = torch.randn_like(self.k_cache)
@@ -42,13 +57,30 @@ class Batch:
         self.scale = head_dim**-0.5
 
     def extend(self, backend: str | None = None) -> torch.Tensor:
-        return attention.extend_attention(self.q, self.k_cache, self.v_cache, self.req_to_token, self.req_pool_indices,
-                                          self.prefix_lens, self.extend_lens, self.scale, backend=backend)
+        return attention.extend_attention(
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.req_to_token,
+            self.req_pool_indices,
+            self.prefix_lens,
+            self.extend_lens,
+            self.scale,
+            backend=backend,
+        )
 
     def decode(self, backend: str | None = None) -> torch.Tensor:
         q = self.q[: len(self.seq_lens)]
-        return attention.decode_attention(q, self.k_cache, self.v_cache, self.req_to_token, self.req_pool_indices,
-                                          self.seq_lens, self.scale, backend=backend)
+        return attention.decode_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            self.req_to_token,
+            self.req_pool_indices,
+            self.seq_lens,
+            self.scale,
+            backend=backend,
+        )
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The same inputs laid out for transformers (equal lengths only): q [B, H, E, hd], k/v [B, KV, S, hd] and
@@ -58,7 +90,9 @@ class Batch:
         q = self.q.view(batch, extend, *self.q.shape[1:]).transpose(1, 2)
         k, v = self.k_cache[slots].transpose(1, 2), self.v_cache[slots].transpose(1, 2)
         visible = torch.ones(extend, seq, dtype=torch.bool, device=q.device).tril(seq - extend)
-        mask = torch.zeros(extend, seq, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
+        mask = torch.zeros(extend, seq, dtype=q.dtype, device=q.device).masked_fill(
+            ~visible, float("-inf")
+        )
         return q, k, v, mask.expand(batch, 1, extend, seq)
 
 
@@ -66,8 +100,22 @@ def check(device: torch.device) -> list[dict]:
     rows = []
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         batch = Batch([0, 65, 257, 3], [64, 1, 63, 130], 8, 2, 80, device, dtype)
-        rows.append(_row(f"extend_attention hd80 GQA4 {dtype}", batch.extend("triton"), batch.extend("torch"), tol))
-        rows.append(_row(f"decode_attention hd80 GQA4 {dtype}", batch.decode("triton"), batch.decode("torch"), tol))
+        rows.append(
+            _row(
+                f"extend_attention hd80 GQA4 {dtype}",
+                batch.extend("triton"),
+                batch.extend("torch"),
+                tol,
+            )
+        )
+        rows.append(
+            _row(
+                f"decode_attention hd80 GQA4 {dtype}",
+                batch.decode("triton"),
+                batch.decode("torch"),
+                tol,
+            )
+        )
         q = torch.randn(65, 8, 256, device=device, dtype=dtype)
         k = torch.randn(65, 2, 256, device=device, dtype=dtype)
         pos = torch.arange(65, device=device)
@@ -82,30 +130,48 @@ def _module(heads: int, kv_heads: int) -> SimpleNamespace:
     return SimpleNamespace(num_key_value_groups=heads // kv_heads, training=False)
 
 
-def _bench_extend(device, dtype, requests, prefix, extend, heads, kv_heads, head_dim, iters) -> dict:
-    batch = Batch([prefix] * requests, [extend] * requests, heads, kv_heads, head_dim, device, dtype)
+def _bench_extend(
+    device, dtype, requests, prefix, extend, heads, kv_heads, head_dim, iters
+) -> dict:
+    batch = Batch(
+        [prefix] * requests, [extend] * requests, heads, kv_heads, head_dim, device, dtype
+    )
     q, k, v, mask = batch.dense()
     module = _module(heads, kv_heads)
     keys_seen = extend * prefix + extend * (extend + 1) // 2  # per request and head, causal
     shape = f"B={requests} prefix={prefix} extend={extend} H={heads} KV={kv_heads} hd={head_dim}"
-    return {"kernel": "extend_attention", "shape": shape,
-            "ours_ms": time_ms(batch.extend, device, iters=iters, warmup=2),
-            "ref_name": "HF eager_attention_forward (causal mask)",
-            "ref_ms": time_ms(lambda: eager_attention_forward(module, q, k, v, mask, batch.scale), device,
-                              iters=iters, warmup=2),
-            "flops": 4 * requests * heads * head_dim * keys_seen}
+    return {
+        "kernel": "extend_attention",
+        "shape": shape,
+        "ours_ms": time_ms(batch.extend, device, iters=iters, warmup=2),
+        "ref_name": "HF eager_attention_forward (causal mask)",
+        "ref_ms": time_ms(
+            lambda: eager_attention_forward(module, q, k, v, mask, batch.scale),
+            device,
+            iters=iters,
+            warmup=2,
+        ),
+        "flops": 4 * requests * heads * head_dim * keys_seen,
+    }
 
 
 def _bench_decode(device, dtype, requests, seq, heads, kv_heads, head_dim, iters) -> dict:
     batch = Batch([seq - 1] * requests, [1] * requests, heads, kv_heads, head_dim, device, dtype)
     q, k, v, _ = batch.dense()
     module = _module(heads, kv_heads)
-    return {"kernel": "decode_attention", "shape": f"B={requests} S={seq} H={heads} KV={kv_heads} hd={head_dim}",
-            "ours_ms": time_ms(batch.decode, device, iters=iters, warmup=2),
-            "ref_name": "HF eager_attention_forward",
-            "ref_ms": time_ms(lambda: eager_attention_forward(module, q, k, v, None, batch.scale), device,
-                              iters=iters, warmup=2),
-            "bytes": 2 * requests * seq * kv_heads * head_dim * k.element_size()}
+    return {
+        "kernel": "decode_attention",
+        "shape": f"B={requests} S={seq} H={heads} KV={kv_heads} hd={head_dim}",
+        "ours_ms": time_ms(batch.decode, device, iters=iters, warmup=2),
+        "ref_name": "HF eager_attention_forward",
+        "ref_ms": time_ms(
+            lambda: eager_attention_forward(module, q, k, v, None, batch.scale),
+            device,
+            iters=iters,
+            warmup=2,
+        ),
+        "bytes": 2 * requests * seq * kv_heads * head_dim * k.element_size(),
+    }
 
 
 def _bench_rotary(device, dtype, tokens, heads, kv_heads, head_dim, rotary_dim, iters) -> dict:
@@ -116,26 +182,51 @@ def _bench_rotary(device, dtype, tokens, heads, kv_heads, head_dim, rotary_dim, 
     cos, sin = cache[positions].chunk(2, dim=-1)
     cos, sin = torch.cat([cos, cos], -1)[None].to(dtype), torch.cat([sin, sin], -1)[None].to(dtype)
     q_hf, k_hf = q.transpose(0, 1)[None], k.transpose(0, 1)[None]
-    return {"kernel": "apply_rotary", "shape": f"T={tokens} H={heads} KV={kv_heads} hd={head_dim} rot={rotary_dim}",
-            "ours_ms": time_ms(lambda: rotary.apply_rotary(q, k, positions, cache, rotary_dim), device,
-                               iters=iters, warmup=2),
-            "ref_name": "HF apply_rotary_pos_emb",
-            "ref_ms": time_ms(lambda: apply_rotary_pos_emb(q_hf, k_hf, cos, sin), device, iters=iters, warmup=2),
-            "bytes": 2 * (q.numel() + k.numel()) * q.element_size()}
+    return {
+        "kernel": "apply_rotary",
+        "shape": f"T={tokens} H={heads} KV={kv_heads} hd={head_dim} rot={rotary_dim}",
+        "ours_ms": time_ms(
+            lambda: rotary.apply_rotary(q, k, positions, cache, rotary_dim),
+            device,
+            iters=iters,
+            warmup=2,
+        ),
+        "ref_name": "HF apply_rotary_pos_emb",
+        "ref_ms": time_ms(
+            lambda: apply_rotary_pos_emb(q_hf, k_hf, cos, sin), device, iters=iters, warmup=2
+        ),
+        "bytes": 2 * (q.numel() + k.numel()) * q.element_size(),
+    }
 
 
 def bench(device: torch.device, quick: bool) -> list[dict]:
     gpu = device.type == "cuda"
     dtype, iters = (torch.bfloat16, 20) if gpu else (torch.float32, 5)
-    heads, kv_heads, head_dim = (16, 2, 256) if gpu else (8, 2, 128)  # GPU: Qwen3.5 full attention, GQA 8, hd 256
+    heads, kv_heads, head_dim = (
+        (16, 2, 256) if gpu else (8, 2, 128)
+    )  # GPU: Qwen3.5 full attention, GQA 8, hd 256
     if not gpu:
         extend_cases, decode_cases, rotary_tokens = [(4, 128, 128)], [(16, 512)], 1024
     elif quick:
         extend_cases, decode_cases, rotary_tokens = [(4, 1024, 1024)], [(64, 4096)], 8192
     else:
-        extend_cases, decode_cases, rotary_tokens = [(4, 1024, 1024), (1, 0, 8192)], [(64, 4096), (8, 32768)], 32768
+        extend_cases, decode_cases, rotary_tokens = (
+            [(4, 1024, 1024), (1, 0, 8192)],
+            [(64, 4096), (8, 32768)],
+            32768,
+        )
     with torch.no_grad():
-        rows = [_bench_extend(device, dtype, r, p, e, heads, kv_heads, head_dim, iters) for r, p, e in extend_cases]
-        rows += [_bench_decode(device, dtype, b, s, heads, kv_heads, head_dim, iters) for b, s in decode_cases]
-        rows.append(_bench_rotary(device, dtype, rotary_tokens, heads, kv_heads, head_dim, head_dim // 4, iters))
+        rows = [
+            _bench_extend(device, dtype, r, p, e, heads, kv_heads, head_dim, iters)
+            for r, p, e in extend_cases
+        ]
+        rows += [
+            _bench_decode(device, dtype, b, s, heads, kv_heads, head_dim, iters)
+            for b, s in decode_cases
+        ]
+        rows.append(
+            _bench_rotary(
+                device, dtype, rotary_tokens, heads, kv_heads, head_dim, head_dim // 4, iters
+            )
+        )
     return rows

@@ -1,4 +1,5 @@
 """Benchmark and GPU-check cases for the causal conv1d kernels (prefill over packed requests, decode)."""
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,10 @@ def check(device: torch.device) -> list[dict]:
         xd = torch.randn(4, dim, device=device, dtype=dtype)
         got = conv1d.causal_conv1d_update(xd, w, got_pool, slots, backend="triton")
         want = naive.causal_conv1d_update(xd, w, want_pool, slots)
-        rows += [_row(f"causal_conv1d_update {dtype}", got, want, tol),
-                 _row(f"conv state after decode {dtype}", got_pool, want_pool, tol)]
+        rows += [
+            _row(f"causal_conv1d_update {dtype}", got, want, tol),
+            _row(f"conv state after decode {dtype}", got_pool, want_pool, tol),
+        ]
     return rows
 
 
@@ -62,11 +65,20 @@ def bench(device: torch.device, quick: bool) -> list[dict]:
         return F.silu((window * w).sum(-1))
 
     return [
-        {"kernel": "causal_conv1d_fn", "shape": f"T={tokens} D={dim}",
-         "ours_ms": t(lambda: conv1d.causal_conv1d_fn(x, w, pool, one, _cu([tokens], device))),
-         "ref_name": "F.conv1d + silu (HF no-cache)", "ref_ms": t(hf_prefill), "bytes": 2 * x.numel() * size},
-        {"kernel": "causal_conv1d_update", "shape": f"B={batch} D={dim}",
-         "ours_ms": t(lambda: conv1d.causal_conv1d_update(xd, w, pool, slots)),
-         "ref_name": "gather/cat/sum (HF update)", "ref_ms": t(hf_decode),
-         "bytes": (2 * xd.numel() + 2 * batch * dim * (K - 1)) * size},
+        {
+            "kernel": "causal_conv1d_fn",
+            "shape": f"T={tokens} D={dim}",
+            "ours_ms": t(lambda: conv1d.causal_conv1d_fn(x, w, pool, one, _cu([tokens], device))),
+            "ref_name": "F.conv1d + silu (HF no-cache)",
+            "ref_ms": t(hf_prefill),
+            "bytes": 2 * x.numel() * size,
+        },
+        {
+            "kernel": "causal_conv1d_update",
+            "shape": f"B={batch} D={dim}",
+            "ours_ms": t(lambda: conv1d.causal_conv1d_update(xd, w, pool, slots)),
+            "ref_name": "gather/cat/sum (HF update)",
+            "ref_ms": t(hf_decode),
+            "bytes": (2 * xd.numel() + 2 * batch * dim * (K - 1)) * size,
+        },
     ]

@@ -4,6 +4,7 @@ On the GPU the weights are in the device's FP8 format (e4m3fnuz on MI300, e4m3fn
 the Triton kernels with the PyTorch references, and the references with bf16 arithmetic on the dequantized
 weights; one check replays both kernels from a captured CUDA graph.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -24,7 +25,10 @@ KERNEL_TOL, MOE_KERNEL_TOL, FP8_TOL = 2e-2, 5e-2, 8e-2
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max().clamp_min(1e-12)).item()
+    return (
+        (actual.double() - expected.double()).abs().max()
+        / expected.double().abs().max().clamp_min(1e-12)
+    ).item()
 
 
 def _row(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> dict:
@@ -38,8 +42,12 @@ def _fp8_weight(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Ten
     return w.to(device), scale.to(device)
 
 
-def _moe_inputs(tokens: int, hidden: int, inter: int, experts: int, top_k: int, device: torch.device):
-    w13, w13_scale = _fp8_weight((experts + 1, 2 * inter, hidden), device)  # + a fused shared expert
+def _moe_inputs(
+    tokens: int, hidden: int, inter: int, experts: int, top_k: int, device: torch.device
+):
+    w13, w13_scale = _fp8_weight(
+        (experts + 1, 2 * inter, hidden), device
+    )  # + a fused shared expert
     w2, w2_scale = _fp8_weight((experts + 1, hidden, inter), device)
     x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
     weights, ids = moe_naive.topk_softmax(torch.randn(tokens, experts, device=device), top_k)
@@ -55,18 +63,43 @@ def check(device: torch.device) -> list[dict]:
         x = torch.randn(tokens, in_features, device=device, dtype=torch.bfloat16)
         want = naive.w8a8_block_fp8_matmul(x, w, scale, BLOCK)
         shape = f"M={tokens} N={out_features} K={in_features}"
-        rows.append(_row(f"w8a8_block_fp8_matmul {shape}", w8a8_block_fp8_matmul(x, w, scale, BLOCK, backend="triton"),
-                         want, KERNEL_TOL))
-        rows.append(_row(f"block fp8 reference vs bf16 dequantized {shape}", want,
-                         x @ dequantize_blocks(w, scale, BLOCK, torch.bfloat16).t(), FP8_TOL))
+        rows.append(
+            _row(
+                f"w8a8_block_fp8_matmul {shape}",
+                w8a8_block_fp8_matmul(x, w, scale, BLOCK, backend="triton"),
+                want,
+                KERNEL_TOL,
+            )
+        )
+        rows.append(
+            _row(
+                f"block fp8 reference vs bf16 dequantized {shape}",
+                want,
+                x @ dequantize_blocks(w, scale, BLOCK, torch.bfloat16).t(),
+                FP8_TOL,
+            )
+        )
     for tokens in (16, 100):
         x, w13, w2, weights, ids, scales = _moe_inputs(tokens, 2048, 512, 16, 8, device)
         want = moe.fused_moe(x, w13, w2, weights, ids, backend="torch", **scales)
-        rows.append(_row(f"fused_moe fp8 T={tokens} E=16 top8+shared", moe.fused_moe(
-            x, w13, w2, weights, ids, backend="triton", **scales), want, MOE_KERNEL_TOL))
-        plain = moe_naive.fused_moe(x, dequantize_blocks(w13, scales["w13_scale"], BLOCK, torch.bfloat16),
-                                    dequantize_blocks(w2, scales["w2_scale"], BLOCK, torch.bfloat16), weights, ids)
-        rows.append(_row(f"fused_moe fp8 reference vs bf16 dequantized T={tokens}", want, plain, FP8_TOL))
+        rows.append(
+            _row(
+                f"fused_moe fp8 T={tokens} E=16 top8+shared",
+                moe.fused_moe(x, w13, w2, weights, ids, backend="triton", **scales),
+                want,
+                MOE_KERNEL_TOL,
+            )
+        )
+        plain = moe_naive.fused_moe(
+            x,
+            dequantize_blocks(w13, scales["w13_scale"], BLOCK, torch.bfloat16),
+            dequantize_blocks(w2, scales["w2_scale"], BLOCK, torch.bfloat16),
+            weights,
+            ids,
+        )
+        rows.append(
+            _row(f"fused_moe fp8 reference vs bf16 dequantized T={tokens}", want, plain, FP8_TOL)
+        )
     if device.type == "cuda":
         rows.append(_graph_check(device))
     return rows
@@ -100,17 +133,33 @@ def bench(device: torch.device, quick: bool) -> list[dict]:
         w, scale = _fp8_weight((4096, 2048), device)
         dense = dequantize_blocks(w, scale, BLOCK, torch.bfloat16)
         x = torch.randn(tokens, 2048, device=device, dtype=torch.bfloat16)
-        rows.append({"kernel": "w8a8_block_fp8_matmul (incl. activation quant)", "shape": f"M={tokens} N=4096 K=2048",
-                     "ours_ms": time_ms(partial(w8a8_block_fp8_matmul, x, w, scale, BLOCK), device, iters=20),
-                     "ref_name": "torch bf16 matmul", "ref_ms": time_ms(partial(torch.matmul, x, dense.t()), device,
-                                                                         iters=20),
-                     "flops": 2 * tokens * 4096 * 2048})
+        rows.append(
+            {
+                "kernel": "w8a8_block_fp8_matmul (incl. activation quant)",
+                "shape": f"M={tokens} N=4096 K=2048",
+                "ours_ms": time_ms(
+                    partial(w8a8_block_fp8_matmul, x, w, scale, BLOCK), device, iters=20
+                ),
+                "ref_name": "torch bf16 matmul",
+                "ref_ms": time_ms(partial(torch.matmul, x, dense.t()), device, iters=20),
+                "flops": 2 * tokens * 4096 * 2048,
+            }
+        )
         x, w13, w2, weights, ids, scales = _moe_inputs(tokens, 2048, 512, 256, 8, device)
         w13_bf16 = dequantize_blocks(w13, scales["w13_scale"], BLOCK, torch.bfloat16)
         w2_bf16 = dequantize_blocks(w2, scales["w2_scale"], BLOCK, torch.bfloat16)
-        rows.append({"kernel": "fused_moe fp8 (shared expert fused)", "shape": f"T={tokens} H=2048 I=512 E=256 top8+1",
-                     "ours_ms": time_ms(partial(moe.fused_moe, x, w13, w2, weights, ids, **scales), device, iters=20),
-                     "ref_name": "fused_moe bf16 (ours)",
-                     "ref_ms": time_ms(partial(moe.fused_moe, x, w13_bf16, w2_bf16, weights, ids), device, iters=20),
-                     "flops": 2 * 3 * tokens * 9 * 2048 * 512})
+        rows.append(
+            {
+                "kernel": "fused_moe fp8 (shared expert fused)",
+                "shape": f"T={tokens} H=2048 I=512 E=256 top8+1",
+                "ours_ms": time_ms(
+                    partial(moe.fused_moe, x, w13, w2, weights, ids, **scales), device, iters=20
+                ),
+                "ref_name": "fused_moe bf16 (ours)",
+                "ref_ms": time_ms(
+                    partial(moe.fused_moe, x, w13_bf16, w2_bf16, weights, ids), device, iters=20
+                ),
+                "flops": 2 * 3 * tokens * 9 * 2048 * 512,
+            }
+        )
     return rows

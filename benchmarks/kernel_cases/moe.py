@@ -1,4 +1,5 @@
 """Benchmark and GPU-check cases for the fused MoE family (top-k softmax routing, fused shared expert)."""
+
 from __future__ import annotations
 
 from functools import partial
@@ -15,7 +16,10 @@ from ._timing import time_ms
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max().clamp_min(1e-12)).item()
+    return (
+        (actual.double() - expected.double()).abs().max()
+        / expected.double().abs().max().clamp_min(1e-12)
+    ).item()
 
 
 def _row(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> dict:
@@ -23,9 +27,16 @@ def _row(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> dict:
     return {"name": name, "ok": bool(err <= tol), "max_rel_err": err}  # NaN fails the comparison
 
 
-def hf_block(hidden: int, inter: int, experts: int, top_k: int, device: torch.device, dtype: torch.dtype):
-    config = Qwen3_5MoeTextConfig(hidden_size=hidden, moe_intermediate_size=inter,
-                                  shared_expert_intermediate_size=inter, num_experts=experts, num_experts_per_tok=top_k)
+def hf_block(
+    hidden: int, inter: int, experts: int, top_k: int, device: torch.device, dtype: torch.dtype
+):
+    config = Qwen3_5MoeTextConfig(
+        hidden_size=hidden,
+        moe_intermediate_size=inter,
+        shared_expert_intermediate_size=inter,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+    )
     block = Qwen3_5MoeSparseMoeBlock(config)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=hidden**-0.5)
@@ -45,7 +56,9 @@ class FusedSharedMoE:
         self.w13 = torch.cat([block.experts.gate_up_proj, shared_gate_up[None]]).detach()
         self.w2 = torch.cat([block.experts.down_proj, shared.down_proj.weight[None]]).detach()
 
-    def route(self, x: torch.Tensor, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(
+        self, x: torch.Tensor, backend: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routed experts plus expert E with weight sigmoid(shared_expert_gate(x)): [T, top_k + 1]."""
         logits = F.linear(x, self.gate)
         weights, ids = moe.topk_softmax(logits[:, : self.num_experts], self.top_k, backend=backend)
@@ -66,22 +79,42 @@ def check(device: torch.device) -> list[dict]:
         x = torch.randn(65, 256, device=device, dtype=dtype)
         logits = torch.randn(65, 60, device=device, dtype=torch.float32)
         got, want = moe.topk_softmax(logits, 8, backend="triton"), naive.topk_softmax(logits, 8)
-        rows.append({"name": f"topk_softmax ids {dtype}", "ok": bool(torch.equal(got[1], want[1])), "max_rel_err": 0.0})
+        rows.append(
+            {
+                "name": f"topk_softmax ids {dtype}",
+                "ok": bool(torch.equal(got[1], want[1])),
+                "max_rel_err": 0.0,
+            }
+        )
         rows.append(_row(f"topk_softmax weights {dtype}", got[0], want[0], tol))
         with torch.no_grad():
             # one routing for both sides: bf16 router logits can tie, and ties may pick different experts
             weights, ids = ours.route(x, "torch")
-            rows.append(_row(f"fused_moe+shared triton vs naive {dtype}",
-                             moe.fused_moe(x, ours.w13, ours.w2, weights, ids, backend="triton"),
-                             naive.fused_moe(x, ours.w13, ours.w2, weights, ids), tol))
+            rows.append(
+                _row(
+                    f"fused_moe+shared triton vs naive {dtype}",
+                    moe.fused_moe(x, ours.w13, ours.w2, weights, ids, backend="triton"),
+                    naive.fused_moe(x, ours.w13, ours.w2, weights, ids),
+                    tol,
+                )
+            )
             if dtype == torch.float32:
-                rows.append(_row("moe block triton vs HF block fp32", ours(x, "triton"), block(x[None])[0], tol))
+                rows.append(
+                    _row(
+                        "moe block triton vs HF block fp32",
+                        ours(x, "triton"),
+                        block(x[None])[0],
+                        tol,
+                    )
+                )
     return rows
 
 
 def _sizes(device: torch.device, quick: bool) -> list[tuple[int, int, int, int, int]]:
     """(tokens, hidden, moe_intermediate, experts, top_k)."""
-    if device.type != "cuda":  # the built-in tiny model's expert sizes, two small ones, Qwen3.5-MoE's own
+    if (
+        device.type != "cuda"
+    ):  # the built-in tiny model's expert sizes, two small ones, Qwen3.5-MoE's own
         sizes = [(256, 128, 64, 16, 4), (256, 256, 128, 16, 4), (256, 512, 256, 16, 4)]
         return sizes if quick else sizes + [(256, 2048, 512, 16, 4)]
     if quick:
@@ -100,8 +133,14 @@ def bench(device: torch.device, quick: bool) -> list[dict]:
         with torch.no_grad():
             ours_ms = time_ms(partial(ours, x), device, iters=iters, warmup=2)
             ref_ms = time_ms(partial(block, x[None]), device, iters=iters, warmup=2)
-        rows.append({"kernel": "moe block (topk_softmax + fused_moe, shared expert fused)",
-                     "shape": f"T={tokens} H={hidden} I={inter} E={experts} top{top_k}+shared",
-                     "ours_ms": ours_ms, "ref_name": "HF Qwen3_5MoeSparseMoeBlock", "ref_ms": ref_ms,
-                     "flops": 2 * 3 * tokens * (top_k + 1) * hidden * inter})
+        rows.append(
+            {
+                "kernel": "moe block (topk_softmax + fused_moe, shared expert fused)",
+                "shape": f"T={tokens} H={hidden} I={inter} E={experts} top{top_k}+shared",
+                "ours_ms": ours_ms,
+                "ref_name": "HF Qwen3_5MoeSparseMoeBlock",
+                "ref_ms": ref_ms,
+                "flops": 2 * 3 * tokens * (top_k + 1) * hidden * inter,
+            }
+        )
     return rows

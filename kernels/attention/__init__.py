@@ -3,6 +3,7 @@
 Each function runs the Triton kernel, the fused C++ CPU kernel (decode, float32) or the PyTorch reference per call
 (see ``kernels/dispatch.py``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,7 +41,9 @@ def extend_attention(
 ) -> torch.Tensor:
     """New tokens ([T, H, hd], packed by request) attend causally to their request's prefix and to themselves."""
     impl = triton_attention if use_triton(q, backend) else naive
-    return impl.extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale)
+    return impl.extend_attention(
+        q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale
+    )
 
 
 def decode_attention(
@@ -60,10 +63,16 @@ def decode_attention(
     ``max_seq_len``, when the caller knows it on the host, spares the PyTorch path reading ``seq_lens.max()`` back
     (a sync, and a graph break under torch.compile); the Triton kernel does not need it."""
     if use_native(q, k_cache, v_cache, backend=backend):
-        return cpu.decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
+        return cpu.decode_attention(
+            q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale
+        )
     if use_triton(q, backend):
-        return triton_attention.decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
-    return naive.decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, max_seq_len)
+        return triton_attention.decode_attention(
+            q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale
+        )
+    return naive.decode_attention(
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, max_seq_len
+    )
 
 
 __all__ = ["store_kv", "extend_attention", "decode_attention"]

@@ -4,6 +4,7 @@ The pool holds one row per token slot: k_cache, v_cache [N, KV, hd]. ``req_to_to
 (request row, position) to a slot. New tokens are written with ``store_kv`` before attention, so both
 ``extend_attention`` and ``decode_attention`` read every key and value (prefix and new) from the pool.
 """
+
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,11 @@ import torch.nn.functional as F
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
 ) -> None:
     k_cache[loc] = k.to(k_cache.dtype)
     v_cache[loc] = v.to(v_cache.dtype)
@@ -48,7 +53,12 @@ def extend_attention(
         query = q[start : start + extend].transpose(0, 1)  # [H, E, hd]
         mask = torch.ones(extend, prefix + extend, dtype=torch.bool, device=q.device).tril(prefix)
         o = F.scaled_dot_product_attention(
-            query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+            query,
+            keys.to(q.dtype),
+            values.to(q.dtype),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
         )
         out[start : start + extend] = o.transpose(0, 1)
         start += extend
@@ -56,7 +66,12 @@ def extend_attention(
 
 
 def _extend_uniform(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, prefix: int, extend: int,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    prefix: int,
+    extend: int,
     scale: float,
 ) -> torch.Tensor:
     """Every request has the same prefix and extend lengths (a batch of equal prompts): one batched SDPA call."""
@@ -94,7 +109,11 @@ def decode_attention(
     slots = slots.where(mask, slots[:, :1]).long()  # [B, S]
     keys, values = _gather(k_cache, slots), _gather(v_cache, slots)
     o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale,
+        q.unsqueeze(2),
+        keys.to(q.dtype),
+        values.to(q.dtype),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
         enable_gqa=True,
     )
     return o.squeeze(2)

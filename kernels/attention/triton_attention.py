@@ -5,6 +5,7 @@ Every key and value is read through req_to_token, so prefix and new tokens take 
 online (flash) form in fp32 with exp2; head dims that are not powers of two (80) are masked up to the next one.
 Query head h reads KV head h // (H / KV) (GQA).
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,50 +21,105 @@ DECODE_SPLITS = 8
 
 
 @triton.jit
-def _store_kv_kernel(k_cache_ptr, v_cache_ptr, loc_ptr, k_ptr, v_ptr, row_size, stride_cache, stride_k, stride_v,
-                     BLOCK: tl.constexpr):
+def _store_kv_kernel(
+    k_cache_ptr,
+    v_cache_ptr,
+    loc_ptr,
+    k_ptr,
+    v_ptr,
+    row_size,
+    stride_cache,
+    stride_k,
+    stride_v,
+    BLOCK: tl.constexpr,
+):
     token = tl.program_id(0)
     slot = tl.load(loc_ptr + token).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < row_size
     k = tl.load(k_ptr + token * stride_k + offs, mask=mask)
     v = tl.load(v_ptr + token * stride_v + offs, mask=mask)
-    tl.store(k_cache_ptr + slot * stride_cache + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + slot * stride_cache + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        k_cache_ptr + slot * stride_cache + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask
+    )
+    tl.store(
+        v_cache_ptr + slot * stride_cache + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 3 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache and v_cache must be equal [N, KV, hd], got {tuple(k_cache.shape)} {k_cache.dtype}, "
-                         f"{tuple(v_cache.shape)} {v_cache.dtype}")
+        raise ValueError(
+            f"k_cache and v_cache must be equal [N, KV, hd], got {tuple(k_cache.shape)} {k_cache.dtype}, "
+            f"{tuple(v_cache.shape)} {v_cache.dtype}"
+        )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
 ) -> None:
     """Write k, v [T, KV, hd] into the pool rows ``loc`` [T]."""
     _check_pool(k_cache, v_cache)
     if k.shape != v.shape or k.shape[1:] != k_cache.shape[1:] or loc.shape != (k.shape[0],):
-        raise ValueError(f"k, v must be [T, KV, hd]={tuple(k_cache.shape[1:])} with loc [T], got k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}, loc {tuple(loc.shape)}")
-    if k.stride(2) != 1 or k.stride(1) != k.shape[2] or v.stride(2) != 1 or v.stride(1) != v.shape[2]:
+        raise ValueError(
+            f"k, v must be [T, KV, hd]={tuple(k_cache.shape[1:])} with loc [T], got k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}, loc {tuple(loc.shape)}"
+        )
+    if (
+        k.stride(2) != 1
+        or k.stride(1) != k.shape[2]
+        or v.stride(2) != 1
+        or v.stride(1) != v.shape[2]
+    ):
         raise ValueError("k and v must have contiguous [KV, hd] rows")
     if k.shape[0] == 0:
         return
     row_size, block = k.shape[1] * k.shape[2], 1024
     _store_kv_kernel[(k.shape[0], triton.cdiv(row_size, block))](
-        k_cache_ptr=k_cache, v_cache_ptr=v_cache, loc_ptr=loc, k_ptr=k, v_ptr=v, row_size=row_size,
-        stride_cache=k_cache.stride(0), stride_k=k.stride(0), stride_v=v.stride(0), BLOCK=block,
+        k_cache_ptr=k_cache,
+        v_cache_ptr=v_cache,
+        loc_ptr=loc,
+        k_ptr=k,
+        v_ptr=v,
+        row_size=row_size,
+        stride_cache=k_cache.stride(0),
+        stride_k=k.stride(0),
+        stride_v=v.stride(0),
+        BLOCK=block,
     )
 
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, req_to_token_ptr, req_pool_ptr, prefix_ptr, extend_ptr, q_start_ptr,
-    scale_log2, head_dim, group, stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_ch, stride_req,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    req_to_token_ptr,
+    req_pool_ptr,
+    prefix_ptr,
+    extend_ptr,
+    q_start_ptr,
+    scale_log2,
+    head_dim,
+    group,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cn,
+    stride_ch,
+    stride_req,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     req, head, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -76,8 +132,11 @@ def _extend_kernel(
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query index inside this request's new tokens
     dims = tl.arange(0, BLOCK_D)
     row_ok, dim_ok = rows < extend, dims < head_dim
-    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
     kv_head = (head // group).to(tl.int64) * stride_ch
     m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -90,8 +149,16 @@ def _extend_kernel(
         col_ok = cols < kv_end
         slots = tl.load(token_map + cols, mask=col_ok, other=0).to(tl.int64)
         kv_mask = col_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + slots[:, None] * stride_cn + kv_head + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + slots[:, None] * stride_cn + kv_head + dims[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(
+            k_cache_ptr + slots[:, None] * stride_cn + kv_head + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + slots[:, None] * stride_cn + kv_head + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
         s = dot_accumulate(q, tl.trans(k), zero_scores, UPCAST, PRECISION) * scale_log2
         visible = col_ok[None, :] & (cols[None, :] <= prefix + rows[:, None])
         s = tl.where(visible, s, -float("inf"))
@@ -103,23 +170,42 @@ def _extend_kernel(
         acc = dot_accumulate(p.to(v.dtype), v, acc, UPCAST, PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(
+        out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
 
 
-def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-                          out: torch.Tensor | None) -> None:
+def _check_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
     _check_pool(k_cache, v_cache)
-    if q.dim() != 3 or q.shape[2] != k_cache.shape[2] or q.shape[1] % k_cache.shape[1] or q.stride(2) != 1:
-        raise ValueError(f"q must be [*, H, hd={k_cache.shape[2]}] with H a multiple of KV={k_cache.shape[1]} and "
-                         f"contiguous head dims, got {tuple(q.shape)}")
+    if (
+        q.dim() != 3
+        or q.shape[2] != k_cache.shape[2]
+        or q.shape[1] % k_cache.shape[1]
+        or q.stride(2) != 1
+    ):
+        raise ValueError(
+            f"q must be [*, H, hd={k_cache.shape[2]}] with H a multiple of KV={k_cache.shape[1]} and "
+            f"contiguous head dims, got {tuple(q.shape)}"
+        )
     if q.dtype != k_cache.dtype:
         raise ValueError(f"q ({q.dtype}) and the KV pool ({k_cache.dtype}) must share a dtype")
     if req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
-        raise ValueError(f"req_to_token must be [R, max_context] with contiguous rows, got {tuple(req_to_token.shape)}")
+        raise ValueError(
+            f"req_to_token must be [R, max_context] with contiguous rows, got {tuple(req_to_token.shape)}"
+        )
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with contiguous head dims, "
-                         f"got {tuple(out.shape)} {out.dtype}")
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype} with contiguous head dims, "
+            f"got {tuple(out.shape)} {out.dtype}"
+        )
 
 
 def extend_attention(
@@ -138,8 +224,10 @@ def extend_attention(
     _check_attention_args(q, k_cache, v_cache, req_to_token, out)
     num_reqs = req_pool_indices.numel()
     if prefix_lens.shape != (num_reqs,) or extend_lens.shape != (num_reqs,):
-        raise ValueError(f"prefix_lens and extend_lens must be [R={num_reqs}], got {tuple(prefix_lens.shape)}, "
-                         f"{tuple(extend_lens.shape)}")
+        raise ValueError(
+            f"prefix_lens and extend_lens must be [R={num_reqs}], got {tuple(prefix_lens.shape)}, "
+            f"{tuple(extend_lens.shape)}"
+        )
     out = torch.empty_like(q) if out is None else out
     if num_reqs == 0 or q.shape[0] == 0:
         return out
@@ -151,12 +239,29 @@ def extend_attention(
     block_m, block_n = (32, 32) if block_d * q.element_size() > 256 else (64, 64)
     max_extend = int(extend_lens.max())  # one host read to size the grid
     _extend_kernel[(num_reqs, q.shape[1], triton.cdiv(max_extend, block_m))](
-        q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, out_ptr=out, req_to_token_ptr=req_to_token,
-        req_pool_ptr=req_pool_indices, prefix_ptr=prefix_lens, extend_ptr=extend_lens, q_start_ptr=q_start,
-        scale_log2=scale * _LOG2E, head_dim=q.shape[2], group=q.shape[1] // k_cache.shape[1],
-        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
-        stride_cn=k_cache.stride(0), stride_ch=k_cache.stride(1), stride_req=req_to_token.stride(0),
-        UPCAST=triton_interpreting(), PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
+        q_ptr=q,
+        k_cache_ptr=k_cache,
+        v_cache_ptr=v_cache,
+        out_ptr=out,
+        req_to_token_ptr=req_to_token,
+        req_pool_ptr=req_pool_indices,
+        prefix_ptr=prefix_lens,
+        extend_ptr=extend_lens,
+        q_start_ptr=q_start,
+        scale_log2=scale * _LOG2E,
+        head_dim=q.shape[2],
+        group=q.shape[1] // k_cache.shape[1],
+        stride_qt=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_cn=k_cache.stride(0),
+        stride_ch=k_cache.stride(1),
+        stride_req=req_to_token.stride(0),
+        UPCAST=triton_interpreting(),
+        PRECISION=dot_precision(q.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         BLOCK_D=block_d,
     )
     return out
@@ -164,9 +269,25 @@ def extend_attention(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr,
-    scale_log2, head_dim, group, stride_qb, stride_qh, stride_cn, stride_ch, stride_req,
-    NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    req_to_token_ptr,
+    req_pool_ptr,
+    seq_lens_ptr,
+    scale_log2,
+    head_dim,
+    group,
+    stride_qb,
+    stride_qh,
+    stride_cn,
+    stride_ch,
+    stride_req,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     req, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -175,7 +296,9 @@ def _decode_split_kernel(
     start, end = split * split_len, tl.minimum((split + 1) * split_len, seq_len)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
-    q = tl.load(q_ptr + req * stride_qb + head * stride_qh + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + req * stride_qb + head * stride_qh + dims, mask=dim_ok, other=0.0).to(
+        tl.float32
+    )
     token_map = req_to_token_ptr + tl.load(req_pool_ptr + req).to(tl.int64) * stride_req
     kv_head = (head // group).to(tl.int64) * stride_ch
     m_i = -float("inf")
@@ -186,8 +309,16 @@ def _decode_split_kernel(
         col_ok = cols < end
         slots = tl.load(token_map + cols, mask=col_ok, other=0).to(tl.int64)
         kv_mask = col_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + slots[:, None] * stride_cn + kv_head + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + slots[:, None] * stride_cn + kv_head + dims[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(
+            k_cache_ptr + slots[:, None] * stride_cn + kv_head + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + slots[:, None] * stride_cn + kv_head + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
         s = tl.sum(q[None, :] * k.to(tl.float32), axis=1) * scale_log2
         s = tl.where(col_ok, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
@@ -204,8 +335,16 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, head_dim, stride_ob, stride_oh,
-                          NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    head_dim,
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     req, head = tl.program_id(0), tl.program_id(1)
     part = (req * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     lse = tl.load(part_lse_ptr + part)
@@ -213,8 +352,11 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, head_dim, stride_
     dims = tl.arange(0, BLOCK_D)
     parts = tl.load(part_out_ptr + part[:, None] * BLOCK_D + dims[None, :])
     out = tl.sum(weights[:, None] * parts, axis=0) / tl.sum(weights, axis=0)
-    tl.store(out_ptr + req * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < head_dim)
+    tl.store(
+        out_ptr + req * stride_ob + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < head_dim,
+    )
 
 
 def decode_attention(
@@ -232,24 +374,44 @@ def decode_attention(
     _check_attention_args(q, k_cache, v_cache, req_to_token, out)
     batch, num_heads, head_dim = q.shape
     if req_pool_indices.shape != (batch,) or seq_lens.shape != (batch,):
-        raise ValueError(f"req_pool_indices and seq_lens must be [B={batch}], got {tuple(req_pool_indices.shape)}, "
-                         f"{tuple(seq_lens.shape)}")
+        raise ValueError(
+            f"req_pool_indices and seq_lens must be [B={batch}], got {tuple(req_pool_indices.shape)}, "
+            f"{tuple(seq_lens.shape)}"
+        )
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
-    part_out = torch.empty(batch, num_heads, DECODE_SPLITS, block_d, dtype=torch.float32, device=q.device)
+    part_out = torch.empty(
+        batch, num_heads, DECODE_SPLITS, block_d, dtype=torch.float32, device=q.device
+    )
     part_lse = torch.empty(batch, num_heads, DECODE_SPLITS, dtype=torch.float32, device=q.device)
     common = dict(head_dim=head_dim, NUM_SPLITS=DECODE_SPLITS, BLOCK_D=block_d)
     _decode_split_kernel[(batch, num_heads, DECODE_SPLITS)](
-        q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, part_out_ptr=part_out, part_lse_ptr=part_lse,
-        req_to_token_ptr=req_to_token, req_pool_ptr=req_pool_indices, seq_lens_ptr=seq_lens,
-        scale_log2=scale * _LOG2E, group=num_heads // k_cache.shape[1], stride_qb=q.stride(0), stride_qh=q.stride(1),
-        stride_cn=k_cache.stride(0), stride_ch=k_cache.stride(1), stride_req=req_to_token.stride(0), BLOCK_N=64,
+        q_ptr=q,
+        k_cache_ptr=k_cache,
+        v_cache_ptr=v_cache,
+        part_out_ptr=part_out,
+        part_lse_ptr=part_lse,
+        req_to_token_ptr=req_to_token,
+        req_pool_ptr=req_pool_indices,
+        seq_lens_ptr=seq_lens,
+        scale_log2=scale * _LOG2E,
+        group=num_heads // k_cache.shape[1],
+        stride_qb=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_cn=k_cache.stride(0),
+        stride_ch=k_cache.stride(1),
+        stride_req=req_to_token.stride(0),
+        BLOCK_N=64,
         **common,
     )
     _decode_reduce_kernel[(batch, num_heads)](
-        part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out, stride_ob=out.stride(0), stride_oh=out.stride(1),
+        part_out_ptr=part_out,
+        part_lse_ptr=part_lse,
+        out_ptr=out,
+        stride_ob=out.stride(0),
+        stride_oh=out.stride(1),
         **common,
     )
     return out

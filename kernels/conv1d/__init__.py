@@ -4,6 +4,7 @@ Each public function runs the Triton kernel on a GPU and, on the CPU, the fused 
 PyTorch reference for other dtypes); ``backend`` forces one
 (see ``kernels/dispatch.py``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,7 +26,9 @@ def causal_conv1d_fn(
 ) -> torch.Tensor:
     if use_native(x, conv_states, backend=backend):
         return cpu.causal_conv1d_fn(x, weight, conv_states, state_indices, cu_seqlens, activation)
-    impl = triton_conv1d.causal_conv1d_fn_triton if use_triton(x, backend) else naive.causal_conv1d_fn
+    impl = (
+        triton_conv1d.causal_conv1d_fn_triton if use_triton(x, backend) else naive.causal_conv1d_fn
+    )
     return impl(x, weight, conv_states, state_indices, cu_seqlens, activation)
 
 
@@ -40,7 +43,11 @@ def causal_conv1d_update(
 ) -> torch.Tensor:
     if use_native(x, conv_states, backend=backend):
         return cpu.causal_conv1d_update(x, weight, conv_states, state_indices, activation)
-    impl = triton_conv1d.causal_conv1d_update_triton if use_triton(x, backend) else naive.causal_conv1d_update
+    impl = (
+        triton_conv1d.causal_conv1d_update_triton
+        if use_triton(x, backend)
+        else naive.causal_conv1d_update
+    )
     return impl(x, weight, conv_states, state_indices, activation)
 
 

@@ -6,6 +6,7 @@ Prefill: one program per (request, channel block, tile of BLOCK_T tokens), so a 
 on an H200 at T=2048). The tile that starts a request reads the pooled initial state; a second launch writes the
 final state, after every read of the old one.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,21 +15,42 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_input(x_ptr, state_ptr, pos, chans, length, stride_x, stride_sd, K: tl.constexpr, D: tl.constexpr):
+def _load_input(
+    x_ptr, state_ptr, pos, chans, length, stride_x, stride_sd, K: tl.constexpr, D: tl.constexpr
+):
     """Inputs at request positions ``pos`` (negative positions come from the K-1 pooled inputs) -> [P, BLOCK_D]."""
     chan_ok = (chans < D)[None, :]
-    from_x = tl.load(x_ptr + pos[:, None] * stride_x + chans[None, :],
-                     mask=((pos >= 0) & (pos < length))[:, None] & chan_ok, other=0.0)
-    from_state = tl.load(state_ptr + chans[None, :] * stride_sd + (pos + K - 1)[:, None],
-                         mask=((pos < 0) & (pos + K - 1 >= 0))[:, None] & chan_ok, other=0.0)
+    from_x = tl.load(
+        x_ptr + pos[:, None] * stride_x + chans[None, :],
+        mask=((pos >= 0) & (pos < length))[:, None] & chan_ok,
+        other=0.0,
+    )
+    from_state = tl.load(
+        state_ptr + chans[None, :] * stride_sd + (pos + K - 1)[:, None],
+        mask=((pos < 0) & (pos + K - 1 >= 0))[:, None] & chan_ok,
+        other=0.0,
+    )
     return tl.where((pos >= 0)[:, None], from_x.to(tl.float32), from_state.to(tl.float32))
 
 
 @triton.jit
 def _causal_conv1d_fwd_kernel(
-    x_ptr, w_ptr, out_ptr, states_ptr, slots_ptr, cu_ptr,
-    stride_x, stride_out, stride_w, stride_ss, stride_sd,
-    D: tl.constexpr, K: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    states_ptr,
+    slots_ptr,
+    cu_ptr,
+    stride_x,
+    stride_out,
+    stride_w,
+    stride_ss,
+    stride_sd,
+    D: tl.constexpr,
+    K: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     req, dblock, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_ptr + req)
@@ -42,29 +64,49 @@ def _causal_conv1d_fwd_kernel(
     pos = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     x_tile = x_req + pos[:, None] * stride_x + chans[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for tap in tl.static_range(K):  # inputs from x; positions before the request start read as 0 here
+    for tap in tl.static_range(
+        K
+    ):  # inputs from x; positions before the request start read as 0 here
         shift = tap - (K - 1)
         src_ok = ((pos + shift >= 0) & (pos + shift < length))[:, None] & chan_ok
         w = tl.load(w_ptr + chans * stride_w + tap, mask=chans < D, other=0.0).to(tl.float32)
-        acc += tl.load(x_tile + shift * stride_x, mask=src_ok, other=0.0).to(tl.float32) * w[None, :]
+        acc += (
+            tl.load(x_tile + shift * stride_x, mask=src_ok, other=0.0).to(tl.float32) * w[None, :]
+        )
     if tile == 0:  # the first K-1 outputs also see the pooled inputs before the request
         for tap in tl.static_range(K - 1):
             shift = tap - (K - 1)
             w = tl.load(w_ptr + chans * stride_w + tap, mask=chans < D, other=0.0).to(tl.float32)
             in_state = ((pos + shift < 0) & (pos + shift >= 1 - K))[:, None] & chan_ok
-            old = tl.load(state_ptr + chans[None, :] * stride_sd + (pos + tap)[:, None], mask=in_state, other=0.0)
+            old = tl.load(
+                state_ptr + chans[None, :] * stride_sd + (pos + tap)[:, None],
+                mask=in_state,
+                other=0.0,
+            )
             acc += old.to(tl.float32) * w[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
     out_mask = (pos < length)[:, None] & (chans < D)[None, :]
-    tl.store(out_ptr + (start + pos).to(tl.int64)[:, None] * stride_out + chans[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(
+        out_ptr + (start + pos).to(tl.int64)[:, None] * stride_out + chans[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=out_mask,
+    )
 
 
 @triton.jit
 def _conv_state_after_prefill_kernel(
-    x_ptr, states_ptr, slots_ptr, cu_ptr, stride_x, stride_ss, stride_sd,
-    D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    states_ptr,
+    slots_ptr,
+    cu_ptr,
+    stride_x,
+    stride_ss,
+    stride_sd,
+    D: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """The new state is the request's last K-1 inputs (some from the old state when the request is shorter)."""
     req, dblock = tl.program_id(0), tl.program_id(1)
@@ -74,7 +116,9 @@ def _conv_state_after_prefill_kernel(
     chans = dblock * BLOCK_D + tl.arange(0, BLOCK_D)
     tail = length - (K - 1) + tl.arange(0, BLOCK_K)
     x_req = x_ptr + start.to(tl.int64) * stride_x
-    new_state = _load_input(x_req, state_ptr, tail, chans, length, stride_x, stride_sd, K, D)  # [BLOCK_K, BLOCK_D]
+    new_state = _load_input(
+        x_req, state_ptr, tail, chans, length, stride_x, stride_sd, K, D
+    )  # [BLOCK_K, BLOCK_D]
     tl.debug_barrier()  # all of the old state is read before any of it is overwritten
     dst = state_ptr + chans[None, :] * stride_sd + tl.arange(0, BLOCK_K)[:, None]
     keep = (tl.arange(0, BLOCK_K) < K - 1)[:, None] & (chans < D)[None, :]
@@ -83,31 +127,60 @@ def _conv_state_after_prefill_kernel(
 
 @triton.jit
 def _causal_conv1d_update_kernel(
-    x_ptr, w_ptr, out_ptr, states_ptr, slots_ptr,
-    stride_x, stride_out, stride_w, stride_ss, stride_sd,
-    D: tl.constexpr, K: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    states_ptr,
+    slots_ptr,
+    stride_x,
+    stride_out,
+    stride_w,
+    stride_ss,
+    stride_sd,
+    D: tl.constexpr,
+    K: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     req, dblock = tl.program_id(0), tl.program_id(1)
     state_ptr = states_ptr + tl.load(slots_ptr + req).to(tl.int64) * stride_ss
     chans = dblock * BLOCK_D + tl.arange(0, BLOCK_D)
     taps = tl.arange(0, BLOCK_K)  # window of K inputs: K-1 pooled ones, then this token
     chan_ok = (chans < D)[:, None]
-    old = tl.load(state_ptr + chans[:, None] * stride_sd + taps[None, :], mask=chan_ok & (taps < K - 1)[None, :],
-                  other=0.0)
+    old = tl.load(
+        state_ptr + chans[:, None] * stride_sd + taps[None, :],
+        mask=chan_ok & (taps < K - 1)[None, :],
+        other=0.0,
+    )
     x = tl.load(x_ptr + req.to(tl.int64) * stride_x + chans, mask=chans < D, other=0.0)
     window = tl.where((taps == K - 1)[None, :], x.to(tl.float32)[:, None], old.to(tl.float32))
-    w = tl.load(w_ptr + chans[:, None] * stride_w + taps[None, :], mask=chan_ok & (taps < K)[None, :], other=0.0)
+    w = tl.load(
+        w_ptr + chans[:, None] * stride_w + taps[None, :],
+        mask=chan_ok & (taps < K)[None, :],
+        other=0.0,
+    )
     y = tl.sum(window * w.to(tl.float32), axis=1)
     if SILU:
         y = y * tl.sigmoid(y)
-    tl.store(out_ptr + req.to(tl.int64) * stride_out + chans, y.to(out_ptr.dtype.element_ty), mask=chans < D)
+    tl.store(
+        out_ptr + req.to(tl.int64) * stride_out + chans,
+        y.to(out_ptr.dtype.element_ty),
+        mask=chans < D,
+    )
     # Shift by one: slot j takes window[j + 1]; gathered above, so the barrier orders all reads before the writes.
-    shifted = tl.load(state_ptr + chans[:, None] * stride_sd + taps[None, :] + 1,
-                      mask=chan_ok & (taps < K - 2)[None, :], other=0.0).to(tl.float32)
+    shifted = tl.load(
+        state_ptr + chans[:, None] * stride_sd + taps[None, :] + 1,
+        mask=chan_ok & (taps < K - 2)[None, :],
+        other=0.0,
+    ).to(tl.float32)
     shifted = tl.where((taps == K - 2)[None, :], x.to(tl.float32)[:, None], shifted)
     tl.debug_barrier()
-    tl.store(state_ptr + chans[:, None] * stride_sd + taps[None, :], shifted.to(states_ptr.dtype.element_ty),
-             mask=chan_ok & (taps < K - 1)[None, :])
+    tl.store(
+        state_ptr + chans[:, None] * stride_sd + taps[None, :],
+        shifted.to(states_ptr.dtype.element_ty),
+        mask=chan_ok & (taps < K - 1)[None, :],
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- launchers
@@ -125,17 +198,25 @@ def _check_common(
     x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, state_indices: torch.Tensor
 ) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"x must be [tokens, D] with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}")
+        raise ValueError(
+            f"x must be [tokens, D] with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}"
+        )
     d = x.shape[1]
     if weight.dim() != 2 or weight.shape[0] != d or weight.stride(1) != 1:
-        raise ValueError(f"weight must be [D={d}, K] with a contiguous last dim, got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be [D={d}, K] with a contiguous last dim, got {tuple(weight.shape)}"
+        )
     k = weight.shape[1]
     if conv_states.dim() != 3 or conv_states.shape[1:] != (d, k - 1) or conv_states.stride(2) != 1:
-        raise ValueError(f"conv_states must be [slots, {d}, {k - 1}] with a contiguous last dim, "
-                         f"got {tuple(conv_states.shape)}")
+        raise ValueError(
+            f"conv_states must be [slots, {d}, {k - 1}] with a contiguous last dim, "
+            f"got {tuple(conv_states.shape)}"
+        )
     if state_indices.dim() != 1 or state_indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"state_indices must be a 1-D integer tensor, "
-                         f"got {tuple(state_indices.shape)} {state_indices.dtype}")
+        raise ValueError(
+            f"state_indices must be a 1-D integer tensor, "
+            f"got {tuple(state_indices.shape)} {state_indices.dtype}"
+        )
 
 
 def _block_d(d: int) -> int:
@@ -154,25 +235,50 @@ def causal_conv1d_fn_triton(
 ) -> torch.Tensor:
     _check_common(x, weight, conv_states, state_indices)
     if cu_seqlens.shape != (state_indices.shape[0] + 1,):
-        raise ValueError(f"cu_seqlens must be [{state_indices.shape[0] + 1}], got {tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"cu_seqlens must be [{state_indices.shape[0] + 1}], got {tuple(cu_seqlens.shape)}"
+        )
     out = torch.empty_like(x) if out is None else out
     if out.shape != x.shape or out.stride(1) != 1:
         raise ValueError(f"out must be shaped like x {tuple(x.shape)} with a contiguous last dim")
     d, k = weight.shape
-    block_t, block_d = 16, _block_d(d)  # 16 x 128: ~140 registers a thread on sm_90, no spills (64 x 128 spilled)
+    block_t, block_d = (
+        16,
+        _block_d(d),
+    )  # 16 x 128: ~140 registers a thread on sm_90, no spills (64 x 128 spilled)
     # as many token tiles as the whole batch has: no host read of the longest request; the surplus exits at once
     grid = (state_indices.shape[0], triton.cdiv(d, block_d), triton.cdiv(x.shape[0], block_t))
     if grid[0] and grid[2]:
         _causal_conv1d_fwd_kernel[grid](
-            x_ptr=x, w_ptr=weight, out_ptr=out, states_ptr=conv_states, slots_ptr=state_indices, cu_ptr=cu_seqlens,
-            stride_x=x.stride(0), stride_out=out.stride(0), stride_w=weight.stride(0),
-            stride_ss=conv_states.stride(0), stride_sd=conv_states.stride(1),
-            D=d, K=k, SILU=_silu_flag(activation), BLOCK_T=block_t, BLOCK_D=block_d,
+            x_ptr=x,
+            w_ptr=weight,
+            out_ptr=out,
+            states_ptr=conv_states,
+            slots_ptr=state_indices,
+            cu_ptr=cu_seqlens,
+            stride_x=x.stride(0),
+            stride_out=out.stride(0),
+            stride_w=weight.stride(0),
+            stride_ss=conv_states.stride(0),
+            stride_sd=conv_states.stride(1),
+            D=d,
+            K=k,
+            SILU=_silu_flag(activation),
+            BLOCK_T=block_t,
+            BLOCK_D=block_d,
         )
     if grid[0]:
         _conv_state_after_prefill_kernel[grid[:2]](
-            x_ptr=x, states_ptr=conv_states, slots_ptr=state_indices, cu_ptr=cu_seqlens, stride_x=x.stride(0),
-            stride_ss=conv_states.stride(0), stride_sd=conv_states.stride(1), D=d, K=k, BLOCK_D=block_d,
+            x_ptr=x,
+            states_ptr=conv_states,
+            slots_ptr=state_indices,
+            cu_ptr=cu_seqlens,
+            stride_x=x.stride(0),
+            stride_ss=conv_states.stride(0),
+            stride_sd=conv_states.stride(1),
+            D=d,
+            K=k,
+            BLOCK_D=block_d,
             BLOCK_K=triton.next_power_of_2(max(k - 1, 1)),
         )
     return out
@@ -189,7 +295,9 @@ def causal_conv1d_update_triton(
 ) -> torch.Tensor:
     _check_common(x, weight, conv_states, state_indices)
     if state_indices.shape[0] != x.shape[0]:
-        raise ValueError(f"state_indices has {state_indices.shape[0]} entries for {x.shape[0]} decode tokens")
+        raise ValueError(
+            f"state_indices has {state_indices.shape[0]} entries for {x.shape[0]} decode tokens"
+        )
     out = torch.empty_like(x) if out is None else out
     if out.shape != x.shape or out.stride(1) != 1:
         raise ValueError(f"out must be shaped like x {tuple(x.shape)} with a contiguous last dim")
@@ -197,9 +305,20 @@ def causal_conv1d_update_triton(
     grid = (x.shape[0], triton.cdiv(d, _block_d(d)))
     if grid[0]:
         _causal_conv1d_update_kernel[grid](
-            x_ptr=x, w_ptr=weight, out_ptr=out, states_ptr=conv_states, slots_ptr=state_indices,
-            stride_x=x.stride(0), stride_out=out.stride(0), stride_w=weight.stride(0),
-            stride_ss=conv_states.stride(0), stride_sd=conv_states.stride(1),
-            D=d, K=k, SILU=_silu_flag(activation), BLOCK_D=_block_d(d), BLOCK_K=triton.next_power_of_2(k),
+            x_ptr=x,
+            w_ptr=weight,
+            out_ptr=out,
+            states_ptr=conv_states,
+            slots_ptr=state_indices,
+            stride_x=x.stride(0),
+            stride_out=out.stride(0),
+            stride_w=weight.stride(0),
+            stride_ss=conv_states.stride(0),
+            stride_sd=conv_states.stride(1),
+            D=d,
+            K=k,
+            SILU=_silu_flag(activation),
+            BLOCK_D=_block_d(d),
+            BLOCK_K=triton.next_power_of_2(k),
         )
     return out

@@ -11,6 +11,7 @@ machine) into ``SGLANG_CPU_KERNEL_CACHE`` (default ``~/.cache/sglang_lite/cpu_ke
 torch version and CPU (``-march=native``), and loaded from there afterwards. When it cannot be built the CPU runs
 the references and says why once. ``SGLANG_KERNEL_BACKEND=torch`` turns these kernels off for a run.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,7 +51,9 @@ def available() -> bool:
                 _loaded = True
             except Exception as exc:  # noqa: BLE001 - any build failure means: run the references
                 _loaded, _error = False, f"{type(exc).__name__}: {exc}"
-                logger.warning("fused CPU kernels unavailable, the CPU runs the PyTorch references: %s", _error)
+                logger.warning(
+                    "fused CPU kernels unavailable, the CPU runs the PyTorch references: %s", _error
+                )
         return _loaded
 
 
@@ -75,14 +78,21 @@ def _build_and_load() -> None:
     build_dir = os.path.join(_cache_root(), _build_key())
     os.makedirs(build_dir, exist_ok=True)
     cpp_extension.load(
-        name="sglang_lite_cpu_ops", sources=_SOURCES, build_directory=build_dir, extra_cflags=_CFLAGS,
-        extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False,
+        name="sglang_lite_cpu_ops",
+        sources=_SOURCES,
+        build_directory=build_dir,
+        extra_cflags=_CFLAGS,
+        extra_ldflags=_LDFLAGS,
+        is_python_module=False,
+        verbose=False,
     )
 
 
 def _cache_root() -> str:
     configured = envs.SGLANG_CPU_KERNEL_CACHE.get()
-    return configured or os.path.join(os.path.expanduser("~"), ".cache", "sglang_lite", "cpu_kernels")
+    return configured or os.path.join(
+        os.path.expanduser("~"), ".cache", "sglang_lite", "cpu_kernels"
+    )
 
 
 def _build_key() -> str:
@@ -134,40 +144,64 @@ def gemma_rmsnorm(
 
 
 def fused_qk_gemma_rmsnorm(
-    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, head_dim: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``norms.naive.fused_qk_gemma_rmsnorm``: every head_dim-sized row of q and of k."""
     q_rows, k_rows = q.reshape(-1, 1, head_dim), k.reshape(-1, 1, head_dim)
-    return gemma_rmsnorm(q_rows, q_weight, eps).view(q.shape), gemma_rmsnorm(k_rows, k_weight, eps).view(k.shape)
+    return gemma_rmsnorm(q_rows, q_weight, eps).view(q.shape), gemma_rmsnorm(
+        k_rows, k_weight, eps
+    ).view(k.shape)
 
 
-def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rmsnorm(
+    o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     """As ``norms.naive.gated_rmsnorm``."""
     return _ops().gated_rmsnorm(o, _float(z), _float(weight), eps)  # shaped like o
 
 
 def causal_conv1d_update(
-    x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, state_indices: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    state_indices: torch.Tensor,
     activation: str | None = "silu",
 ) -> torch.Tensor:
     """As ``conv1d.naive.causal_conv1d_update``: x [B, D]; the float32 pool's slots are shifted in place."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported activation {activation!r}")
     return _ops().causal_conv1d_update(
-        _last_dim_contiguous(x), _float(weight).contiguous(), conv_states, state_indices, activation is not None
+        _last_dim_contiguous(x),
+        _float(weight).contiguous(),
+        conv_states,
+        state_indices,
+        activation is not None,
     )
 
 
 def causal_conv1d_fn(
-    x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, state_indices: torch.Tensor,
-    cu_seqlens: torch.Tensor, activation: str | None = "silu",
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    activation: str | None = "silu",
 ) -> torch.Tensor:
     """As ``conv1d.naive.causal_conv1d_fn``: x [T, D] packed requests; the float32 pool's slots are replaced by
     each request's last K-1 inputs."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported activation {activation!r}")
     return _ops().causal_conv1d_prefill(
-        _last_dim_contiguous(x), _float(weight).contiguous(), conv_states, state_indices, cu_seqlens,
+        _last_dim_contiguous(x),
+        _float(weight).contiguous(),
+        conv_states,
+        state_indices,
+        cu_seqlens,
         activation is not None,
     )
 
@@ -176,12 +210,21 @@ def fused_gdn_gating(
     A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``gated_delta_rule.naive.fused_gdn_gating``: a, b [T, H]."""
-    return _ops().gdn_gating(_float(A_log), _last_dim_contiguous(a), _float(dt_bias), _last_dim_contiguous(_float(b)))
+    return _ops().gdn_gating(
+        _float(A_log), _last_dim_contiguous(a), _float(dt_bias), _last_dim_contiguous(_float(b))
+    )
 
 
 def chunk_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    ssm_states: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """As ``gated_delta_rule.naive.chunk_gated_delta_rule`` (whatever its chunk size: this runs the recurrence token
@@ -189,28 +232,44 @@ def chunk_gated_delta_rule(
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     g, beta = _last_dim_contiguous(_float(g)), _last_dim_contiguous(_float(beta))
-    return _ops().gated_delta_rule_prefill(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, scale,
-                                           use_qk_l2norm)
+    return _ops().gated_delta_rule_prefill(
+        q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, scale, use_qk_l2norm
+    )
 
 
 def fused_recurrent_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    ssm_states: torch.Tensor, state_indices: torch.Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """As ``gated_delta_rule.naive.fused_recurrent_gated_delta_rule``; the float32 pool is updated in place."""
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     g, beta = _last_dim_contiguous(_float(g)), _last_dim_contiguous(_float(beta))
-    return _ops().gated_delta_rule_decode(q, k, v, g, beta, ssm_states, state_indices, scale, use_qk_l2norm)
+    return _ops().gated_delta_rule_decode(
+        q, k, v, g, beta, ssm_states, state_indices, scale, use_qk_l2norm
+    )
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """As ``attention.naive.decode_attention`` over a float32 pool."""
-    return _ops().decode_attention(_last_dim_contiguous(q), k_cache, v_cache, req_to_token, req_pool_indices,
-                                   seq_lens, scale)
+    return _ops().decode_attention(
+        _last_dim_contiguous(q), k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale
+    )
 
 
 # Where the fused linear beats MKL on 2 threads. An [in, out] weight: from 1 to a few hundred rows at every width
@@ -239,10 +298,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def moe_route(
-    router_logits: torch.Tensor, shared_logits: torch.Tensor | None, top_k: int, renormalize: bool, shared_id: int
+    router_logits: torch.Tensor,
+    shared_logits: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool,
+    shared_id: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``moe.naive.moe_route``: float32 router logits [T, E] (and shared-expert logits [T, 1])."""
-    return _ops().moe_route(_last_dim_contiguous(router_logits), shared_logits, top_k, renormalize, shared_id)
+    return _ops().moe_route(
+        _last_dim_contiguous(router_logits), shared_logits, top_k, renormalize, shared_id
+    )
 
 
 # The fused MoE runs a prefill's tokens in chunks: its buffers (every (token, expert) pair's row) stay small enough
@@ -253,7 +318,11 @@ MOE_CHUNK_TOKENS = 1024
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """As ``moe.naive.fused_moe`` for float32 x and experts, in either weight layout."""
     x, topk_weights, topk_ids = _last_dim_contiguous(x), _float(topk_weights), topk_ids.contiguous()

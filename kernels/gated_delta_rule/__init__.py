@@ -4,6 +4,7 @@ Each public function runs the Triton kernel on a GPU and, on the CPU, the fused 
 PyTorch reference for other dtypes); ``backend`` forces one
 (see ``kernels/dispatch.py``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,12 @@ from . import naive, triton_gdn
 
 
 def fused_gdn_gating(
-    A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor, *, backend: str | None = None
+    A_log: torch.Tensor,
+    a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_native(a, backend=backend):
         return cpu.fused_gdn_gating(A_log, a, dt_bias, b)
@@ -38,9 +44,17 @@ def chunk_gated_delta_rule(
     backend: str | None = None,
 ) -> torch.Tensor:
     if use_native(q, k, v, ssm_states, backend=backend):
-        return cpu.chunk_gated_delta_rule(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, scale, use_qk_l2norm)
-    impl = triton_gdn.chunk_gated_delta_rule_triton if use_triton(q, backend) else naive.chunk_gated_delta_rule
-    return impl(q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, scale, use_qk_l2norm, chunk_size)
+        return cpu.chunk_gated_delta_rule(
+            q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, scale, use_qk_l2norm
+        )
+    impl = (
+        triton_gdn.chunk_gated_delta_rule_triton
+        if use_triton(q, backend)
+        else naive.chunk_gated_delta_rule
+    )
+    return impl(
+        q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, scale, use_qk_l2norm, chunk_size
+    )
 
 
 def fused_recurrent_gated_delta_rule(
@@ -57,7 +71,9 @@ def fused_recurrent_gated_delta_rule(
     backend: str | None = None,
 ) -> torch.Tensor:
     if use_native(q, k, v, ssm_states, backend=backend):
-        return cpu.fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_states, state_indices, scale, use_qk_l2norm)
+        return cpu.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, ssm_states, state_indices, scale, use_qk_l2norm
+        )
     triton_impl = triton_gdn.fused_recurrent_gated_delta_rule_triton
     impl = triton_impl if use_triton(q, backend) else naive.fused_recurrent_gated_delta_rule
     return impl(q, k, v, g, beta, ssm_states, state_indices, scale, use_qk_l2norm)

@@ -5,6 +5,7 @@ Recurrent state per request: [HV, dk, dv] in fp32, held in ``ssm_states`` [S, HV
 Value head h reads key head h // (HV // HK). Per step:
 ``S = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T (scale q)``.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,13 +34,17 @@ def _l2norm_factor(x: torch.Tensor, scale: float, eps: float) -> torch.Tensor:
     return torch.linalg.vecdot(x, x).add_(eps).rsqrt_().mul_(scale).unsqueeze(-1)
 
 
-def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, scale: float, use_qk_l2norm: bool):
+def _prepare_qk(
+    q: torch.Tensor, k: torch.Tensor, num_v_heads: int, scale: float, use_qk_l2norm: bool
+):
     q, k = q.float(), k.float()
     q, k = (l2norm(q, scale), l2norm(k)) if use_qk_l2norm else (q * scale, k)
     return _repeat_key_heads(q, k, num_v_heads)
 
 
-def _repeat_key_heads(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _repeat_key_heads(
+    q: torch.Tensor, k: torch.Tensor, num_v_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GQA: value head h reads key head h // (HV // HK)."""
     groups = num_v_heads // k.shape[-2]
     if groups > 1:
@@ -49,7 +54,9 @@ def _repeat_key_heads(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tup
 
 def _check_heads(k: torch.Tensor, v: torch.Tensor) -> None:
     if v.shape[-2] % k.shape[-2]:
-        raise ValueError(f"value heads ({v.shape[-2]}) must be a multiple of key heads ({k.shape[-2]})")
+        raise ValueError(
+            f"value heads ({v.shape[-2]}) must be a multiple of key heads ({k.shape[-2]})"
+        )
 
 
 def _chunk_one_sequence(q, k, v, g, beta, state, chunk_size, scale, use_qk_l2norm):
@@ -81,7 +88,9 @@ def _chunk_one_sequence(q, k, v, g, beta, state, chunk_size, scale, use_qk_l2nor
     inverse = _unit_lower_inverse(torch.matmul(k, k_t).mul_(decay).mul_(beta.unsqueeze(-1)))
     u = torch.matmul(inverse.mul_(beta.unsqueeze(-2)), v)
     w = torch.matmul(inverse.mul_(g_exp.unsqueeze(-2)), k)
-    k_to_end_t = k.mul_(to_end.unsqueeze(-1)).transpose(-1, -2)  # keys decayed to the end of their chunk
+    k_to_end_t = k.mul_(to_end.unsqueeze(-1)).transpose(
+        -1, -2
+    )  # keys decayed to the end of their chunk
     chunk_decay = g_exp[..., -1, None, None]
     state = state.clone()  # advanced in place
     out = torch.empty_like(v)
@@ -94,7 +103,9 @@ def _chunk_one_sequence(q, k, v, g, beta, state, chunk_size, scale, use_qk_l2nor
         state.mul_(d_i).baddbmm_(k_i, v_i)
     # o = exp(g_cum) (q S) + (q k^T * decay) v_new: the read of the chunk-start state plus the intra-chunk part
     out.mul_(g_exp.unsqueeze(-1))
-    out.view(-1, chunk_size, dv).baddbmm_(attn.view(-1, chunk_size, chunk_size), v_new.view(-1, chunk_size, dv))
+    out.view(-1, chunk_size, dv).baddbmm_(
+        attn.view(-1, chunk_size, chunk_size), v_new.view(-1, chunk_size, dv)
+    )
     return out.transpose(1, 2).reshape(n * chunk_size, heads, dv)[:length], state
 
 
@@ -102,7 +113,9 @@ def _chunk_one_sequence(q, k, v, g, beta, state, chunk_size, scale, use_qk_l2nor
 # ~50x slower when its result underflows into denormals (or its input is -inf), and denormal products slow every
 # later matmul, so log-decays are clamped before exp and tiny results zeroed after.
 _LOG_FLUSH = -60.0
-_EXP_FLUSH = math.exp(_LOG_FLUSH) * (1 + 1e-5)  # just above fp32 exp(_LOG_FLUSH), so clamped entries become 0
+_EXP_FLUSH = math.exp(_LOG_FLUSH) * (
+    1 + 1e-5
+)  # just above fp32 exp(_LOG_FLUSH), so clamped entries become 0
 
 
 def _flushed_exp_(x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +149,9 @@ def _unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _to_chunks(t: torch.Tensor, n: int, chunk_size: int, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+def _to_chunks(
+    t: torch.Tensor, n: int, chunk_size: int, row_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """[L, H, ...] token-major -> a new [n, H, C, ...] chunk-major tensor, zero-padded to whole chunks.
 
     ``row_scale`` ([L, H, 1]) multiplies each row on the way, in the same pass as the copy."""
@@ -185,17 +200,23 @@ def chunk_gated_delta_rule(
     _check_heads(k, v)
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     chunk_size = min(chunk_size, _CPU_CHUNK_SIZE)
-    qf, kf = _repeat_key_heads(q.float(), k.float(), v.shape[-2])  # normalised later, on the chunk-major copies
+    qf, kf = _repeat_key_heads(
+        q.float(), k.float(), v.shape[-2]
+    )  # normalised later, on the chunk-major copies
     qk_norm = (scale, use_qk_l2norm)
     bounds = cu_seqlens.tolist()
     lengths = [e - s for s, e in zip(bounds, bounds[1:])]
     pieces = (qf, kf, v.float(), g.float(), beta.float())
     if lengths and len(lengths) * max(lengths) <= 2 * bounds[-1]:
-        return _chunk_padded(pieces, ssm_states, state_indices, lengths, chunk_size, qk_norm).to(v.dtype)
+        return _chunk_padded(pieces, ssm_states, state_indices, lengths, chunk_size, qk_norm).to(
+            v.dtype
+        )
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     for i, slot in enumerate(state_indices.tolist()):
         s, e = bounds[i], bounds[i + 1]
-        o, state = _chunk_one_sequence(*(t[s:e] for t in pieces), ssm_states[slot].float(), chunk_size, *qk_norm)
+        o, state = _chunk_one_sequence(
+            *(t[s:e] for t in pieces), ssm_states[slot].float(), chunk_size, *qk_norm
+        )
         out[s:e] = o.to(v.dtype)
         ssm_states[slot] = state.to(ssm_states.dtype)
     return out
@@ -259,14 +280,19 @@ def fused_recurrent_gated_delta_rule(
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     qf, kf = _prepare_qk(q, k, v.shape[-2], scale, use_qk_l2norm)
     run = slot_run(state_indices, ssm_states)
-    state = ssm_states[run] if run is not None else ssm_states.index_select(0, state_indices).float()
+    state = (
+        ssm_states[run] if run is not None else ssm_states.index_select(0, state_indices).float()
+    )
     flat = state.view(-1, *state.shape[2:])  # [B * HV, dk, dv]
     decay = g.float().exp().reshape(-1, 1)
-    reads = torch.bmm(torch.stack([kf, qf], dim=-2).view(flat.shape[0], 2, -1), flat)  # [B * HV, 2, dv]
-    delta = (v.float().reshape(-1, v.shape[-1]) - reads[:, 0] * decay).mul_(beta.float().reshape(-1, 1))
+    reads = torch.bmm(
+        torch.stack([kf, qf], dim=-2).view(flat.shape[0], 2, -1), flat
+    )  # [B * HV, 2, dv]
+    delta = (v.float().reshape(-1, v.shape[-1]) - reads[:, 0] * decay).mul_(
+        beta.float().reshape(-1, 1)
+    )
     out = torch.addcmul(reads[:, 1] * decay, torch.linalg.vecdot(kf, qf).reshape(-1, 1), delta)
     flat.mul_(decay.unsqueeze(-1)).baddbmm_(kf.reshape(-1, kf.shape[-1], 1), delta.unsqueeze(1))
     if run is None:
         ssm_states.index_copy_(0, state_indices, state.to(ssm_states.dtype))
     return out.view(v.shape).to(v.dtype)
-

@@ -11,6 +11,7 @@ decay D_ij = exp(c_i - c_j) for j <= i):
   O = diag(exp(c)) Q S + (Q K^T * D) V';  S <- exp(c_last) S + (diag(exp(c_last - c)) K)^T V'.
 This is exactly the token recurrence regrouped, so chunked prefill and token-by-token decode agree.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,14 +29,28 @@ def _l2norm_rows(x):
 
 @triton.jit
 def _gdn_gating_kernel(
-    A_log_ptr, a_ptr, dt_bias_ptr, b_ptr, g_ptr, beta_ptr, n_rows, stride_a, stride_b,
-    H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    A_log_ptr,
+    a_ptr,
+    dt_bias_ptr,
+    b_ptr,
+    g_ptr,
+    beta_ptr,
+    n_rows,
+    stride_a,
+    stride_b,
+    H: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     heads = tl.arange(0, BLOCK_H)
     mask = (rows < n_rows)[:, None] & (heads < H)[None, :]
-    a = tl.load(a_ptr + rows[:, None] * stride_a + heads[None, :], mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + rows[:, None] * stride_b + heads[None, :], mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + rows[:, None] * stride_a + heads[None, :], mask=mask, other=0.0).to(
+        tl.float32
+    )
+    b = tl.load(b_ptr + rows[:, None] * stride_b + heads[None, :], mask=mask, other=0.0).to(
+        tl.float32
+    )
     A_log = tl.load(A_log_ptr + heads, mask=heads < H, other=0.0).to(tl.float32)
     x = a + tl.load(dt_bias_ptr + heads, mask=heads < H, other=0.0).to(tl.float32)[None, :]
     # softplus with PyTorch's threshold: linear above 20, where exp would only add rounding error
@@ -47,10 +62,33 @@ def _gdn_gating_kernel(
 
 @triton.jit
 def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, states_ptr, slots_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_ot, stride_oh,
-    stride_ss, stride_sh, stride_sk, scale,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    out_ptr,
+    states_ptr,
+    slots_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_gt,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_ss,
+    stride_sh,
+    stride_sk,
+    scale,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
     L2NORM: tl.constexpr,
 ):
     """One decode step for (request, value head, dv block); the pooled state block is updated in place."""
@@ -58,9 +96,15 @@ def _recurrent_kernel(
     hk = hv // GROUP
     ks = tl.arange(0, BK)
     vs = vblock * BV + tl.arange(0, BV)
-    q = tl.load(q_ptr + req * stride_qt + hk * stride_qh + ks, mask=ks < DK, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + req * stride_kt + hk * stride_kh + ks, mask=ks < DK, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + req * stride_vt + hv * stride_vh + vs, mask=vs < DV, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + req * stride_qt + hk * stride_qh + ks, mask=ks < DK, other=0.0).to(
+        tl.float32
+    )
+    k = tl.load(k_ptr + req * stride_kt + hk * stride_kh + ks, mask=ks < DK, other=0.0).to(
+        tl.float32
+    )
+    v = tl.load(v_ptr + req * stride_vt + hv * stride_vh + vs, mask=vs < DV, other=0.0).to(
+        tl.float32
+    )
     if L2NORM:
         q, k = _l2norm_rows(q), _l2norm_rows(k)
     q = q * scale
@@ -74,7 +118,11 @@ def _recurrent_kernel(
     state += k[:, None] * delta[None, :]
     tl.store(s_ptrs, state.to(states_ptr.dtype.element_ty), mask=s_mask)
     o = tl.sum(state * q[:, None], axis=0)
-    tl.store(out_ptr + req * stride_ot + hv * stride_oh + vs, o.to(out_ptr.dtype.element_ty), mask=vs < DV)
+    tl.store(
+        out_ptr + req * stride_ot + hv * stride_oh + vs,
+        o.to(out_ptr.dtype.element_ty),
+        mask=vs < DV,
+    )
 
 
 @triton.jit
@@ -98,24 +146,58 @@ def _unit_lower_inverse(A, BT: tl.constexpr, LOG2_BT: tl.constexpr, PRECISION: t
 @triton.jit
 def _load_chunk(ptr, tok, stride_t, cols, valid, N: tl.constexpr):
     mask = valid[:, None] & (cols < N)[None, :]
-    return tl.load(ptr + tok[:, None] * stride_t + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.load(ptr + tok[:, None] * stride_t + cols[None, :], mask=mask, other=0.0).to(
+        tl.float32
+    )
 
 
 @triton.jit
 def _chunk_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, states_ptr, slots_ptr, cu_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_ot, stride_oh,
-    stride_ss, stride_sh, stride_sk, scale,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr, LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    out_ptr,
+    states_ptr,
+    slots_ptr,
+    cu_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_gt,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_ss,
+    stride_sh,
+    stride_sk,
+    scale,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+    LOG2_BT: tl.constexpr,
+    L2NORM: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     req, hv, vblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = hv // GROUP
     start = tl.load(cu_ptr + req)
     length = tl.load(cu_ptr + req + 1) - start
     ks, vs, ts = tl.arange(0, BK), vblock * BV + tl.arange(0, BV), tl.arange(0, BT)
-    s_ptrs = (states_ptr + tl.load(slots_ptr + req).to(tl.int64) * stride_ss + hv * stride_sh
-              + ks[:, None] * stride_sk + vs[None, :])
+    s_ptrs = (
+        states_ptr
+        + tl.load(slots_ptr + req).to(tl.int64) * stride_ss
+        + hv * stride_sh
+        + ks[:, None] * stride_sk
+        + vs[None, :]
+    )
     s_mask = (ks < DK)[:, None] & (vs < DV)[None, :]
     state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
     causal = ts[:, None] >= ts[None, :]
@@ -145,10 +227,15 @@ def _chunk_kernel(
         o = tl.dot(q * tl.exp(c)[:, None], state, input_precision=PRECISION)
         o += tl.dot(attn, v_new, input_precision=PRECISION)
         o_mask = valid[:, None] & (vs < DV)[None, :]
-        tl.store(out_ptr + tok[:, None] * stride_ot + hv * stride_oh + vs[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=o_mask)
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + hv * stride_oh + vs[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=o_mask,
+        )
         k_to_end = k * tl.exp(c_last - c)[:, None]
-        state = state * tl.exp(c_last) + tl.dot(tl.trans(k_to_end), v_new, input_precision=PRECISION)
+        state = state * tl.exp(c_last) + tl.dot(
+            tl.trans(k_to_end), v_new, input_precision=PRECISION
+        )
     tl.store(s_ptrs, state.to(states_ptr.dtype.element_ty), mask=s_mask)
 
 
@@ -157,8 +244,10 @@ def _chunk_kernel(
 
 def _check_last_contiguous(t: torch.Tensor, name: str, dims: int) -> None:
     if t.dim() != dims or t.stride(-1) != 1:
-        raise ValueError(f"{name} must be {dims}-D with a contiguous last dim, "
-                         f"got {tuple(t.shape)} strides {t.stride()}")
+        raise ValueError(
+            f"{name} must be {dims}-D with a contiguous last dim, "
+            f"got {tuple(t.shape)} strides {t.stride()}"
+        )
 
 
 def _pad(n: int) -> int:
@@ -182,8 +271,18 @@ def fused_gdn_gating_triton(
     rows = a2.shape[0]
     if rows:
         _gdn_gating_kernel[(triton.cdiv(rows, 32),)](
-            A_log_ptr=A_log, a_ptr=a2, dt_bias_ptr=dt_bias, b_ptr=b2, g_ptr=g, beta_ptr=beta, n_rows=rows,
-            stride_a=a2.stride(0), stride_b=b2.stride(0), H=h, ROWS=32, BLOCK_H=triton.next_power_of_2(h),
+            A_log_ptr=A_log,
+            a_ptr=a2,
+            dt_bias_ptr=dt_bias,
+            b_ptr=b2,
+            g_ptr=g,
+            beta_ptr=beta,
+            n_rows=rows,
+            stride_a=a2.stride(0),
+            stride_b=b2.stride(0),
+            H=h,
+            ROWS=32,
+            BLOCK_H=triton.next_power_of_2(h),
         )
     return g, beta
 
@@ -205,28 +304,43 @@ def _check_gdn_inputs(q, k, v, g, beta, ssm_states, state_indices) -> tuple[int,
         if t.shape != (tokens, hv):
             raise ValueError(f"{name} must be [{tokens}, {hv}], got {tuple(t.shape)}")
     if ssm_states.dim() != 4 or ssm_states.shape[1:] != (hv, dk, dv) or ssm_states.stride(3) != 1:
-        raise ValueError(f"ssm_states must be [slots, {hv}, {dk}, {dv}] with a contiguous last dim, "
-                         f"got {tuple(ssm_states.shape)}")
+        raise ValueError(
+            f"ssm_states must be [slots, {hv}, {dk}, {dv}] with a contiguous last dim, "
+            f"got {tuple(ssm_states.shape)}"
+        )
     if state_indices.dim() != 1 or state_indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"state_indices must be a 1-D integer tensor, "
-                         f"got {tuple(state_indices.shape)} {state_indices.dtype}")
+        raise ValueError(
+            f"state_indices must be a 1-D integer tensor, "
+            f"got {tuple(state_indices.shape)} {state_indices.dtype}"
+        )
     return hk, hv, dk, dv
 
 
 def _strides(q, k, v, g, beta, out, ssm_states) -> dict[str, int]:
     return dict(
-        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
-        stride_vt=v.stride(0), stride_vh=v.stride(1), stride_gt=g.stride(0), stride_bt=beta.stride(0),
-        stride_ot=out.stride(0), stride_oh=out.stride(1),
-        stride_ss=ssm_states.stride(0), stride_sh=ssm_states.stride(1), stride_sk=ssm_states.stride(2),
+        stride_qt=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_kt=k.stride(0),
+        stride_kh=k.stride(1),
+        stride_vt=v.stride(0),
+        stride_vh=v.stride(1),
+        stride_gt=g.stride(0),
+        stride_bt=beta.stride(0),
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_ss=ssm_states.stride(0),
+        stride_sh=ssm_states.stride(1),
+        stride_sk=ssm_states.stride(2),
     )
 
 
 def _output(v: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
     if out.shape != v.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be shaped like v {tuple(v.shape)} with a contiguous last dim, "
-                         f"got {tuple(out.shape)}")
+        raise ValueError(
+            f"out must be shaped like v {tuple(v.shape)} with a contiguous last dim, "
+            f"got {tuple(out.shape)}"
+        )
     return out
 
 
@@ -247,9 +361,13 @@ def chunk_gated_delta_rule_triton(
 ) -> torch.Tensor:
     hk, hv, dk, dv = _check_gdn_inputs(q, k, v, g, beta, ssm_states, state_indices)
     if cu_seqlens.shape != (state_indices.shape[0] + 1,):
-        raise ValueError(f"cu_seqlens must be [{state_indices.shape[0] + 1}], got {tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"cu_seqlens must be [{state_indices.shape[0] + 1}], got {tuple(cu_seqlens.shape)}"
+        )
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")  # an upper bound: see below
+        raise ValueError(
+            f"chunk_size must be a power of two >= 16, got {chunk_size}"
+        )  # an upper bound: see below
     out = _output(v, out)
     # Value columns split across programs: each keeps a [dk, 64] state slice, so a 128 x 128 head fits the
     # registers and shared memory of one program; the keys' part (K K^T and its inverse) is redone per slice.
@@ -263,11 +381,28 @@ def chunk_gated_delta_rule_triton(
     grid = (state_indices.shape[0], hv, triton.cdiv(dv, block_v))
     if grid[0]:
         _chunk_kernel[grid](
-            q_ptr=q, k_ptr=k, v_ptr=v, g_ptr=g, beta_ptr=beta, out_ptr=out, states_ptr=ssm_states,
-            slots_ptr=state_indices, cu_ptr=cu_seqlens, **_strides(q, k, v, g, beta, out, ssm_states),
-            scale=dk**-0.5 if scale is None else scale, GROUP=hv // hk, DK=dk, DV=dv, BK=_pad(dk), BV=block_v,
-            BT=chunk_size, LOG2_BT=chunk_size.bit_length() - 1, L2NORM=use_qk_l2norm,
-            PRECISION=dot_precision(q.dtype),  # the tiles are widened to fp32; 16-bit data need no more than tf32
+            q_ptr=q,
+            k_ptr=k,
+            v_ptr=v,
+            g_ptr=g,
+            beta_ptr=beta,
+            out_ptr=out,
+            states_ptr=ssm_states,
+            slots_ptr=state_indices,
+            cu_ptr=cu_seqlens,
+            **_strides(q, k, v, g, beta, out, ssm_states),
+            scale=dk**-0.5 if scale is None else scale,
+            GROUP=hv // hk,
+            DK=dk,
+            DV=dv,
+            BK=_pad(dk),
+            BV=block_v,
+            BT=chunk_size,
+            LOG2_BT=chunk_size.bit_length() - 1,
+            L2NORM=use_qk_l2norm,
+            PRECISION=dot_precision(
+                q.dtype
+            ),  # the tiles are widened to fp32; 16-bit data need no more than tf32
         )
     return out
 
@@ -287,15 +422,29 @@ def fused_recurrent_gated_delta_rule_triton(
 ) -> torch.Tensor:
     hk, hv, dk, dv = _check_gdn_inputs(q, k, v, g, beta, ssm_states, state_indices)
     if state_indices.shape[0] != q.shape[0]:
-        raise ValueError(f"state_indices has {state_indices.shape[0]} entries for {q.shape[0]} decode tokens")
+        raise ValueError(
+            f"state_indices has {state_indices.shape[0]} entries for {q.shape[0]} decode tokens"
+        )
     out = _output(v, out)
     block_v = min(_pad(dv), 64)  # more programs per head: decode batches are small
     grid = (q.shape[0], hv, triton.cdiv(dv, block_v))
     if grid[0]:
         _recurrent_kernel[grid](
-            q_ptr=q, k_ptr=k, v_ptr=v, g_ptr=g, beta_ptr=beta, out_ptr=out, states_ptr=ssm_states,
-            slots_ptr=state_indices, **_strides(q, k, v, g, beta, out, ssm_states),
-            scale=dk**-0.5 if scale is None else scale, GROUP=hv // hk, DK=dk, DV=dv, BK=_pad(dk), BV=block_v,
+            q_ptr=q,
+            k_ptr=k,
+            v_ptr=v,
+            g_ptr=g,
+            beta_ptr=beta,
+            out_ptr=out,
+            states_ptr=ssm_states,
+            slots_ptr=state_indices,
+            **_strides(q, k, v, g, beta, out, ssm_states),
+            scale=dk**-0.5 if scale is None else scale,
+            GROUP=hv // hk,
+            DK=dk,
+            DV=dv,
+            BK=_pad(dk),
+            BV=block_v,
             L2NORM=use_qk_l2norm,
         )
     return out

@@ -6,6 +6,7 @@ head ran at a third of the GEMM peak, and reads an [out, in] weight at a quarter
 ``model_executor/weight_layout.py`` stores every projection [in, out] for it. Everything else, GPUs included, is
 ``F.linear``; ``backend`` forces one (see ``kernels/dispatch.py``).
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Plain-PyTorch bias-free linear layer; also the CPU path for what the fused kernel does not take."""
+
 from __future__ import annotations
 
 import torch

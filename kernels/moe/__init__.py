@@ -3,6 +3,7 @@
 Each function runs the Triton kernel, the fused C++ CPU kernel (float32 experts) or the PyTorch reference per call
 (see ``kernels/dispatch.py``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,12 +22,19 @@ def topk_softmax(
 
 
 def moe_route(
-    router_logits: torch.Tensor, shared_logits: torch.Tensor | None, top_k: int, renormalize: bool = True,
-    shared_id: int = 0, *, backend: str | None = None,
+    router_logits: torch.Tensor,
+    shared_logits: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool = True,
+    shared_id: int = 0,
+    *,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``topk_softmax`` (weights fp32 [T, k], ids int32 [T, k]); with ``shared_logits`` [T, 1] one more column:
     the fused shared expert ``shared_id`` with weight sigmoid(shared logit). One fused call on the CPU."""
-    if use_native(router_logits, *([] if shared_logits is None else [shared_logits]), backend=backend):
+    if use_native(
+        router_logits, *([] if shared_logits is None else [shared_logits]), backend=backend
+    ):
         return cpu.moe_route(router_logits, shared_logits, top_k, renormalize, shared_id)
     if use_triton(router_logits, backend):
         routed = triton_moe.topk_softmax(router_logits, top_k, renormalize)

@@ -6,6 +6,7 @@ experts one by one; a few tokens over small experts run every expert on every to
 Layouts: x [T, H]; w13 [E, 2I, H] (first I rows gate, next I up); w2 [E, H, I]; topk_weights [T, k] (fp32);
 topk_ids [T, k]. The shared expert can ride along as an extra expert id with its own per-token weight.
 """
+
 from __future__ import annotations
 
 from itertools import accumulate
@@ -29,11 +30,17 @@ def topk_softmax(
 
 
 def moe_route(
-    router_logits: torch.Tensor, shared_logits: torch.Tensor | None, top_k: int, renormalize: bool, shared_id: int
+    router_logits: torch.Tensor,
+    shared_logits: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool,
+    shared_id: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``topk_softmax``, then with ``shared_logits`` [T, 1] one more column per token: the fused shared expert, id
     ``shared_id``, weight sigmoid(shared logit)."""
-    return append_shared_expert(*topk_softmax(router_logits, top_k, renormalize), shared_logits, shared_id)
+    return append_shared_expert(
+        *topk_softmax(router_logits, top_k, renormalize), shared_logits, shared_id
+    )
 
 
 def append_shared_expert(
@@ -110,8 +117,11 @@ def _grouped_mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, capacity: i
     """out = a @ w[e]^T per expert: one bmm over the padded block, one mm per overflow range."""
     padded = w.shape[0] * capacity
     if capacity:
-        torch.bmm(a[:padded].view(w.shape[0], capacity, -1), w.transpose(1, 2),
-                  out=out[:padded].view(w.shape[0], capacity, -1))
+        torch.bmm(
+            a[:padded].view(w.shape[0], capacity, -1),
+            w.transpose(1, 2),
+            out=out[:padded].view(w.shape[0], capacity, -1),
+        )
     for expert, begin, end in ranges:
         torch.mm(a[begin:end], w[expert].t(), out=out[begin:end])
 
@@ -126,7 +136,9 @@ def fused_moe(
     """``sum_i w_i * down_e(silu(gate_e(x)) * up_e(x))`` over each token's selected experts."""
     num_tokens, top_k = topk_ids.shape
     inter = w2.shape[2]
-    if torch.compiler.is_compiling() and num_tokens <= 64:  # no host read: one graph for the whole step
+    if (
+        torch.compiler.is_compiling() and num_tokens <= 64
+    ):  # no host read: one graph for the whole step
         return _fused_moe_dense(x, w13, w2, topk_weights, topk_ids)
     if num_tokens == 1:
         return _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids)
@@ -135,7 +147,9 @@ def fused_moe(
     flat_ids = topk_ids.reshape(-1)
     sorted_ids, order = torch.sort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # the one host read
-    capacity = _capacity(counts, 3 * x.shape[1] * inter)  # gate_up and down multiply-adds of one row
+    capacity = _capacity(
+        counts, 3 * x.shape[1] * inter
+    )  # gate_up and down multiply-adds of one row
     pos, ranges = _layout(sorted_ids, counts, capacity)
     num_buffer_rows = w13.shape[0] * capacity + sum(end - begin for _, begin, end in ranges)
     # token of every buffer row; padding rows compute token 0 and are never read back
@@ -164,7 +178,11 @@ def _weighted_sum(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_moe_one_token(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """One token (decode at batch 1): its k experts one after the other, straight from the weights. It reads k of
     the E experts' weights, which is what a step at batch 1 waits on (2.7-3.4x faster than every expert in one bmm
@@ -179,7 +197,11 @@ def _fused_moe_one_token(
 
 
 def _fused_moe_dense(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """Few tokens and few experts per selected one: every expert runs every token (one bmm per projection) and
     routing weights, zero where an expert was not selected, form the sum. At most 4x the arithmetic of the
@@ -190,7 +212,9 @@ def _fused_moe_dense(
     act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
     expert_out = torch.bmm(act, w2.transpose(1, 2)).float()  # [E, T, H]
     dense = topk_weights.new_zeros(x.shape[0], 1, num_experts, dtype=torch.float32)
-    dense.scatter_add_(2, topk_ids.long().unsqueeze(1), topk_weights.float().unsqueeze(1))  # [T, 1, E]
+    dense.scatter_add_(
+        2, topk_ids.long().unsqueeze(1), topk_weights.float().unsqueeze(1)
+    )  # [T, 1, E]
     return torch.bmm(dense, expert_out.transpose(0, 1)).squeeze(1).to(x.dtype)
 
 

@@ -7,6 +7,7 @@ Kernel 2 computes ``w * (act W_down^T)`` per (token, selected expert) row; the l
 token in fp32. topk_ids may hold any expert id below w13.shape[0], so a shared expert appended as expert E
 (with its own per-token weight) runs in the same pass as the routed ones.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,15 +23,25 @@ BLOCK_M = 16
 
 @triton.jit
 def _topk_softmax_kernel(
-    logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_logits,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_tokens,
+    num_experts,
+    stride_logits,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
     mask = row_ok[:, None] & (cols[None, :] < num_experts)
-    logits = tl.load(logits_ptr + rows[:, None] * stride_logits + cols[None, :], mask=mask, other=-float("inf"))
+    logits = tl.load(
+        logits_ptr + rows[:, None] * stride_logits + cols[None, :], mask=mask, other=-float("inf")
+    )
     # rows past the end are all -inf; zero them so the softmax below stays finite (they are never stored)
     logits = tl.where(row_ok[:, None], logits.to(tl.float32), 0.0)
     probs = tl.exp(logits - tl.max(logits, axis=1)[:, None])
@@ -59,19 +70,31 @@ def topk_softmax(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights fp32 [T, top_k], ids int32 [T, top_k])."""
     if router_logits.dim() != 2 or router_logits.stride(1) != 1:
-        raise ValueError(f"router_logits must be 2-D with contiguous rows, got shape {tuple(router_logits.shape)}")
+        raise ValueError(
+            f"router_logits must be 2-D with contiguous rows, got shape {tuple(router_logits.shape)}"
+        )
     num_tokens, num_experts = router_logits.shape
     if not 0 < top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, {num_experts}] (router_logits has {num_experts} experts), got {top_k}")
+        raise ValueError(
+            f"top_k must be in [1, {num_experts}] (router_logits has {num_experts} experts), got {top_k}"
+        )
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if num_tokens == 0:
         return weights, ids
     block_t = 16
     _topk_softmax_kernel[(triton.cdiv(num_tokens, block_t),)](
-        logits_ptr=router_logits, weights_ptr=weights, ids_ptr=ids, num_tokens=num_tokens,
-        num_experts=num_experts, stride_logits=router_logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
-        BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
+        logits_ptr=router_logits,
+        weights_ptr=weights,
+        ids_ptr=ids,
+        num_tokens=num_tokens,
+        num_experts=num_experts,
+        stride_logits=router_logits.stride(0),
+        TOP_K=top_k,
+        RENORMALIZE=renormalize,
+        BLOCK_T=block_t,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_K=triton.next_power_of_2(top_k),
     )
     return weights, ids
 
@@ -106,9 +129,24 @@ def align_by_expert(
 
 @triton.jit
 def _gate_up_silu_kernel(
-    x_ptr, w13_ptr, act_ptr, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
-    num_rows, hidden, inter, stride_xt, stride_we, stride_wn, stride_at,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    x_ptr,
+    w13_ptr,
+    act_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_rows,
+    hidden,
+    inter,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_at,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -126,22 +164,46 @@ def _gate_up_silu_kernel(
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
-        x = tl.load(x_ptr + tokens[:, None] * stride_xt + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + tokens[:, None] * stride_xt + ks[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         w_mask = k_ok[:, None] & col_ok[None, :]
         w_gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        w_up = tl.load(w_base + (cols[None, :] + inter) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+        w_up = tl.load(
+            w_base + (cols[None, :] + inter) * stride_wn + ks[:, None], mask=w_mask, other=0.0
+        )
         acc_gate = dot_accumulate(x, w_gate, acc_gate, UPCAST, PRECISION)
         acc_up = dot_accumulate(x, w_up, acc_up, UPCAST, PRECISION)
     act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    tl.store(act_ptr + rows[:, None] * stride_at + cols[None, :], act.to(act_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(
+        act_ptr + rows[:, None] * stride_at + cols[None, :],
+        act.to(act_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 @triton.jit
 def _down_weighted_kernel(
-    act_ptr, w2_ptr, weights_ptr, out_ptr, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
-    num_rows, hidden, inter, stride_at, stride_we, stride_wn, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    act_ptr,
+    w2_ptr,
+    weights_ptr,
+    out_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_rows,
+    hidden,
+    inter,
+    stride_at,
+    stride_we,
+    stride_wn,
+    stride_ot,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -157,27 +219,51 @@ def _down_weighted_kernel(
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
-        a = tl.load(act_ptr + rows[:, None] * stride_at + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        a = tl.load(
+            act_ptr + rows[:, None] * stride_at + ks[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_base + cols[None, :] * stride_wn + ks[:, None],
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
         acc = dot_accumulate(a, w, acc, UPCAST, PRECISION)
     acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + cols[None, :],
+        acc,
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
-def _check_moe_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+def _check_moe_args(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+):
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, H] with contiguous rows, got shape {tuple(x.shape)}")
     num_experts, two_inter, hidden = w13.shape
     if hidden != x.shape[1] or two_inter % 2 or w13.stride(2) != 1:
-        raise ValueError(f"w13 must be [E, 2I, H={x.shape[1]}] with contiguous rows, got {tuple(w13.shape)}")
+        raise ValueError(
+            f"w13 must be [E, 2I, H={x.shape[1]}] with contiguous rows, got {tuple(w13.shape)}"
+        )
     if tuple(w2.shape) != (num_experts, hidden, two_inter // 2) or w2.stride(2) != 1:
-        raise ValueError(f"w2 must be [E={num_experts}, H={hidden}, I={two_inter // 2}], got {tuple(w2.shape)}")
+        raise ValueError(
+            f"w2 must be [E={num_experts}, H={hidden}, I={two_inter // 2}], got {tuple(w2.shape)}"
+        )
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError(f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must have the dtype of x ({x.dtype})")
+        raise ValueError(
+            f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must have the dtype of x ({x.dtype})"
+        )
     if ids.dim() != 2 or ids.shape[0] != x.shape[0] or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids must be integer [T={x.shape[0]}, k], got {tuple(ids.shape)} {ids.dtype}")
+        raise ValueError(
+            f"topk_ids must be integer [T={x.shape[0]}, k], got {tuple(ids.shape)} {ids.dtype}"
+        )
     if weights.shape != ids.shape:
-        raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(ids.shape)}, got {tuple(weights.shape)}")
+        raise ValueError(
+            f"topk_weights must have the shape of topk_ids {tuple(ids.shape)}, got {tuple(weights.shape)}"
+        )
 
 
 def fused_moe(
@@ -198,17 +284,45 @@ def fused_moe(
     weights = topk_weights.reshape(-1).float().contiguous()
     block_n, block_k = 64, 64
     _gate_up_silu_kernel[(block_expert.numel(), triton.cdiv(inter, block_n))](
-        x_ptr=x, w13_ptr=w13, act_ptr=act, sorted_rows_ptr=sorted_rows, block_expert_ptr=block_expert,
-        num_padded_ptr=num_padded, num_rows=num_rows, hidden=hidden, inter=inter, stride_xt=x.stride(0),
-        stride_we=w13.stride(0), stride_wn=w13.stride(1), stride_at=act.stride(0), TOP_K=top_k,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=triton_interpreting(),
+        x_ptr=x,
+        w13_ptr=w13,
+        act_ptr=act,
+        sorted_rows_ptr=sorted_rows,
+        block_expert_ptr=block_expert,
+        num_padded_ptr=num_padded,
+        num_rows=num_rows,
+        hidden=hidden,
+        inter=inter,
+        stride_xt=x.stride(0),
+        stride_we=w13.stride(0),
+        stride_wn=w13.stride(1),
+        stride_at=act.stride(0),
+        TOP_K=top_k,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        UPCAST=triton_interpreting(),
         PRECISION=dot_precision(x.dtype),
     )
     _down_weighted_kernel[(block_expert.numel(), triton.cdiv(hidden, block_n))](
-        act_ptr=act, w2_ptr=w2, weights_ptr=weights, out_ptr=rows_out, sorted_rows_ptr=sorted_rows,
-        block_expert_ptr=block_expert, num_padded_ptr=num_padded, num_rows=num_rows, hidden=hidden, inter=inter,
-        stride_at=act.stride(0), stride_we=w2.stride(0), stride_wn=w2.stride(1), stride_ot=rows_out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=triton_interpreting(),
+        act_ptr=act,
+        w2_ptr=w2,
+        weights_ptr=weights,
+        out_ptr=rows_out,
+        sorted_rows_ptr=sorted_rows,
+        block_expert_ptr=block_expert,
+        num_padded_ptr=num_padded,
+        num_rows=num_rows,
+        hidden=hidden,
+        inter=inter,
+        stride_at=act.stride(0),
+        stride_we=w2.stride(0),
+        stride_wn=w2.stride(1),
+        stride_ot=rows_out.stride(0),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        UPCAST=triton_interpreting(),
         PRECISION=dot_precision(x.dtype),
     )
     # each token's k' rows are summed here, in fp32 and in a fixed order (no atomics: deterministic)

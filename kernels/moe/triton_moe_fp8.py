@@ -5,6 +5,7 @@ as SGLang's FP8 fused MoE does; each K step multiplies one weight block and scal
 row's group scale and the column's block scale. Routing and the alignment by expert are ``triton_moe``'s; no
 host reads (graph-capturable).
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,10 +29,30 @@ def _scaled_dot(a, b, a_s, b_s, acc, UPCAST: tl.constexpr):
 
 @triton.jit
 def _gate_up_silu_fp8_kernel(
-    x_ptr, x_s_ptr, w13_ptr, w13_s_ptr, act_ptr, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
-    num_rows, hidden, inter, stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_at,
-    TOP_K: tl.constexpr, SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    x_ptr,
+    x_s_ptr,
+    w13_ptr,
+    w13_s_ptr,
+    act_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_rows,
+    hidden,
+    inter,
+    stride_xt,
+    stride_xst,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_at,
+    TOP_K: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -44,29 +65,65 @@ def _gate_up_silu_fp8_kernel(
     col_ok = cols < inter
     w_base = w13_ptr + expert.to(tl.int64) * stride_we
     s_base = w13_s_ptr + expert.to(tl.int64) * stride_wse
-    gate_scales, up_scales = s_base + (cols // SCALE_N) * stride_wsn, s_base + ((cols + inter) // SCALE_N) * stride_wsn
+    gate_scales, up_scales = (
+        s_base + (cols // SCALE_N) * stride_wsn,
+        s_base + ((cols + inter) // SCALE_N) * stride_wsn,
+    )
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
         ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
-        x = tl.load(x_ptr + tokens[:, None] * stride_xt + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + tokens[:, None] * stride_xt + ks[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         x_s = tl.load(x_s_ptr + tokens * stride_xst + kb, mask=row_ok, other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
         w_gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        w_up = tl.load(w_base + (cols[None, :] + inter) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        acc_gate = _scaled_dot(x, w_gate, x_s, tl.load(gate_scales + kb, mask=col_ok, other=0.0), acc_gate, UPCAST)
-        acc_up = _scaled_dot(x, w_up, x_s, tl.load(up_scales + kb, mask=col_ok, other=0.0), acc_up, UPCAST)
+        w_up = tl.load(
+            w_base + (cols[None, :] + inter) * stride_wn + ks[:, None], mask=w_mask, other=0.0
+        )
+        acc_gate = _scaled_dot(
+            x, w_gate, x_s, tl.load(gate_scales + kb, mask=col_ok, other=0.0), acc_gate, UPCAST
+        )
+        acc_up = _scaled_dot(
+            x, w_up, x_s, tl.load(up_scales + kb, mask=col_ok, other=0.0), acc_up, UPCAST
+        )
     act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    tl.store(act_ptr + rows[:, None] * stride_at + cols[None, :], act.to(act_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(
+        act_ptr + rows[:, None] * stride_at + cols[None, :],
+        act.to(act_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 @triton.jit
 def _down_weighted_fp8_kernel(
-    act_ptr, act_s_ptr, w2_ptr, w2_s_ptr, weights_ptr, out_ptr, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
-    num_rows, hidden, inter, stride_at, stride_ast, stride_we, stride_wn, stride_wse, stride_wsn, stride_ot,
-    SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    act_ptr,
+    act_s_ptr,
+    w2_ptr,
+    w2_s_ptr,
+    weights_ptr,
+    out_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_rows,
+    hidden,
+    inter,
+    stride_at,
+    stride_ast,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_ot,
+    SCALE_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -83,12 +140,24 @@ def _down_weighted_fp8_kernel(
     for kb in range(0, tl.cdiv(inter, BLOCK_K)):
         ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
-        a = tl.load(act_ptr + rows[:, None] * stride_at + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(
+            act_ptr + rows[:, None] * stride_at + ks[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         a_s = tl.load(act_s_ptr + rows * stride_ast + kb, mask=row_ok, other=0.0)
-        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        w = tl.load(
+            w_base + cols[None, :] * stride_wn + ks[:, None],
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
         acc = _scaled_dot(a, w, a_s, tl.load(w_scales + kb, mask=col_ok, other=0.0), acc, UPCAST)
     acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + cols[None, :],
+        acc,
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 def _as_dtype(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -98,8 +167,10 @@ def _as_dtype(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _check_scales(name: str, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> None:
     want = (w.shape[0], triton.cdiv(w.shape[1], block[0]), triton.cdiv(w.shape[2], block[1]))
     if tuple(scale.shape) != want or scale.dtype != torch.float32:
-        raise ValueError(f"{name} must be float32 {list(want)} for {tuple(w.shape)} in {block[0]}x{block[1]} "
-                         f"blocks, got {scale.dtype} {tuple(scale.shape)}")
+        raise ValueError(
+            f"{name} must be float32 {list(want)} for {tuple(w.shape)} in {block[0]}x{block[1]} "
+            f"blocks, got {scale.dtype} {tuple(scale.shape)}"
+        )
 
 
 def fused_moe(
@@ -129,19 +200,56 @@ def fused_moe(
     weights = topk_weights.reshape(-1).float().contiguous()
     block_n, block_k = 64, block[1]
     _gate_up_silu_fp8_kernel[(block_expert.numel(), triton.cdiv(inter, block_n))](
-        x_ptr=x_q, x_s_ptr=x_s, w13_ptr=w13, w13_s_ptr=w13_scale, act_ptr=act, sorted_rows_ptr=sorted_rows,
-        block_expert_ptr=block_expert, num_padded_ptr=num_padded, num_rows=num_rows, hidden=hidden, inter=inter,
-        stride_xt=x_q.stride(0), stride_xst=x_s.stride(0), stride_we=w13.stride(0), stride_wn=w13.stride(1),
-        stride_wse=w13_scale.stride(0), stride_wsn=w13_scale.stride(1), stride_at=act.stride(0), TOP_K=top_k,
-        SCALE_N=block[0], BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=triton_interpreting(),
+        x_ptr=x_q,
+        x_s_ptr=x_s,
+        w13_ptr=w13,
+        w13_s_ptr=w13_scale,
+        act_ptr=act,
+        sorted_rows_ptr=sorted_rows,
+        block_expert_ptr=block_expert,
+        num_padded_ptr=num_padded,
+        num_rows=num_rows,
+        hidden=hidden,
+        inter=inter,
+        stride_xt=x_q.stride(0),
+        stride_xst=x_s.stride(0),
+        stride_we=w13.stride(0),
+        stride_wn=w13.stride(1),
+        stride_wse=w13_scale.stride(0),
+        stride_wsn=w13_scale.stride(1),
+        stride_at=act.stride(0),
+        TOP_K=top_k,
+        SCALE_N=block[0],
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        UPCAST=triton_interpreting(),
     )
     act_q, act_s = per_token_group_quant(act, block[1], w2.dtype)
     _down_weighted_fp8_kernel[(block_expert.numel(), triton.cdiv(hidden, block_n))](
-        act_ptr=act_q, act_s_ptr=act_s, w2_ptr=w2, w2_s_ptr=w2_scale, weights_ptr=weights, out_ptr=rows_out,
-        sorted_rows_ptr=sorted_rows, block_expert_ptr=block_expert, num_padded_ptr=num_padded, num_rows=num_rows,
-        hidden=hidden, inter=inter, stride_at=act_q.stride(0), stride_ast=act_s.stride(0), stride_we=w2.stride(0),
-        stride_wn=w2.stride(1), stride_wse=w2_scale.stride(0), stride_wsn=w2_scale.stride(1),
-        stride_ot=rows_out.stride(0), SCALE_N=block[0], BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        act_ptr=act_q,
+        act_s_ptr=act_s,
+        w2_ptr=w2,
+        w2_s_ptr=w2_scale,
+        weights_ptr=weights,
+        out_ptr=rows_out,
+        sorted_rows_ptr=sorted_rows,
+        block_expert_ptr=block_expert,
+        num_padded_ptr=num_padded,
+        num_rows=num_rows,
+        hidden=hidden,
+        inter=inter,
+        stride_at=act_q.stride(0),
+        stride_ast=act_s.stride(0),
+        stride_we=w2.stride(0),
+        stride_wn=w2.stride(1),
+        stride_wse=w2_scale.stride(0),
+        stride_wsn=w2_scale.stride(1),
+        stride_ot=rows_out.stride(0),
+        SCALE_N=block[0],
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
         UPCAST=triton_interpreting(),
     )
     return rows_out.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)

@@ -4,6 +4,7 @@ Each public function runs the Triton kernel on a GPU and, on the CPU, the fused 
 PyTorch reference; ``backend`` forces one
 (see ``kernels/dispatch.py``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,12 +40,21 @@ def fused_qk_gemma_rmsnorm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_native(q, k, backend=backend):
         return cpu.fused_qk_gemma_rmsnorm(q, k, q_weight, k_weight, eps, head_dim)
-    impl = triton_norms.fused_qk_gemma_rmsnorm_triton if use_triton(q, backend) else naive.fused_qk_gemma_rmsnorm
+    impl = (
+        triton_norms.fused_qk_gemma_rmsnorm_triton
+        if use_triton(q, backend)
+        else naive.fused_qk_gemma_rmsnorm
+    )
     return impl(q, k, q_weight, k_weight, eps, head_dim)
 
 
 def gated_rmsnorm(
-    o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str | None = None
+    o: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    backend: str | None = None,
 ) -> torch.Tensor:
     if use_native(o, backend=backend):
         return cpu.gated_rmsnorm(o, z, weight, eps)

@@ -1,4 +1,5 @@
 """Plain-PyTorch references for the RMSNorm family; also the CPU path. Math in fp32, outputs in the input dtype."""
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,12 @@ def gemma_rmsnorm(
 
 
 def fused_qk_gemma_rmsnorm(
-    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, head_dim: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gemma RMSNorm of every head_dim-sized row of q and of k; new tensors shaped like the inputs."""
     q_out = gemma_rmsnorm(q.reshape(-1, head_dim), q_weight, eps).reshape(q.shape)
@@ -29,6 +35,8 @@ def fused_qk_gemma_rmsnorm(
     return q_out, k_out
 
 
-def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rmsnorm(
+    o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     """``w * rmsnorm(o) * silu(z)`` over the last dim (one value head), plain weight (initialised to ones)."""
     return (_rms(o, eps) * weight.float() * F.silu(z.float())).to(o.dtype)

@@ -4,6 +4,7 @@ activation scales, and the block (de)quantization helpers the loader uses.
 Each function runs the Triton kernel or the PyTorch reference per call (see ``kernels/dispatch.py``). The FP8
 format is e4m3fn, except on MI300 (gfx942), whose matrix cores take e4m3fnuz (``fp8_dtype``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,11 @@ def fp8_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def per_token_group_quant_fp8(
-    x: torch.Tensor, group: int, dtype: torch.dtype = torch.float8_e4m3fn, *, backend: str | None = None
+    x: torch.Tensor,
+    group: int,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (x_q [M, K] in ``dtype``, x_s float32 [M, ceil(K / group)]), ``x = x_q * x_s`` per group of
     ``group`` columns of a row, its largest magnitude at the FP8 maximum."""
@@ -32,7 +37,12 @@ def per_token_group_quant_fp8(
 
 
 def w8a8_block_fp8_matmul(
-    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], *, backend: str | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int],
+    *,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """``x @ W^T`` with W = ``w * w_scale`` per block: x [..., K] (float dtype; quantized per token group of
     ``block[1]`` columns), w [N, K] FP8, w_scale float32 [ceil(N / block[0]), ceil(K / block[1])] -> [..., N] in
@@ -46,5 +56,11 @@ def w8a8_block_fp8_matmul(
     return out.view(*x.shape[:-1], w.shape[0])
 
 
-__all__ = ["dequantize_blocks", "e4m3fn_to_e4m3fnuz", "fp8_dtype", "per_token_group_quant_fp8", "quantize_blocks",
-           "w8a8_block_fp8_matmul"]
+__all__ = [
+    "dequantize_blocks",
+    "e4m3fn_to_e4m3fnuz",
+    "fp8_dtype",
+    "per_token_group_quant_fp8",
+    "quantize_blocks",
+    "w8a8_block_fp8_matmul",
+]

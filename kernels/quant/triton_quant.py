@@ -5,6 +5,7 @@ The GEMM walks K one weight block (``BLOCK_K`` = the block's K size = the activa
 dot per tile, scaled in fp32 by the row's group scale and the column's weight-block scale, summed in fp32.
 No host reads: the launches can be captured in a CUDA graph.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,15 @@ from .naive import MIN_AMAX, fp8_max
 
 @triton.jit
 def _per_token_group_quant_kernel(
-    x_ptr, q_ptr, s_ptr, num_cols, stride_x, stride_q, stride_s, max_value, min_amax,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    num_cols,
+    stride_x,
+    stride_q,
+    stride_s,
+    max_value,
+    min_amax,
     GROUP: tl.constexpr,
 ):
     row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -30,7 +39,9 @@ def _per_token_group_quant_kernel(
     tl.store(s_ptr + row * stride_s + group, scale)
 
 
-def per_token_group_quant(x: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant(
+    x: torch.Tensor, group: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows contiguous) -> (x_q [M, K] in ``dtype``, x_s float32 [M, ceil(K / group)])."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K] with contiguous rows, got shape {tuple(x.shape)}")
@@ -43,19 +54,43 @@ def per_token_group_quant(x: torch.Tensor, group: int, dtype: torch.dtype) -> tu
         return q, s
     # Triton's interpreter rounds some values into the wrong binade (-124.9 -> -64 in e4m3fn): there the kernel
     # writes the scaled values in fp32 and torch rounds them to FP8
-    staged = torch.empty(q.shape, dtype=torch.float32, device=x.device) if triton_interpreting() else q
+    staged = (
+        torch.empty(q.shape, dtype=torch.float32, device=x.device) if triton_interpreting() else q
+    )
     _per_token_group_quant_kernel[(num_rows, s.shape[1])](
-        x_ptr=x, q_ptr=staged, s_ptr=s, num_cols=num_cols, stride_x=x.stride(0), stride_q=staged.stride(0),
-        stride_s=s.stride(0), max_value=fp8_max(dtype), min_amax=MIN_AMAX, GROUP=group,
+        x_ptr=x,
+        q_ptr=staged,
+        s_ptr=s,
+        num_cols=num_cols,
+        stride_x=x.stride(0),
+        stride_q=staged.stride(0),
+        stride_s=s.stride(0),
+        max_value=fp8_max(dtype),
+        min_amax=MIN_AMAX,
+        GROUP=group,
     )
     return (q.copy_(staged) if staged is not q else q), s
 
 
 @triton.jit
 def _w8a8_block_fp8_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, a_s_ptr, b_s_ptr, num_rows, num_cols, depth,
-    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
-    SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    a_s_ptr,
+    b_s_ptr,
+    num_rows,
+    num_cols,
+    depth,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    stride_asm,
+    stride_bsn,
+    SCALE_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -79,12 +114,19 @@ def _w8a8_block_fp8_matmul_kernel(
         else:
             partial = tl.dot(a, b)
         acc += partial * a_s[:, None] * b_s[None, :]
-    tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(
+        c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 def w8a8_block_fp8_matmul(
-    x_q: torch.Tensor, x_s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],
+    x_q: torch.Tensor,
+    x_s: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int],
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``dequant(x_q, x_s) @ dequant(w, w_scale)^T``: x_q [M, K] FP8 with group scales x_s [M, ceil(K / bk)],
@@ -95,10 +137,14 @@ def w8a8_block_fp8_matmul(
     if w.shape[1] != depth or w.stride(1) != 1 or x_q.stride(1) != 1:
         raise ValueError(f"w must be [N, K={depth}] with contiguous rows, got {tuple(w.shape)}")
     if tuple(w_scale.shape) != (triton.cdiv(num_cols, bn), triton.cdiv(depth, bk)):
-        raise ValueError(f"w_scale must be [{triton.cdiv(num_cols, bn)}, {triton.cdiv(depth, bk)}] for w "
-                         f"{tuple(w.shape)} in {bn}x{bk} blocks, got {tuple(w_scale.shape)}")
+        raise ValueError(
+            f"w_scale must be [{triton.cdiv(num_cols, bn)}, {triton.cdiv(depth, bk)}] for w "
+            f"{tuple(w.shape)} in {bn}x{bk} blocks, got {tuple(w_scale.shape)}"
+        )
     if tuple(x_s.shape) != (num_rows, triton.cdiv(depth, bk)):
-        raise ValueError(f"x_s must be [{num_rows}, {triton.cdiv(depth, bk)}], got {tuple(x_s.shape)}")
+        raise ValueError(
+            f"x_s must be [{num_rows}, {triton.cdiv(depth, bk)}], got {tuple(x_s.shape)}"
+        )
     out = torch.empty(num_rows, num_cols, dtype=out_dtype, device=x_q.device)
     if num_rows == 0:
         return out
@@ -106,9 +152,23 @@ def w8a8_block_fp8_matmul(
     block_n = 64
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, block_n))
     _w8a8_block_fp8_matmul_kernel[grid](
-        a_ptr=x_q, b_ptr=w, c_ptr=out, a_s_ptr=x_s, b_s_ptr=w_scale, num_rows=num_rows, num_cols=num_cols,
-        depth=depth, stride_am=x_q.stride(0), stride_bn=w.stride(0), stride_cm=out.stride(0),
-        stride_asm=x_s.stride(0), stride_bsn=w_scale.stride(0), SCALE_N=bn, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=bk, UPCAST=triton_interpreting(),
+        a_ptr=x_q,
+        b_ptr=w,
+        c_ptr=out,
+        a_s_ptr=x_s,
+        b_s_ptr=w_scale,
+        num_rows=num_rows,
+        num_cols=num_cols,
+        depth=depth,
+        stride_am=x_q.stride(0),
+        stride_bn=w.stride(0),
+        stride_cm=out.stride(0),
+        stride_asm=x_s.stride(0),
+        stride_bsn=w_scale.stride(0),
+        SCALE_N=bn,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=bk,
+        UPCAST=triton_interpreting(),
     )
     return out

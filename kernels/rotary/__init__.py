@@ -2,6 +2,7 @@
 
 Each call runs the Triton kernel or the PyTorch reference (see ``kernels/dispatch.py``).
 """
+
 from __future__ import annotations
 
 import torch

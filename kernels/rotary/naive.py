@@ -2,6 +2,7 @@
 
 ``cos_sin_cache`` [max_position, rotary_dim] in fp32: the first rotary_dim/2 columns are cos, the rest sin.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,7 +16,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
 
 
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rotary_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, hd], k [T, KV, hd], positions [T] -> rotated copies of q and k."""
     cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)

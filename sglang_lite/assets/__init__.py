@@ -6,6 +6,7 @@ Python standard library's source (model.safetensors in bfloat16, with training.j
 tokenizer files are made by scripts/make_tiny_tokenizer.py, the weights by scripts/train_tiny_model.py;
 config.json is kept by hand. ``load_format="dummy"`` gives the same shape with seeded random weights.
 """
+
 from __future__ import annotations
 
 import os

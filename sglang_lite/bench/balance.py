@@ -15,6 +15,7 @@ Definitions (series are [samples, ranks]; a sample is one poll of every rank):
 A poll that fails leaves a gap; it is logged (at most every LOG_EVERY_SECS per server) and counted per server in
 `LoadSeries.poll_failures`, which `stats()` carries into `BalanceStats.poll_failures` and `format_table` prints.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,7 +32,10 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 LOG_EVERY_SECS = 30.0
-QUEUE_FIELDS = ("num_waiting_reqs", "prefill_inflight_queue_reqs")  # num_waiting_reqs counts the PD queues
+QUEUE_FIELDS = (
+    "num_waiting_reqs",
+    "prefill_inflight_queue_reqs",
+)  # num_waiting_reqs counts the PD queues
 
 
 @dataclass(frozen=True)
@@ -46,8 +50,12 @@ class BalanceStats:
     poll_failures: int = 0  # polls of a server that gave nothing (each leaves a gap in the series)
 
     def row(self) -> dict[str, float]:
-        return {"outstanding_cv": self.outstanding_cv, "running_cv": self.running_cv,
-                "busiest_batch": self.busiest_batch, "busiest_over_mean_kv": self.busiest_over_mean_kv}
+        return {
+            "outstanding_cv": self.outstanding_cv,
+            "running_cv": self.running_cv,
+            "busiest_batch": self.busiest_batch,
+            "busiest_over_mean_kv": self.busiest_over_mean_kv,
+        }
 
 
 def _mean_over_samples(series: np.ndarray, spread, empty: float) -> float:
@@ -84,11 +92,15 @@ def rank_batch_ratio(running: np.ndarray) -> np.ndarray:
     return per_rank / overall if overall > 0 else np.ones_like(per_rank)
 
 
-def balance_stats(outstanding: np.ndarray, running: np.ndarray, kv_tokens: np.ndarray) -> BalanceStats:
+def balance_stats(
+    outstanding: np.ndarray, running: np.ndarray, kv_tokens: np.ndarray
+) -> BalanceStats:
     """All statistics of one run; the three series are [samples, ranks]."""
     running = np.asarray(running, dtype=float)
     assert running.ndim == 2 and running.shape[0] > 0, "need at least one sample of every rank"
-    assert np.shape(outstanding) == running.shape == np.shape(kv_tokens), "series must have the same shape"
+    assert np.shape(outstanding) == running.shape == np.shape(kv_tokens), (
+        "series must have the same shape"
+    )
     return BalanceStats(
         outstanding_cv=mean_cv(outstanding),
         running_cv=mean_cv(running),
@@ -141,29 +153,51 @@ class LoadSeries:
     def write_csv(self, path: str | Path) -> None:
         with open(path, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["time", "rank", "outstanding", "running", "kv_tokens", "kv_used", "gen_throughput"])
+            w.writerow(
+                ["time", "rank", "outstanding", "running", "kv_tokens", "kv_used", "gen_throughput"]
+            )
             for i, t in enumerate(self.times):
                 for j, rank in enumerate(self.ranks):
-                    w.writerow([f"{t:.3f}", rank, self.outstanding[i][j], self.running[i][j],
-                                self.kv_tokens[i][j], self.kv_used[i][j], f"{self.gen_throughput[i][j]:.3f}"])
+                    w.writerow(
+                        [
+                            f"{t:.3f}",
+                            rank,
+                            self.outstanding[i][j],
+                            self.running[i][j],
+                            self.kv_tokens[i][j],
+                            self.kv_used[i][j],
+                            f"{self.gen_throughput[i][j]:.3f}",
+                        ]
+                    )
 
     def plot(self, path: str | Path, title: str = "") -> None:
         plot_series(path, self.times, self.ranks, self.outstanding, self.running, title)
 
 
 def outstanding_of(entry: dict) -> int:
-    return int(entry.get("num_running_reqs", 0)) + sum(int(entry.get(k, 0) or 0) for k in QUEUE_FIELDS)
+    return int(entry.get("num_running_reqs", 0)) + sum(
+        int(entry.get(k, 0) or 0) for k in QUEUE_FIELDS
+    )
 
 
-def plot_series(path: str | Path, times: Sequence[float], ranks: Sequence[str], outstanding, running,
-                title: str = "") -> None:
+def plot_series(
+    path: str | Path,
+    times: Sequence[float],
+    ranks: Sequence[str],
+    outstanding,
+    running,
+    title: str = "",
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    for ax, data, label in ((axes[0], outstanding, "outstanding requests"), (axes[1], running, "running batch")):
+    for ax, data, label in (
+        (axes[0], outstanding, "outstanding requests"),
+        (axes[1], running, "running batch"),
+    ):
         data = np.asarray(data)
         for j, rank in enumerate(ranks):
             ax.plot(times, data[:, j], lw=0.8, label=rank)
@@ -182,7 +216,9 @@ class BalanceSampler:
     Usage: `async with BalanceSampler(urls, 0.5) as sampler: await run_benchmark()`, then `sampler.series`.
     """
 
-    def __init__(self, server_urls: Sequence[str], interval: float = 0.5, timeout: float = 2.0) -> None:
+    def __init__(
+        self, server_urls: Sequence[str], interval: float = 0.5, timeout: float = 2.0
+    ) -> None:
         self.server_urls = [u.rstrip("/") for u in server_urls]
         self.interval = interval
         self.timeout = timeout
@@ -223,9 +259,13 @@ class BalanceSampler:
         try:
             resp = await self._client.get(f"{url}/v1/loads")
             resp.raise_for_status()
-            return {f"{url}@{e['dp_rank']}": e for e in resp.json().get("loads", []) if "dp_rank" in e}
+            return {
+                f"{url}@{e['dp_rank']}": e for e in resp.json().get("loads", []) if "dp_rank" in e
+            }
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            self._record_failure(url, exc)  # a gap in the series, as in the router's load monitor, but counted
+            self._record_failure(
+                url, exc
+            )  # a gap in the series, as in the router's load monitor, but counted
             return {}
 
     def _record_failure(self, url: str, exc: Exception) -> None:
@@ -233,7 +273,9 @@ class BalanceSampler:
         now = time.monotonic()
         if now - self._logged_at.get(url, -LOG_EVERY_SECS) >= LOG_EVERY_SECS:
             self._logged_at[url] = now
-            logger.warning("load poll of %s failed (%d so far): %r", url, self.series.poll_failures[url], exc)
+            logger.warning(
+                "load poll of %s failed (%d so far): %r", url, self.series.poll_failures[url], exc
+            )
 
 
 def format_table(rows: dict[str, BalanceStats], baseline: str | None = None) -> str:

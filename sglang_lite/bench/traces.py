@@ -7,6 +7,7 @@ One line per request:
 session order (turn t+1 of a session is sent only after turn t finished, as an agent would).
 `prefix_len` tokens of the input are shared with the previous request of the same `prefix_group`.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,7 +66,9 @@ def agentic_session(rng: random.Random, name: str, cfg: AgenticTraceConfig) -> l
     return requests or [TraceRequest(name, 0, min(context, cfg.max_context - 1), 1, name, 0)]
 
 
-def iter_agentic_sessions(seed: int, cfg: AgenticTraceConfig | None = None) -> Iterator[list[TraceRequest]]:
+def iter_agentic_sessions(
+    seed: int, cfg: AgenticTraceConfig | None = None
+) -> Iterator[list[TraceRequest]]:
     """An endless, seeded stream of sessions (a simulator pulls as many as its clients consume)."""
     cfg = cfg or AgenticTraceConfig()
     rng = random.Random(seed)
@@ -75,8 +78,12 @@ def iter_agentic_sessions(seed: int, cfg: AgenticTraceConfig | None = None) -> I
         index += 1
 
 
-def agentic_trace(num_sessions: int, seed: int, cfg: AgenticTraceConfig | None = None,
-                  session_rate: float | None = None) -> list[TraceRequest]:
+def agentic_trace(
+    num_sessions: int,
+    seed: int,
+    cfg: AgenticTraceConfig | None = None,
+    session_rate: float | None = None,
+) -> list[TraceRequest]:
     """`num_sessions` sessions in session order; with `session_rate` (sessions/s) sessions start at Poisson
     times and turns follow at a nominal `turn_gap` of 2 s, so the trace can also be replayed by timestamp."""
     rng = random.Random(seed + 1)
@@ -92,7 +99,9 @@ def agentic_trace(num_sessions: int, seed: int, cfg: AgenticTraceConfig | None =
 
 
 def _with_arrival(r: TraceRequest, t: float) -> TraceRequest:
-    return TraceRequest(r.session, r.turn, r.input_len, r.output_len, r.prefix_group, r.prefix_len, round(t, 6))
+    return TraceRequest(
+        r.session, r.turn, r.input_len, r.output_len, r.prefix_group, r.prefix_len, round(t, 6)
+    )
 
 
 def save_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
@@ -113,9 +122,15 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
 def _parse_line(line: str, line_no: int) -> TraceRequest:
     try:
         d = json.loads(line)
-        return TraceRequest(str(d["session"]), int(d["turn"]), int(d["input_len"]), int(d["output_len"]),
-                            str(d.get("prefix_group", "")), int(d.get("prefix_len", 0)),
-                            None if d.get("arrival") is None else float(d["arrival"]))
+        return TraceRequest(
+            str(d["session"]),
+            int(d["turn"]),
+            int(d["input_len"]),
+            int(d["output_len"]),
+            str(d.get("prefix_group", "")),
+            int(d.get("prefix_len", 0)),
+            None if d.get("arrival") is None else float(d["arrival"]),
+        )
     except (KeyError, ValueError, TypeError, AssertionError) as e:
         raise ValueError(f"trace line {line_no}: {e!r}") from e
 

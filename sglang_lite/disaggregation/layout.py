@@ -4,6 +4,7 @@ A decode rank publishes its ``PoolLayout`` (the base address and row size of eve
 metadata rows) with each reservation; the prefill rank turns a request's KV slots and state slot on both sides into
 the list of byte ranges to write (``request_blocks``), runs of consecutive slots coalesced into one range.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,13 +25,22 @@ def _row(buffer: torch.Tensor) -> tuple[int, int]:
 class PoolLayout:
     session: str  # the rank's transfer-engine session, host:port
     kv: list[tuple[int, int, int]]  # per full-attention layer: K base, V base, bytes per token slot
-    states: list[tuple[int, int, int, int]]  # per Gated DeltaNet layer: conv base, conv row, ssm base, ssm row
-    meta: tuple[int, int]  # the metadata rows (status, first token) of each state slot: base, row bytes
+    states: list[
+        tuple[int, int, int, int]
+    ]  # per Gated DeltaNet layer: conv base, conv row, ssm base, ssm row
+    meta: tuple[
+        int, int
+    ]  # the metadata rows (status, first token) of each state slot: base, row bytes
 
     @classmethod
     def of(cls, session: str, pools: ModelPools, meta: torch.Tensor) -> PoolLayout:
-        kv = [(*_row(k)[:1], v.data_ptr(), _row(k)[1]) for k, v in zip(pools.kv.k_buffers, pools.kv.v_buffers)]
-        states = [(*_row(c), *_row(s)) for c, s in zip(pools.states.conv_states, pools.states.ssm_states)]
+        kv = [
+            (*_row(k)[:1], v.data_ptr(), _row(k)[1])
+            for k, v in zip(pools.kv.k_buffers, pools.kv.v_buffers)
+        ]
+        states = [
+            (*_row(c), *_row(s)) for c, s in zip(pools.states.conv_states, pools.states.ssm_states)
+        ]
         return cls(session, kv, states, _row(meta))
 
     def to_dict(self) -> dict[str, Any]:
@@ -38,19 +48,31 @@ class PoolLayout:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PoolLayout:
-        return cls(data["session"], [tuple(x) for x in data["kv"]], [tuple(x) for x in data["states"]],
-                   tuple(data["meta"]))
+        return cls(
+            data["session"],
+            [tuple(x) for x in data["kv"]],
+            [tuple(x) for x in data["states"]],
+            tuple(data["meta"]),
+        )
 
     def check_matches(self, other: PoolLayout) -> None:
         """The two ranks run the same model shape: equal layer counts and row sizes."""
         mine = ([r for *_, r in self.kv], [(c, s) for _, c, _, s in self.states])
         theirs = ([r for *_, r in other.kv], [(c, s) for _, c, _, s in other.states])
         if mine != theirs:
-            raise ValueError(f"the decode rank's pools do not match this prefill rank's: {theirs} != {mine}")
+            raise ValueError(
+                f"the decode rank's pools do not match this prefill rank's: {theirs} != {mine}"
+            )
 
 
-def request_blocks(src: PoolLayout, dst: PoolLayout, src_slots: list[int], dst_slots: list[int], src_state: int,
-                   dst_state: int) -> Blocks:
+def request_blocks(
+    src: PoolLayout,
+    dst: PoolLayout,
+    src_slots: list[int],
+    dst_slots: list[int],
+    src_state: int,
+    dst_state: int,
+) -> Blocks:
     """Byte ranges that copy a request's KV (``src_slots`` -> ``dst_slots``, token by token) and its conv and
     recurrent states (one slot each) from ``src`` to ``dst``."""
     assert len(src_slots) == len(dst_slots), "KV slots of the two sides disagree"

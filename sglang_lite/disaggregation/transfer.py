@@ -4,6 +4,7 @@ Each rank starts one engine (``P2PHANDSHAKE``: peers find each other by ``host:p
 TCP, or RDMA when ``--disaggregation-ib-device`` names a device, and registers its pool buffers once. A prefill rank
 writes into a decode rank's registered memory with batched synchronous writes.
 """
+
 from __future__ import annotations
 
 import socket
@@ -12,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-INSTALL_HINT = ("PD disaggregation needs the Mooncake transfer engine: pip install mooncake-transfer-engine-non-cuda "
-                "(CPU) and its system library: apt-get install libibverbs1")
+INSTALL_HINT = (
+    "PD disaggregation needs the Mooncake transfer engine: pip install mooncake-transfer-engine-non-cuda "
+    "(CPU) and its system library: apt-get install libibverbs1"
+)
 
 
 MAX_BATCH_BLOCKS = 1024  # blocks per batched write
@@ -58,18 +61,26 @@ class MooncakeTransfer:
         protocol = "rdma" if ib_device else "tcp"
         code = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, ib_device or "")
         if code != 0:
-            raise RuntimeError(f"Mooncake transfer engine did not start on {hostname} over {protocol} (code {code})")
+            raise RuntimeError(
+                f"Mooncake transfer engine did not start on {hostname} over {protocol} (code {code})"
+            )
         self.session_id = f"{hostname}:{self.engine.get_rpc_port()}"
         self.stats = TransferStats()
 
     def register(self, tensors: list[torch.Tensor]) -> None:
         """Registers each tensor's memory once (the pools are allocated up front and never move)."""
         for tensor in tensors:
-            code = self.engine.register_memory(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+            code = self.engine.register_memory(
+                tensor.data_ptr(), tensor.numel() * tensor.element_size()
+            )
             if code != 0:
-                raise RuntimeError(f"Mooncake could not register a buffer of {tuple(tensor.shape)} (code {code})")
+                raise RuntimeError(
+                    f"Mooncake could not register a buffer of {tuple(tensor.shape)} (code {code})"
+                )
 
-    def write(self, session: str, sources: list[int], targets: list[int], lengths: list[int]) -> int:
+    def write(
+        self, session: str, sources: list[int], targets: list[int], lengths: list[int]
+    ) -> int:
         """Writes each ``lengths[i]`` bytes at local ``sources[i]`` to ``targets[i]`` of the peer ``session``, in
         batches of at most ``MAX_BATCH_BLOCKS`` (the TCP transport refuses larger ones: seen from ~2,100);
         returns the bytes written or raises TransferError."""
@@ -78,10 +89,14 @@ class MooncakeTransfer:
         start = time.perf_counter()
         for i in range(0, len(sources), MAX_BATCH_BLOCKS):
             batch = slice(i, i + MAX_BATCH_BLOCKS)
-            code = self.engine.batch_transfer_sync_write(session, sources[batch], targets[batch], lengths[batch])
+            code = self.engine.batch_transfer_sync_write(
+                session, sources[batch], targets[batch], lengths[batch]
+            )
             if code != 0:
-                raise TransferError(f"Mooncake write of blocks {i}-{i + len(sources[batch]) - 1} of {len(sources)} "
-                                    f"to {session} failed (code {code})")
+                raise TransferError(
+                    f"Mooncake write of blocks {i}-{i + len(sources[batch]) - 1} of {len(sources)} "
+                    f"to {session} failed (code {code})"
+                )
         nbytes = sum(lengths)
         self.stats.record(nbytes, time.perf_counter() - start)
         return nbytes

@@ -1,4 +1,5 @@
 """Tensor, expert and DP-attention parallelism on torch.distributed: the process groups and the collectives."""
+
 from sglang_lite.distributed.comm import (
     CollectiveError,
     DPTokens,
@@ -17,6 +18,18 @@ from sglang_lite.distributed.parallel_state import (
     init_distributed,
 )
 
-__all__ = ["CollectiveError", "DPTokens", "ParallelConfig", "ParallelState", "any_rank", "attn_all_gather",
-           "attn_all_reduce", "broadcast_object", "destroy_distributed", "gather_objects", "get_parallel_state",
-           "init_distributed", "world_all_reduce"]
+__all__ = [
+    "CollectiveError",
+    "DPTokens",
+    "ParallelConfig",
+    "ParallelState",
+    "any_rank",
+    "attn_all_gather",
+    "attn_all_reduce",
+    "broadcast_object",
+    "destroy_distributed",
+    "gather_objects",
+    "get_parallel_state",
+    "init_distributed",
+    "world_all_reduce",
+]

@@ -4,6 +4,7 @@ Every call is a no-op in a group of one. A collective that fails (a peer died: g
 a peer hung: the group's timeout expires) raises ``CollectiveError``, which ends the rank (``scheduler.faults``):
 its peers fail the same way, and the front end marks the world's DP ranks failed instead of waiting forever.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,8 +34,11 @@ def _collective(fn: F) -> F:
             raise
         except Exception as error:  # gloo: RuntimeError / DistBackendError; a timeout: DistError
             state = get_parallel_state()
-            raise CollectiveError(f"{fn.__name__} failed on rank {state.rank} of {state.world_size}: "
-                                  f"{type(error).__name__}: {error}") from error
+            raise CollectiveError(
+                f"{fn.__name__} failed on rank {state.rank} of {state.world_size}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
     return wrapper  # type: ignore[return-value]
 
 
@@ -65,7 +69,9 @@ def attn_all_gather(x: torch.Tensor) -> torch.Tensor:
     if n == 1:
         return x
     x = x.contiguous()
-    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # gloo: concatenated only
+    out = torch.empty(
+        (n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device
+    )  # gloo: concatenated only
     _all_gather_single(out, x, group=state.attn)
     return torch.movedim(out.view(n, *x.shape), 0, -2).reshape(*x.shape[:-1], n * x.shape[-1])
 

@@ -16,6 +16,7 @@ The state is process-global, like the server arguments: the scheduler process se
 (``init_distributed``), model code reads it at construction (``get_parallel_state``). A process that never sets it
 (a script, a test) runs one rank of one, and every collective is a no-op.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,7 +30,9 @@ import torch.distributed as dist
 class ParallelConfig:
     tp_size: int = 1
     ep_size: int = 1
-    dp_size: int = 1  # DP-attention groups inside the world; without DP attention, replicas outside it
+    dp_size: int = (
+        1  # DP-attention groups inside the world; without DP attention, replicas outside it
+    )
     dp_attention: bool = False
 
     def __post_init__(self) -> None:
@@ -39,7 +42,9 @@ class ParallelConfig:
         if self.tp_size % self.ep_size:
             raise ValueError(f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size})")
         if self.dp_attention and self.tp_size % self.dp_size:
-            raise ValueError(f"with DP attention dp_size ({self.dp_size}) must divide tp_size ({self.tp_size})")
+            raise ValueError(
+                f"with DP attention dp_size ({self.dp_size}) must divide tp_size ({self.tp_size})"
+            )
 
     @property
     def world_size(self) -> int:
@@ -112,8 +117,9 @@ def get_parallel_state() -> ParallelState:
     return _state
 
 
-def init_distributed(config: ParallelConfig, rank: int, init_address: str, device: str,
-                     timeout_s: float) -> ParallelState:
+def init_distributed(
+    config: ParallelConfig, rank: int, init_address: str, device: str, timeout_s: float
+) -> ParallelState:
     """Joins the world at ``init_address`` (``host:port`` of world rank 0's store) and builds its groups.
 
     Every rank of the world calls this with the same config; it returns once all of them have joined (or raises
@@ -126,16 +132,25 @@ def init_distributed(config: ParallelConfig, rank: int, init_address: str, devic
     on_gpu = torch.device(device).type == "cuda"
     backend = "nccl" if on_gpu else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    if on_gpu:  # one GPU per rank: "cuda" means this node's rank-th device ("cuda" tensors then land there)
+    if (
+        on_gpu
+    ):  # one GPU per rank: "cuda" means this node's rank-th device ("cuda" tensors then land there)
         index = torch.device(device).index
         torch.cuda.set_device(rank % torch.cuda.device_count() if index is None else index)
-    dist.init_process_group(backend, init_method=f"tcp://{init_address}", world_size=config.world_size, rank=rank,
-                            timeout=timeout)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{init_address}",
+        world_size=config.world_size,
+        rank=rank,
+        timeout=timeout,
+    )
     world = dist.group.WORLD
     cpu_world = dist.new_group(backend="gloo", timeout=timeout) if on_gpu else world
     attn = cpu_attn = None
     size = config.attn_tp_size
-    for first in range(0, config.world_size, size):  # every rank creates every group, in the same order
+    for first in range(
+        0, config.world_size, size
+    ):  # every rank creates every group, in the same order
         ranks = list(range(first, first + size))
         group = dist.new_group(ranks, backend=backend, timeout=timeout)
         cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if on_gpu else group
@@ -150,4 +165,3 @@ def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _state = _SINGLE
-

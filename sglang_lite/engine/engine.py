@@ -6,6 +6,7 @@ Results follow SGLang: ``{"text", "output_ids", "meta_info": {"prompt_tokens", "
 The scheduler runs in a child process (see ``sync_client.py`` for why), a fresh interpreter: scripts need no main
 guard.
 """
+
 from __future__ import annotations
 
 import queue
@@ -28,7 +29,9 @@ from sglang_lite.tokenizer.loader import load_server_tokenizer
 Prompt = str | list[str] | None
 InputIds = list[int] | list[list[int]] | None
 Params = dict[str, Any] | SamplingParams | list[dict[str, Any] | SamplingParams] | None
-UNBOUNDED_QUEUE = 2**31 - 1  # offline callers queue as much as they like; the HTTP server bounds its queue
+UNBOUNDED_QUEUE = (
+    2**31 - 1
+)  # offline callers queue as much as they like; the HTTP server bounds its queue
 
 
 class Engine:
@@ -36,20 +39,32 @@ class Engine:
         server_args.setdefault("max_queued_requests", UNBOUNDED_QUEUE)
         self.server_args = ServerArgs(model_path=model_path, **server_args)
         if self.server_args.dp_size != 1:
-            raise ValueError(f"dp_size: the Engine runs one scheduler, got {self.server_args.dp_size}; "
-                             "serve DP ranks with sglang_lite.launch_server")
+            raise ValueError(
+                f"dp_size: the Engine runs one scheduler, got {self.server_args.dp_size}; "
+                "serve DP ranks with sglang_lite.launch_server"
+            )
         if self.server_args.disaggregation_mode != "null":
-            raise ValueError("disaggregation_mode: PD disaggregation runs behind the HTTP server (its bootstrap "
-                             "server and a PD router); the Engine serves whole requests")
+            raise ValueError(
+                "disaggregation_mode: PD disaggregation runs behind the HTTP server (its bootstrap "
+                "server and a PD router); the Engine serves whole requests"
+            )
         self.tokenizer = load_server_tokenizer(self.server_args)
         self._client: SyncClient | None = SyncClient(self.server_args)
         self.config = self._client.config
-        self._grammars = GrammarCache(self.tokenizer, self.config.vocab_size)  # to refuse what cannot compile
+        self._grammars = GrammarCache(
+            self.tokenizer, self.config.vocab_size
+        )  # to refuse what cannot compile
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(
-        self, prompt: Prompt = None, sampling_params: Params = None, input_ids: InputIds = None, stream: bool = False,
-        return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+        self,
+        prompt: Prompt = None,
+        sampling_params: Params = None,
+        input_ids: InputIds = None,
+        stream: bool = False,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
         token_ids_logprob: list[int] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """One result dict for one prompt, a list for a list; ``stream=True`` gives ``generate_stream``.
@@ -62,11 +77,17 @@ class Engine:
         requests = self._validated(prompts, sampling_params, logprob)
         rids = [uuid.uuid4().hex for _ in requests]
         # not streamed: each request sends one output, when it finishes
-        streams = [self._submit(rid, ids, p, logprob, stream=False) for rid, (ids, p) in zip(rids, requests)]
+        streams = [
+            self._submit(rid, ids, p, logprob, stream=False)
+            for rid, (ids, p) in zip(rids, requests)
+        ]
         samples = [fork_rids(rid, p.n) for rid, (_, p) in zip(rids, requests)]
         try:
-            results = [_result(join_outputs(outputs)) for s, group in zip(streams, samples)
-                       for outputs in _outputs(s, group)]
+            results = [
+                _result(join_outputs(outputs))
+                for s, group in zip(streams, samples)
+                for outputs in _outputs(s, group)
+            ]
         except BaseException:
             for rid in [r for group in samples for r in group]:
                 self.abort(rid)
@@ -74,8 +95,11 @@ class Engine:
         return results if batched or len(results) > 1 else results[0]
 
     def generate_stream(
-        self, prompt: str | None = None, sampling_params: dict[str, Any] | SamplingParams | None = None,
-        input_ids: list[int] | None = None, logprob: LogprobParams | None = None,
+        self,
+        prompt: str | None = None,
+        sampling_params: dict[str, Any] | SamplingParams | None = None,
+        input_ids: list[int] | None = None,
+        logprob: LogprobParams | None = None,
     ) -> Iterator[dict[str, Any]]:
         """Pieces of one request as they are produced; closing the iterator early aborts the request. Each piece's
         ``meta_info`` carries the log-probabilities of its own tokens when ``logprob`` asks for them."""
@@ -106,7 +130,9 @@ class Engine:
         """Live load figures of the scheduler, taken after every command sent before this call."""
         unknown = sorted(set(include) - set(LOAD_SECTIONS))
         if unknown:
-            raise ValueError(f"include: unknown load section(s) {unknown}; known: {list(LOAD_SECTIONS)}")
+            raise ValueError(
+                f"include: unknown load section(s) {unknown}; known: {list(LOAD_SECTIONS)}"
+            )
         return self._running_client().ask(LoadsQuery, tuple(include)).loads
 
     def flush_cache(self) -> int:
@@ -140,8 +166,14 @@ class Engine:
             pass
 
     # ---- helpers -----------------------------------------------------------------------------------------------
-    def _submit(self, rid: str, input_ids: list[int], params: SamplingParams,
-                logprob: LogprobParams | None = None, stream: bool = True) -> queue.Queue:
+    def _submit(
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        logprob: LogprobParams | None = None,
+        stream: bool = True,
+    ) -> queue.Queue:
         return self._running_client().submit(rid, input_ids, params, logprob, stream)
 
     def _running_client(self) -> SyncClient:
@@ -155,17 +187,27 @@ class Engine:
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("prompt needs a tokenizer (skip_tokenizer_init is set); pass input_ids")
+            raise ValueError(
+                "prompt needs a tokenizer (skip_tokenizer_init is set); pass input_ids"
+            )
         if not isinstance(text, str):
-            raise ValueError(f"prompt must be a string or a list of strings, got {type(text).__name__}")
+            raise ValueError(
+                f"prompt must be a string or a list of strings, got {type(text).__name__}"
+            )
         return self.tokenizer.encode(text)
 
-    def _validated(self, prompts: list[list[int]], sampling_params: Params,
-                   logprob: LogprobParams | None = None) -> list[tuple[list[int], SamplingParams]]:
+    def _validated(
+        self,
+        prompts: list[list[int]],
+        sampling_params: Params,
+        logprob: LogprobParams | None = None,
+    ) -> list[tuple[list[int], SamplingParams]]:
         """All requests checked before any is queued, so one bad request sends none."""
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+                raise ValueError(
+                    f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts"
+                )
             params = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_dict(sampling_params) for _ in prompts]
@@ -176,9 +218,13 @@ class Engine:
         return list(zip(prompts, params))
 
 
-def _logprob(return_logprob: bool, start: int, top: int, token_ids: list[int] | None) -> LogprobParams | None:
+def _logprob(
+    return_logprob: bool, start: int, top: int, token_ids: list[int] | None
+) -> LogprobParams | None:
     if not return_logprob and (start != -1 or top or token_ids is not None):
-        raise ValueError("logprob_start_len, top_logprobs_num and token_ids_logprob need return_logprob=True")
+        raise ValueError(
+            "logprob_start_len, top_logprobs_num and token_ids_logprob need return_logprob=True"
+        )
     return LogprobParams(True, start, top, token_ids) if return_logprob else None
 
 
@@ -202,4 +248,8 @@ def _outputs(stream: queue.Queue, rids: list[str]) -> list[list[ReqOutput]]:
 
 
 def _result(output: ReqOutput) -> dict[str, Any]:
-    return {"text": output.new_text, "output_ids": output.new_token_ids, "meta_info": output.meta_info}
+    return {
+        "text": output.new_text,
+        "output_ids": output.new_token_ids,
+        "meta_info": output.meta_info,
+    }

@@ -9,6 +9,7 @@ A receiver thread dispatches replies: outputs go to their request's queue; an er
 inside the rank, or the process died) is put there as an exception, and a query's answer completes its future.
 The Engine's one rank is not restarted: once its process dies, every request fails and the Engine is unusable.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,7 +19,15 @@ from concurrent.futures import Future
 from typing import Any
 
 from sglang_lite.runtime.client import POLL_MS, SchedulerClient
-from sglang_lite.runtime.messages import REFUSED, AbortRequest, Ack, AddRequest, QueryReply, Ready, Reserved
+from sglang_lite.runtime.messages import (
+    REFUSED,
+    AbortRequest,
+    Ack,
+    AddRequest,
+    QueryReply,
+    Ready,
+    Reserved,
+)
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.config import SchedulerConfig
@@ -38,7 +47,9 @@ class SyncClient:
         self._queries: dict[int, Future] = {}
         self._error: BaseException | None = None
         self._closing = False
-        self._receiver = threading.Thread(target=self._receive_loop, name="sglang-lite-receiver", daemon=True)
+        self._receiver = threading.Thread(
+            target=self._receive_loop, name="sglang-lite-receiver", daemon=True
+        )
         self._receiver.start()
 
     @property
@@ -46,8 +57,14 @@ class SyncClient:
         return self.core.config
 
     # ---- called from any thread --------------------------------------------------------------------------------
-    def submit(self, rid: str, input_ids: list[int], params: SamplingParams,
-               logprob: LogprobParams | None = None, stream: bool = True) -> queue.Queue:
+    def submit(
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        logprob: LogprobParams | None = None,
+        stream: bool = True,
+    ) -> queue.Queue:
         """Queues a request; its ReqOutputs (or an exception) arrive on the returned queue, those of all its
         parallel samples (``params.n``) too, each under its own rid (``fork_rids``); ``stream=False``: only the
         finished one."""
@@ -108,17 +125,25 @@ class SyncClient:
         for output in outputs:
             with self._lock:
                 streams = self._streams
-                stream = streams.pop(output.rid, None) if output.finished else streams.get(output.rid)
+                stream = (
+                    streams.pop(output.rid, None) if output.finished else streams.get(output.rid)
+                )
             error = internal_error(output)
             if stream is not None:
-                stream.put(RuntimeError(f"the request failed in the scheduler: {error}") if error else output)
+                stream.put(
+                    RuntimeError(f"the request failed in the scheduler: {error}")
+                    if error
+                    else output
+                )
 
     def on_ack(self, ack: Ack) -> None:
         if ack.queued:
             return
         with self._lock:
             stream = self._streams.pop(ack.rid, None)
-            for sample_rid in [r for r, s in self._streams.items() if s is stream]:  # its parallel samples
+            for sample_rid in [
+                r for r, s in self._streams.items() if s is stream
+            ]:  # its parallel samples
                 del self._streams[sample_rid]
         if stream is not None:
             stream.put((ValueError if ack.status == REFUSED else RuntimeError)(ack.message))
@@ -132,7 +157,9 @@ class SyncClient:
     def on_ready(self, ready: Ready) -> None:  # the Engine never respawns its rank
         pass
 
-    def on_reserved(self, reserved: Reserved) -> None:  # the Engine runs no PD side (disaggregation_mode null)
+    def on_reserved(
+        self, reserved: Reserved
+    ) -> None:  # the Engine runs no PD side (disaggregation_mode null)
         logger.warning("unexpected PD reservation for %s", reserved.rid)
 
     def on_fatal(self, rank: int, message: str) -> None:

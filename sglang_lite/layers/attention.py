@@ -3,6 +3,7 @@
 Tensor parallel over the attention group: ``qkv_proj`` column-parallel by heads (each query head with its gate; KV
 heads split, or replicated when fewer than the ranks), ``o_proj`` row-parallel with one all-reduce.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,14 @@ from sglang_lite.config import ModelConfig
 from sglang_lite.distributed import attn_all_reduce, get_parallel_state
 from sglang_lite.forward_batch import ForwardBatch
 from sglang_lite.kernels import decode_attention, extend_attention, fused_qk_gemma_rmsnorm, store_kv
-from sglang_lite.layers.linear import Linear, PackedLinear, ShardMap, Split, input_columns, packed_rows
+from sglang_lite.layers.linear import (
+    Linear,
+    PackedLinear,
+    ShardMap,
+    Split,
+    input_columns,
+    packed_rows,
+)
 from sglang_lite.layers.norm import GemmaRMSNorm
 from sglang_lite.layers.rotary import RotaryEmbedding
 from sglang_lite.streams.runtime import OverlapContext, overlap
@@ -31,25 +39,33 @@ class Qwen3_5Attention(nn.Module):
         self.scale = hd**-0.5
         # q_proj rows are interleaved per head as [q_h | gate_h]
         kv_size = self.num_kv_heads * hd
-        self.qkv_proj = PackedLinear(config.hidden_size, [2 * self.num_heads * hd, kv_size, kv_size])
+        self.qkv_proj = PackedLinear(
+            config.hidden_size, [2 * self.num_heads * hd, kv_size, kv_size]
+        )
         self.o_proj = Linear(self.num_heads * hd, config.hidden_size)
         self.q_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
-        self._rotary = (rotary,)  # shared table, owned by the model (a tuple keeps it out of this module's children)
+        self._rotary = (
+            rotary,
+        )  # shared table, owned by the model (a tuple keeps it out of this module's children)
 
     def packed_shards(self) -> ShardMap:
         names = ["q_proj.weight", "k_proj.weight", "v_proj.weight"]
         if self.split.parts == 1:
             return packed_rows("qkv_proj.weight", self.qkv_proj, names)
         hd, rank = self.head_dim, self.split.rank
-        q_rows = slice(rank * 2 * self.num_heads * hd, (rank + 1) * 2 * self.num_heads * hd)  # [q_h | gate_h] rows
+        q_rows = slice(
+            rank * 2 * self.num_heads * hd, (rank + 1) * 2 * self.num_heads * hd
+        )  # [q_h | gate_h] rows
         if self.total_kv_heads >= self.split.parts:
             first_kv = rank * self.num_kv_heads
         else:  # replicated: the KV head this rank's query heads use
             first_kv = rank // (self.split.parts // self.total_kv_heads)
         kv_rows = slice(first_kv * hd, (first_kv + self.num_kv_heads) * hd)
         qkv = packed_rows("qkv_proj.weight", self.qkv_proj, names, [q_rows, kv_rows, kv_rows])
-        return qkv | input_columns("o_proj.weight", self.split, self.split.parts * self.num_heads * hd)
+        return qkv | input_columns(
+            "o_proj.weight", self.split, self.split.parts * self.num_heads * hd
+        )
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -63,18 +79,34 @@ class Qwen3_5Attention(nn.Module):
         # gated per head, then heads merged: gate is a strided view, which a merge first would have copied
         return attn_all_reduce(self.o_proj((out * torch.sigmoid(gate)).flatten(1)))
 
-    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor, ctx: OverlapContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def _qk_norm(
+        self, q: torch.Tensor, k: torch.Tensor, ctx: OverlapContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if ctx.plan.qk_norm:
             return overlap(lambda: self.q_norm(q), lambda: self.k_norm(k), ctx.alt, True, k)
         if ctx.plan.fused_qk_norm:
-            return fused_qk_gemma_rmsnorm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.head_dim)
+            return fused_qk_gemma_rmsnorm(
+                q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.head_dim
+            )
         return self.q_norm(q), self.k_norm(k)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         k_cache, v_cache = batch.pools.kv_buffers(self.layer_id)
         store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         table, rows = batch.pools.req_to_token.req_to_token, batch.req_pool_indices
         if batch.is_decode:
-            return decode_attention(q, k_cache, v_cache, table, rows, batch.seq_lens_t, self.scale,
-                                    max_seq_len=batch.max_seq_len)
-        return extend_attention(q, k_cache, v_cache, table, rows, batch.prefix_lens_t, batch.extend_lens_t, self.scale)
+            return decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                table,
+                rows,
+                batch.seq_lens_t,
+                self.scale,
+                max_seq_len=batch.max_seq_len,
+            )
+        return extend_attention(
+            q, k_cache, v_cache, table, rows, batch.prefix_lens_t, batch.extend_lens_t, self.scale
+        )

@@ -5,6 +5,7 @@ value heads per key head): the q, k, v, z rows of ``in_proj_qkvz``, the b, a row
 channels, ``A_log`` and ``dt_bias`` follow their heads, and so do the conv and recurrent states in the pools;
 ``out_proj`` is row-parallel with one all-reduce. The gated norm's weight is per head dimension: replicated.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,15 @@ from sglang_lite.kernels import (
     fused_gdn_gating,
     fused_recurrent_gated_delta_rule,
 )
-from sglang_lite.layers.linear import Linear, PackedLinear, Shard, ShardMap, Split, input_columns, packed_rows
+from sglang_lite.layers.linear import (
+    Linear,
+    PackedLinear,
+    Shard,
+    ShardMap,
+    Split,
+    input_columns,
+    packed_rows,
+)
 from sglang_lite.layers.norm import GatedRMSNorm
 from sglang_lite.streams.runtime import overlap
 
@@ -34,34 +43,59 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         state = get_parallel_state()
         self.split = Split(state.attn_tp_rank, state.attn_tp_size)
         local = config.attention_shard(state.attn_tp_size)
-        self.num_k_heads, self.num_v_heads = local.linear_num_key_heads, local.linear_num_value_heads
+        self.num_k_heads, self.num_v_heads = (
+            local.linear_num_key_heads,
+            local.linear_num_value_heads,
+        )
         self.head_k_dim, self.head_v_dim = local.linear_key_head_dim, local.linear_value_head_dim
-        self.key_dim, self.value_dim, self.conv_dim = local.linear_key_dim, local.linear_value_dim, local.conv_dim
+        self.key_dim, self.value_dim, self.conv_dim = (
+            local.linear_key_dim,
+            local.linear_value_dim,
+            local.conv_dim,
+        )
         hidden = config.hidden_size
         self.in_proj_qkvz = PackedLinear(hidden, [self.conv_dim, self.value_dim])
         self.in_proj_ba = PackedLinear(hidden, [self.num_v_heads, self.num_v_heads])
         self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, config.linear_conv_kernel_dim))
+        self.conv1d.weight = nn.Parameter(
+            torch.empty(self.conv_dim, 1, config.linear_conv_kernel_dim)
+        )
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, hidden)
 
     def packed_shards(self) -> ShardMap:
-        qkvz_names, ba_names = ["in_proj_qkv.weight", "in_proj_z.weight"], ["in_proj_b.weight", "in_proj_a.weight"]
+        qkvz_names, ba_names = (
+            ["in_proj_qkv.weight", "in_proj_z.weight"],
+            ["in_proj_b.weight", "in_proj_a.weight"],
+        )
         if self.split.parts == 1:
             return packed_rows("in_proj_qkvz.weight", self.in_proj_qkvz, qkvz_names) | packed_rows(
-                "in_proj_ba.weight", self.in_proj_ba, ba_names)
+                "in_proj_ba.weight", self.in_proj_ba, ba_names
+            )
         rank, parts, kd, vd = self.split.rank, self.split.parts, self.key_dim, self.value_dim
         # this rank's q, k and v channels: where they sit in the checkpoint's [q | k | v] and in the local packing
-        channels = [(slice(rank * kd, (rank + 1) * kd), slice(0, kd)),
-                    (slice(parts * kd + rank * kd, parts * kd + (rank + 1) * kd), slice(kd, 2 * kd)),
-                    (slice(2 * parts * kd + rank * vd, 2 * parts * kd + (rank + 1) * vd), slice(2 * kd, 2 * kd + vd))]
+        channels = [
+            (slice(rank * kd, (rank + 1) * kd), slice(0, kd)),
+            (slice(parts * kd + rank * kd, parts * kd + (rank + 1) * kd), slice(kd, 2 * kd)),
+            (
+                slice(2 * parts * kd + rank * vd, 2 * parts * kd + (rank + 1) * vd),
+                slice(2 * kd, 2 * kd + vd),
+            ),
+        ]
         heads = self.split.rows(parts * self.num_v_heads)
         shards: ShardMap = {
-            "in_proj_qkv.weight": [Shard("in_proj_qkvz.weight", (dest,), (src,)) for src, dest in channels],
-            "in_proj_z.weight": [Shard("in_proj_qkvz.weight", (slice(self.conv_dim, self.conv_dim + vd),),
-                                       (self.split.rows(parts * vd),))],
+            "in_proj_qkv.weight": [
+                Shard("in_proj_qkvz.weight", (dest,), (src,)) for src, dest in channels
+            ],
+            "in_proj_z.weight": [
+                Shard(
+                    "in_proj_qkvz.weight",
+                    (slice(self.conv_dim, self.conv_dim + vd),),
+                    (self.split.rows(parts * vd),),
+                )
+            ],
             "conv1d.weight": [Shard("conv1d.weight", (dest,), (src,)) for src, dest in channels],
             "dt_bias": [Shard("dt_bias", (), (heads,))],
             "A_log": [Shard("A_log", (), (heads,))],
@@ -73,7 +107,11 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         num_tokens = hidden.shape[0]
         ctx = batch.overlap
         qkvz, ba = overlap(
-            lambda: self.in_proj_qkvz(hidden), lambda: self.in_proj_ba(hidden), ctx.alt, ctx.plan.gdn_qkvz_ba, hidden
+            lambda: self.in_proj_qkvz(hidden),
+            lambda: self.in_proj_ba(hidden),
+            ctx.alt,
+            ctx.plan.gdn_qkvz_ba,
+            hidden,
         )
         qkv, z = qkvz.split(self.in_proj_qkvz.output_sizes, dim=-1)
         b, a = ba.split(self.in_proj_ba.output_sizes, dim=-1)
@@ -87,11 +125,15 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         if batch.is_decode:
             o = fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_states, batch.state_slots)
         else:
-            o = chunk_gated_delta_rule(q, k, v, g, beta, ssm_states, batch.state_slots, batch.cu_seqlens)
+            o = chunk_gated_delta_rule(
+                q, k, v, g, beta, ssm_states, batch.state_slots, batch.cu_seqlens
+            )
         o = self.norm(o, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
         return attn_all_reduce(self.out_proj(o.reshape(num_tokens, self.value_dim)))
 
-    def _conv(self, qkv: torch.Tensor, conv_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _conv(
+        self, qkv: torch.Tensor, conv_states: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         weight = self.conv1d.weight.squeeze(1)
         if batch.is_decode:
             return causal_conv1d_update(qkv, weight, conv_states, batch.state_slots)

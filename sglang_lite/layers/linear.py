@@ -6,6 +6,7 @@ Each ``Shard`` names the part of the parameter it fills (``index``) and the part
 (``source``: under tensor parallelism, this rank's slice, read alone from the safetensors file). The loader
 (sglang_lite/models/weights.py) reads those declarations; a parameter nobody declares is read whole.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ class Shard:
     source: tuple = ()  # the part of the checkpoint tensor it reads (() = all of it)
 
 
-ShardMap = dict[str, list[Shard]]  # checkpoint name -> the shards it fills ([] = a tensor this rank does not read)
+ShardMap = dict[
+    str, list[Shard]
+]  # checkpoint name -> the shards it fills ([] = a tensor this rank does not read)
 
 
 @dataclass(frozen=True)
@@ -66,14 +69,22 @@ class PackedLinear(Linear):
         return out
 
 
-def packed_rows(param: str, linear: PackedLinear, checkpoint_names: list[str], sources: list[slice] | None = None
-                ) -> ShardMap:
+def packed_rows(
+    param: str,
+    linear: PackedLinear,
+    checkpoint_names: list[str],
+    sources: list[slice] | None = None,
+) -> ShardMap:
     """Maps each checkpoint matrix to its block of rows in ``param`` (e.g. ``in_proj_qkvz.weight``), reading the
     rows ``sources[i]`` of checkpoint matrix i (all of them by default)."""
-    assert len(checkpoint_names) == len(linear.output_sizes), f"{param}: names and output sizes disagree"
+    assert len(checkpoint_names) == len(linear.output_sizes), (
+        f"{param}: names and output sizes disagree"
+    )
     sources = sources or [slice(None)] * len(checkpoint_names)
-    return {name: [Shard(param, (rows,), () if src == slice(None) else (src,))]
-            for name, rows, src in zip(checkpoint_names, linear.row_slices(), sources)}
+    return {
+        name: [Shard(param, (rows,), () if src == slice(None) else (src,))]
+        for name, rows, src in zip(checkpoint_names, linear.row_slices(), sources)
+    }
 
 
 def input_columns(param: str, split: Split, total: int) -> ShardMap:

@@ -5,6 +5,7 @@ the DP-attention gather). The dense MLP and the shared expert split the intermed
 routed experts split E ways over the expert-parallel ranks (``--ep-size``) and each expert's intermediate dimension
 over the ``tp / ep`` ranks that share it. The router gate and the shared-expert gate are replicated.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,16 @@ from torch import nn
 from sglang_lite.config import ModelConfig, shard_size
 from sglang_lite.distributed import get_parallel_state
 from sglang_lite.kernels import fused_moe, moe_route
-from sglang_lite.layers.linear import NO_SPLIT, Linear, PackedLinear, Shard, ShardMap, Split, input_columns, packed_rows
+from sglang_lite.layers.linear import (
+    NO_SPLIT,
+    Linear,
+    PackedLinear,
+    Shard,
+    ShardMap,
+    Split,
+    input_columns,
+    packed_rows,
+)
 from sglang_lite.streams.runtime import PLAIN, OverlapContext, overlap
 
 
@@ -34,8 +44,9 @@ class GatedMLP(nn.Module):
         if self.split.parts == 1:
             return packed_rows("gate_up_proj.weight", self.gate_up_proj, names)
         rows = self.split.rows(self.intermediate_size)
-        return packed_rows("gate_up_proj.weight", self.gate_up_proj, names, [rows, rows]) | input_columns(
-            "down_proj.weight", self.split, self.intermediate_size)
+        return packed_rows(
+            "gate_up_proj.weight", self.gate_up_proj, names, [rows, rows]
+        ) | input_columns("down_proj.weight", self.split, self.intermediate_size)
 
     def forward(self, x: torch.Tensor, ctx: OverlapContext = PLAIN) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -47,8 +58,10 @@ def shared_expert_fusion_supported(config: ModelConfig) -> tuple[bool, str]:
     if not config.is_moe or config.shared_expert_intermediate_size == 0:
         return False, "the model has no shared expert"
     if config.shared_expert_intermediate_size != config.moe_intermediate_size:
-        return False, (f"shared_expert_intermediate_size ({config.shared_expert_intermediate_size}) != "
-                       f"moe_intermediate_size ({config.moe_intermediate_size})")
+        return False, (
+            f"shared_expert_intermediate_size ({config.shared_expert_intermediate_size}) != "
+            f"moe_intermediate_size ({config.moe_intermediate_size})"
+        )
     return True, ""
 
 
@@ -70,7 +83,9 @@ class Qwen3_5SparseMoeBlock(nn.Module):
         self.ep_size = state.moe_ep_size
         self.num_local = shard_size(self.num_experts, self.ep_size, "num_experts", "ep size")
         self.first_expert = state.moe_ep_rank * self.num_local
-        self.expert_split = Split(state.moe_tp_rank, state.moe_tp_size)  # of each routed expert's intermediate dim
+        self.expert_split = Split(
+            state.moe_tp_rank, state.moe_tp_size
+        )  # of each routed expert's intermediate dim
         self.shared_split = Split(state.rank, state.world_size)  # of the shared expert's
         hidden, self.inter = config.hidden_size, config.moe_intermediate_size
         inter = shard_size(self.inter, self.expert_split.parts, "moe_intermediate_size")
@@ -83,7 +98,9 @@ class Qwen3_5SparseMoeBlock(nn.Module):
         if not fuse_shared_expert:
             self.shared_expert = GatedMLP(hidden, self.shared_inter, self.shared_split)
         else:
-            shard_size(self.shared_inter, self.shared_split.parts, "shared_expert_intermediate_size")
+            shard_size(
+                self.shared_inter, self.shared_split.parts, "shared_expert_intermediate_size"
+            )
         self.shared_expert_gate = Linear(hidden, 1)
 
     def packed_shards(self) -> ShardMap:
@@ -91,7 +108,9 @@ class Qwen3_5SparseMoeBlock(nn.Module):
         the layout the checkpoint uses (``per_expert_shards`` or ``fused_expert_shards``)."""
         if not self.fuse_shared_expert:
             return {}
-        return self._expert_rows("shared_expert", self.num_local, self.shared_split, self.shared_inter)
+        return self._expert_rows(
+            "shared_expert", self.num_local, self.shared_split, self.shared_inter
+        )
 
     def per_expert_shards(self) -> ShardMap:
         """One gate, up and down matrix per expert: ``experts.{e}.gate_proj.weight`` [I, H] and so on; another
@@ -102,21 +121,28 @@ class Qwen3_5SparseMoeBlock(nn.Module):
             if 0 <= row < self.num_local:
                 shards |= self._expert_rows(f"experts.{e}", row, self.expert_split, self.inter)
             else:
-                shards |= {f"experts.{e}.{name}.weight": [] for name in ("gate_proj", "up_proj", "down_proj")}
+                shards |= {
+                    f"experts.{e}.{name}.weight": []
+                    for name in ("gate_proj", "up_proj", "down_proj")
+                }
         return shards
 
     def fused_expert_shards(self) -> ShardMap:
         """transformers' fused layout: ``experts.gate_up_proj`` [E, 2I, H] and ``experts.down_proj`` [E, H, I]."""
         rows = slice(0, self.num_local)
         if self.ep_size == 1 and self.expert_split.parts == 1:
-            return {"experts.gate_up_proj": [Shard("experts.w13", (rows,))],
-                    "experts.down_proj": [Shard("experts.w2", (rows,))]}
+            return {
+                "experts.gate_up_proj": [Shard("experts.w13", (rows,))],
+                "experts.down_proj": [Shard("experts.w2", (rows,))],
+            }
         mine = slice(self.first_expert, self.first_expert + self.num_local)
         cols, inter = self.expert_split.rows(self.inter), self.experts.w2.shape[-1]
         up = slice(self.inter + cols.start, self.inter + cols.stop)
         return {
-            "experts.gate_up_proj": [Shard("experts.w13", (rows, slice(0, inter)), (mine, cols)),
-                                     Shard("experts.w13", (rows, slice(inter, 2 * inter)), (mine, up))],
+            "experts.gate_up_proj": [
+                Shard("experts.w13", (rows, slice(0, inter)), (mine, cols)),
+                Shard("experts.w13", (rows, slice(inter, 2 * inter)), (mine, up)),
+            ],
             "experts.down_proj": [Shard("experts.w2", (rows,), (mine, slice(None), cols))],
         }
 
@@ -125,19 +151,27 @@ class Qwen3_5SparseMoeBlock(nn.Module):
         intermediate size (zero-padded when narrower than the row)."""
         width, n = self.experts.w2.shape[-1], total // split.parts
         whole = split.parts == 1
-        rows, cols = () if whole else (split.rows(total),), () if whole else (slice(None), split.rows(total))
+        rows, cols = (
+            () if whole else (split.rows(total),),
+            () if whole else (slice(None), split.rows(total)),
+        )
         return {
             f"{prefix}.gate_proj.weight": [Shard("experts.w13", (row, slice(0, n)), rows)],
-            f"{prefix}.up_proj.weight": [Shard("experts.w13", (row, slice(width, width + n)), rows)],
-            f"{prefix}.down_proj.weight": [Shard("experts.w2", (row, slice(None), slice(0, n)), cols)],
+            f"{prefix}.up_proj.weight": [
+                Shard("experts.w13", (row, slice(width, width + n)), rows)
+            ],
+            f"{prefix}.down_proj.weight": [
+                Shard("experts.w2", (row, slice(None), slice(0, n)), cols)
+            ],
         }
 
     def forward(self, x: torch.Tensor, ctx: OverlapContext = PLAIN) -> torch.Tensor:
         if self.fuse_shared_expert:
             return self._fused(x)
         # The shared expert only reads x and fused_moe does not write into its input, so no clone is needed.
-        shared, routed = overlap(lambda: self._shared(x), lambda: self._routed(x), ctx.alt,
-                                 ctx.plan.moe_shared_routed, x)
+        shared, routed = overlap(
+            lambda: self._shared(x), lambda: self._routed(x), ctx.alt, ctx.plan.moe_shared_routed, x
+        )
         return routed + shared
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +183,9 @@ class Qwen3_5SparseMoeBlock(nn.Module):
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
         # the shared expert is one more column: id E, weight sigmoid(shared_expert_gate(x))
-        weights, ids = moe_route(self.gate(x), self.shared_expert_gate(x), self.top_k, True, self.num_experts)
+        weights, ids = moe_route(
+            self.gate(x), self.shared_expert_gate(x), self.top_k, True, self.num_experts
+        )
         return self._experts(x, weights, ids)
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

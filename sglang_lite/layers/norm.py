@@ -1,4 +1,5 @@
 """Normalisation layers; the math lives in sglang_lite.kernels.norms."""
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@ holds FP8 data, its companion ``<name>_scale_inv`` the scales of the parameter's
 the block-FP8 GEMM (activations quantized per token group on the fly). On the CPU nothing is converted: the loader
 dequantizes into the compute dtype instead.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,7 +26,9 @@ def scale_shape(shape: torch.Size | tuple[int, ...], block: tuple[int, int]) -> 
     return (*lead, -(-rows // block[0]), -(-cols // block[1]))
 
 
-def _fp8_parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+def _fp8_parameter(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> nn.Parameter:
     return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
 
 
@@ -41,7 +44,9 @@ class Fp8Linear(nn.Module):
         self.block = tuple(block)
         device = linear.weight.device
         self.weight = _fp8_parameter(tuple(linear.weight.shape), dtype, device)
-        self.weight_scale_inv = _fp8_parameter(scale_shape(linear.weight.shape, block), torch.float32, device)
+        self.weight_scale_inv = _fp8_parameter(
+            scale_shape(linear.weight.shape, block), torch.float32, device
+        )
 
     row_slices = PackedLinear.row_slices
 
@@ -49,7 +54,9 @@ class Fp8Linear(nn.Module):
         return w8a8_block_fp8_matmul(x, self.weight, self.weight_scale_inv, self.block)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+        )
 
 
 class Fp8SparseMoeBlock(Qwen3_5SparseMoeBlock):
@@ -60,15 +67,30 @@ class Fp8SparseMoeBlock(Qwen3_5SparseMoeBlock):
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         experts = self.experts
-        if self.ep_size > 1:  # as the plain block on a GPU: other ranks' pairs run on row 0 with weight 0
+        if (
+            self.ep_size > 1
+        ):  # as the plain block on a GPU: other ranks' pairs run on row 0 with weight 0
             shared, local = ids == self.num_experts, ids - self.first_expert
             mine = shared | ((local >= 0) & (local < self.num_local))
-            weights, ids = weights * mine, torch.where(mine, torch.where(shared, self.num_local, local), 0)
-        return fused_moe(x, experts.w13, experts.w2, weights, ids.to(torch.int32), w13_scale=experts.w13_scale_inv,
-                         w2_scale=experts.w2_scale_inv, block=self.block)
+            weights, ids = (
+                weights * mine,
+                torch.where(mine, torch.where(shared, self.num_local, local), 0),
+            )
+        return fused_moe(
+            x,
+            experts.w13,
+            experts.w2,
+            weights,
+            ids.to(torch.int32),
+            w13_scale=experts.w13_scale_inv,
+            w2_scale=experts.w2_scale_inv,
+            block=self.block,
+        )
 
 
-def convert_to_fp8(model: nn.Module, fp8_params: set[str], block: tuple[int, int], dtype: torch.dtype) -> None:
+def convert_to_fp8(
+    model: nn.Module, fp8_params: set[str], block: tuple[int, int], dtype: torch.dtype
+) -> None:
     """Swaps each linear layer whose ``weight`` is in ``fp8_params`` for an ``Fp8Linear``, and makes each MoE block
     whose ``experts.w13`` and ``experts.w2`` both are an ``Fp8SparseMoeBlock`` with FP8 experts."""
     for name, module in list(model.named_modules()):
@@ -81,13 +103,18 @@ def convert_to_fp8(model: nn.Module, fp8_params: set[str], block: tuple[int, int
             _convert_experts(module, block, dtype)
 
 
-def _convert_experts(block_module: Qwen3_5SparseMoeBlock, block: tuple[int, int], dtype: torch.dtype) -> None:
+def _convert_experts(
+    block_module: Qwen3_5SparseMoeBlock, block: tuple[int, int], dtype: torch.dtype
+) -> None:
     experts = block_module.experts
     for name in ("w13", "w2"):
         high = getattr(experts, name)
         setattr(experts, name, _fp8_parameter(tuple(high.shape), dtype, high.device))
-        setattr(experts, name + SCALE_SUFFIX, _fp8_parameter(scale_shape(high.shape, block), torch.float32,
-                                                             high.device))
+        setattr(
+            experts,
+            name + SCALE_SUFFIX,
+            _fp8_parameter(scale_shape(high.shape, block), torch.float32, high.device),
+        )
     # the instance keeps its state; only the class, which decides how its experts run, changes
     block_module.__class__ = Fp8SparseMoeBlock
     block_module.block = tuple(block)

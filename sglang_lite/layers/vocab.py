@@ -4,6 +4,7 @@ The vocabulary is padded to a multiple of the group size (the padded rows are ze
 The embedding looks up the ids in its own rows, zeroes the others and all-reduces; the LM head computes the logits
 of its rows and all-gathers them. A tied LM head shares the embedding's shard.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,7 +39,9 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
         other = (local < 0) | (local >= self.rows_per_rank)
-        out = F.embedding(local.masked_fill(other, 0), self.weight).masked_fill(other.unsqueeze(-1), 0.0)
+        out = F.embedding(local.masked_fill(other, 0), self.weight).masked_fill(
+            other.unsqueeze(-1), 0.0
+        )
         return attn_all_reduce(out)
 
 

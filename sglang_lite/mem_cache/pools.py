@@ -8,6 +8,7 @@ Under tensor parallelism a rank's pools hold its own heads only (``ModelConfig.a
 Slot 0 of the KV and state pools is reserved (a dummy for padded batches) and never handed out. Allocation is a
 free list; ``num_used`` counts exactly what is held.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,13 +52,17 @@ class SlotAllocator:
 
 class ReqToTokenPool:
     def __init__(self, max_requests: int, max_context_len: int, device: torch.device) -> None:
-        self.req_to_token = torch.zeros(max_requests + 1, max_context_len, dtype=torch.int64, device=device)
+        self.req_to_token = torch.zeros(
+            max_requests + 1, max_context_len, dtype=torch.int64, device=device
+        )
         self.allocator = SlotAllocator(max_requests, "request rows")
         self.max_context_len = max_context_len
 
 
 class TokenKVPool:
-    def __init__(self, config: ModelConfig, num_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, num_tokens: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         shape = (num_tokens + 1, config.num_key_value_heads, config.head_dim)
         n = len(config.full_attention_layers)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
@@ -72,17 +77,31 @@ class TokenKVPool:
 class LinearStatePool:
     """``num_slots`` slots for running requests, then ``num_snapshots`` for the prefix cache's state snapshots."""
 
-    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device,
-                 num_snapshots: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_snapshots: int = 0,
+    ) -> None:
         rows = num_slots + num_snapshots + 1
         conv_shape = (rows, config.conv_dim, config.linear_conv_kernel_dim - 1)
-        head_shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        head_shape = (
+            config.linear_num_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+        )
         ssm_shape = (rows, *head_shape)
         n = len(config.linear_attention_layers)
         self.conv_states = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in range(n)]
-        self.ssm_states = [torch.zeros(ssm_shape, dtype=torch.float32, device=device) for _ in range(n)]
+        self.ssm_states = [
+            torch.zeros(ssm_shape, dtype=torch.float32, device=device) for _ in range(n)
+        ]
         self.allocator = SlotAllocator(num_slots, "linear-attention state slots")
-        self.snapshots = SlotAllocator(num_snapshots, "prefix-cache state snapshots", first=num_slots + 1)
+        self.snapshots = SlotAllocator(
+            num_snapshots, "prefix-cache state snapshots", first=num_slots + 1
+        )
 
     def copy_slot(self, src: int, dst: int) -> None:
         """The conv and recurrent states of slot ``src`` into slot ``dst`` (every GDN layer)."""
@@ -161,13 +180,24 @@ class ModelPools:
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
         config, elem = _local(config), torch.empty((), dtype=dtype).element_size()
-        return 2 * len(config.full_attention_layers) * config.num_key_value_heads * config.head_dim * elem
+        return (
+            2
+            * len(config.full_attention_layers)
+            * config.num_key_value_heads
+            * config.head_dim
+            * elem
+        )
 
     @staticmethod
     def bytes_per_request_state(config: ModelConfig, dtype: torch.dtype) -> int:
         config, elem = _local(config), torch.empty((), dtype=dtype).element_size()
         conv = config.conv_dim * (config.linear_conv_kernel_dim - 1) * elem
-        ssm = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+        ssm = (
+            config.linear_num_value_heads
+            * config.linear_key_head_dim
+            * config.linear_value_head_dim
+            * 4
+        )
         return len(config.linear_attention_layers) * (conv + ssm)
 
 

@@ -13,6 +13,7 @@ snapshot, copies the snapshot into its own state slot (never shared mutably) and
 - ``evict``: frees least-recently-used unlocked leaves (their KV slots and snapshots) until enough KV slots, or a
   snapshot slot, are free.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -40,7 +41,12 @@ class Node:
 
 
 class RadixCache:
-    def __init__(self, pools: ModelPools, snapshots: SlotAllocator, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        pools: ModelPools,
+        snapshots: SlotAllocator,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.pools, self.snapshots, self.clock = pools, snapshots, clock
         self.root = Node()
         self.num_tokens = 0  # KV slots the tree owns
@@ -89,7 +95,9 @@ class RadixCache:
         return self.num_tokens - self.num_locked_tokens
 
     # ---- insertion ---------------------------------------------------------------------------------------------
-    def insert(self, tokens: list[int], kv: list[int], state_slot: int) -> tuple[Node, list[int], list[int]] | None:
+    def insert(
+        self, tokens: list[int], kv: list[int], state_slot: int
+    ) -> tuple[Node, list[int], list[int]] | None:
         """Caches ``tokens`` (KV in ``kv``, one slot each) with a snapshot of ``state_slot`` at the end.
 
         Returns (the end node, the KV slots the tree now has for ``tokens`` (the request should read these), the
@@ -127,7 +135,13 @@ class RadixCache:
 
     def _split(self, child: Node, n: int) -> Node:
         """Cuts ``child``'s edge after ``n`` tokens; returns the new upper node (no snapshot: it ends mid-prefix)."""
-        upper = Node(child.tokens[:n], child.kv[:n], child.parent, lock=child.lock, last_access=child.last_access)
+        upper = Node(
+            child.tokens[:n],
+            child.kv[:n],
+            child.parent,
+            lock=child.lock,
+            last_access=child.last_access,
+        )
         child.parent.children[child.tokens[0]] = upper
         child.tokens, child.kv, child.parent = child.tokens[n:], child.kv[n:], upper
         upper.children[child.tokens[0]] = child

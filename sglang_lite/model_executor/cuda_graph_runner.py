@@ -8,6 +8,7 @@ variants (overlap on and off) are captured and timed per batch size, and the fas
 
 ``use_graphs=False`` runs the same static-buffer path eagerly: that is how the padding logic is tested on the CPU.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -45,32 +46,60 @@ class _StaticInputs:
     def fill(self, batch: ForwardBatch, padded_bs: int) -> None:
         """Real rows from ``batch``, then padding rows."""
         bs = batch.batch_size
-        for name, source in (("input_ids", batch.input_ids), ("positions", batch.positions),
-                             ("req_pool_indices", batch.req_pool_indices), ("out_cache_loc", batch.out_cache_loc),
-                             ("state_slots", batch.state_slots), ("seq_lens", batch.seq_lens_t),
-                             ("prefix_lens", batch.prefix_lens_t)):
+        for name, source in (
+            ("input_ids", batch.input_ids),
+            ("positions", batch.positions),
+            ("req_pool_indices", batch.req_pool_indices),
+            ("out_cache_loc", batch.out_cache_loc),
+            ("state_slots", batch.state_slots),
+            ("seq_lens", batch.seq_lens_t),
+            ("prefix_lens", batch.prefix_lens_t),
+        ):
             getattr(self, name)[:bs].copy_(source)
         self.pad(bs, padded_bs)
 
     def pad(self, start: int, end: int) -> None:
         """Rows [start, end) aim at the reserved dummies: request row 0, KV slot 0, state slot 0, one cached token."""
-        for name in ("input_ids", "positions", "req_pool_indices", "out_cache_loc", "state_slots", "prefix_lens"):
+        for name in (
+            "input_ids",
+            "positions",
+            "req_pool_indices",
+            "out_cache_loc",
+            "state_slots",
+            "prefix_lens",
+        ):
             getattr(self, name)[start:end].zero_()
         self.seq_lens[start:end].fill_(1)
 
     def batch(self, bs: int, pools: ModelPools) -> ForwardBatch:
         return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            req_pool_indices=self.req_pool_indices[:bs], prefix_lens=[0] * bs, extend_lens=[1] * bs,
-            out_cache_loc=self.out_cache_loc[:bs], state_slots=self.state_slots[:bs], pools=pools, capturing=True,
-            seq_lens_t=self.seq_lens[:bs], prefix_lens_t=self.prefix_lens[:bs], extend_lens_t=self.extend_lens[:bs],
+            mode=ForwardMode.DECODE,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            prefix_lens=[0] * bs,
+            extend_lens=[1] * bs,
+            out_cache_loc=self.out_cache_loc[:bs],
+            state_slots=self.state_slots[:bs],
+            pools=pools,
+            capturing=True,
+            seq_lens_t=self.seq_lens[:bs],
+            prefix_lens_t=self.prefix_lens[:bs],
+            extend_lens_t=self.extend_lens[:bs],
             cu_seqlens=self.cu_seqlens[: bs + 1],
         )
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, pools: ModelPools, max_bs: int, auto: bool = False,
-                 use_graphs: bool = True, timing_replays: int = 20) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pools: ModelPools,
+        max_bs: int,
+        auto: bool = False,
+        use_graphs: bool = True,
+        timing_replays: int = 20,
+    ) -> None:
         self.model, self.pools = model, pools
         self.device = model.lm_head.weight.device
         self.batch_sizes = capture_batch_sizes(max_bs)
@@ -82,10 +111,15 @@ class CudaGraphRunner:
         if use_graphs:
             model.streams.runtime.get()  # streams must exist before capture starts
             self._pool = torch.cuda.graph_pool_handle()
-            for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
+            for bs in reversed(
+                self.batch_sizes
+            ):  # largest first, so smaller graphs reuse its memory
                 self._capture_size(bs, auto, timing_replays)
             if auto:
-                logger.info("alt-stream auto choice per decode batch size: %s", model.streams.overlap_by_batch_size)
+                logger.info(
+                    "alt-stream auto choice per decode batch size: %s",
+                    model.streams.overlap_by_batch_size,
+                )
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.batch_size <= self.batch_sizes[-1]

@@ -1,4 +1,5 @@
 """The model as the scheduler sees it: ``forward_batch`` eagerly, or by CUDA-graph replay for decode batches."""
+
 from __future__ import annotations
 
 import logging
@@ -27,17 +28,27 @@ class ModelRunner:
         dp_attention = get_parallel_state().config.dp_attention
         if on_gpu and not args.disable_cuda_graph and not dp_attention:
             max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
-            self.graph_runner = CudaGraphRunner(model, pools, max_bs, auto=args.alt_stream_overlap == "auto")
+            self.graph_runner = CudaGraphRunner(
+                model, pools, max_bs, auto=args.alt_stream_overlap == "auto"
+            )
         # Decode steps only: prefill walks variable-length requests with host-side loops, which would keep
         # recompiling. dynamic=True lets one graph serve every batch size after the first few.
         if not on_gpu:
-            logger.info("weights stored [in, out] for the CPU's GEMMs: %d", store_input_major(model))
-            logger.info("fused C++ CPU kernels (float32 decode ops, small MoE batches): %s", cpu_kernels.prepare())
+            logger.info(
+                "weights stored [in, out] for the CPU's GEMMs: %d", store_input_major(model)
+            )
+            logger.info(
+                "fused C++ CPU kernels (float32 decode ops, small MoE batches): %s",
+                cpu_kernels.prepare(),
+            )
         self.compiled_body = None
         if args.enable_torch_compile and not on_gpu:
             self.compiled_body = torch.compile(model.model, dynamic=True)
-        logger.info("stream plan: %s; CUDA graphs: %s", model.streams.describe(),
-                    self.graph_runner.batch_sizes if self.graph_runner else "off")
+        logger.info(
+            "stream plan: %s; CUDA graphs: %s",
+            model.streams.describe(),
+            self.graph_runner.batch_sizes if self.graph_runner else "off",
+        )
 
     def forward_batch(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
         if self.graph_runner is not None and not all_logits and self.graph_runner.can_run(batch):

@@ -1,4 +1,5 @@
 """``load_model``: the right Qwen3.5 class for a checkpoint's config, with real or seeded dummy weights."""
+
 from __future__ import annotations
 
 import contextlib
@@ -51,14 +52,30 @@ def load_model(
         init_dummy_weights(model, seed)
         return model.eval()
     on_gpu = torch.device(device).type == "cuda"
-    keep_fp8 = config.quantization is not None and quantization != "none" and (
-        on_gpu if fp8_weights is None else fp8_weights)
+    keep_fp8 = (
+        config.quantization is not None
+        and quantization != "none"
+        and (on_gpu if fp8_weights is None else fp8_weights)
+    )
     if config.quantization is not None:
-        where = f"FP8 in memory ({fp8_dtype(device)})" if keep_fp8 else f"dequantized to {model.lm_head.weight.dtype}"
-        logger.info("quantization: %s; checkpoint %s; quantized weights %s", quantization or "auto",
-                    config.quantization.describe(), where)
-    load_checkpoint(model, path, config.tie_word_embeddings, config.quantization,
-                    fp8_dtype(device) if keep_fp8 else None)
+        where = (
+            f"FP8 in memory ({fp8_dtype(device)})"
+            if keep_fp8
+            else f"dequantized to {model.lm_head.weight.dtype}"
+        )
+        logger.info(
+            "quantization: %s; checkpoint %s; quantized weights %s",
+            quantization or "auto",
+            config.quantization.describe(),
+            where,
+        )
+    load_checkpoint(
+        model,
+        path,
+        config.tie_word_embeddings,
+        config.quantization,
+        fp8_dtype(device) if keep_fp8 else None,
+    )
     return model.eval()
 
 
@@ -68,8 +85,10 @@ def _check_quantization(config: ModelConfig, quantization: str | None) -> None:
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization == "fp8" and config.quantization is None:
-        raise ValueError("quantization 'fp8' needs a block-FP8 checkpoint (a quantization_config with quant_method "
-                         "'fp8' in config.json); this one has none")
+        raise ValueError(
+            "quantization 'fp8' needs a block-FP8 checkpoint (a quantization_config with quant_method "
+            "'fp8' in config.json); this one has none"
+        )
 
 
 def create_model(

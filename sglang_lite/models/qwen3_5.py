@@ -4,6 +4,7 @@ Built inside a tensor-parallel world (``sglang_lite.distributed``), every layer 
 layer reduces the MLP's partial sums over the world, or, under DP attention, runs the MLP on the tokens of every
 DP rank (gathered) and keeps its own rows of the sum. A DP rank with no tokens still joins each layer's MLP.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,12 +26,19 @@ from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.server_args import ServerArgs, server_args_or_default
 from sglang_lite.streams.model_streams import ModelStreams
 
-__all__ = ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5GatedDeltaNet", "Qwen3_5Attention",
-           "Qwen3_5SparseMoeBlock"]
+__all__ = [
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5GatedDeltaNet",
+    "Qwen3_5Attention",
+    "Qwen3_5SparseMoeBlock",
+]
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, fuse_shared_expert: bool) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, fuse_shared_expert: bool
+    ) -> None:
         super().__init__()
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -38,13 +46,17 @@ class Qwen3_5DecoderLayer(nn.Module):
             self.linear_attn = Qwen3_5GatedDeltaNet(config, layer_id)
         else:
             self.self_attn = Qwen3_5Attention(config, layer_id, rotary)
-        self.mixer_name = "linear_attn" if config.layer_types[layer_id] == "linear_attention" else "self_attn"
+        self.mixer_name = (
+            "linear_attn" if config.layer_types[layer_id] == "linear_attention" else "self_attn"
+        )
         if config.is_moe:
             self.mlp = Qwen3_5SparseMoeBlock(config, fuse_shared_expert)
         else:
             state = get_parallel_state()
             shard_size(config.intermediate_size, state.world_size, "intermediate_size")
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, Split(state.rank, state.world_size))
+            self.mlp = GatedMLP(
+                config.hidden_size, config.intermediate_size, Split(state.rank, state.world_size)
+            )
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
@@ -68,9 +80,12 @@ class Qwen3_5Model(nn.Module):
     def __init__(self, config: ModelConfig, fuse_shared_expert: bool = False) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(
+            config.rotary_dim, config.max_position_embeddings, config.rope_theta
+        )
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(config, i, self.rotary_emb, fuse_shared_expert) for i in range(config.num_layers)
+            Qwen3_5DecoderLayer(config, i, self.rotary_emb, fuse_shared_expert)
+            for i in range(config.num_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -78,7 +93,9 @@ class Qwen3_5Model(nn.Module):
         if get_parallel_state().config.dp_attention:
             batch.dp_tokens = DPTokens(batch.num_tokens, batch.input_ids.device)
         hidden, residual = self.embed_tokens(batch.input_ids), None
-        if batch.num_tokens == 0:  # DP attention, a DP rank with nothing to run: it joins every layer's MLP
+        if (
+            batch.num_tokens == 0
+        ):  # DP attention, a DP rank with nothing to run: it joins every layer's MLP
             for layer in self.layers:
                 hidden = layer.run_mlp(hidden, batch)
             return hidden
@@ -101,7 +118,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.config = config
         fusion_supported, blocker = shared_expert_fusion_supported(config)
         args = server_args if server_args is not None else server_args_or_default()
-        self.streams = ModelStreams.build(torch.get_default_device(), args, config.is_moe, fusion_supported, blocker)
+        self.streams = ModelStreams.build(
+            torch.get_default_device(), args, config.is_moe, fusion_supported, blocker
+        )
         self.model = Qwen3_5Model(config, self.streams.shared_experts_fusion)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
@@ -109,13 +128,18 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward_batch(
-        self, batch: ForwardBatch, all_logits: bool = False, body: Callable[[ForwardBatch], torch.Tensor] | None = None
+        self,
+        batch: ForwardBatch,
+        all_logits: bool = False,
+        body: Callable[[ForwardBatch], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits [B, vocab] of each request's last new token, or [T, vocab] of every token with ``all_logits``.
 
         ``body`` replaces ``self.model`` for this forward (a compiled copy of it, for instance).
         """
-        captured_size = batch.batch_size if batch.is_decode else None  # the ``auto`` choice is per decode size
+        captured_size = (
+            batch.batch_size if batch.is_decode else None
+        )  # the ``auto`` choice is per decode size
         batch.overlap = self.streams.context(batch.capturing, batch.num_tokens, captured_size)
         hidden = (self.model if body is None else body)(batch)
         if batch.num_tokens == 0:
@@ -129,11 +153,19 @@ class Qwen3_5ForCausalLM(nn.Module):
         """Full causal forward without a cache: input_ids [B, T] -> logits [B, T, vocab]."""
         num_seqs, seq_len = input_ids.shape
         dtype = self.model.embed_tokens.weight.dtype
-        pools = ModelPools.create(self.config, num_seqs * seq_len, num_seqs, seq_len, dtype, input_ids.device)
+        pools = ModelPools.create(
+            self.config, num_seqs * seq_len, num_seqs, seq_len, dtype, input_ids.device
+        )
         rows = pools.req_to_token.allocator.alloc(num_seqs)
         slots = pools.states.alloc(num_seqs)
         batch = build_forward_batch(
-            pools, ForwardMode.EXTEND, input_ids.tolist(), [0] * num_seqs, rows, slots, input_ids.device
+            pools,
+            ForwardMode.EXTEND,
+            input_ids.tolist(),
+            [0] * num_seqs,
+            rows,
+            slots,
+            input_ids.device,
         )
         return self.forward_batch(batch, all_logits=True).view(num_seqs, seq_len, -1)
 

@@ -14,6 +14,7 @@ touches and either dequantized, exactly, into the compute dtype (the CPU path), 
 boundaries in both tensors, else requantized over the parameter's blocks it overlaps (lossy; real checkpoints'
 sizes are multiples of the block).
 """
+
 from __future__ import annotations
 
 import json
@@ -77,7 +78,9 @@ def expected_targets(model: nn.Module, fused_experts: bool) -> dict[str, list[Sh
             for shard in shards:
                 targets.pop(prefix + shard.param, None)
         for ckpt_name, shards in declared.items():
-            targets[prefix + ckpt_name] = [Shard(prefix + s.param, s.index, s.source) for s in shards]
+            targets[prefix + ckpt_name] = [
+                Shard(prefix + s.param, s.index, s.source) for s in shards
+            ]
     return targets
 
 
@@ -86,12 +89,19 @@ def _declared_shards(module: nn.Module, fused_experts: bool) -> ShardMap:
     checkpoint uses."""
     shards: ShardMap = module.packed_shards() if hasattr(module, "packed_shards") else {}
     if hasattr(module, "per_expert_shards"):
-        shards = shards | (module.fused_expert_shards() if fused_experts else module.per_expert_shards())
+        shards = shards | (
+            module.fused_expert_shards() if fused_experts else module.per_expert_shards()
+        )
     return shards
 
 
-def load_checkpoint(model: nn.Module, path: str, tied_lm_head: bool, quant: QuantConfig | None = None,
-                    fp8_dtype: torch.dtype | None = None) -> None:
+def load_checkpoint(
+    model: nn.Module,
+    path: str,
+    tied_lm_head: bool,
+    quant: QuantConfig | None = None,
+    fp8_dtype: torch.dtype | None = None,
+) -> None:
     """Fills ``model`` from the checkpoint at ``path``. ``quant``: the checkpoint's quantization_config (its
     quantized tensors are checked against it); ``fp8_dtype``: keep the quantized projections in this FP8 format
     (None: dequantize them into the model's dtype)."""
@@ -114,13 +124,17 @@ def load_checkpoint(model: nn.Module, path: str, tied_lm_head: bool, quant: Quan
     by_file: dict[str, list[str]] = {}
     for name, (_, file) in files.items():
         by_file.setdefault(file, []).append(name)
-    with tqdm(total=len(files), desc="Loading weights", unit="tensor", disable=len(files) < 200) as bar:
+    with tqdm(
+        total=len(files), desc="Loading weights", unit="tensor", disable=len(files) < 200
+    ) as bar:
         for file, names in by_file.items():
             _load_file(file, names, files, targets, params, scales, block)
             bar.update(len(names))
 
 
-def _take_scales(files: dict[str, tuple[str, str]], quant: QuantConfig | None) -> dict[str, torch.Tensor]:
+def _take_scales(
+    files: dict[str, tuple[str, str]], quant: QuantConfig | None
+) -> dict[str, torch.Tensor]:
     """Removes the ``..._scale_inv`` tensors from ``files`` and returns them (float32, whole) by the name of the
     weight they scale, each checked against its weight's shape and the config."""
     names = sorted(name for name in files if name.endswith(SCALE_SUFFIX))
@@ -128,8 +142,10 @@ def _take_scales(files: dict[str, tuple[str, str]], quant: QuantConfig | None) -
         return {}
     if quant is None:
         raw, file = files[names[0]]
-        raise CheckpointError(f"unexpected tensor {raw!r} in {file}: a block-FP8 weight scale, but config.json has "
-                              f"no quantization_config ({len(names)} scales in all)")
+        raise CheckpointError(
+            f"unexpected tensor {raw!r} in {file}: a block-FP8 weight scale, but config.json has "
+            f"no quantization_config ({len(names)} scales in all)"
+        )
     scales, by_file = {}, {}
     for name in names:
         by_file.setdefault(files[name][1], []).append(name)
@@ -143,32 +159,44 @@ def _take_scales(files: dict[str, tuple[str, str]], quant: QuantConfig | None) -
     return scales
 
 
-def _check_scale(files: dict[str, tuple[str, str]], weight: str, scale: torch.Tensor, quant: QuantConfig) -> None:
+def _check_scale(
+    files: dict[str, tuple[str, str]], weight: str, scale: torch.Tensor, quant: QuantConfig
+) -> None:
     raw_scale, file = files[weight + SCALE_SUFFIX]
     if weight not in files:
-        raise CheckpointError(f"unexpected tensor {raw_scale!r} in {file}: a scale without its weight "
-                              f"{weight!r}")
+        raise CheckpointError(
+            f"unexpected tensor {raw_scale!r} in {file}: a scale without its weight {weight!r}"
+        )
     raw = files[weight][0]
     if not quant.converts(raw.removesuffix(".weight")):
-        raise CheckpointError(f"tensor {raw!r} in {files[weight][1]} is quantized ({raw_scale!r} beside it), but "
-                              "quantization_config.modules_to_not_convert lists it")
+        raise CheckpointError(
+            f"tensor {raw!r} in {files[weight][1]} is quantized ({raw_scale!r} beside it), but "
+            "quantization_config.modules_to_not_convert lists it"
+        )
     with safe_open(files[weight][1], "pt") as f:
         shape = tuple(f.get_slice(raw).get_shape())
     expected = scale_shape(shape, quant.block_size)
     if tuple(scale.shape) != expected:
-        raise CheckpointError(f"shape mismatch for tensor {raw_scale!r} in {file}: expected {expected} (the "
-                              f"{quant.block_size[0]}x{quant.block_size[1]} blocks of {raw!r} {shape}), found "
-                              f"{tuple(scale.shape)}")
+        raise CheckpointError(
+            f"shape mismatch for tensor {raw_scale!r} in {file}: expected {expected} (the "
+            f"{quant.block_size[0]}x{quant.block_size[1]} blocks of {raw!r} {shape}), found "
+            f"{tuple(scale.shape)}"
+        )
 
 
-def _fp8_parameters(files: dict[str, tuple[str, str]], targets: dict[str, list[Shard]],
-                    scales: dict[str, torch.Tensor]) -> set[str]:
+def _fp8_parameters(
+    files: dict[str, tuple[str, str]],
+    targets: dict[str, list[Shard]],
+    scales: dict[str, torch.Tensor],
+) -> set[str]:
     """The parameters every checkpoint tensor filling them is quantized: those can stay FP8."""
     sources: dict[str, list[str]] = {}
     for name, shards in targets.items():
         for shard in shards:
             sources.setdefault(shard.param, []).append(name)
-    return {param for param, names in sources.items() if all(n in scales for n in names if n in files)}
+    return {
+        param for param, names in sources.items() if all(n in scales for n in names if n in files)
+    }
 
 
 def _check_names(
@@ -186,7 +214,11 @@ def _check_names(
     missing = sorted(set(targets) - set(files))
     if missing:
         shards = targets[missing[0]]
-        shape = tuple(params[shards[0].param].data[shards[0].index].shape) if shards else "this rank reads none"
+        shape = (
+            tuple(params[shards[0].param].data[shards[0].index].shape)
+            if shards
+            else "this rank reads none"
+        )
         raise CheckpointError(
             f"missing tensor {missing[0]!r} (expected shape {shape}, found none) in checkpoint {path} "
             f"({len(missing)} missing in all)"
@@ -194,32 +226,46 @@ def _check_names(
 
 
 def _load_file(
-    file: str, names: list[str], files: dict[str, tuple[str, str]], targets: dict[str, list[Shard]], params: dict,
-    scales: dict[str, torch.Tensor] | None = None, block: tuple[int, int] | None = None,
+    file: str,
+    names: list[str],
+    files: dict[str, tuple[str, str]],
+    targets: dict[str, list[Shard]],
+    params: dict,
+    scales: dict[str, torch.Tensor] | None = None,
+    block: tuple[int, int] | None = None,
 ) -> None:
     scales = scales or {}
     with safe_open(file, "pt") as f:
         for name in names:
             raw = files[name][0]
             if name not in scales and f.get_slice(raw).get_dtype().startswith("F8"):
-                raise CheckpointError(f"tensor {raw!r} in {file} is FP8 ({f.get_slice(raw).get_dtype()}) but has no "
-                                      f"{raw + SCALE_SUFFIX!r} beside it")
+                raise CheckpointError(
+                    f"tensor {raw!r} in {file} is FP8 ({f.get_slice(raw).get_dtype()}) but has no "
+                    f"{raw + SCALE_SUFFIX!r} beside it"
+                )
             for shard in targets[name]:
                 dest = params[shard.param].data[shard.index]
                 tensor = f.get_slice(raw)
                 found = _sliced_shape(tuple(tensor.get_shape()), shard.source)
                 if found != tuple(dest.shape):
-                    what = f" (this rank's slice {_describe(shard.source)} of {tuple(tensor.get_shape())})" \
-                        if shard.source else ""
-                    raise CheckpointError(f"shape mismatch for tensor {raw!r} in {file}: expected "
-                                          f"{tuple(dest.shape)}, found {found}{what}")
+                    what = (
+                        f" (this rank's slice {_describe(shard.source)} of {tuple(tensor.get_shape())})"
+                        if shard.source
+                        else ""
+                    )
+                    raise CheckpointError(
+                        f"shape mismatch for tensor {raw!r} in {file}: expected "
+                        f"{tuple(dest.shape)}, found {found}{what}"
+                    )
                 if name in scales:
                     _load_quantized(tensor, scales[name], shard, params, block)
                 else:
                     dest.copy_(tensor[shard.source] if shard.source else f.get_tensor(raw))
 
 
-def _load_quantized(tensor, scale: torch.Tensor, shard: Shard, params: dict, block: tuple[int, int]) -> None:
+def _load_quantized(
+    tensor, scale: torch.Tensor, shard: Shard, params: dict, block: tuple[int, int]
+) -> None:
     """One shard of a block-FP8 checkpoint tensor: dequantized into a high-precision parameter, or into an FP8
     one (with its ``_scale_inv`` companion) as it is when the blocks line up, else requantized."""
     param = params[shard.param]
@@ -240,26 +286,49 @@ def _load_quantized(tensor, scale: torch.Tensor, shard: Shard, params: dict, blo
         param.data[index].copy_(fp8)
         param_scale.data[index[:-2] + _block_slices(dest_spans, block)].copy_(fp8_scale)
         return
-    _requantize_into(param, param_scale, index, dest_spans, _dequantized(tensor, scale, shape, source, block), block)
+    _requantize_into(
+        param,
+        param_scale,
+        index,
+        dest_spans,
+        _dequantized(tensor, scale, shape, source, block),
+        block,
+    )
 
 
-def _requantize_into(param: torch.Tensor, param_scale: torch.Tensor, index: tuple, spans: list[tuple[int, int]],
-                     values: torch.Tensor, block: tuple[int, int]) -> None:
+def _requantize_into(
+    param: torch.Tensor,
+    param_scale: torch.Tensor,
+    index: tuple,
+    spans: list[tuple[int, int]],
+    values: torch.Tensor,
+    block: tuple[int, int],
+) -> None:
     """Writes float32 ``values`` into ``param[index]`` (FP8): the whole blocks they touch are dequantized, updated
     and quantized again, so the shards that share a block with this one keep their values (up to rounding)."""
     blocks = _block_slices(spans, block)
-    region = tuple(slice(b.start * size, min(b.stop * size, n)) for b, size, n in zip(blocks, block, param.shape[-2:]))
+    region = tuple(
+        slice(b.start * size, min(b.stop * size, n))
+        for b, size, n in zip(blocks, block, param.shape[-2:])
+    )
     lead = index[:-2]
-    current = dequantize_blocks(param.data[lead + region], param_scale.data[lead + blocks], block).cpu()
+    current = dequantize_blocks(
+        param.data[lead + region], param_scale.data[lead + blocks], block
+    ).cpu()
     (r0, r1), (c0, c1) = spans
-    current[..., r0 - region[0].start : r1 - region[0].start, c0 - region[1].start : c1 - region[1].start] = values
+    current[
+        ...,
+        r0 - region[0].start : r1 - region[0].start,
+        c0 - region[1].start : c1 - region[1].start,
+    ] = values
     fp8, fp8_scale = quantize_blocks(current, block, param.dtype)
     param.data[lead + region].copy_(fp8)
     param_scale.data[lead + blocks].copy_(fp8_scale)
 
 
-def _dequantized(tensor, scale: torch.Tensor, shape: tuple[int, ...], source: tuple, block: tuple[int, int]
-                 ) -> torch.Tensor:
+def _dequantized(
+    tensor, scale: torch.Tensor, shape: tuple[int, ...], source: tuple, block: tuple[int, int]
+) -> torch.Tensor:
     """float32 ``tensor[source]`` times the scales of its blocks (a slice may start or end inside a block)."""
     spans = [s.indices(n)[:2] for s, n in zip(source[-2:], shape[-2:])]
     part = scale[source[:-2] + _block_slices(spans, block)]
@@ -277,21 +346,27 @@ def _full_index(index: tuple, shape: tuple[int, ...]) -> tuple:
 
 def _block_slices(spans: list[tuple[int, int]], block: tuple[int, int]) -> tuple[slice, slice]:
     """The blocks of each dimension that the element spans [start, stop) touch."""
-    return tuple(slice(start // size, -(-stop // size)) for (start, stop), size in zip(spans, block))
+    return tuple(
+        slice(start // size, -(-stop // size)) for (start, stop), size in zip(spans, block)
+    )
 
 
-def _aligned(src: tuple[int, int], dest: tuple[int, int], src_end: int, dest_end: int, size: int) -> bool:
+def _aligned(
+    src: tuple[int, int], dest: tuple[int, int], src_end: int, dest_end: int, size: int
+) -> bool:
     """Source and destination blocks coincide: both spans start on a block boundary and either span whole blocks
     or run to the end of both tensors (where the last block may be partial in both)."""
     starts_ok = src[0] % size == 0 and dest[0] % size == 0
-    return starts_ok and ((src[1] - src[0]) % size == 0 or (src[1] == src_end and dest[1] == dest_end))
+    return starts_ok and (
+        (src[1] - src[0]) % size == 0 or (src[1] == src_end and dest[1] == dest_end)
+    )
 
 
 def _sliced_shape(shape: tuple[int, ...], source: tuple) -> tuple[int, ...]:
     """The shape of ``tensor[source]`` for a tensor of ``shape``, without reading it (an overrun is visible: a
     slice past the end shortens the result, as indexing does)."""
     out = [len(range(*s.indices(n))) for s, n in zip(source, shape)]
-    return (*out, *shape[len(source):])
+    return (*out, *shape[len(source) :])
 
 
 def _describe(source: tuple) -> str:

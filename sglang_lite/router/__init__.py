@@ -3,6 +3,7 @@
 Library use: the policies in `sglang_lite.router.policies` are pure and reusable; `Router` and `serve`
 run the HTTP router in-process.
 """
+
 from __future__ import annotations
 
 from .config import RouterConfig, build_parser, config_from_args
@@ -18,5 +19,14 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'sglang_lite.router' has no attribute {name!r}")
 
 
-__all__ = ["RouterConfig", "build_parser", "config_from_args", "Policy", "RequestInfo", "WorkerState",
-           "create_policy", "Router", "serve"]
+__all__ = [
+    "RouterConfig",
+    "build_parser",
+    "config_from_args",
+    "Policy",
+    "RequestInfo",
+    "WorkerState",
+    "create_policy",
+    "Router",
+    "serve",
+]

@@ -1,4 +1,5 @@
 """python -m sglang_lite.router --worker-urls http://127.0.0.1:30001 http://127.0.0.1:30002 --policy power_of_two"""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,10 +12,14 @@ from .config import config_from_args
 
 def main(argv: list[str] | None = None) -> None:
     config = config_from_args(argv)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if config.pd_disaggregation and not (config.prefill and config.decode):
         sys.exit("--pd-disaggregation needs at least one --prefill and one --decode worker")
-    from .app import serve  # after argument parsing, so --help stays instant (aiohttp is imported here)
+    from .app import (
+        serve,
+    )  # after argument parsing, so --help stays instant (aiohttp is imported here)
 
     with contextlib.suppress(KeyboardInterrupt):
         _run(serve(config))

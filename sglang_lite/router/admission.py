@@ -1,4 +1,5 @@
 """--max-concurrent-requests with a bounded queue: 429 when the queue is full, 503 when a wait times out."""
+
 from __future__ import annotations
 
 import asyncio

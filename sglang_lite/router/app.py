@@ -1,4 +1,5 @@
 """The router: worker registries and policies behind an aiohttp server, forwarding with an aiohttp client."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,7 +40,9 @@ class Router:
         self.config = config
         self.rng = random.Random(config.seed)
         self.metrics = RouterMetrics()
-        self.admission = Admission(config.max_concurrent_requests, config.queue_size, config.queue_timeout_secs)
+        self.admission = Admission(
+            config.max_concurrent_requests, config.queue_size, config.queue_timeout_secs
+        )
         self.registries = {role: WorkerRegistry() for role in ("regular", "prefill", "decode")}
         opts = config.policy_options()
         self.policies: dict[str, Policy] = {
@@ -59,7 +62,9 @@ class Router:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         # The worker key rides on every call to workers: probes, dp_size, load polls (forwarded requests set it too).
         key = self.config.worker_key
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, headers=bearer(key))
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, headers=bearer(key)
+        )
         self.dispatcher = Dispatcher(self.session, self.config.request_timeout_secs, key)
         if self.config.pd_disaggregation:
             self.pd = PDForwarder(self.pick, self.dispatcher, self.rng)
@@ -77,10 +82,16 @@ class Router:
 
     async def _add_initial_workers(self) -> None:
         cfg = self.config
-        ready = [self._ready_server(u, "regular") for u in cfg.worker_urls] if not cfg.pd_disaggregation else []
+        ready = (
+            [self._ready_server(u, "regular") for u in cfg.worker_urls]
+            if not cfg.pd_disaggregation
+            else []
+        )
         ready += [self._ready_server(p.url, "prefill", p.bootstrap_port) for p in cfg.prefill]
         ready += [self._ready_server(u, "decode") for u in cfg.decode]
-        for server in await asyncio.gather(*ready):  # registered in command-line order, whichever answered first
+        for server in await asyncio.gather(
+            *ready
+        ):  # registered in command-line order, whichever answered first
             self._register(server)
 
     def _start_monitors(self) -> None:
@@ -90,7 +101,9 @@ class Router:
             self.load_monitor = LoadMonitor(self.session, polled, cfg.worker_startup_check_interval)
             self._tasks.append(asyncio.create_task(self.load_monitor.run()))
         if not cfg.disable_health_check:
-            checker = HealthChecker(self.session, self.all_servers, cfg)  # per-rank probes for degraded servers
+            checker = HealthChecker(
+                self.session, self.all_servers, cfg
+            )  # per-rank probes for degraded servers
             self._tasks.append(asyncio.create_task(checker.run()))
 
     def active_roles(self) -> tuple[str, ...]:
@@ -112,8 +125,12 @@ class Router:
         cfg = self.config
         url = normalize_url(url)
         dp_size = await self.wait_ready(url)
-        breaker = CircuitBreaker(cfg.cb_failure_threshold, cfg.cb_success_threshold, cfg.cb_timeout_duration_secs,
-                                 enabled=not cfg.disable_circuit_breaker)
+        breaker = CircuitBreaker(
+            cfg.cb_failure_threshold,
+            cfg.cb_success_threshold,
+            cfg.cb_timeout_duration_secs,
+            enabled=not cfg.disable_circuit_breaker,
+        )
         return Server(url, dp_size, breaker, role, bootstrap_port)
 
     def _register(self, server: Server) -> None:
@@ -125,24 +142,36 @@ class Router:
         cfg = self.config
         deadline = time.monotonic() + cfg.worker_startup_timeout_secs
         while True:
-            if await probe(self.session, url, cfg.health_check_endpoint, cfg.health_check_timeout_secs):
+            if await probe(
+                self.session, url, cfg.health_check_endpoint, cfg.health_check_timeout_secs
+            ):
                 dp_size = await fetch_dp_size(self.session, url) if cfg.dp_aware else None
                 if not cfg.dp_aware or dp_size is not None:
                     return dp_size
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"worker {url} did not become ready in {cfg.worker_startup_timeout_secs}s")
+                raise TimeoutError(
+                    f"worker {url} did not become ready in {cfg.worker_startup_timeout_secs}s"
+                )
             await asyncio.sleep(cfg.worker_startup_check_interval)
 
-    def pick(self, role: str, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Worker | None:
+    def pick(
+        self, role: str, info: RequestInfo, exclude: frozenset[str] = frozenset()
+    ) -> Worker | None:
         registry = self.registries[role]
         views = registry.views(time.monotonic())
-        if exclude:  # servers that refused this request already: shown as unhealthy, so rings stay stable
-            views = [dataclasses.replace(v, healthy=False) if v.url in exclude else v for v in views]
+        if (
+            exclude
+        ):  # servers that refused this request already: shown as unhealthy, so rings stay stable
+            views = [
+                dataclasses.replace(v, healthy=False) if v.url in exclude else v for v in views
+            ]
         chosen = self.policies[role].select(views, info, self.rng)
         return None if chosen is None else registry.by_url(chosen.url)
 
     # ---- forwarding ------------------------------------------------------------------------------------
-    async def forward(self, request: web.Request, raw: bytes, info: RequestInfo) -> web.StreamResponse:
+    async def forward(
+        self, request: web.Request, raw: bytes, info: RequestInfo
+    ) -> web.StreamResponse:
         """Send to a chosen worker. A request that never reached one, or that one shed (nothing was sent to the
         client yet), is retried on another after a backoff; when none is left, the last shed answer goes back."""
         cfg = self.config
@@ -154,13 +183,18 @@ class Router:
             if worker is None:
                 break
             try:
-                return await self.dispatcher.send(request, worker, with_fields(raw, rank_fields(worker)))
+                return await self.dispatcher.send(
+                    request, worker, with_fields(raw, rank_fields(worker))
+                )
             except UpstreamUnreachable as exc:
                 logger.warning("worker %s unreachable: %s", worker.server.url, exc)
                 record_outcome(worker, failed=True)
                 refused |= {w.url for w in worker.server.workers}
             except WorkerShed as exc:
-                shed, refused = exc, refused | {worker.url}  # that rank is full (or dead); its siblings may not be
+                shed, refused = (
+                    exc,
+                    refused | {worker.url},
+                )  # that rank is full (or dead); its siblings may not be
             if attempt < retries:
                 self.metrics.retries += 1
                 await asyncio.sleep(backoff_secs(attempt, cfg, self.rng))
@@ -218,7 +252,9 @@ class Router:
         now = time.monotonic()
         workers = [w.describe(now) for w in self.all_workers()]
         polls = self.load_monitor.polls if self.load_monitor else None
-        return web.json_response({"workers": workers, "policies": self._policy_names(), "load_polls": polls})
+        return web.json_response(
+            {"workers": workers, "policies": self._policy_names(), "load_polls": polls}
+        )
 
     def _policy_names(self) -> dict[str, str]:
         out = {}
@@ -262,8 +298,10 @@ class Router:
 
     # ---- app -------------------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth] if self.config.api_key else [],
-                              client_max_size=self.config.max_payload_size)
+        app = web.Application(
+            middlewares=[self._auth] if self.config.api_key else [],
+            client_max_size=self.config.max_payload_size,
+        )
         for path in INFERENCE_ROUTES:
             app.router.add_post(path, self.handle_inference)
         app.router.add_get("/v1/models", self.handle_models)
@@ -271,15 +309,20 @@ class Router:
         app.router.add_get("/list_workers", self.handle_list_workers)
         app.router.add_post("/add_worker", self.handle_add_worker)
         app.router.add_post("/remove_worker", self.handle_remove_worker)
-        for path, handler in (("/health", self.handle_health), ("/liveness", self.handle_health),
-                              ("/readiness", self.handle_readiness), ("/metrics", self.handle_metrics)):
+        for path, handler in (
+            ("/health", self.handle_health),
+            ("/liveness", self.handle_health),
+            ("/readiness", self.handle_readiness),
+            ("/metrics", self.handle_metrics),
+        ):
             app.router.add_get(path, handler)
         return app
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if request.path not in OPEN_ROUTES and not key_matches(request.headers.get("Authorization"),
-                                                               self.config.api_key):
+        if request.path not in OPEN_ROUTES and not key_matches(
+            request.headers.get("Authorization"), self.config.api_key
+        ):
             resp = json_error(401, "missing or wrong API key (Authorization: Bearer <key>)")
             resp.headers["WWW-Authenticate"] = "Bearer"
             return resp
@@ -300,8 +343,10 @@ async def fetch_dp_size(session: aiohttp.ClientSession, url: str) -> int | None:
         try:
             async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status in (401, 403):
-                    raise WorkerAuthError(f"worker {url} answered {resp.status} to {path}: the router's worker key "
-                                          "is missing or wrong (set --worker-api-key, default --api-key)")
+                    raise WorkerAuthError(
+                        f"worker {url} answered {resp.status} to {path}: the router's worker key "
+                        "is missing or wrong (set --worker-api-key, default --api-key)"
+                    )
                 if resp.status == 200:
                     info = await resp.json(content_type=None)
                     return int(info.get("dp_size") or 1)
@@ -321,8 +366,12 @@ async def serve(config: RouterConfig) -> None:
     try:
         site = web.TCPSite(runner, config.host, config.port, backlog=2048, reuse_address=True)
         await site.start()
-        host, port = runner.addresses[0][:2]  # the bound port, which differs from config.port when that is 0
-        print(f"router listening on http://{host}:{port}", file=sys.stderr, flush=True)  # tests wait for this
+        host, port = runner.addresses[0][
+            :2
+        ]  # the bound port, which differs from config.port when that is 0
+        print(
+            f"router listening on http://{host}:{port}", file=sys.stderr, flush=True
+        )  # tests wait for this
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()

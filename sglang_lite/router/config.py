@@ -2,6 +2,7 @@
 
 Flag names follow sglang-router's common ones, so a launch line for it works here unchanged.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,12 @@ class RouterConfig:
     worker_urls: tuple[str, ...] = ()
     policy: str = "cache_aware"
     dp_aware: bool = False
-    p2c_load_metric: str | None = None  # None: read SGLANG_ROUTER_P2C_LOAD_METRIC when the policy is created
-    bounded_load_factor: float | None = None  # consistent_hashing load bound (e.g. 1.5); None: unbounded
+    p2c_load_metric: str | None = (
+        None  # None: read SGLANG_ROUTER_P2C_LOAD_METRIC when the policy is created
+    )
+    bounded_load_factor: float | None = (
+        None  # consistent_hashing load bound (e.g. 1.5); None: unbounded
+    )
     # cache_aware
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
@@ -40,7 +45,9 @@ class RouterConfig:
     queue_timeout_secs: float = 60.0
     request_timeout_secs: float = 1800.0
     max_payload_size: int = 512 * 1024 * 1024
-    api_key: str | None = None  # clients must send it (Bearer) on every route but /health, /liveness, /readiness
+    api_key: str | None = (
+        None  # clients must send it (Bearer) on every route but /health, /liveness, /readiness
+    )
     # The key the router sends to workers (its own calls and forwarded requests). None: --api-key; "": none.
     worker_api_key: str | None = None
     # health checks
@@ -92,20 +99,35 @@ class RouterConfig:
 
 
 _DEFAULTS = RouterConfig()
-_CHOICES = {"policy": sorted(POLICIES), "prefill_policy": sorted(POLICIES), "decode_policy": sorted(POLICIES),
-            "p2c_load_metric": list(LOAD_METRICS), "log_level": ["debug", "info", "warn", "warning", "error"]}
+_CHOICES = {
+    "policy": sorted(POLICIES),
+    "prefill_policy": sorted(POLICIES),
+    "decode_policy": sorted(POLICIES),
+    "p2c_load_metric": list(LOAD_METRICS),
+    "log_level": ["debug", "info", "warn", "warning", "error"],
+}
 _SPECIAL = {"worker_urls", "prefill", "decode", "seed"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m sglang_lite.router", description="sglang_lite router")
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_lite.router", description="sglang_lite router"
+    )
     for f in dataclasses.fields(RouterConfig):
         if f.name not in _SPECIAL:
             _add_field(parser, f)
     parser.add_argument("--worker-urls", nargs="*", default=[], help="worker base URLs")
-    parser.add_argument("--prefill", nargs="+", action="append", default=[], metavar="URL [BOOTSTRAP_PORT]",
-                        help="a prefill worker and optionally its bootstrap port (repeatable)")
-    parser.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker (repeatable)")
+    parser.add_argument(
+        "--prefill",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar="URL [BOOTSTRAP_PORT]",
+        help="a prefill worker and optionally its bootstrap port (repeatable)",
+    )
+    parser.add_argument(
+        "--decode", action="append", default=[], metavar="URL", help="a decode worker (repeatable)"
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed for the router's RNG")
     return parser
 
@@ -117,8 +139,9 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
         parser.add_argument(flag, action="store_true", default=default)
         return
     kind = _field_type(f)
-    parser.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(f.name),
-                        help=f"default: {default}")
+    parser.add_argument(
+        flag, type=kind, default=default, choices=_CHOICES.get(f.name), help=f"default: {default}"
+    )
 
 
 def _field_type(f: dataclasses.Field):

@@ -2,6 +2,7 @@
 
 Shared by the plain forwarding (with retries, in app.py) and the PD forwarder (pd.py); it knows neither.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -11,11 +12,21 @@ import time
 import aiohttp
 from aiohttp import web
 
-from .proxy import WorkerShed, forward_headers, json_error, may_be_shed, open_upstream, relay, shed_of
+from .proxy import (
+    WorkerShed,
+    forward_headers,
+    json_error,
+    may_be_shed,
+    open_upstream,
+    relay,
+    shed_of,
+)
 from .workers import Worker
 
 logger = logging.getLogger("sglang_lite.router")
-DEAD_RANK_SECS = 5.0  # how long a rank named dead by a response is skipped when the server gives no Retry-After
+DEAD_RANK_SECS = (
+    5.0  # how long a rank named dead by a response is skipped when the server gives no Retry-After
+)
 
 
 def rank_fields(worker: Worker) -> dict:
@@ -31,7 +42,11 @@ def record_shed(worker: Worker, shed: WorkerShed) -> None:
         return
     target = next((w for w in worker.server.workers if w.dp_rank == shed.dead_rank), None)
     if target is not None:
-        logger.warning("worker %s reports DP rank %d dead; skipping that rank", worker.server.url, shed.dead_rank)
+        logger.warning(
+            "worker %s reports DP rank %d dead; skipping that rank",
+            worker.server.url,
+            shed.dead_rank,
+        )
         target.mark_rank_down(time.monotonic(), shed.retry_after or DEAD_RANK_SECS)
 
 
@@ -47,12 +62,16 @@ def record_outcome(worker: Worker, failed: bool) -> None:
 class Dispatcher:
     """Sends a client's request to a worker over one HTTP session, each request bounded by `timeout_secs`."""
 
-    def __init__(self, session: aiohttp.ClientSession, timeout_secs: float, worker_key: str | None = None) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, timeout_secs: float, worker_key: str | None = None
+    ) -> None:
         self.session = session
         self.timeout_secs = timeout_secs
         self.worker_key = worker_key  # replaces the client's Authorization when set
 
-    async def send(self, request: web.Request, worker: Worker, payload: bytes | None) -> web.StreamResponse:
+    async def send(
+        self, request: web.Request, worker: Worker, payload: bytes | None
+    ) -> web.StreamResponse:
         """Relay the worker's response; its in-flight count covers the dispatch until the response body ends.
 
         Raises UpstreamUnreachable when the request never reached the worker, WorkerShed when the worker shed it
@@ -64,13 +83,19 @@ class Dispatcher:
         finally:
             worker.release()
 
-    async def open(self, request: web.Request, worker: Worker, payload: bytes | None) -> aiohttp.ClientResponse:
+    async def open(
+        self, request: web.Request, worker: Worker, payload: bytes | None
+    ) -> aiohttp.ClientResponse:
         """Send `payload` with the client's method, path and headers; returns once the response head arrives."""
         url = worker.server.url + request.rel_url.path_qs
         headers = forward_headers(request.headers, self.worker_key)
-        return await open_upstream(self.session, request.method, url, payload, headers, self.timeout_secs)
+        return await open_upstream(
+            self.session, request.method, url, payload, headers, self.timeout_secs
+        )
 
-    async def _exchange(self, request: web.Request, worker: Worker, payload: bytes | None) -> web.StreamResponse:
+    async def _exchange(
+        self, request: web.Request, worker: Worker, payload: bytes | None
+    ) -> web.StreamResponse:
         try:
             upstream = await self.open(request, worker, payload)
         except asyncio.TimeoutError:

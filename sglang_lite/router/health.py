@@ -5,6 +5,7 @@ A server with several DP rank workers (--dp-aware) that fails its health check i
 them answer (or the server's health check passes), so one dead rank takes out only itself. When no rank answers
 the probe counts as the server's failure, judged by the failure threshold as before.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,7 +36,9 @@ def record_health(server: Server, ok: bool, failure_threshold: int, success_thre
 
 async def probe(session: aiohttp.ClientSession, url: str, endpoint: str, timeout: float) -> bool:
     try:
-        async with session.get(url + endpoint, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.get(
+            url + endpoint, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
             await resp.read()
             return resp.status == 200
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -56,22 +59,27 @@ class HealthChecker:
 
     async def check(self, server: Server) -> None:
         cfg = self.config
-        ok = await probe(self.session, server.url, cfg.health_check_endpoint, cfg.health_check_timeout_secs)
+        ok = await probe(
+            self.session, server.url, cfg.health_check_endpoint, cfg.health_check_timeout_secs
+        )
         if ok:
             for worker in server.workers:
                 worker.mark_rank_up()
         elif any(w.dp_rank is not None for w in server.workers):
             ok = await self.check_ranks(server)  # degraded, not down, while some rank answers
         if record_health(server, ok, cfg.health_failure_threshold, cfg.health_success_threshold):
-            logger.warning("worker %s is now %s", server.url, "healthy" if server.healthy else "unhealthy")
+            logger.warning(
+                "worker %s is now %s", server.url, "healthy" if server.healthy else "unhealthy"
+            )
 
     async def check_ranks(self, server: Server) -> bool:
         """Probe each rank. True when any answers: then the silent ones are marked down and the others up. When none
         answers the server itself is failing, which its failure threshold judges (one slow round takes nothing out)."""
         timeout = self.config.health_check_timeout_secs
         ranks = [w for w in server.workers if w.dp_rank is not None]
-        answers = await asyncio.gather(*(probe(self.session, server.url, rank_probe_path(w.dp_rank), timeout)
-                                         for w in ranks))
+        answers = await asyncio.gather(
+            *(probe(self.session, server.url, rank_probe_path(w.dp_rank), timeout) for w in ranks)
+        )
         if not any(answers):
             return False
         now = time.monotonic()
@@ -79,7 +87,9 @@ class HealthChecker:
             if up:
                 worker.mark_rank_up()
             elif worker.rank_up(now):
-                logger.warning("DP rank %s of %s does not answer; skipping it", worker.dp_rank, server.url)
+                logger.warning(
+                    "DP rank %s of %s does not answer; skipping it", worker.dp_rank, server.url
+                )
                 worker.mark_rank_down(now)
         return True
 

@@ -4,6 +4,7 @@ A failed poll is counted on its server (`load_poll_failures`, in /metrics and /w
 per LOG_EVERY_SECS per server. When the whole-server poll fails with an HTTP error (a dead rank makes it 503)
 and the server has DP rank workers, each rank is polled alone (`&dp_rank=N`) so the live ranks keep their loads.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,7 +48,12 @@ def _rank_and_tokens(entry: object) -> tuple[int | None, int]:
     if not isinstance(entry, dict):
         return None, 0
     rank, value = entry.get("dp_rank"), entry.get("num_total_tokens")
-    valid = isinstance(rank, int) and rank >= 0 and isinstance(value, (int, float)) and not isinstance(value, bool)
+    valid = (
+        isinstance(rank, int)
+        and rank >= 0
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+    )
     return (rank, int(value)) if valid else (None, 0)
 
 
@@ -62,13 +68,15 @@ def apply_loads(workers: list[Worker], tokens: dict[int, int] | None) -> None:
             w.polled_tokens = tokens.get(w.dp_rank)
 
 
-async def fetch_loads(session: aiohttp.ClientSession, server: Server, timeout: float,
-                      rank: int | None = None) -> dict[int, int]:
+async def fetch_loads(
+    session: aiohttp.ClientSession, server: Server, timeout: float, rank: int | None = None
+) -> dict[int, int]:
     """Rank -> tokens of one server (or of one of its ranks); raises LoadPollError."""
     params = {"include": "core"} | ({} if rank is None else {"dp_rank": str(rank)})
     try:
-        async with session.get(f"{server.url}/v1/loads", params=params,
-                               timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.get(
+            f"{server.url}/v1/loads", params=params, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
             if resp.status != 200:
                 text = (await resp.text(errors="replace"))[:200]
                 raise LoadPollError(f"HTTP {resp.status}: {text}", http=True)
@@ -77,15 +85,21 @@ async def fetch_loads(session: aiohttp.ClientSession, server: Server, timeout: f
         raise LoadPollError(repr(exc)) from exc
 
 
-async def fetch_rank_loads(session: aiohttp.ClientSession, server: Server, timeout: float) -> dict[int, int]:
+async def fetch_rank_loads(
+    session: aiohttp.ClientSession, server: Server, timeout: float
+) -> dict[int, int]:
     """Each rank alone; the ranks that answer."""
     ranks = [w.dp_rank for w in server.workers if w.dp_rank is not None]
-    results = await asyncio.gather(*(fetch_loads(session, server, timeout, r) for r in ranks), return_exceptions=True)
+    results = await asyncio.gather(
+        *(fetch_loads(session, server, timeout, r) for r in ranks), return_exceptions=True
+    )
     return {r: t for res in results if isinstance(res, dict) for r, t in res.items()}
 
 
 class LoadMonitor:
-    def __init__(self, session: aiohttp.ClientSession, registries, interval: float, timeout: float = 5.0) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, registries, interval: float, timeout: float = 5.0
+    ) -> None:
         self.session = session
         self.registries = registries  # the registries whose policy needs loads
         self.interval = interval
@@ -119,5 +133,10 @@ class LoadMonitor:
         now = time.monotonic()
         if now - self._logged_at.get(server.url, -LOG_EVERY_SECS) >= LOG_EVERY_SECS:
             self._logged_at[server.url] = now
-            logger.warning("load poll of %s failed (%d failures so far; logged at most every %.0f s): %s",
-                           server.url, server.load_poll_failures, LOG_EVERY_SECS, exc)
+            logger.warning(
+                "load poll of %s failed (%d failures so far; logged at most every %.0f s): %s",
+                server.url,
+                server.load_poll_failures,
+                LOG_EVERY_SECS,
+                exc,
+            )

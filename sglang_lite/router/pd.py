@@ -3,6 +3,7 @@
 Both get the same body plus bootstrap_host/port/room (so the decode side can pull the KV cache from the
 prefill side); the client gets the decode response. Each side's in-flight count covers its own leg.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,9 @@ from .workers import Worker
 
 logger = logging.getLogger("sglang_lite.router")
 
-PickWorker = Callable[[str, RequestInfo], Worker | None]  # (role, request) -> a worker of that role, or None
+PickWorker = Callable[
+    [str, RequestInfo], Worker | None
+]  # (role, request) -> a worker of that role, or None
 
 
 def bootstrap_fields(body: dict, prefill: Worker, room_of: Callable[[], int]) -> dict:
@@ -29,9 +32,16 @@ def bootstrap_fields(body: dict, prefill: Worker, room_of: Callable[[], int]) ->
     server = prefill.server
     n = batch_size(body)
     if n is None:
-        return {"bootstrap_host": server.host, "bootstrap_port": server.bootstrap_port, "bootstrap_room": room_of()}
-    return {"bootstrap_host": [server.host] * n, "bootstrap_port": [server.bootstrap_port] * n,
-            "bootstrap_room": [room_of() for _ in range(n)]}
+        return {
+            "bootstrap_host": server.host,
+            "bootstrap_port": server.bootstrap_port,
+            "bootstrap_room": room_of(),
+        }
+    return {
+        "bootstrap_host": [server.host] * n,
+        "bootstrap_port": [server.bootstrap_port] * n,
+        "bootstrap_room": [room_of() for _ in range(n)],
+    }
 
 
 def leg_payload(raw: bytes, fields: dict, worker: Worker) -> bytes:
@@ -52,7 +62,9 @@ class PDForwarder:
         self.rng = rng
         self.prefill_legs: set[asyncio.Task] = set()
 
-    async def forward(self, request: web.Request, raw: bytes, body: dict, info: RequestInfo) -> web.StreamResponse:
+    async def forward(
+        self, request: web.Request, raw: bytes, body: dict, info: RequestInfo
+    ) -> web.StreamResponse:
         prefill, decode = self.pick("prefill", info), self.pick("decode", info)
         if prefill is None or decode is None:
             return json_error(503, "no healthy prefill or decode worker available", retry_after=1)
@@ -60,7 +72,9 @@ class PDForwarder:
         leg = self._start_prefill_leg(request, prefill, leg_payload(raw, fields, prefill))
         try:
             return await self.dispatcher.send(request, decode, leg_payload(raw, fields, decode))
-        except WorkerShed as shed:  # no retries in PD mode: the decode worker's answer goes back, Retry-After too
+        except (
+            WorkerShed
+        ) as shed:  # no retries in PD mode: the decode worker's answer goes back, Retry-After too
             leg.cancel()
             return shed.response
         except UpstreamUnreachable as exc:
@@ -76,7 +90,9 @@ class PDForwarder:
             leg.cancel()
         await asyncio.gather(*legs, return_exceptions=True)
 
-    def _start_prefill_leg(self, request: web.Request, worker: Worker, payload: bytes) -> asyncio.Task:
+    def _start_prefill_leg(
+        self, request: web.Request, worker: Worker, payload: bytes
+    ) -> asyncio.Task:
         worker.acquire()  # counted from dispatch, before the task first runs
         leg = asyncio.create_task(self._prefill_leg(request, worker, payload))
         self.prefill_legs.add(leg)

@@ -1,4 +1,5 @@
 """Forwarding: request bodies, retries on another worker, and the chunk-by-chunk response relay."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,14 +15,28 @@ from aiohttp import web
 logger = logging.getLogger("sglang_lite.router")
 
 # Hop-by-hop headers (RFC 9110) plus those aiohttp recomputes; everything else passes through both ways.
-_HOP = frozenset(h.lower() for h in (
-    "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer", "Transfer-Encoding",
-    "Upgrade", "Host", "Content-Length"))
+_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Host",
+        "Content-Length",
+    )
+)
 
 
 SHED_STATUSES = (429, 503)
 MAX_SHED_BODY = 64 * 1024  # a shedding answer is a small, complete JSON error
-DEAD_RANK = re.compile(r"\bDP rank (\d+) (?:is not alive|died)")  # the server's words for a dead rank
+DEAD_RANK = re.compile(
+    r"\bDP rank (\d+) (?:is not alive|died)"
+)  # the server's words for a dead rank
 
 
 class UpstreamUnreachable(Exception):
@@ -68,7 +83,9 @@ def with_fields(raw: bytes, fields: dict) -> bytes:
 
 def json_error(status: int, message: str, retry_after: int | None = None) -> web.Response:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return web.json_response({"error": {"message": message, "code": status}}, status=status, headers=headers)
+    return web.json_response(
+        {"error": {"message": message, "code": status}}, status=status, headers=headers
+    )
 
 
 def backoff_secs(attempt: int, cfg, rng: random.Random) -> float:
@@ -77,12 +94,19 @@ def backoff_secs(attempt: int, cfg, rng: random.Random) -> float:
     return delay * (1.0 + cfg.retry_jitter_factor * (2.0 * rng.random() - 1.0))
 
 
-async def open_upstream(session: aiohttp.ClientSession, method: str, url: str, payload: bytes | None,
-                        headers: dict[str, str], timeout: float) -> aiohttp.ClientResponse:
+async def open_upstream(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    payload: bytes | None,
+    headers: dict[str, str],
+    timeout: float,
+) -> aiohttp.ClientResponse:
     """Send a request and wait for the response head; connection failures become UpstreamUnreachable."""
     try:
-        return await session.request(method, url, data=payload, headers=headers,
-                                     timeout=aiohttp.ClientTimeout(total=timeout))
+        return await session.request(
+            method, url, data=payload, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+        )
     except aiohttp.ClientConnectorError as exc:
         raise UpstreamUnreachable(str(exc)) from exc
 
@@ -90,8 +114,12 @@ async def open_upstream(session: aiohttp.ClientSession, method: str, url: str, p
 def may_be_shed(upstream: aiohttp.ClientResponse) -> bool:
     """A small complete 429/503 that may be load shedding or a dead rank (read its body to be sure)."""
     size = upstream.content_length
-    return (upstream.status in SHED_STATUSES and not is_event_stream(upstream)
-            and size is not None and size <= MAX_SHED_BODY)
+    return (
+        upstream.status in SHED_STATUSES
+        and not is_event_stream(upstream)
+        and size is not None
+        and size <= MAX_SHED_BODY
+    )
 
 
 def retry_after_secs(value: str | None) -> float | None:
@@ -120,21 +148,29 @@ def is_event_stream(upstream: aiohttp.ClientResponse) -> bool:
     return upstream.headers.get("Content-Type", "").startswith("text/event-stream")
 
 
-async def relay(request: web.Request, upstream: aiohttp.ClientResponse) -> tuple[web.StreamResponse, bool]:
+async def relay(
+    request: web.Request, upstream: aiohttp.ClientResponse
+) -> tuple[web.StreamResponse, bool]:
     """Pass the upstream response to the client; returns (response, upstream_failed).
 
     Event streams go out chunk by chunk as they arrive (aiohttp sets TCP_NODELAY on both sockets, so a small
     chunk is not held back by Nagle's algorithm). A failure after the head was sent becomes a final SSE error
     event, so the client sees an error instead of a silently truncated stream.
     """
-    if not is_event_stream(upstream) and upstream.content_length is not None:  # a sized body: one read
+    if (
+        not is_event_stream(upstream) and upstream.content_length is not None
+    ):  # a sized body: one read
         try:
             data = await upstream.read()
         except asyncio.TimeoutError:
-            return json_error(504, "request timed out while the worker was sending the response"), True
+            return json_error(
+                504, "request timed out while the worker was sending the response"
+            ), True
         except aiohttp.ClientError as exc:
             return json_error(502, f"worker failed while sending the response: {exc!r}"), True
-        return web.Response(body=data, status=upstream.status, headers=_response_headers(upstream)), False
+        return web.Response(
+            body=data, status=upstream.status, headers=_response_headers(upstream)
+        ), False
     resp = web.StreamResponse(status=upstream.status, headers=_response_headers(upstream))
     await resp.prepare(request)
     failed = await _pump(resp, upstream, whole_events=is_event_stream(upstream))
@@ -142,7 +178,9 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse) -> tuple
     return resp, failed
 
 
-async def _pump(resp: web.StreamResponse, upstream: aiohttp.ClientResponse, whole_events: bool) -> bool:
+async def _pump(
+    resp: web.StreamResponse, upstream: aiohttp.ClientResponse, whole_events: bool
+) -> bool:
     """Copies the body as it arrives. An event stream goes out in whole events (a chunk may end inside one), so a
     failure drops the half-received event and the error event that follows stands on its own."""
     pending = b""
@@ -156,8 +194,12 @@ async def _pump(resp: web.StreamResponse, upstream: aiohttp.ClientResponse, whol
         if pending:
             await resp.write(pending)
         return False
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-            asyncio.TimeoutError) as exc:
+    except (
+        aiohttp.ClientPayloadError,
+        aiohttp.ServerDisconnectedError,
+        aiohttp.ClientOSError,
+        asyncio.TimeoutError,
+    ) as exc:
         error = {"error": {"message": f"upstream failed mid-stream: {exc!r}", "code": 502}}
         await resp.write(b"data: " + json.dumps(error).encode() + b"\n\n")
         return True

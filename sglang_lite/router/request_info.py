@@ -1,4 +1,5 @@
 """What the router reads from a request body: the prompt text (for cache_aware) and the batch size (for PD)."""
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@
 The router runs on one asyncio loop, so counters are plain ints: no locks, and no await between a
 policy's selection and the increment that follows it.
 """
+
 from __future__ import annotations
 
 import math
@@ -64,7 +65,9 @@ class Server:
     health_failures: int = 0
     health_successes: int = 0
     load_poll_failures: int = 0
-    workers: list[Worker] = field(default_factory=list, repr=False)  # its routing targets (one per DP rank)
+    workers: list[Worker] = field(
+        default_factory=list, repr=False
+    )  # its routing targets (one per DP rank)
 
     @property
     def host(self) -> str:
@@ -113,10 +116,21 @@ class Worker:
 
     def describe(self, now: float) -> dict:
         s = self.server
-        return {"url": self.url, "base_url": s.url, "dp_rank": self.dp_rank, "role": s.role, "healthy": s.healthy,
-                "rank_up": self.rank_up(now), "in_flight": self.in_flight, "polled_tokens": self.polled_tokens,
-                "selections": self.selections, "errors": self.errors, "sheds": self.sheds, "breaker": s.breaker.state,
-                "load_poll_failures": s.load_poll_failures}
+        return {
+            "url": self.url,
+            "base_url": s.url,
+            "dp_rank": self.dp_rank,
+            "role": s.role,
+            "healthy": s.healthy,
+            "rank_up": self.rank_up(now),
+            "in_flight": self.in_flight,
+            "polled_tokens": self.polled_tokens,
+            "selections": self.selections,
+            "errors": self.errors,
+            "sheds": self.sheds,
+            "breaker": s.breaker.state,
+            "load_poll_failures": s.load_poll_failures,
+        }
 
 
 def normalize_url(url: str) -> str:

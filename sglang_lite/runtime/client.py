@@ -12,6 +12,7 @@ dropped (``send`` returns False). ``respawn`` replaces one rank's process (a sup
 socket stays, commands queued to the old process are discarded, and the new process's ``Ready`` is dispatched.
 Only a world of one process can be respawned: a bigger world may have ranks on other nodes, so it fails as a whole.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -41,7 +42,12 @@ from sglang_lite.runtime.messages import (
     Stop,
     decode,
 )
-from sglang_lite.runtime.scheduler_process import RankSpec, spawn_scheduler_process, spawn_world, world_init_address
+from sglang_lite.runtime.scheduler_process import (
+    RankSpec,
+    spawn_scheduler_process,
+    spawn_world,
+    world_init_address,
+)
 from sglang_lite.runtime.transport import (
     COMMAND_QUEUE_LIMIT,
     ipc_addresses,
@@ -87,20 +93,30 @@ class SchedulerClient:
         self._addresses = [*command_addresses, reply_address]
         self._context = zmq.Context()
         self._replies = pull_socket(self._context, reply_address)
-        self._reply_poller = zmq.Poller()  # one for the client's life: Socket.poll builds one per call
+        self._reply_poller = (
+            zmq.Poller()
+        )  # one for the client's life: Socket.poll builds one per call
         self._reply_poller.register(self._replies, zmq.POLLIN)
         self._async_replies: zmq.asyncio.Socket | None = None
-        self._loopback = push_socket(self._context, reply_address)  # the client's own answers (a full queue)
+        self._loopback = push_socket(
+            self._context, reply_address
+        )  # the client's own answers (a full queue)
         self._commands = [self._command_socket(address) for address in command_addresses]
-        self._send_lock = threading.Lock()  # zmq sockets are not thread-safe; Engine callers may be on several threads
+        self._send_lock = (
+            threading.Lock()
+        )  # zmq sockets are not thread-safe; Engine callers may be on several threads
         self._query_ids = itertools.count()
         self._closed = False
-        self.worlds = [self._spawn_world(world) for world in range(args.num_worlds)]  # this node's processes
+        self.worlds = [
+            self._spawn_world(world) for world in range(args.num_worlds)
+        ]  # this node's processes
         self.ready: list[Ready] = []
 
     def _spawn_world(self, world: int) -> list[subprocess.Popen]:
         commands = {dp: self._command_addresses[dp] for dp in self.args.world_dp_ranks(world)}
-        return spawn_world(self.args, world, world_init_address(self.args, world), commands, self._reply_address)
+        return spawn_world(
+            self.args, world, world_init_address(self.args, world), commands, self._reply_address
+        )
 
     @property
     def processes(self) -> list[subprocess.Popen]:
@@ -131,13 +147,17 @@ class SchedulerClient:
         while len(ready) < self.dp_size:
             reply = self.receive(POLL_MS)
             if isinstance(reply, Fatal):
-                raise RuntimeError(f"the scheduler process of DP rank {reply.rank} failed to start: {reply.message}")
+                raise RuntimeError(
+                    f"the scheduler process of DP rank {reply.rank} failed to start: {reply.message}"
+                )
             if isinstance(reply, Ready):
                 ready[reply.rank] = reply
             exited = self.exited_ranks() if reply is None else {}
             if exited:
                 rank, code = next(iter(exited.items()))
-                raise RuntimeError(f"the scheduler process of DP rank {rank} exited during start-up (code {code})")
+                raise RuntimeError(
+                    f"the scheduler process of DP rank {rank} exited during start-up (code {code})"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the scheduler processes were not ready after {timeout_s} s")
         self.ready = [ready[rank] for rank in range(self.dp_size)]
@@ -152,7 +172,9 @@ class SchedulerClient:
         with self._send_lock:
             if send(self._commands[rank], command):
                 return True
-            logger.warning("the command queue of DP rank %d is full: %s not sent", rank, type(command).__name__)
+            logger.warning(
+                "the command queue of DP rank %d is full: %s not sent", rank, type(command).__name__
+            )
             if isinstance(command, AddRequest):
                 message = f"DP rank {rank} is not taking commands ({COMMAND_QUEUE_LIMIT} queued)"
                 send(self._loopback, Ack(rank, command.rid, UNAVAILABLE, message))
@@ -188,13 +210,17 @@ class SchedulerClient:
             self.ready[reply.rank] = reply
             handler.on_ready(reply)
         else:
-            logger.warning("unexpected %s from DP rank %s", type(reply).__name__, getattr(reply, "rank", "?"))
+            logger.warning(
+                "unexpected %s from DP rank %s", type(reply).__name__, getattr(reply, "rank", "?")
+            )
 
     def exited_ranks(self) -> dict[int, int]:
         """Exit code of each DP rank of which a process has ended (any local process of its world)."""
         exited = {}
         for rank in range(self.dp_size):
-            codes = [p.returncode for p in self.worlds[self.args.world_of(rank)] if p.poll() is not None]
+            codes = [
+                p.returncode for p in self.worlds[self.args.world_of(rank)] if p.poll() is not None
+            ]
             if codes:
                 exited[rank] = codes[0]
         return exited
@@ -210,15 +236,21 @@ class SchedulerClient:
         """Replaces a rank's process with a fresh one on the same command address; its ``Ready`` arrives through
         ``dispatch``. Call from the thread that spawned the others (a rank dies with the thread that started it)."""
         if self.args.world_size > 1:
-            raise RuntimeError(f"DP rank {rank} runs in a world of {self.args.world_size} processes, which cannot be "
-                               "restarted (its ranks may live on other nodes)")
+            raise RuntimeError(
+                f"DP rank {rank} runs in a world of {self.args.world_size} processes, which cannot be "
+                "restarted (its ranks may live on other nodes)"
+            )
         self.kill(rank)
         with self._send_lock:
-            self._commands[rank].close(0)  # what the old process never read is dropped, not replayed to the new one
+            self._commands[rank].close(
+                0
+            )  # what the old process never read is dropped, not replayed to the new one
             address = self._command_addresses[rank]
             remove_ipc_files([address])
             world = self.args.world_of(rank)
-            spec = RankSpec(world, command_addresses={rank: address}, reply_address=self._reply_address)
+            spec = RankSpec(
+                world, command_addresses={rank: address}, reply_address=self._reply_address
+            )
             self.worlds[world] = [spawn_scheduler_process(self.args, spec)]
             self._commands[rank] = self._command_socket(address)
 

@@ -1,4 +1,5 @@
 """Builds what a scheduler process runs: one scheduler (one DP rank) with its model, pools, limits and tokenizer."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,16 +33,34 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
     """One rank's scheduler. The model reads the server arguments itself, through ``get_global_server_args()``
     (the upstream contract: the rank process sets them once, model code reads them lazily)."""
     dtype = resolve_dtype(args)
-    model = load_model(args.model_path, dtype=dtype, device=args.device, load_format=args.load_format,
-                       seed=args.random_seed)
+    model = load_model(
+        args.model_path,
+        dtype=dtype,
+        device=args.device,
+        load_format=args.load_format,
+        seed=args.random_seed,
+    )
     context_length = args.context_length or model.config.max_position_embeddings
     max_total_tokens = resolve_max_total_tokens(args, model.config, dtype, context_length)
     eos = eos_token_ids(args.model_dir, model.config.eos_token_ids)
     config = SchedulerConfig.from_server_args(args, model.config, max_total_tokens, eos)
     config = dataclasses.replace(config, dp_rank=dp_rank)
-    pools = ModelPools.create(model.config, max_total_tokens, args.max_running_requests, context_length, dtype,
-                              args.device, args.cache_state_snapshots)
-    return Scheduler(config, ModelRunner(model, pools, args), pools, load_server_tokenizer(args), _pd_side(args, pools))
+    pools = ModelPools.create(
+        model.config,
+        max_total_tokens,
+        args.max_running_requests,
+        context_length,
+        dtype,
+        args.device,
+        args.cache_state_snapshots,
+    )
+    return Scheduler(
+        config,
+        ModelRunner(model, pools, args),
+        pools,
+        load_server_tokenizer(args),
+        _pd_side(args, pools),
+    )
 
 
 def _pd_side(args: ServerArgs, pools: ModelPools) -> PrefillSide | DecodeSide | None:
@@ -49,4 +68,6 @@ def _pd_side(args: ServerArgs, pools: ModelPools) -> PrefillSide | DecodeSide | 
     if args.disaggregation_mode == "null":
         return None
     transfer = MooncakeTransfer(local_hostname(args.host), args.disaggregation_ib_device)
-    return create_side(args.disaggregation_mode, transfer, pools, args.disaggregation_transfer_timeout)
+    return create_side(
+        args.disaggregation_mode, transfer, pools, args.disaggregation_transfer_timeout
+    )

@@ -1,4 +1,5 @@
 """What both front ends accept as prompts: text (one string or a list) or token ids (one list or a list of lists)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -8,7 +9,9 @@ from typing import Any
 NORMALISATION_SLACK = 4
 
 
-def split_prompts(text: Any, input_ids: Any, text_name: str = "text") -> tuple[list[Any], bool, bool]:
+def split_prompts(
+    text: Any, input_ids: Any, text_name: str = "text"
+) -> tuple[list[Any], bool, bool]:
     """The prompts (texts or token id lists), whether they are texts, and whether the call was batched."""
     if (text is None) == (input_ids is None):
         raise ValueError(f"pass exactly one of {text_name} and input_ids")
@@ -23,8 +26,9 @@ def split_prompts(text: Any, input_ids: Any, text_name: str = "text") -> tuple[l
     return prompts, text is not None, batched
 
 
-def prompt_token_ids(text: Any, input_ids: Any, encode: Callable[[str], list[int]],
-                     text_name: str = "text") -> tuple[list[list[int]], bool]:
+def prompt_token_ids(
+    text: Any, input_ids: Any, encode: Callable[[str], list[int]], text_name: str = "text"
+) -> tuple[list[list[int]], bool]:
     """Token ids of each prompt, and whether the call was batched; ValueError naming what is wrong."""
     prompts, is_text, batched = split_prompts(text, input_ids, text_name)
     return ([encode(t) for t in prompts] if is_text else prompts), batched

@@ -1,4 +1,5 @@
 """Sizing: the compute dtype and how many KV tokens fit the memory budget."""
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,9 @@ def _checkpoint_dtype(model_dir: str) -> str | None:
     with open(os.path.join(model_dir, "config.json")) as f:
         raw = json.load(f)
     text = raw.get("text_config") or {}
-    return raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    return (
+        raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    )
 
 
 def device_budget_bytes(device: str, fraction: float) -> int:
@@ -34,11 +37,15 @@ def device_budget_bytes(device: str, fraction: float) -> int:
     if device.startswith("cuda"):
         free, total = torch.cuda.mem_get_info(torch.device(device))
         return int(total * fraction - (total - free))
-    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")  # weights are already loaded
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_AVPHYS_PAGES"
+    )  # weights are already loaded
     return int(available * fraction)
 
 
-def resolve_max_total_tokens(args: ServerArgs, config: ModelConfig, dtype: torch.dtype, context_length: int) -> int:
+def resolve_max_total_tokens(
+    args: ServerArgs, config: ModelConfig, dtype: torch.dtype, context_length: int
+) -> int:
     """Explicit ``max_total_tokens``, else what the budget holds after the state slots, capped at every request
     row filled to the context length (more could never be used)."""
     if args.max_total_tokens is not None:

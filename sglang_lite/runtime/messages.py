@@ -6,6 +6,7 @@ config) says how it is written. The front end sends commands to one rank's inbox
 the front end's one inbox, and the replies of one rank arrive in the order it sent them, so the answer to a query
 reflects every command sent before it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +44,9 @@ class AddRequest(Message):
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
-    bootstrap_room: int | None = None  # PD disaggregation: the transfer's id (prefill and decode ranks need one)
+    bootstrap_room: int | None = (
+        None  # PD disaggregation: the transfer's id (prefill and decode ranks need one)
+    )
     logprob: LogprobParams | None = None  # the log-probabilities to report
     # False: the front end reads only the finished output, which is then the one output sent (as SGLang does for a
     # request that does not stream): no per-token message wakes the front end while the rank computes
@@ -51,19 +54,34 @@ class AddRequest(Message):
 
     def to_wire(self) -> list[Any]:
         logprob = dataclasses.asdict(self.logprob) if self.logprob is not None else None
-        return [self.rid, self.input_ids, dataclasses.asdict(self.sampling_params), self.bootstrap_room, logprob,
-                self.stream]
+        return [
+            self.rid,
+            self.input_ids,
+            dataclasses.asdict(self.sampling_params),
+            self.bootstrap_room,
+            logprob,
+            self.stream,
+        ]
 
     @classmethod
     def from_wire(cls, values: list[Any]) -> AddRequest:
         rid, input_ids, params, room, logprob, stream = values
-        return cls(rid, input_ids, SamplingParams.from_dict(params), room, LogprobParams.from_dict(logprob), stream)
+        return cls(
+            rid,
+            input_ids,
+            SamplingParams.from_dict(params),
+            room,
+            LogprobParams.from_dict(logprob),
+            stream,
+        )
 
 
 @dataclass(frozen=True)
 class AbortRequest(Message):
     rid: str
-    error: str | None = None  # set: the request fails with this message (status 500), else a client's abort
+    error: str | None = (
+        None  # set: the request fails with this message (status 500), else a client's abort
+    )
 
 
 @dataclass(frozen=True)
@@ -200,8 +218,23 @@ Reply = Ready | Ack | StepOutputs | LoadsReply | CheckReply | FlushReply | Reser
 QueryReply = LoadsReply | CheckReply | FlushReply
 
 _KINDS: dict[str, type[Message]] = {}
-for _cls in (AddRequest, AbortRequest, TransferTarget, LoadsQuery, CheckQuery, FlushCache, Stop, Ready, Ack,
-             StepOutputs, LoadsReply, CheckReply, FlushReply, Reserved, Fatal):
+for _cls in (
+    AddRequest,
+    AbortRequest,
+    TransferTarget,
+    LoadsQuery,
+    CheckQuery,
+    FlushCache,
+    Stop,
+    Ready,
+    Ack,
+    StepOutputs,
+    LoadsReply,
+    CheckReply,
+    FlushReply,
+    Reserved,
+    Fatal,
+):
     _cls.kind = _cls.__name__
     _KINDS[_cls.kind] = _cls
 
@@ -212,7 +245,9 @@ def encode(message: Message) -> bytes:
 
 def decode(frame: bytes) -> Message:
     """The message in ``frame``; ValueError for an unknown kind or fields that do not fit it."""
-    kind, *values = msgpack.unpackb(frame, raw=False, strict_map_key=False)  # the alt-stream plan has int keys
+    kind, *values = msgpack.unpackb(
+        frame, raw=False, strict_map_key=False
+    )  # the alt-stream plan has int keys
     cls = _KINDS.get(kind)
     if cls is None:
         raise ValueError(f"unknown message kind {kind!r}")

@@ -14,6 +14,7 @@ A process exits when told to (``Stop``, to the whole world), when its parent is 
 of one request or one step fails only those requests. The spec (every server argument, the API key included)
 travels on stdin, never on the command line that ``ps`` shows.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,7 +31,13 @@ from typing import Any
 
 import zmq
 
-from sglang_lite.distributed import ParallelState, any_rank, broadcast_object, gather_objects, init_distributed
+from sglang_lite.distributed import (
+    ParallelState,
+    any_rank,
+    broadcast_object,
+    gather_objects,
+    init_distributed,
+)
 from sglang_lite.runtime.messages import (
     FAILED,
     QUEUED,
@@ -62,7 +69,9 @@ from sglang_lite.utils.process import keep_freed_heap_memory
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500  # how often an idle world of one checks that its parent still lives
-WORLD_POLL_MS = 50  # an idle multi-rank world: followers wait in a collective at most this long per round
+WORLD_POLL_MS = (
+    50  # an idle multi-rank world: followers wait in a collective at most this long per round
+)
 PD_POLL_MS = 2  # a PD rank waiting only on transfers checks its metadata rows this often
 
 
@@ -78,11 +87,16 @@ class RankSpec:
     reply_address: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "command_addresses": list(self.command_addresses.items())}
+        return {
+            **dataclasses.asdict(self),
+            "command_addresses": list(self.command_addresses.items()),
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankSpec:
-        return cls(**{**data, "command_addresses": {int(dp): a for dp, a in data["command_addresses"]}})
+        return cls(
+            **{**data, "command_addresses": {int(dp): a for dp, a in data["command_addresses"]}}
+        )
 
 
 def world_init_address(args: ServerArgs, world: int) -> str | None:
@@ -97,12 +111,25 @@ def world_init_address(args: ServerArgs, world: int) -> str | None:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def spawn_world(args: ServerArgs, world: int, init_address: str | None, command_addresses: dict[int, str],
-                reply_address: str | None) -> list[subprocess.Popen]:
+def spawn_world(
+    args: ServerArgs,
+    world: int,
+    init_address: str | None,
+    command_addresses: dict[int, str],
+    reply_address: str | None,
+) -> list[subprocess.Popen]:
     """Starts the processes of one world that live on this node (``--node-rank``); world rank 0 gets the sockets."""
     first = args.node_rank * args.ranks_per_node
-    specs = [RankSpec(world, rank, init_address, command_addresses if rank == 0 else {},
-                      reply_address if rank == 0 else None) for rank in range(first, first + args.ranks_per_node)]
+    specs = [
+        RankSpec(
+            world,
+            rank,
+            init_address,
+            command_addresses if rank == 0 else {},
+            reply_address if rank == 0 else None,
+        )
+        for rank in range(first, first + args.ranks_per_node)
+    ]
     return [spawn_scheduler_process(args, spec) for spec in specs]
 
 
@@ -110,10 +137,15 @@ def spawn_scheduler_process(args: ServerArgs, spec: RankSpec) -> subprocess.Pope
     """Starts a rank as ``python -m sglang_lite.runtime.scheduler_process``: a fresh interpreter that, unlike
     multiprocessing's spawn, never re-imports the caller's ``__main__`` (scripts need no main guard)."""
     payload = {"args": dataclasses.asdict(args), "rank": spec.to_json(), "parent_pid": os.getpid()}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # import what the caller imports, as spawn does
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(sys.path)
+    )  # import what the caller imports, as spawn does
     name = [f"--world={spec.world}", f"--rank={spec.world_rank}"]
-    process = subprocess.Popen([sys.executable, "-m", "sglang_lite.runtime.scheduler_process", *name],
-                               env=env, stdin=subprocess.PIPE)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sglang_lite.runtime.scheduler_process", *name],
+        env=env,
+        stdin=subprocess.PIPE,
+    )
     try:
         process.stdin.write(json.dumps(payload).encode())
         process.stdin.close()  # the child reads to the end: one spec, then EOF
@@ -133,8 +165,10 @@ def run_scheduler_process(args: ServerArgs, spec: RankSpec, parent_pid: int) -> 
     """Body of a rank process."""
     _die_with_parent()
     keep_freed_heap_memory()
-    logging.basicConfig(level=logging.INFO,
-                        format=f"[world {spec.world} rank {spec.world_rank}] %(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"[world {spec.world} rank {spec.world_rank}] %(asctime)s %(levelname)s %(message)s",
+    )
     context = zmq.Context()
     front_end = FrontEnd(context, spec) if spec.reply_address is not None else None
     try:
@@ -153,8 +187,12 @@ class FrontEnd:
 
     def __init__(self, context: zmq.Context, spec: RankSpec) -> None:
         self.replies = push_socket(context, spec.reply_address, linger_ms=1000)
-        self.inboxes = {dp: pull_socket(context, address) for dp, address in spec.command_addresses.items()}
-        self.poller = zmq.Poller()  # one poller for the life of the loop: Socket.poll builds one per call
+        self.inboxes = {
+            dp: pull_socket(context, address) for dp, address in spec.command_addresses.items()
+        }
+        self.poller = (
+            zmq.Poller()
+        )  # one poller for the life of the loop: Socket.poll builds one per call
         for inbox in self.inboxes.values():
             self.poller.register(inbox, zmq.POLLIN)
 
@@ -186,13 +224,17 @@ class FrontEnd:
 class WorldLoop:
     """One process of a world: its DP rank's scheduler, stepped in step with the rest of the world."""
 
-    def __init__(self, args: ServerArgs, spec: RankSpec, front_end: FrontEnd | None, parent_pid: int) -> None:
+    def __init__(
+        self, args: ServerArgs, spec: RankSpec, front_end: FrontEnd | None, parent_pid: int
+    ) -> None:
         args = _rank_args(args, spec)
         self.args, self.front_end, self.parent_pid = args, front_end, parent_pid
         self.state = _join_world(args, spec)
         self.dp_rank = spec.world * args.dp_ranks_per_world + self.state.attn_dp_rank
         self.leader = self.state.attn_tp_rank == 0  # the one rank of its DP rank that replies
-        self.lockstep = self.state.config.attn_dp_size > 1  # DP attention: one forward per step on every rank
+        self.lockstep = (
+            self.state.config.attn_dp_size > 1
+        )  # DP attention: one forward per step on every rank
         self.idle_poll_ms = IDLE_POLL_MS if self.state.world_size == 1 else WORLD_POLL_MS
         self.scheduler = _create_scheduler(args, self.dp_rank)
         self.outbox: list[Message] = []
@@ -200,8 +242,17 @@ class WorldLoop:
         self.stopped = False
 
     def run(self) -> None:
-        self.reply(Ready(self.dp_rank, os.getpid(), self.scheduler.config, _alt_stream_plan(self.scheduler.model)))
-        self.send_replies(gather=self.state.world_size > 1)  # ready once every rank of the world has built its model
+        self.reply(
+            Ready(
+                self.dp_rank,
+                os.getpid(),
+                self.scheduler.config,
+                _alt_stream_plan(self.scheduler.model),
+            )
+        )
+        self.send_replies(
+            gather=self.state.world_size > 1
+        )  # ready once every rank of the world has built its model
         while not self.stopped:
             self.take_commands()
             if self.stopped:
@@ -209,7 +260,9 @@ class WorldLoop:
             outputs = self.step()
             if outputs:
                 self.reply(StepOutputs(self.dp_rank, outputs))
-            for notice in self.scheduler.disagg.take_notices() if self.scheduler.disagg is not None else []:
+            for notice in (
+                self.scheduler.disagg.take_notices() if self.scheduler.disagg is not None else []
+            ):
                 self.reply(Reserved(self.dp_rank, notice["rid"], notice["room"], notice["target"]))
             self.send_replies(gather=self.args.dp_ranks_per_world > 1)
 
@@ -230,7 +283,9 @@ class WorldLoop:
 
     def step(self) -> list[ReqOutput]:
         has_work = self.scheduler.has_work
-        if not self.lockstep:  # every rank of the world holds the same requests: the same answer everywhere
+        if (
+            not self.lockstep
+        ):  # every rank of the world holds the same requests: the same answer everywhere
             self.busy = has_work
             return self.scheduler.step() if has_work else []
         self.busy = any_rank(has_work, self.state.cpu_world)
@@ -291,15 +346,26 @@ class WorldLoop:
 
     def add(self, request: AddRequest) -> Ack:
         """Queues the request unless the waiting queue is full."""
-        if len(self.scheduler.waiting) + len(self.scheduler.grammar_queue) >= self.args.max_queued_requests:
+        if (
+            len(self.scheduler.waiting) + len(self.scheduler.grammar_queue)
+            >= self.args.max_queued_requests
+        ):
             message = f"rank {self.dp_rank}: the waiting queue is full ({self.args.max_queued_requests} requests)"
             return Ack(self.dp_rank, request.rid, UNAVAILABLE, message)
         try:
-            self.scheduler.add_request(request.rid, request.input_ids, request.sampling_params, request.bootstrap_room,
-                                       request.logprob, request.stream)
+            self.scheduler.add_request(
+                request.rid,
+                request.input_ids,
+                request.sampling_params,
+                request.bootstrap_room,
+                request.logprob,
+                request.stream,
+            )
         except (ValueError, TypeError, AssertionError) as error:
             return Ack(self.dp_rank, request.rid, REFUSED, str(error))
-        except Exception as error:  # not the input's fault as far as validation knows: fail it, keep the rank
+        except (
+            Exception
+        ) as error:  # not the input's fault as far as validation knows: fail it, keep the rank
             if breaks_the_device(error):
                 raise
             logger.exception("DP rank %d: adding %s failed", self.dp_rank, request.rid)
@@ -322,14 +388,21 @@ def _rank_args(args: ServerArgs, spec: RankSpec) -> ServerArgs:
         return args
     import torch
 
-    local = spec.world * args.ranks_per_node + spec.world_rank - args.node_rank * args.ranks_per_node
+    local = (
+        spec.world * args.ranks_per_node + spec.world_rank - args.node_rank * args.ranks_per_node
+    )
     return dataclasses.replace(args, device=f"cuda:{local % max(1, torch.cuda.device_count())}")
 
 
 def _join_world(args: ServerArgs, spec: RankSpec) -> ParallelState:
     """Joins the world (a world of one joins nothing); model code reads the state when the model is built."""
-    return init_distributed(args.parallel_config, spec.world_rank, spec.init_address or "", args.device,
-                            args.dist_timeout)
+    return init_distributed(
+        args.parallel_config,
+        spec.world_rank,
+        spec.init_address or "",
+        args.device,
+        args.dist_timeout,
+    )
 
 
 def _create_scheduler(args: ServerArgs, dp_rank: int) -> Any:
@@ -356,7 +429,9 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # Ctrl-C reaches the whole group; the parent stops us
 
 
 if __name__ == "__main__":

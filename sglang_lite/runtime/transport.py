@@ -5,6 +5,7 @@ pushes its replies to. Sends never block. A rank's command queue is bounded (``C
 front end's side): a rank drains its inbox every step, so a full queue means a rank that stopped stepping, and
 ``send`` reports it (False) instead of queueing without end. Replies are unbounded: the front end always reads them.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,7 +32,9 @@ def remove_ipc_files(addresses: list[str]) -> None:
             os.unlink(path)
 
 
-def push_socket(context: zmq.Context, address: str, linger_ms: int = 0, limit: int = 0) -> zmq.Socket:
+def push_socket(
+    context: zmq.Context, address: str, linger_ms: int = 0, limit: int = 0
+) -> zmq.Socket:
     """A socket that pushes to ``address``; ``limit`` bounds its queued messages (0: unbounded)."""
     socket = context.socket(zmq.PUSH)
     socket.setsockopt(zmq.SNDHWM, limit)

@@ -1,4 +1,5 @@
 """Sampling: per-request parameters and the batched sampler."""
+
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.sampling.sampler import make_generator, sample
 

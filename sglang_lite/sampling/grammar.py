@@ -11,6 +11,7 @@ terminates the matcher: that is where a structured request ends.
 JSON is written on one line with the separators ", " and ": " (xgrammar's ``any_whitespace=False``): with free
 whitespace between tokens, a weak model can spend its whole token budget on blanks and never close the object.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,7 +26,9 @@ import torch
 from sglang_lite.sampling.params import GRAMMAR_FIELDS, SamplingParams
 
 COMPILE_THREADS = 2
-MAX_CACHED_GRAMMARS = 256  # compiled grammars hold per-token tables: the cache forgets the least recently used
+MAX_CACHED_GRAMMARS = (
+    256  # compiled grammars hold per-token tables: the cache forgets the least recently used
+)
 # xgrammar's C++ errors start with a time and a source location ("[12:00:00] /project/cpp/x.cc:94: "): not the
 # client's business
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -52,11 +55,15 @@ class GrammarCache:
     ``vocab_size`` is the model's (its LM head may have more rows than the tokenizer has tokens). xgrammar's
     tokenizer tables are built on a worker at the first compile, so creating a cache costs nothing."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_entries: int = MAX_CACHED_GRAMMARS) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, max_entries: int = MAX_CACHED_GRAMMARS
+    ) -> None:
         self.tokenizer, self.vocab_size, self.max_entries = tokenizer, vocab_size, max_entries
         self._compiler: Any = None
         self._entries: OrderedDict[GrammarKey, Future] = OrderedDict()
-        self._lock = threading.Lock()  # of the entries: held only for moments, so ``submit`` never waits long
+        self._lock = (
+            threading.Lock()
+        )  # of the entries: held only for moments, so ``submit`` never waits long
         self._compiler_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
 
@@ -95,7 +102,9 @@ class GrammarCache:
 
         with self._compiler_lock:
             if self._compiler is None:
-                info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size
+                )
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
@@ -142,7 +151,9 @@ class RequestGrammar:
 
         self.vocab_size = compiled.tokenizer_info.vocab_size
         self._compiled, self._stop_token_ids = compiled, stop_token_ids
-        self._matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        self._matcher = xgrammar.GrammarMatcher(
+            compiled, override_stop_tokens=stop_token_ids or None
+        )
 
     def restarted(self) -> RequestGrammar:
         """The same grammar from its start (for a parallel sample forked before any token)."""
@@ -171,23 +182,29 @@ def mask_logits(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> 
     import xgrammar
 
     vocab = grammars[rows[0]].vocab_size
-    bitmask = xgrammar.allocate_token_bitmask(len(grammars), vocab)  # on the CPU, where matchers write
+    bitmask = xgrammar.allocate_token_bitmask(
+        len(grammars), vocab
+    )  # on the CPU, where matchers write
     for i in rows:
         grammars[i].fill_bitmask(bitmask, i)
     logits = logits.clone()
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=vocab,
-                                         indices=rows)
+    xgrammar.apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device, non_blocking=True), vocab_size=vocab, indices=rows
+    )
     if logits.shape[-1] > vocab:
         logits[rows, vocab:] = float("-inf")
     return logits
 
 
-def keep_possible_bans(logits: torch.Tensor, banned: list[list[int]],
-                       grammars: list[RequestGrammar | None]) -> list[list[int]]:
+def keep_possible_bans(
+    logits: torch.Tensor, banned: list[list[int]], grammars: list[RequestGrammar | None]
+) -> list[list[int]]:
     """Drops a grammar row's ban (its stop tokens before ``min_new_tokens``) when the ban would leave no token the
     grammar allows: a complete grammar allows only the stop tokens, and the grammar wins."""
-    return [[] if ids and grammar is not None and not _allows_other(logits[row], ids) else ids
-            for row, (ids, grammar) in enumerate(zip(banned, grammars))]
+    return [
+        [] if ids and grammar is not None and not _allows_other(logits[row], ids) else ids
+        for row, (ids, grammar) in enumerate(zip(banned, grammars))
+    ]
 
 
 def _allows_other(logits: torch.Tensor, ids: list[int]) -> bool:

@@ -5,6 +5,7 @@ They come from the model's own logits: a log-softmax before temperature, penalti
 which the front end fills in when asked (``return_text_in_logprobs``). Input entries start with
 ``[None, first_token, None]`` when the range starts at the first prompt token (nothing predicts it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,7 +23,9 @@ Entry = list  # [logprob | None, token_id, text | None]
 @dataclass
 class LogprobParams:
     return_logprob: bool = False
-    logprob_start_len: int = -1  # -1: output tokens only; k >= 0: also every prompt token from position k
+    logprob_start_len: int = (
+        -1
+    )  # -1: output tokens only; k >= 0: also every prompt token from position k
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
 
@@ -42,17 +45,26 @@ class LogprobParams:
             raise ValueError(f"return_logprob must be true or false, got {self.return_logprob!r}")
         start = self.logprob_start_len
         if not _is_int(start) or not -1 <= start < prompt_len:
-            raise ValueError(f"logprob_start_len must be -1 (output tokens only) or a prompt position in "
-                             f"[0, {prompt_len - 1}], got {start!r}")
+            raise ValueError(
+                f"logprob_start_len must be -1 (output tokens only) or a prompt position in "
+                f"[0, {prompt_len - 1}], got {start!r}"
+            )
         top = self.top_logprobs_num
         if not _is_int(top) or not 0 <= top <= min(MAX_TOP_LOGPROBS, vocab_size):
-            raise ValueError(f"top_logprobs_num must be an integer in [0, {min(MAX_TOP_LOGPROBS, vocab_size)}], "
-                             f"got {top!r}")
+            raise ValueError(
+                f"top_logprobs_num must be an integer in [0, {min(MAX_TOP_LOGPROBS, vocab_size)}], "
+                f"got {top!r}"
+            )
         ids = self.token_ids_logprob
-        if ids is not None and not (isinstance(ids, list) and len(ids) <= MAX_TOKEN_IDS_LOGPROB
-                                    and all(_is_int(t) and 0 <= t < vocab_size for t in ids)):
-            raise ValueError(f"token_ids_logprob must be a list of at most {MAX_TOKEN_IDS_LOGPROB} token ids in "
-                             f"[0, {vocab_size})")
+        if ids is not None and not (
+            isinstance(ids, list)
+            and len(ids) <= MAX_TOKEN_IDS_LOGPROB
+            and all(_is_int(t) and 0 <= t < vocab_size for t in ids)
+        ):
+            raise ValueError(
+                f"token_ids_logprob must be a list of at most {MAX_TOKEN_IDS_LOGPROB} token ids in "
+                f"[0, {vocab_size})"
+            )
 
 
 @dataclass
@@ -60,7 +72,9 @@ class LogprobRecord:
     """What a request has computed and not yet reported, by ``meta_info`` key."""
 
     entries: dict[str, list] = field(default_factory=dict)
-    input_upto: int = 0  # prompt positions below this are reported (a re-prefill after retraction skips them)
+    input_upto: int = (
+        0  # prompt positions below this are reported (a re-prefill after retraction skips them)
+    )
 
     def add(self, key: str, values: list) -> None:
         self.entries.setdefault(key, []).extend(values)
@@ -86,7 +100,9 @@ def _asked(key: str, params: LogprobParams) -> bool:
     return True
 
 
-def logprob_entries(logits: torch.Tensor, targets: torch.Tensor, params: list[LogprobParams]) -> list[dict]:
+def logprob_entries(
+    logits: torch.Tensor, targets: torch.Tensor, params: list[LogprobParams]
+) -> list[dict]:
     """For each row i: the log-probability of ``targets[i]`` under ``logits[i]``, the row's top
     ``top_logprobs_num`` and its ``token_ids_logprob``, as lists of entries, in one pass over the batch."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -94,7 +110,9 @@ def logprob_entries(logits: torch.Tensor, targets: torch.Tensor, params: list[Lo
     ids = targets.tolist()
     top_k = max(p.top_logprobs_num for p in params)
     tops = logprobs.topk(top_k, dim=-1) if top_k else None
-    top_values, top_ids = (tops.values.tolist(), tops.indices.tolist()) if tops is not None else (None, None)
+    top_values, top_ids = (
+        (tops.values.tolist(), tops.indices.tolist()) if tops is not None else (None, None)
+    )
     results = []
     for i, p in enumerate(params):
         row = {"token": [chosen[i], ids[i], None]}

@@ -4,6 +4,7 @@
 scheduler (``validate_request``): each field has a type and a range that the sampler, the scheduler's counters
 and the msgpack transport can carry, so a request that passes can never break a rank.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,8 +55,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None  # token id (a decimal string, as in JSON) -> bias added to its logit
-    json_schema: str | None = None  # structured output (at most one of the three): a JSON schema, as text
+    logit_bias: dict[str, float] | None = (
+        None  # token id (a decimal string, as in JSON) -> bias added to its logit
+    )
+    json_schema: str | None = (
+        None  # structured output (at most one of the three): a JSON schema, as text
+    )
     regex: str | None = None
     ebnf: str | None = None  # xgrammar's EBNF (GBNF), root rule `root`
 
@@ -68,7 +73,9 @@ class SamplingParams:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {_short(unknown)}; known: {sorted(known)}")
+            raise ValueError(
+                f"unknown sampling parameter(s) {_short(unknown)}; known: {sorted(known)}"
+            )
         if isinstance(params.get("stop"), str):
             params["stop"] = [params["stop"]]
         for key in ("stop", "stop_token_ids"):
@@ -77,13 +84,21 @@ class SamplingParams:
             elif isinstance(params[key], (list, tuple)):
                 params[key] = list(params[key])
             else:
-                raise ValueError(f"sampling parameter {key} must be a list, got {_short(params[key])}")
+                raise ValueError(
+                    f"sampling parameter {key} must be a list, got {_short(params[key])}"
+                )
         if params.get("logit_bias") is None:
             params.pop("logit_bias", None)
-        elif isinstance(params["logit_bias"], dict):  # int keys (Python callers) as JSON's strings: one key type
-            params["logit_bias"] = {str(k) if _is_int(k) else k: v for k, v in params["logit_bias"].items()}
+        elif isinstance(
+            params["logit_bias"], dict
+        ):  # int keys (Python callers) as JSON's strings: one key type
+            params["logit_bias"] = {
+                str(k) if _is_int(k) else k: v for k, v in params["logit_bias"].items()
+            }
         else:
-            raise ValueError(f"sampling parameter logit_bias must be a map, got {_short(params['logit_bias'])}")
+            raise ValueError(
+                f"sampling parameter logit_bias must be a map, got {_short(params['logit_bias'])}"
+            )
         return cls(**params)
 
     @property
@@ -96,7 +111,12 @@ class SamplingParams:
         _check_int(self.min_new_tokens, "min_new_tokens", 0, MAX_NEW_TOKENS)
         _check_int(self.n, "n", 1, MAX_N)
         _check_float(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
-        _check(_is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "a finite number in (0, 1]", self.top_p)
+        _check(
+            _is_finite(self.top_p) and 0 < self.top_p <= 1,
+            "top_p",
+            "a finite number in (0, 1]",
+            self.top_p,
+        )
         _check_float(self.min_p, "min_p", 0.0, 1.0)
         top_k_max = vocab_size or INT32_MAX
         top_k_ok = _is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= top_k_max)
@@ -104,7 +124,9 @@ class SamplingParams:
         if self.seed is not None:
             _check_int(self.seed, "seed", INT64_MIN, INT64_MAX)
         for name in ("ignore_eos", "skip_special_tokens"):
-            _check(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
+            _check(
+                isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name)
+            )
         self._validate_stop()
         self._validate_stop_token_ids(vocab_size)
         self._validate_penalties(vocab_size)
@@ -112,41 +134,84 @@ class SamplingParams:
 
     def _validate_stop(self) -> None:
         stop = self.stop
-        _check(isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS, "stop",
-               f"a list of at most {MAX_STOP_STRINGS} strings", _count(stop))
-        _check(all(isinstance(s, str) and s and is_utf8(s) for s in stop), "stop", "non-empty UTF-8 strings", stop)
+        _check(
+            isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"a list of at most {MAX_STOP_STRINGS} strings",
+            _count(stop),
+        )
+        _check(
+            all(isinstance(s, str) and s and is_utf8(s) for s in stop),
+            "stop",
+            "non-empty UTF-8 strings",
+            stop,
+        )
         total = sum(len(s) for s in stop)
-        _check(total <= MAX_STOP_CHARS, "stop", f"at most {MAX_STOP_CHARS} characters in all", _Said(f"{total}"))
+        _check(
+            total <= MAX_STOP_CHARS,
+            "stop",
+            f"at most {MAX_STOP_CHARS} characters in all",
+            _Said(f"{total}"),
+        )
 
     def _validate_stop_token_ids(self, vocab_size: int | None) -> None:
         ids, top = self.stop_token_ids, (vocab_size or INT32_MAX + 1) - 1
-        _check(isinstance(ids, list) and len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
-               f"a list of at most {MAX_STOP_TOKEN_IDS} token ids", _count(ids))
-        _check(all(_is_int(t) and 0 <= t <= top for t in ids), "stop_token_ids", f"token ids in [0, {top}]", ids)
+        _check(
+            isinstance(ids, list) and len(ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+            _count(ids),
+        )
+        _check(
+            all(_is_int(t) and 0 <= t <= top for t in ids),
+            "stop_token_ids",
+            f"token ids in [0, {top}]",
+            ids,
+        )
 
     def _validate_grammar(self) -> None:
         named = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(named) > 1:
-            raise ValueError(f"sampling parameters {', '.join(named)}: at most one of {', '.join(GRAMMAR_FIELDS)} "
-                             "may be set")
+            raise ValueError(
+                f"sampling parameters {', '.join(named)}: at most one of {', '.join(GRAMMAR_FIELDS)} "
+                "may be set"
+            )
         for name in named:
             text = getattr(self, name)
             ok = isinstance(text, str) and 0 < len(text) <= MAX_GRAMMAR_CHARS and is_utf8(text)
-            _check(ok, name, f"a non-empty UTF-8 string of at most {MAX_GRAMMAR_CHARS} characters", text)
+            _check(
+                ok,
+                name,
+                f"a non-empty UTF-8 string of at most {MAX_GRAMMAR_CHARS} characters",
+                text,
+            )
 
     def _validate_penalties(self, vocab_size: int | None) -> None:
         _check_float(self.frequency_penalty, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY)
         _check_float(self.presence_penalty, "presence_penalty", -MAX_PENALTY, MAX_PENALTY)
         repetition = self.repetition_penalty
-        _check(_is_finite(repetition) and 0 < repetition <= MAX_REPETITION_PENALTY, "repetition_penalty",
-               f"a finite number in (0, {MAX_REPETITION_PENALTY:g}]", repetition)
+        _check(
+            _is_finite(repetition) and 0 < repetition <= MAX_REPETITION_PENALTY,
+            "repetition_penalty",
+            f"a finite number in (0, {MAX_REPETITION_PENALTY:g}]",
+            repetition,
+        )
         bias, top = self.logit_bias, (vocab_size or INT32_MAX + 1) - 1
         if bias is None:
             return
         _check(isinstance(bias, dict), "logit_bias", "a map of token ids to biases", bias)
-        _check(all(_is_token_key(k, top) for k in bias), "logit_bias", f"keyed by token ids in [0, {top}]", list(bias))
-        _check(all(_is_finite(v) and abs(v) <= MAX_LOGIT_BIAS for v in bias.values()), "logit_bias",
-               f"biases that are finite numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", list(bias.values()))
+        _check(
+            all(_is_token_key(k, top) for k in bias),
+            "logit_bias",
+            f"keyed by token ids in [0, {top}]",
+            list(bias),
+        )
+        _check(
+            all(_is_finite(v) and abs(v) <= MAX_LOGIT_BIAS for v in bias.values()),
+            "logit_bias",
+            f"biases that are finite numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            list(bias.values()),
+        )
 
 
 def _check(ok: bool, name: str, expected: str, value: Any) -> None:
@@ -159,7 +224,12 @@ def _check_int(value: Any, name: str, low: int, high: int) -> None:
 
 
 def _check_float(value: Any, name: str, low: float, high: float) -> None:
-    _check(_is_finite(value) and low <= value <= high, name, f"a finite number in [{low:g}, {high:g}]", value)
+    _check(
+        _is_finite(value) and low <= value <= high,
+        name,
+        f"a finite number in [{low:g}, {high:g}]",
+        value,
+    )
 
 
 def _is_int(value: Any) -> bool:

@@ -12,6 +12,7 @@ the first time a request with a penalty arrives, so a server that never sees one
 after a retraction) recounts the output so far; each step adds the sampled tokens and applies everything with a
 few tensor ops over the rows that need it. Logit biases sit in one (row, token, bias) index built at admission.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -23,14 +24,22 @@ from sglang_lite.sampling.params import SamplingParams
 
 def has_count_penalty(params: SamplingParams) -> bool:
     """Whether the request's logits depend on its output so far (beyond the min-tokens ban)."""
-    return params.frequency_penalty != 0 or params.presence_penalty != 0 or params.repetition_penalty != 1
+    return (
+        params.frequency_penalty != 0
+        or params.presence_penalty != 0
+        or params.repetition_penalty != 1
+    )
 
 
 class PenaltyBook:
     def __init__(self, num_rows: int, vocab_size: int, device: torch.device | str) -> None:
         self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, torch.device(device)
-        self.counts: torch.Tensor | None = None  # int32 [num_rows, vocab]: output tokens so far, per row
-        self._factors: torch.Tensor | None = None  # float32 [num_rows, 3]: frequency, presence, repetition
+        self.counts: torch.Tensor | None = (
+            None  # int32 [num_rows, vocab]: output tokens so far, per row
+        )
+        self._factors: torch.Tensor | None = (
+            None  # float32 [num_rows, 3]: frequency, presence, repetition
+        )
         self._counted: set[int] = set()  # rows whose request has a count penalty
         self._biases: dict[int, dict[int, float]] = {}  # row -> {token: bias}
         self._bias_index = _BiasIndex.empty(self.device)
@@ -47,17 +56,22 @@ class PenaltyBook:
         if has_count_penalty(params):
             self._admit_counts(row, params, output_ids)
         if params.logit_bias:
-            self._biases[row] = {int(token): float(bias) for token, bias in params.logit_bias.items()}
+            self._biases[row] = {
+                int(token): float(bias) for token, bias in params.logit_bias.items()
+            }
             self._bias_index = _BiasIndex.build(self._biases, self.device)
 
     def _admit_counts(self, row: int, params: SamplingParams, output_ids: Sequence[int]) -> None:
         if self.counts is None:
-            self.counts = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.int32, device=self.device)
+            self.counts = torch.zeros(
+                self.num_rows, self.vocab_size, dtype=torch.int32, device=self.device
+            )
             self._factors = torch.zeros(self.num_rows, 3, dtype=torch.float32, device=self.device)
         factors = [params.frequency_penalty, params.presence_penalty, params.repetition_penalty]
         self._factors[row] = torch.tensor(factors, dtype=torch.float32)
-        self.counts[row] = torch.bincount(torch.tensor(list(output_ids), dtype=torch.int64),
-                                          minlength=self.vocab_size).to(self.device, torch.int32)
+        self.counts[row] = torch.bincount(
+            torch.tensor(list(output_ids), dtype=torch.int64), minlength=self.vocab_size
+        ).to(self.device, torch.int32)
         self._counted.add(row)
 
     def release(self, row: int) -> None:
@@ -73,7 +87,9 @@ class PenaltyBook:
         if not counted:
             return
         book_rows = torch.tensor([rows[i] for i in counted], device=self.device)
-        taken = torch.as_tensor(tokens, device=self.device)[torch.tensor(counted, device=self.device)]
+        taken = torch.as_tensor(tokens, device=self.device)[
+            torch.tensor(counted, device=self.device)
+        ]
         ones = torch.ones(len(counted), dtype=torch.int32, device=self.device)
         self.counts.index_put_((book_rows, taken.long()), ones, accumulate=True)
 
@@ -82,7 +98,9 @@ class PenaltyBook:
         anything applies (the input stays as it is), else the input itself."""
         if self.is_idle:
             return logits
-        assert logits.shape == (len(rows), self.vocab_size), "one row of the whole vocabulary per request"
+        assert logits.shape == (len(rows), self.vocab_size), (
+            "one row of the whole vocabulary per request"
+        )
         counted = [i for i, row in enumerate(rows) if row in self._counted]
         biased = any(row in self._biases for row in rows)
         if not counted and not biased:
@@ -117,18 +135,23 @@ class _BiasIndex:
 
     @classmethod
     def build(cls, biases: dict[int, dict[int, float]], device: torch.device) -> _BiasIndex:
-        entries = [(row, token, bias) for row, pairs in biases.items() for token, bias in pairs.items()]
+        entries = [
+            (row, token, bias) for row, pairs in biases.items() for token, bias in pairs.items()
+        ]
         rows, tokens, values = zip(*entries) if entries else ((), (), ())
-        return cls(torch.tensor(rows, dtype=torch.int64, device=device),
-                   torch.tensor(tokens, dtype=torch.int64, device=device),
-                   torch.tensor(values, dtype=torch.float32, device=device))
+        return cls(
+            torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(tokens, dtype=torch.int64, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device),
+        )
 
     def add_to(self, out: torch.Tensor, rows: Sequence[int], num_rows: int) -> None:
         """Adds the biases of the requests in ``rows`` (batch order) to ``out`` [B, vocab]."""
         batch = len(rows)
         position = torch.full((num_rows,), batch, dtype=torch.int64, device=self.rows.device)
-        position[torch.tensor(list(rows), dtype=torch.int64, device=self.rows.device)] = torch.arange(
-            batch, device=self.rows.device)
+        position[torch.tensor(list(rows), dtype=torch.int64, device=self.rows.device)] = (
+            torch.arange(batch, device=self.rows.device)
+        )
         where = position[self.rows]
         # rows outside the batch add a zero to row 0 instead of being filtered out: no device-to-host sync
         present = where < batch

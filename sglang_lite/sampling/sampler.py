@@ -4,6 +4,7 @@ Greedy rows take the argmax. Sampled rows filter the sorted distribution (top-k,
 mass, then min-p relative to the most likely token) and draw with the request's own ``torch.Generator``, so a
 seeded request gives the same tokens whatever else shares its batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,7 +19,9 @@ def sample(
     banned: list[list[int]] | None = None,
 ) -> torch.Tensor:
     """logits [B, V] -> next token ids [B] (int64). ``banned[i]`` are ids request i may not produce now."""
-    assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators), "one row per request"
+    assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators), (
+        "one row per request"
+    )
     if all(p.is_greedy for p in params) and not (banned and any(banned)):
         return argmax_rows(logits)  # the argmax is the same in the logits' dtype as in fp32
     logits = logits.float()
@@ -28,7 +31,9 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if rows:
         index = torch.tensor(rows, device=logits.device)
-        drawn = _sample_rows(logits[index], [params[i] for i in rows], [generators[i] for i in rows])
+        drawn = _sample_rows(
+            logits[index], [params[i] for i in rows], [generators[i] for i in rows]
+        )
         next_ids[index] = drawn
     return next_ids
 
@@ -55,7 +60,9 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         block_max = torch.cat([block_max, logits[:, full:].amax(dim=-1, keepdim=True)], dim=1)
     first = block_max.argmax(dim=-1)  # the first block holding the row's maximum (or its first NaN)
     # that block's columns; a short last block repeats the last column after it, which argmax never returns first
-    cols = (first.unsqueeze(1) * block + torch.arange(block, device=logits.device)).clamp_(max=vocab - 1)
+    cols = (first.unsqueeze(1) * block + torch.arange(block, device=logits.device)).clamp_(
+        max=vocab - 1
+    )
     return first * block + logits.gather(1, cols).argmax(dim=-1)
 
 
@@ -66,7 +73,9 @@ def _ban(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
     return logits
 
 
-def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
+def _sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[-1]
     temperatures = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
     probs = torch.softmax(logits / temperatures, dim=-1)
@@ -76,15 +85,21 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
     return order.gather(1, torch.stack(picks)).squeeze(1)
 
 
-def _filter_mask(sorted_probs: torch.Tensor, params: list[SamplingParams], vocab: int) -> torch.Tensor:
+def _filter_mask(
+    sorted_probs: torch.Tensor, params: list[SamplingParams], vocab: int
+) -> torch.Tensor:
     """True where a token is filtered out; the most likely token is always kept."""
     device = sorted_probs.device
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device).unsqueeze(1)
+    top_k = torch.tensor(
+        [p.top_k if p.top_k > 0 else vocab for p in params], device=device
+    ).unsqueeze(1)
     top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
     min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    beyond_top_p = (mass_before >= top_p) & (top_p < 1.0)  # float error must not trim the tail when top_p is 1
+    beyond_top_p = (mass_before >= top_p) & (
+        top_p < 1.0
+    )  # float error must not trim the tail when top_p is 1
     mask = (ranks >= top_k) | beyond_top_p | (sorted_probs < sorted_probs[:, :1] * min_p)
     mask[:, 0] = False
     return mask

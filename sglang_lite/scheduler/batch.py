@@ -1,4 +1,5 @@
 """One scheduled forward: its mode, its requests and how many new tokens each runs."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,10 +15,18 @@ class ScheduleBatch:
     extend_lens: list[int]
 
     def __post_init__(self) -> None:
-        assert self.reqs and len(self.reqs) == len(self.extend_lens), "one extend length per request"
-        assert all(r.holds_memory for r in self.reqs), "scheduled requests hold a row and a state slot"
-        assert all(0 < n <= r.num_uncached for r, n in zip(self.reqs, self.extend_lens)), "runs only uncached tokens"
-        assert self.mode is ForwardMode.EXTEND or all(n == 1 for n in self.extend_lens), "decode runs 1 token each"
+        assert self.reqs and len(self.reqs) == len(self.extend_lens), (
+            "one extend length per request"
+        )
+        assert all(r.holds_memory for r in self.reqs), (
+            "scheduled requests hold a row and a state slot"
+        )
+        assert all(0 < n <= r.num_uncached for r, n in zip(self.reqs, self.extend_lens)), (
+            "runs only uncached tokens"
+        )
+        assert self.mode is ForwardMode.EXTEND or all(n == 1 for n in self.extend_lens), (
+            "decode runs 1 token each"
+        )
 
     @classmethod
     def decode(cls, reqs: list[Req]) -> ScheduleBatch:
@@ -38,7 +47,9 @@ class ScheduleBatch:
     def new_token_ids(self) -> list[list[int]]:
         if self.is_decode:
             return [[r.output_ids[-1]] for r in self.reqs]
-        return [r.fill_ids[r.num_cached : r.num_cached + n] for r, n in zip(self.reqs, self.extend_lens)]
+        return [
+            r.fill_ids[r.num_cached : r.num_cached + n] for r, n in zip(self.reqs, self.extend_lens)
+        ]
 
     def completes(self) -> list[bool]:
         """Which requests run their last uncached token now, so sample a next token."""

@@ -1,4 +1,5 @@
 """Scheduler configuration: what one scheduler (one DP rank) needs, resolved from the server arguments."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,12 @@ class SchedulerConfig:
     dp_rank: int = 0
 
     def __post_init__(self) -> None:
-        assert self.max_total_tokens > 0 and self.max_running_requests > 0, "pools must not be empty"
-        assert self.context_length > 1 and self.chunk_size > 0 and self.max_prefill_tokens > 0, "bad limits"
+        assert self.max_total_tokens > 0 and self.max_running_requests > 0, (
+            "pools must not be empty"
+        )
+        assert self.context_length > 1 and self.chunk_size > 0 and self.max_prefill_tokens > 0, (
+            "bad limits"
+        )
 
     @property
     def max_request_tokens(self) -> int:
@@ -39,7 +44,11 @@ class SchedulerConfig:
 
     @classmethod
     def from_server_args(
-        cls, args: ServerArgs, model: ModelConfig, max_total_tokens: int, eos_token_ids: tuple[int, ...]
+        cls,
+        args: ServerArgs,
+        model: ModelConfig,
+        max_total_tokens: int,
+        eos_token_ids: tuple[int, ...],
     ) -> SchedulerConfig:
         return cls(
             max_total_tokens=max_total_tokens,

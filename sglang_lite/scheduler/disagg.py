@@ -13,6 +13,7 @@ joins the running batch with the transferred first token. A transfer that fails,
 timeout, fails the request and frees the reservation; an aborted reservation stays held until the prefill side can
 no longer write into it.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -37,7 +38,9 @@ MODES = ("null", "prefill", "decode")
 
 
 def _pool_buffers(pools: ModelPools) -> list[torch.Tensor]:
-    return pools.kv.k_buffers + pools.kv.v_buffers + pools.states.conv_states + pools.states.ssm_states
+    return (
+        pools.kv.k_buffers + pools.kv.v_buffers + pools.states.conv_states + pools.states.ssm_states
+    )
 
 
 class _Side:
@@ -60,9 +63,13 @@ class _Side:
 
     def transfer_figures(self) -> dict[str, float]:
         stats = self.transfer.stats
-        return {"kv_transfer_speed_gb_s": stats.last_speed_gb_s, "kv_transfer_latency_ms": stats.last_latency_ms,
-                "kv_transfer_bytes_total": stats.bytes, "kv_transfer_seconds_total": stats.seconds,
-                "kv_transfers_total": stats.transfers}
+        return {
+            "kv_transfer_speed_gb_s": stats.last_speed_gb_s,
+            "kv_transfer_latency_ms": stats.last_latency_ms,
+            "kv_transfer_bytes_total": stats.bytes,
+            "kv_transfer_seconds_total": stats.seconds,
+            "kv_transfers_total": stats.transfers,
+        }
 
 
 class PrefillSide(_Side):
@@ -72,7 +79,9 @@ class PrefillSide(_Side):
         super().__init__(transfer, pools, timeout_s)
         self.bootstrap: dict[int, Req] = {}  # room -> request waiting for its destination
         self.deadlines: dict[int, float] = {}
-        self.targets: dict[int, tuple[dict[str, Any], float]] = {}  # destinations that came before their request
+        self.targets: dict[
+            int, tuple[dict[str, Any], float]
+        ] = {}  # destinations that came before their request
         self.inflight: list[tuple[Req, concurrent.futures.Future]] = []
         self.aborted: set[str] = set()  # inflight requests aborted meanwhile
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
@@ -105,21 +114,33 @@ class PrefillSide(_Side):
         job = (dst, slots, target, req.state_slot, token)
         self.inflight.append((req, self._executor.submit(self._send, *job)))
 
-    def _send(self, dst: PoolLayout, slots: list[int], target: dict[str, Any], slot: int, token: int) -> None:
+    def _send(
+        self, dst: PoolLayout, slots: list[int], target: dict[str, Any], slot: int, token: int
+    ) -> None:
         """On the transfer thread: the data, then the metadata row (status and token) that tells the decode rank."""
         meta_base, meta_row = dst.meta
         meta_target = [meta_base + target["meta_row"] * meta_row]
         try:
             self.layout.check_matches(dst)
             start = time.perf_counter()
-            sent = self.transfer.write(dst.session, *request_blocks(self.layout, dst, slots, target["kv_slots"],
-                                                                    slot, target["state_slot"]))
-            self.meta[slot] = torch.tensor([DONE, token, sent, int((time.perf_counter() - start) * 1e9)])
+            sent = self.transfer.write(
+                dst.session,
+                *request_blocks(
+                    self.layout, dst, slots, target["kv_slots"], slot, target["state_slot"]
+                ),
+            )
+            self.meta[slot] = torch.tensor(
+                [DONE, token, sent, int((time.perf_counter() - start) * 1e9)]
+            )
         except Exception:
             self.meta[slot] = torch.tensor([FAILED, -1, 0, 0])
-            for attempt in range(STATUS_RETRIES):  # a write right after a failed batch can fail too: try again
+            for attempt in range(
+                STATUS_RETRIES
+            ):  # a write right after a failed batch can fail too: try again
                 try:
-                    self.transfer.write(dst.session, [self.meta[slot].data_ptr()], meta_target, [meta_row])
+                    self.transfer.write(
+                        dst.session, [self.meta[slot].data_ptr()], meta_target, [meta_row]
+                    )
                     break
                 except Exception:
                     time.sleep(0.05 * (attempt + 1))  # the decode side times out if every try fails
@@ -131,8 +152,12 @@ class PrefillSide(_Side):
         for room in [r for r, deadline in self.deadlines.items() if deadline < now]:
             req = self.bootstrap.pop(room)
             del self.deadlines[room]
-            self.scheduler.end_request(req, self.failure(
-                f"no destination from the decode server for bootstrap_room {room} within {self.timeout_s:g} s"))
+            self.scheduler.end_request(
+                req,
+                self.failure(
+                    f"no destination from the decode server for bootstrap_room {room} within {self.timeout_s:g} s"
+                ),
+            )
         for room in [r for r, (_, seen) in self.targets.items() if seen + self.timeout_s < now]:
             del self.targets[room]  # its request never came
         done = [(req, future) for req, future in self.inflight if future.done()]
@@ -141,16 +166,23 @@ class PrefillSide(_Side):
             error = future.exception()
             if req.rid in self.aborted:
                 self.aborted.discard(req.rid)
-                self.scheduler.end_request(req, FinishReason("abort", message="aborted by the client"))
+                self.scheduler.end_request(
+                    req, FinishReason("abort", message="aborted by the client")
+                )
             elif error is not None:
                 logger.error("KV transfer of %s failed: %s", req.rid, error)
-                self.scheduler.end_request(req, self.failure(f"KV transfer to the decode server failed: {error}"))
+                self.scheduler.end_request(
+                    req, self.failure(f"KV transfer to the decode server failed: {error}")
+                )
             else:
                 self.scheduler.finish_transferred(req, int(self.meta[req.state_slot, 1]))
 
     # ---- what the scheduler asks -------------------------------------------------------------------------------
     def find(self, rid: str) -> Req | None:
-        return next((r for r in [*self.bootstrap.values(), *(r for r, _ in self.inflight)] if r.rid == rid), None)
+        return next(
+            (r for r in [*self.bootstrap.values(), *(r for r, _ in self.inflight)] if r.rid == rid),
+            None,
+        )
 
     def abort(self, req: Req, reason: FinishReason) -> bool:
         """True when handled here (the request is in a PD queue)."""
@@ -179,8 +211,11 @@ class PrefillSide(_Side):
         return [r for r, _ in self.inflight]
 
     def loads(self) -> dict[str, Any]:
-        return {"prefill_prealloc_queue_reqs": len(self.bootstrap), "prefill_inflight_queue_reqs": len(self.inflight),
-                **self.transfer_figures()}
+        return {
+            "prefill_prealloc_queue_reqs": len(self.bootstrap),
+            "prefill_inflight_queue_reqs": len(self.inflight),
+            **self.transfer_figures(),
+        }
 
     def take_notices(self) -> list[dict[str, Any]]:
         return []
@@ -194,7 +229,9 @@ class DecodeSide(_Side):
         self.prealloc: list[Req] = []
         self.transferring: list[Req] = []
         self.deadlines: dict[str, float] = {}
-        self.draining: list[tuple[Req, float]] = []  # aborted reservations the prefill side may still write into
+        self.draining: list[
+            tuple[Req, float]
+        ] = []  # aborted reservations the prefill side may still write into
         self.notices: list[dict[str, Any]] = []
 
     def add(self, req: Req) -> None:
@@ -211,7 +248,10 @@ class DecodeSide(_Side):
             req = self.prealloc[0]
             n = len(req.input_ids)
             rows_free = min(pools.req_to_token.allocator.num_free, pools.states.allocator.num_free)
-            if rows_free == 0 or pools.kv.allocator.num_free - scheduler.reserved_decode_tokens() < n + 1:
+            if (
+                rows_free == 0
+                or pools.kv.allocator.num_free - scheduler.reserved_decode_tokens() < n + 1
+            ):
                 return
             self.prealloc.pop(0)
             (row,) = pools.req_to_token.allocator.alloc(1)
@@ -223,10 +263,17 @@ class DecodeSide(_Side):
             req.req_row, req.state_slot, req.num_cached = row, slot, n
             req.status = ReqStatus.TRANSFERRING
             scheduler.note_admission(req)
-            scheduler.sampler.on_admit(req)  # penalties and grammars follow its tokens from the first one
+            scheduler.sampler.on_admit(
+                req
+            )  # penalties and grammars follow its tokens from the first one
             self.transferring.append(req)
             self.deadlines[req.rid] = time.monotonic() + self.timeout_s
-            target = {"layout": self.layout.to_dict(), "kv_slots": kv_slots, "state_slot": slot, "meta_row": slot}
+            target = {
+                "layout": self.layout.to_dict(),
+                "kv_slots": kv_slots,
+                "state_slot": slot,
+                "meta_row": slot,
+            }
             self.notices.append({"rid": req.rid, "room": req.bootstrap_room, "target": target})
 
     def _check_transfers(self) -> None:
@@ -239,13 +286,22 @@ class DecodeSide(_Side):
             del self.deadlines[req.rid]
             if status == DONE:
                 _, token, sent, nanoseconds = self.meta[req.state_slot].tolist()
-                self.transfer.stats.record(sent, nanoseconds / 1e9)  # as the prefill side timed its write
+                self.transfer.stats.record(
+                    sent, nanoseconds / 1e9
+                )  # as the prefill side timed its write
                 self.scheduler.join_decoding(req, token)
             elif status == FAILED:
-                self.scheduler.end_request(req, self.failure("the prefill server's KV transfer failed"))
+                self.scheduler.end_request(
+                    req, self.failure("the prefill server's KV transfer failed")
+                )
             else:
-                self._drain(req, self.failure(f"KV transfer from the prefill server did not finish within "
-                                              f"{self.timeout_s:g} s"))
+                self._drain(
+                    req,
+                    self.failure(
+                        f"KV transfer from the prefill server did not finish within "
+                        f"{self.timeout_s:g} s"
+                    ),
+                )
         for req, deadline in list(self.draining):
             if int(self.meta[req.state_slot, 0]) != PENDING or deadline < now:
                 self.draining.remove((req, deadline))
@@ -289,13 +345,18 @@ class DecodeSide(_Side):
         return self.transferring + [r for r, _ in self.draining]
 
     def loads(self) -> dict[str, Any]:
-        return {"decode_prealloc_queue_reqs": len(self.prealloc), "decode_transfer_queue_reqs": len(self.transferring),
-                **self.transfer_figures()}
+        return {
+            "decode_prealloc_queue_reqs": len(self.prealloc),
+            "decode_transfer_queue_reqs": len(self.transferring),
+            **self.transfer_figures(),
+        }
 
     def take_notices(self) -> list[dict[str, Any]]:
         notices, self.notices = self.notices, []
         return notices
 
 
-def create_side(mode: str, transfer: MooncakeTransfer, pools: ModelPools, timeout_s: float) -> PrefillSide | DecodeSide:
+def create_side(
+    mode: str, transfer: MooncakeTransfer, pools: ModelPools, timeout_s: float
+) -> PrefillSide | DecodeSide:
     return (PrefillSide if mode == "prefill" else DecodeSide)(transfer, pools, timeout_s)

@@ -5,6 +5,7 @@ CUDA reports a poisoned context (an illegal address, a device-side assert) as a 
 it; every later kernel fails the same way, so the process is beyond repair. Out-of-memory can pass (the next batch
 may be smaller), so it is fatal only when ``MAX_MEMORY_FAILURES`` steps in a row fail with it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,15 @@ import torch
 from sglang_lite.distributed import CollectiveError
 
 MAX_MEMORY_FAILURES = 3
-_BROKEN_DEVICE = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side assert", "illegal memory access",
-                  "NCCL error", "HIP error")
+_BROKEN_DEVICE = (
+    "CUDA error",
+    "CUBLAS_STATUS",
+    "CUDNN_STATUS",
+    "device-side assert",
+    "illegal memory access",
+    "NCCL error",
+    "HIP error",
+)
 
 
 class RankBroken(RuntimeError):
@@ -51,6 +59,8 @@ class MemoryFailures:
     def on_out_of_memory(self, error: BaseException) -> None:
         self.in_a_row += 1
         if self.in_a_row >= self.limit:
-            raise RankBroken(f"{self.in_a_row} steps in a row ran out of memory: {error}") from error
+            raise RankBroken(
+                f"{self.in_a_row} steps in a row ran out of memory: {error}"
+            ) from error
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -4,6 +4,7 @@ Admission reserves KV for the decode tokens requests will still produce, scaled 
 request runs to max_new_tokens). The ratio starts high, decays while decoding goes well, and jumps back up after
 a retraction, so an over-committed pool corrects itself. Nothing here touches clocks, pools or torch.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,9 @@ class PrefillBudget:
     new_token_ratio: float
 
 
-def plan_prefill(chunked: Req | None, waiting: list[Req], budget: PrefillBudget) -> list[tuple[Req, int]]:
+def plan_prefill(
+    chunked: Req | None, waiting: list[Req], budget: PrefillBudget
+) -> list[tuple[Req, int]]:
     """[(request, tokens to run now)]: the chunked request first, then waiting ones in order until a limit.
 
     At most one request ends partially prefilled (it becomes the next chunked request), so nothing follows it.
@@ -52,7 +55,9 @@ def plan_prefill(chunked: Req | None, waiting: list[Req], budget: PrefillBudget)
     return plan
 
 
-def _admit_waiting(waiting: list[Req], budget: PrefillBudget, tokens_left: int) -> list[tuple[Req, int]]:
+def _admit_waiting(
+    waiting: list[Req], budget: PrefillBudget, tokens_left: int
+) -> list[tuple[Req, int]]:
     # admit_free already excludes what the chunked request still needs, so its chunk is not subtracted again
     admitted: list[tuple[Req, int]] = []
     admit_free, rows = budget.admit_free, budget.free_rows

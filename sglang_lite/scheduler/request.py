@@ -1,4 +1,5 @@
 """A request's state inside a scheduler, its finish reason, and the output it reports per step."""
+
 from __future__ import annotations
 
 import enum
@@ -22,12 +23,17 @@ class FinishReason:
     matched: int | str | None = None  # stop: the token id or stop string
     length: int | None = None  # length: completion tokens
     message: str | None = None  # abort: why
-    status_code: int | None = None  # abort: 500 when the request failed inside the rank (SGLang's shape)
+    status_code: int | None = (
+        None  # abort: 500 when the request failed inside the rank (SGLang's shape)
+    )
 
     def to_dict(self) -> dict[str, Any]:
         """The SGLang ``meta_info.finish_reason`` shape."""
-        detail = {"stop": ("matched", self.matched), "length": ("length", self.length),
-                  "abort": ("message", self.message)}
+        detail = {
+            "stop": ("matched", self.matched),
+            "length": ("length", self.length),
+            "abort": ("message", self.message),
+        }
         key, value = detail[self.kind]
         shape = {"type": self.kind, key: value}
         return shape if self.status_code is None else {**shape, "status_code": self.status_code}
@@ -41,7 +47,9 @@ class ReqStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no memory
     PREFILLING = "prefilling"  # holds a row, a state slot and KV; part of its tokens are cached (chunked prefill)
     DECODING = "decoding"  # every token but the newest is cached
-    TRANSFERRING = "transferring"  # PD: holds memory while its KV and state move (prefill: out, decode: in)
+    TRANSFERRING = (
+        "transferring"  # PD: holds memory while its KV and state move (prefill: out, decode: in)
+    )
     FINISHED = "finished"  # holds nothing
 
 
@@ -50,8 +58,12 @@ class Req:
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
-    max_new_tokens: int  # the request's, clipped so that prompt + output fits the context and the KV pool
-    stop_token_ids: frozenset[int] = frozenset()  # eos ids (unless ignore_eos) and the request's own
+    max_new_tokens: (
+        int  # the request's, clipped so that prompt + output fits the context and the KV pool
+    )
+    stop_token_ids: frozenset[int] = (
+        frozenset()
+    )  # eos ids (unless ignore_eos) and the request's own
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     stop_matcher: StopStringMatcher | None = None
@@ -65,17 +77,27 @@ class Req:
     num_retractions: int = 0
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
-    cached_len: int = 0  # prefix positions whose KV the prefix cache owns (the request reads, never frees them)
+    cached_len: int = (
+        0  # prefix positions whose KV the prefix cache owns (the request reads, never frees them)
+    )
     cache_node: Any = None  # the prefix cache's node this request holds locked
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    bootstrap_room: int | None = None  # PD disaggregation: the transfer's id, shared by the two sides
-    transfer_target: dict[str, Any] | None = None  # PD prefill side: where the decode rank wants the data
+    bootstrap_room: int | None = (
+        None  # PD disaggregation: the transfer's id, shared by the two sides
+    )
+    transfer_target: dict[str, Any] | None = (
+        None  # PD prefill side: where the decode rank wants the data
+    )
     logprob: LogprobParams | None = None  # the log-probabilities it asked for
     stream: bool = True  # outputs every stream_interval tokens; False: one output, when it finishes
     logprob_record: LogprobRecord = field(default_factory=LogprobRecord)
-    forks: list[str] = field(default_factory=list)  # n > 1: rids of the parallel samples not yet forked from it
+    forks: list[str] = field(
+        default_factory=list
+    )  # n > 1: rids of the parallel samples not yet forked from it
     fork_seed: int = 0  # n > 1: fork i draws with seed fork_seed + i
-    grammar: RequestGrammar | None = None  # structured output: where its output is in its grammar (once compiled)
+    grammar: RequestGrammar | None = (
+        None  # structured output: where its output is in its grammar (once compiled)
+    )
     # what the next ReqOutput carries
     unsent_ids: list[int] = field(default_factory=list)
     unsent_text: str = ""
@@ -112,11 +134,19 @@ class Req:
     def check(self) -> None:
         """Invariants tying the status to what the request holds."""
         holds = self.status in (ReqStatus.PREFILLING, ReqStatus.DECODING, ReqStatus.TRANSFERRING)
-        assert self.holds_memory == holds == (self.state_slot is not None), f"{self.rid}: {self.status} vs memory"
+        assert self.holds_memory == holds == (self.state_slot is not None), (
+            f"{self.rid}: {self.status} vs memory"
+        )
         assert holds or self.num_cached == 0, f"{self.rid}: cached tokens without memory"
-        assert 0 <= self.num_cached <= self.seq_len, f"{self.rid}: {self.num_cached} cached of {self.seq_len}"
-        assert 0 <= self.cached_len <= self.num_cached, f"{self.rid}: cache owns {self.cached_len} positions"
-        assert self.status is not ReqStatus.DECODING or self.num_cached == self.seq_len - 1, f"{self.rid}: decode lag"
+        assert 0 <= self.num_cached <= self.seq_len, (
+            f"{self.rid}: {self.num_cached} cached of {self.seq_len}"
+        )
+        assert 0 <= self.cached_len <= self.num_cached, (
+            f"{self.rid}: cache owns {self.cached_len} positions"
+        )
+        assert self.status is not ReqStatus.DECODING or self.num_cached == self.seq_len - 1, (
+            f"{self.rid}: decode lag"
+        )
 
 
 def fork_rids(rid: str, n: int) -> list[str]:
@@ -138,7 +168,11 @@ class ReqOutput:
 def internal_error(output: ReqOutput) -> str | None:
     """The error message of an output whose request failed inside its rank, else None."""
     reason = output.meta_info.get("finish_reason") or {}
-    failed = output.finished and reason.get("type") == "abort" and reason.get("status_code") == INTERNAL_ERROR
+    failed = (
+        output.finished
+        and reason.get("type") == "abort"
+        and reason.get("status_code") == INTERNAL_ERROR
+    )
     return (reason.get("message") or "internal error") if failed else None
 
 

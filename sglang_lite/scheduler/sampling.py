@@ -6,6 +6,7 @@ request's own generator. ``on_sampled`` tells the per-request state (penalty cou
 were taken; ``on_admit`` and ``on_release`` bracket the time a request holds a row. All per-step work is batched
 over the rows that need it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,9 @@ from sglang_lite.scheduler.request import Req
 class StepSampler:
     def __init__(self, vocab_size: int, num_rows: int, device: torch.device | str) -> None:
         self.vocab_size, self.num_rows, self.device = vocab_size, num_rows, device
-        self.penalties = PenaltyBook(num_rows + 1, vocab_size, device)  # request rows count from 1 (0 is reserved)
+        self.penalties = PenaltyBook(
+            num_rows + 1, vocab_size, device
+        )  # request rows count from 1 (0 is reserved)
 
     # ---- a request's lifetime ----------------------------------------------------------------------------------
     def on_admit(self, req: Req) -> None:
@@ -40,10 +43,16 @@ class StepSampler:
         too_early = [len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs]
         banned = [sorted(r.stop_token_ids) if early else [] for r, early in zip(reqs, too_early)]
         grammars = [r.grammar for r in reqs]
-        logits = mask_logits(logits, grammars)  # grammar rows: the tokens their grammar forbids at -inf
+        logits = mask_logits(
+            logits, grammars
+        )  # grammar rows: the tokens their grammar forbids at -inf
         banned = keep_possible_bans(logits, banned, grammars)
-        tokens = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs], banned)
-        wanted = [i for i, r in enumerate(reqs) if r.logprob is not None and r.logprob.return_logprob]
+        tokens = sample(
+            logits, [r.sampling_params for r in reqs], [r.generator for r in reqs], banned
+        )
+        wanted = [
+            i for i, r in enumerate(reqs) if r.logprob is not None and r.logprob.return_logprob
+        ]
         if wanted:
             index = torch.tensor(wanted, device=raw.device)
             rows = logprob_entries(raw[index], tokens[index], [reqs[i].logprob for i in wanted])
@@ -55,8 +64,9 @@ class StepSampler:
         """``tokens[i]`` is now ``reqs[i]``'s newest output token."""
         self.penalties.record([r.req_row for r in reqs], tokens)
 
-    def record_prompt(self, reqs: list[Req], extend_lens: list[int], prefix_lens: list[int],
-                      logits: torch.Tensor) -> None:
+    def record_prompt(
+        self, reqs: list[Req], extend_lens: list[int], prefix_lens: list[int], logits: torch.Tensor
+    ) -> None:
         """Prompt log-probabilities from one extend forward's logits of every token [T, vocab]: the logits at a
         position predict the next prompt token. Only requests that asked for them, from ``logprob_start_len``."""
         start = 0
@@ -67,11 +77,16 @@ class StepSampler:
                 continue
             prompt_len, first = len(req.input_ids), max(params.logprob_start_len, record.input_upto)
             # positions p in [prefix, prefix + n) predict token p + 1; report targets in [max(first, 1), prompt_len)
-            targets = [p + 1 for p in range(prefix, prefix + n) if max(first, 1) <= p + 1 < prompt_len]
+            targets = [
+                p + 1 for p in range(prefix, prefix + n) if max(first, 1) <= p + 1 < prompt_len
+            ]
             head = req.input_ids[0] if first == 0 and prefix == 0 else None
             entries = []
             if targets:
-                positions = torch.tensor([p - 1 - prefix for p in targets], device=logits.device) + rows.start
+                positions = (
+                    torch.tensor([p - 1 - prefix for p in targets], device=logits.device)
+                    + rows.start
+                )
                 ids = torch.tensor([req.input_ids[p] for p in targets], device=logits.device)
                 entries = logprob_entries(logits[positions], ids, [params] * len(targets))
             if entries or head is not None:
@@ -83,6 +98,10 @@ class StepSampler:
         """How many prompt positions the prefix cache may serve: those whose log-probabilities are not needed
         (their logits must be computed); None when any may."""
         params = req.logprob
-        if params is None or not params.wants_input or req.logprob_record.input_upto >= len(req.input_ids):
+        if (
+            params is None
+            or not params.wants_input
+            or req.logprob_record.input_upto >= len(req.input_ids)
+        ):
             return None
         return max(max(params.logprob_start_len, req.logprob_record.input_upto) - 1, 0)

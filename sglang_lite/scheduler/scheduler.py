@@ -9,6 +9,7 @@ Failures stay as small as they can (``faults.py``): a request whose sampling, de
 ends alone (finish reason abort, status 500, the error as its message) and frees what it held; a forward that raises
 ends its batch; only ``RankBroken`` (a broken device, out-of-memory step after step) leaves ``step``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,7 +31,13 @@ from sglang_lite.sampling.sampler import make_generator
 from sglang_lite.scheduler.batch import ScheduleBatch
 from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.disagg import DecodeSide, PrefillSide
-from sglang_lite.scheduler.faults import MemoryFailures, RankBroken, breaks_the_device, describe, is_out_of_memory
+from sglang_lite.scheduler.faults import (
+    MemoryFailures,
+    RankBroken,
+    breaks_the_device,
+    describe,
+    is_out_of_memory,
+)
 from sglang_lite.scheduler.loads import SchedulerLoads, ThroughputMeter, utc_timestamp
 from sglang_lite.scheduler.policy import (
     NewTokenRatio,
@@ -40,7 +47,14 @@ from sglang_lite.scheduler.policy import (
     reserved_decode_tokens,
     snapshot_aligned_chunk,
 )
-from sglang_lite.scheduler.request import INTERNAL_ERROR, FinishReason, Req, ReqOutput, ReqStatus, fork_rids
+from sglang_lite.scheduler.request import (
+    INTERNAL_ERROR,
+    FinishReason,
+    Req,
+    ReqOutput,
+    ReqStatus,
+    fork_rids,
+)
 from sglang_lite.scheduler.sampling import StepSampler
 from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -49,14 +63,25 @@ logger = logging.getLogger(__name__)
 
 
 def validate_request(
-    input_ids: list[int], params: SamplingParams, config: SchedulerConfig, has_tokenizer: bool,
+    input_ids: list[int],
+    params: SamplingParams,
+    config: SchedulerConfig,
+    has_tokenizer: bool,
     logprob: LogprobParams | None = None,
 ) -> None:
     """Raises ValueError naming the bad field; cheap, so a front end can call it before queueing."""
-    if not input_ids or not all(isinstance(t, int) and 0 <= t < config.vocab_size for t in input_ids):
-        raise ValueError(f"input_ids must be a non-empty list of token ids in [0, {config.vocab_size})")
+    if not input_ids or not all(
+        isinstance(t, int) and 0 <= t < config.vocab_size for t in input_ids
+    ):
+        raise ValueError(
+            f"input_ids must be a non-empty list of token ids in [0, {config.vocab_size})"
+        )
     if len(input_ids) >= config.max_request_tokens:
-        limit = "context length" if config.max_request_tokens == config.context_length else "KV pool size"
+        limit = (
+            "context length"
+            if config.max_request_tokens == config.context_length
+            else "KV pool size"
+        )
         raise ValueError(
             f"input_ids: the prompt has {len(input_ids)} tokens, not shorter than the {limit} "
             f"({config.max_request_tokens} tokens)"
@@ -65,28 +90,44 @@ def validate_request(
     if logprob is not None:
         logprob.validate(config.vocab_size, len(input_ids))
     if params.stop and not has_tokenizer:
-        raise ValueError("sampling parameter stop needs a tokenizer (the server skipped tokenizer init)")
+        raise ValueError(
+            "sampling parameter stop needs a tokenizer (the server skipped tokenizer init)"
+        )
     key = grammar_key(params)
     if key is not None and not has_tokenizer:
-        raise ValueError(f"sampling parameter {key.kind} needs a tokenizer (the server skipped tokenizer init)")
+        raise ValueError(
+            f"sampling parameter {key.kind} needs a tokenizer (the server skipped tokenizer init)"
+        )
 
 
 def _weight_bytes(model: Any) -> int:
     """Bytes of the weights of an nn.Module, or of the module a runner wraps as ``.model``."""
     module = model if hasattr(model, "parameters") else getattr(model, "model", None)
-    return sum(p.numel() * p.element_size() for p in module.parameters()) if module is not None else 0
+    return (
+        sum(p.numel() * p.element_size() for p in module.parameters()) if module is not None else 0
+    )
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, model: Any, pools: ModelPools, tokenizer: Any = None,
-                 disagg: PrefillSide | DecodeSide | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        model: Any,
+        pools: ModelPools,
+        tokenizer: Any = None,
+        disagg: PrefillSide | DecodeSide | None = None,
+    ) -> None:
         self.config = config
-        self.disagg = disagg  # PD disaggregation: this rank's side, None when it serves whole requests
+        self.disagg = (
+            disagg  # PD disaggregation: this rank's side, None when it serves whole requests
+        )
         if disagg is not None:
             disagg.bind(self)
         self.num_prefill_tokens = 0  # prompt (and re-prefill) tokens run through extend forwards
         # the prefix cache, when the pools keep state snapshots for it (``--disable-radix-cache`` keeps none)
-        self.cache = RadixCache(pools, pools.states.snapshots) if pools.states.snapshots.size else None
+        self.cache = (
+            RadixCache(pools, pools.states.snapshots) if pools.states.snapshots.size else None
+        )
         self.prompt_tokens_admitted = self.prompt_tokens_cached = 0
         self.model = model
         self.pools = pools
@@ -102,16 +143,25 @@ class Scheduler:
         self._throughput = ThroughputMeter(start=time.monotonic())
         self._weight_bytes = _weight_bytes(model)
         self._memory_failures = MemoryFailures()
-        self.sampler = StepSampler(config.vocab_size, pools.req_to_token.allocator.size, config.device)
+        self.sampler = StepSampler(
+            config.vocab_size, pools.req_to_token.allocator.size, config.device
+        )
         # structured output: requests wait here while their grammar compiles on worker threads; the ranks of one
         # attention group must admit alike, so there each grammar is awaited at the next step
-        self.grammar_queue = GrammarQueue(GrammarCache(tokenizer, config.vocab_size),
-                                          wait=get_parallel_state().attn_tp_size > 1)
+        self.grammar_queue = GrammarQueue(
+            GrammarCache(tokenizer, config.vocab_size), wait=get_parallel_state().attn_tp_size > 1
+        )
 
     # ---- requests in, outputs out ----------------------------------------------------------------------------
-    def add_request(self, rid: str, input_ids: list[int], sampling_params: SamplingParams | dict | None,
-                    bootstrap_room: int | None = None, logprob: LogprobParams | dict | None = None,
-                    stream: bool = True) -> None:
+    def add_request(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams | dict | None,
+        bootstrap_room: int | None = None,
+        logprob: LogprobParams | dict | None = None,
+        stream: bool = True,
+    ) -> None:
         """Queues a request; raises ValueError (naming the field) and leaves the scheduler untouched if invalid.
         ``bootstrap_room``: the PD transfer's id, required on a prefill or decode rank (ignored otherwise).
         ``logprob``: the log-probabilities to report in ``meta_info``. ``stream``: outputs every
@@ -125,9 +175,15 @@ class Scheduler:
         if self.disagg is not None:
             self._check_room(bootstrap_room)
             if params.n > 1:
-                raise ValueError("n: parallel samples (n > 1) are not supported with PD disaggregation")
-            if logprob is not None and logprob.return_logprob:  # the first token is sampled on the other server
-                raise ValueError("return_logprob: log-probabilities are not supported with PD disaggregation")
+                raise ValueError(
+                    "n: parallel samples (n > 1) are not supported with PD disaggregation"
+                )
+            if (
+                logprob is not None and logprob.return_logprob
+            ):  # the first token is sampled on the other server
+                raise ValueError(
+                    "return_logprob: log-probabilities are not supported with PD disaggregation"
+                )
         seed = self._seed_of(params)
         req = self._new_req(rid, list(input_ids), params, seed)
         if params.n > 1:
@@ -158,20 +214,28 @@ class Scheduler:
 
     def _request_grammar(self, req: Req, compiled: Any) -> RequestGrammar:
         """The grammar ends at the request's stop tokens (the model's eos ones under ``ignore_eos``)."""
-        return RequestGrammar(compiled, sorted(req.stop_token_ids) or list(self.config.eos_token_ids))
+        return RequestGrammar(
+            compiled, sorted(req.stop_token_ids) or list(self.config.eos_token_ids)
+        )
 
     def _check_room(self, room: int | None) -> None:
         if room is None:
-            raise ValueError(f"bootstrap_room: a {self.disagg.mode} server takes requests with bootstrap_host, "
-                             "bootstrap_port and bootstrap_room (send them through a PD router)")
-        if room in self.disagg.rooms() or any(r.bootstrap_room == room for r in self.waiting + self.holders):
+            raise ValueError(
+                f"bootstrap_room: a {self.disagg.mode} server takes requests with bootstrap_host, "
+                "bootstrap_port and bootstrap_room (send them through a PD router)"
+            )
+        if room in self.disagg.rooms() or any(
+            r.bootstrap_room == room for r in self.waiting + self.holders
+        ):
             raise ValueError(f"bootstrap_room {room} is already in use by an unfinished request")
 
     def abort(self, rid: str, message: str = "aborted", failed: bool = False) -> bool:
         """Ends a request wherever it is and frees all it holds; False if no such unfinished request. ``failed``:
         it failed (status 500, the message its error), not a client's abort."""
         req = self._find(rid)
-        reason = FinishReason("abort", message=message, status_code=INTERNAL_ERROR if failed else None)
+        reason = FinishReason(
+            "abort", message=message, status_code=INTERNAL_ERROR if failed else None
+        )
         parent = self._fork_parent(rid) if req is None else None
         if parent is not None:  # a parallel sample not forked yet: it will not be
             parent.forks.remove(rid)
@@ -187,7 +251,9 @@ class Scheduler:
             return True
         try:
             self._finish(req, FinishReason("abort", message=message))
-        except Exception as error:  # its detokeniser failed on the last text: it still ends, with the error
+        except (
+            Exception
+        ) as error:  # its detokeniser failed on the last text: it still ends, with the error
             self._fail(req, error)
         self._drop_finished()
         return True
@@ -210,7 +276,9 @@ class Scheduler:
     def _run_idle(self) -> None:
         """An empty forward that joins the world's MoE collectives; a rank that fails one cannot go on."""
         forward_idle = getattr(self.model, "forward_idle", None)
-        if forward_idle is None:  # a runner without it: the model has no cross-rank collectives to join
+        if (
+            forward_idle is None
+        ):  # a runner without it: the model has no cross-rank collectives to join
             return
         try:
             forward_idle()
@@ -222,13 +290,17 @@ class Scheduler:
         try:
             logits = self.run(batch)
         except Exception as error:
-            if self.pools.kv.allocator.num_used == kv_used + batch.num_tokens:  # its new tokens hold KV slots now
+            if (
+                self.pools.kv.allocator.num_used == kv_used + batch.num_tokens
+            ):  # its new tokens hold KV slots now
                 _advance(batch)
             self._fail_step(batch.reqs, error)
             return
         try:
             self.process_results(batch, logits)
-        except Exception as error:  # not one request's fault (those are isolated inside): the batch fails
+        except (
+            Exception
+        ) as error:  # not one request's fault (those are isolated inside): the batch fails
             self._fail_step(batch.reqs, error)
             return
         self._memory_failures.on_step_ok()
@@ -237,7 +309,9 @@ class Scheduler:
         if breaks_the_device(error):
             raise RankBroken(describe(error)) from error
         if is_out_of_memory(error):
-            self._memory_failures.on_out_of_memory(error)  # raises RankBroken when it keeps happening
+            self._memory_failures.on_out_of_memory(
+                error
+            )  # raises RankBroken when it keeps happening
         logger.exception("a step failed; its %d requests fail, the rank goes on", len(reqs))
         for req in reqs:
             if not req.finished:
@@ -247,7 +321,14 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         pd = self.disagg is not None and self.disagg.has_work
-        return bool(self.waiting or self.running or self.chunked or self._outputs or pd or self.grammar_queue)
+        return bool(
+            self.waiting
+            or self.running
+            or self.chunked
+            or self._outputs
+            or pd
+            or self.grammar_queue
+        )
 
     @property
     def only_waiting_on_transfers(self) -> bool:
@@ -262,7 +343,9 @@ class Scheduler:
     def _schedule_prefill(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked is None:
             return None
-        plan = plan_prefill(self.chunked, order_waiting(self.waiting, self.config.schedule_policy), self._budget())
+        plan = plan_prefill(
+            self.chunked, order_waiting(self.waiting, self.config.schedule_policy), self._budget()
+        )
         if not plan:
             return None
         for req, _ in plan:
@@ -270,7 +353,9 @@ class Scheduler:
                 self._admit(req)
         # a prefix-cache hit at admission leaves fewer tokens to run than were planned
         counts = [min(n, r.num_uncached) for r, n in plan]
-        if self.cache is not None:  # only the last request of a batch may stop part-way (it becomes the chunked one)
+        if (
+            self.cache is not None
+        ):  # only the last request of a batch may stop part-way (it becomes the chunked one)
             last = plan[-1][0]
             counts[-1] = snapshot_aligned_chunk(last.num_cached, last.seq_len, counts[-1])
         return ScheduleBatch(ForwardMode.EXTEND, [r for r, _ in plan], counts)
@@ -285,13 +370,17 @@ class Scheduler:
         reserved = self.reserved_decode_tokens()
         if self.chunked is not None:
             reserved += self.chunked.num_uncached + reserved_decode_tokens(self.chunked, ratio)
-        kv_free = self.pools.kv.allocator.num_free + (self.cache.evictable_tokens if self.cache else 0)
+        kv_free = self.pools.kv.allocator.num_free + (
+            self.cache.evictable_tokens if self.cache else 0
+        )
         return PrefillBudget(
             kv_free=kv_free,
             admit_free=kv_free - reserved,
             batch_tokens=self.config.max_prefill_tokens,
             chunk_size=self.config.chunk_size,
-            free_rows=min(self.pools.req_to_token.allocator.num_free, self.pools.states.allocator.num_free),
+            free_rows=min(
+                self.pools.req_to_token.allocator.num_free, self.pools.states.allocator.num_free
+            ),
             new_token_ratio=ratio,
         )
 
@@ -309,7 +398,9 @@ class Scheduler:
     def _reuse_prefix(self, req: Req) -> None:
         """Starts the request from the longest cached prefix that ends at a state snapshot (at least one token is
         left to run, for the logits): its KV slots are read in place, the snapshot copied into its own slot."""
-        limit = StepSampler.prefix_limit(req)  # prompt log-probabilities need their positions' logits
+        limit = StepSampler.prefix_limit(
+            req
+        )  # prompt log-probabilities need their positions' logits
         hit, node, kv = self.cache.match(req.fill_ids, req.seq_len - 1 if limit is None else limit)
         prompt = len(req.input_ids)
         if req.num_retractions == 0:  # a re-admission is not a new prompt
@@ -332,8 +423,12 @@ class Scheduler:
             return
         table = self.pools.req_to_token.req_to_token
         n = req.num_cached
-        inserted = self.cache.insert(req.fill_ids[:n], table[req.req_row, :n].tolist(), req.state_slot)
-        if inserted is None:  # no snapshot slot to be had: nothing cached, the request keeps what it owns
+        inserted = self.cache.insert(
+            req.fill_ids[:n], table[req.req_row, :n].tolist(), req.state_slot
+        )
+        if (
+            inserted is None
+        ):  # no snapshot slot to be had: nothing cached, the request keeps what it owns
             return
         node, slots, duplicates = inserted
         if duplicates:  # positions the cache already held: read its slots, free ours
@@ -357,14 +452,20 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduleBatch | None:
         if not self.running:
             return None
-        self._make_room(len(self.running))  # unused cached prefixes go before any request is retracted
+        self._make_room(
+            len(self.running)
+        )  # unused cached prefixes go before any request is retracted
         while self.pools.kv.allocator.num_free < len(self.running):
             self._retract(self._retraction_victim())
         return ScheduleBatch.decode(self.running)
 
     def _retraction_victim(self) -> Req:
         """The newest request holding memory, keeping at least one decoding request."""
-        candidates = self.holders if len(self.running) > 1 else [r for r in self.holders if r is self.chunked]
+        candidates = (
+            self.holders
+            if len(self.running) > 1
+            else [r for r in self.holders if r is self.chunked]
+        )
         assert candidates, "one request alone always fits the KV pool (validated at admission)"
         return max(candidates, key=lambda r: r.admit_seq)
 
@@ -395,7 +496,9 @@ class Scheduler:
         if not batch.is_decode:
             self.num_prefill_tokens += forward_batch.num_tokens
         with torch.inference_mode():
-            if batch.is_decode or not any(r.logprob is not None and r.logprob.wants_input for r in batch.reqs):
+            if batch.is_decode or not any(
+                r.logprob is not None and r.logprob.wants_input for r in batch.reqs
+            ):
                 return self.model.forward_batch(forward_batch)
             logits = self.model.forward_batch(forward_batch, all_logits=True)
             self.sampler.record_prompt(batch.reqs, batch.extend_lens, batch.prefix_lens, logits)
@@ -406,20 +509,35 @@ class Scheduler:
         completes = batch.completes()
         _advance(batch)
         for req in [r for r, done in zip(batch.reqs, completes) if done and r.max_new_tokens == 0]:
-            self._finish(req, FinishReason("length", length=0))  # prefilled for its prompt log-probabilities
+            self._finish(
+                req, FinishReason("length", length=0)
+            )  # prefilled for its prompt log-probabilities
         completes = [done and r.max_new_tokens > 0 for r, done in zip(batch.reqs, completes)]
         sampled = [r for r, done in zip(batch.reqs, completes) if done]
         if sampled:
-            rows = logits if len(sampled) == len(batch.reqs) else logits[[i for i, d in enumerate(completes) if d]]
-            forked = [(i, child) for i, req in enumerate(sampled) if req.forks for child in self._fork(req)]
+            rows = (
+                logits
+                if len(sampled) == len(batch.reqs)
+                else logits[[i for i, d in enumerate(completes) if d]]
+            )
+            forked = [
+                (i, child)
+                for i, req in enumerate(sampled)
+                if req.forks
+                for child in self._fork(req)
+            ]
             if forked:  # parallel samples draw their first tokens from their parent's logits
                 rows = rows[list(range(len(sampled))) + [i for i, _ in forked]]
                 sampled = sampled + [child for _, child in forked]
             kept = [(r, t) for r, t in zip(sampled, self._sample(sampled, rows)) if t is not None]
-            if isinstance(self.disagg, PrefillSide) and not batch.is_decode:  # PD: to the decode side, not decoded
+            if (
+                isinstance(self.disagg, PrefillSide) and not batch.is_decode
+            ):  # PD: to the decode side, not decoded
                 for req, token in [(r, t) for r, t in kept if r.bootstrap_room is not None]:
                     self.disagg.on_prefilled(req, token)
-                kept = [(r, t) for r, t in kept if r.bootstrap_room is None]  # a re-prefill after retraction
+                kept = [
+                    (r, t) for r, t in kept if r.bootstrap_room is None
+                ]  # a re-prefill after retraction
             self._append_tokens([r for r, _ in kept], [t for _, t in kept])
         if batch.is_decode:
             self.new_token_ratio.on_decode_step()
@@ -456,9 +574,15 @@ class Scheduler:
             req.unsent_ids.append(token)
             try:
                 self._update_text_and_finish(req, token)
-            except Exception as error:  # detokenising or stop matching raised: this request's fault alone
+            except (
+                Exception
+            ) as error:  # detokenising or stop matching raised: this request's fault alone
                 self._fail_request(req, error)
-            if not req.finished and req.stream and len(req.unsent_ids) >= self.config.stream_interval:
+            if (
+                not req.finished
+                and req.stream
+                and len(req.unsent_ids) >= self.config.stream_interval
+            ):
                 self._emit(req)
         self._throughput.record(now, len(reqs))
 
@@ -498,12 +622,18 @@ class Scheduler:
         the prompt's KV (shared through the prefix cache, else copied) and a copy of the state, and decodes from
         here. One that cannot get memory now waits and prefills like any request."""
         assert not parent.output_ids, "parallel samples fork before the first token"
-        self._cache_prefix(parent)  # the cache then owns the prompt's KV, which every sample reads in place
+        self._cache_prefix(
+            parent
+        )  # the cache then owns the prompt's KV, which every sample reads in place
         forked = []
         for i, rid in enumerate(parent.forks, start=1):
             params = dataclasses.replace(parent.sampling_params, n=1, seed=parent.fork_seed + i)
             child = self._new_req(rid, list(parent.input_ids), params, parent.fork_seed + i)
-            child.arrival_time, child.logprob, child.stream = parent.arrival_time, parent.logprob, parent.stream
+            child.arrival_time, child.logprob, child.stream = (
+                parent.arrival_time,
+                parent.logprob,
+                parent.stream,
+            )
             child.grammar = parent.grammar.restarted() if parent.grammar is not None else None
             child.logprob_record = parent.logprob_record.copy_input()
             if self._share_prompt(parent, child):
@@ -551,9 +681,15 @@ class Scheduler:
 
     def _emit_unforked(self, parent: Req, rid: str, reason: FinishReason) -> None:
         """A parallel sample that ends before it was forked (its parent ended, or it was aborted)."""
-        meta = {"id": rid, "prompt_tokens": len(parent.input_ids), "completion_tokens": 0, "cached_tokens": 0,
-                "finish_reason": reason.to_dict(), "num_retractions": 0,
-                "e2e_latency": time.monotonic() - parent.arrival_time}
+        meta = {
+            "id": rid,
+            "prompt_tokens": len(parent.input_ids),
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "finish_reason": reason.to_dict(),
+            "num_retractions": 0,
+            "e2e_latency": time.monotonic() - parent.arrival_time,
+        }
         self._outputs.append(ReqOutput(rid, [], "", True, meta))
 
     def flush_cache(self) -> int:
@@ -587,14 +723,18 @@ class Scheduler:
     # ---- finishing and freeing ---------------------------------------------------------------------------------
     def _finish(self, req: Req, reason: FinishReason) -> None:
         if not (reason.kind == "stop" and isinstance(reason.matched, str)):
-            self._flush_text(req)  # a stop string already emitted the text before it and dropped the rest
+            self._flush_text(
+                req
+            )  # a stop string already emitted the text before it and dropped the rest
         self._end(req, reason)
 
     def _fail_request(self, req: Req, error: Exception) -> None:
         """One request raised: it fails alone, unless the error broke the device (then the rank must go)."""
         if breaks_the_device(error) or is_out_of_memory(error):
             raise error
-        logger.warning("request %s failed: %s: %s", req.rid, type(error).__name__, error, exc_info=error)
+        logger.warning(
+            "request %s failed: %s: %s", req.rid, type(error).__name__, error, exc_info=error
+        )
         self._fail(req, error)
 
     def _fail(self, req: Req, error: Exception) -> None:
@@ -603,7 +743,9 @@ class Scheduler:
 
     def _end(self, req: Req, reason: FinishReason) -> None:
         if req.holds_memory:
-            self._release(req, cache=not reason.is_internal_error)  # a failed step's KV may be half-written
+            self._release(
+                req, cache=not reason.is_internal_error
+            )  # a failed step's KV may be half-written
         if req in self.waiting:
             self.waiting.remove(req)
         self.grammar_queue.remove(req)
@@ -636,7 +778,9 @@ class Scheduler:
             self.chunked = None
 
     def _emit(self, req: Req) -> None:
-        self._outputs.append(ReqOutput(req.rid, req.unsent_ids, req.unsent_text, req.finished, self._meta_info(req)))
+        self._outputs.append(
+            ReqOutput(req.rid, req.unsent_ids, req.unsent_text, req.finished, self._meta_info(req))
+        )
         req.unsent_ids, req.unsent_text = [], ""
 
     def _meta_info(self, req: Req) -> dict[str, Any]:
@@ -663,21 +807,30 @@ class Scheduler:
         return params.seed if params.seed is not None else self._seeds.getrandbits(63)
 
     def _new_req(self, rid: str, input_ids: list[int], params: SamplingParams, seed: int) -> Req:
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.config.eos_token_ids))
+        stop_ids = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else set(self.config.eos_token_ids)
+        )
         tokenizer = self.tokenizer
         return Req(
             rid=rid,
             input_ids=input_ids,
             sampling_params=params,
-            max_new_tokens=min(params.max_new_tokens, self.config.max_request_tokens - len(input_ids)),
+            max_new_tokens=min(
+                params.max_new_tokens, self.config.max_request_tokens - len(input_ids)
+            ),
             stop_token_ids=frozenset(stop_ids),
             generator=make_generator(seed, self.config.device),
-            detokenizer=IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None,
+            detokenizer=IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+            if tokenizer
+            else None,
             stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
         )
 
     def _find(self, rid: str) -> Req | None:
-        req = next((r for r in self.waiting + self.holders + self.grammar_queue.items if r.rid == rid), None)
+        req = next(
+            (r for r in self.waiting + self.holders + self.grammar_queue.items if r.rid == rid),
+            None,
+        )
         if req is None and self.disagg is not None:
             req = self.disagg.find(rid)
         return req
@@ -692,23 +845,31 @@ class Scheduler:
         holders = self.holders
         for req in holders + self.waiting:
             req.check()
-        holders = holders + (self.disagg.held() if self.disagg is not None else [])  # PD: reserved or being sent
+        holders = holders + (
+            self.disagg.held() if self.disagg is not None else []
+        )  # PD: reserved or being sent
         cached = self.cache.num_tokens if self.cache is not None else 0
         owned = sum(r.num_cached - r.cached_len for r in holders)
         assert self.pools.kv.allocator.num_used == owned + cached, "KV slots leaked or lost"
         if self.cache is not None:
-            assert self.cache.num_locked_tokens <= self.cache.num_tokens, "prefix-cache locks out of step"
+            assert self.cache.num_locked_tokens <= self.cache.num_tokens, (
+                "prefix-cache locks out of step"
+            )
         assert self.pools.req_to_token.allocator.num_used == len(holders), "request rows leaked"
         assert self.pools.states.allocator.num_used == len(holders), "state slots leaked"
 
     # ---- load figures ------------------------------------------------------------------------------------------
     def _tokens_to_prefill(self) -> int:
         """Prompt tokens not yet in the cache: waiting requests and the rest of the chunked one."""
-        return sum(r.num_uncached for r in self.waiting) + (self.chunked.num_uncached if self.chunked else 0)
+        return sum(r.num_uncached for r in self.waiting) + (
+            self.chunked.num_uncached if self.chunked else 0
+        )
 
     def get_loads(self) -> SchedulerLoads:
         evictable = self.cache.evictable_tokens if self.cache is not None else 0
-        used = self.pools.kv.allocator.num_used - evictable  # unused cached prefixes are free space, as upstream
+        used = (
+            self.pools.kv.allocator.num_used - evictable
+        )  # unused cached prefixes are free space, as upstream
         total = self.config.max_total_tokens
         running = len(self.holders)
         pd = self.disagg.loads() if self.disagg is not None else {}
@@ -720,8 +881,9 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting) + len(pd_waiting) + len(self.grammar_queue),
             num_used_tokens=used,
             # PD: a reserved request's KV is in `used` already; one still in prealloc counts its prompt
-            num_total_tokens=used + self._tokens_to_prefill() + sum(len(r.input_ids) for r in pd_waiting
-                                                                   if not r.holds_memory),
+            num_total_tokens=used
+            + self._tokens_to_prefill()
+            + sum(len(r.input_ids) for r in pd_waiting if not r.holds_memory),
             max_total_num_tokens=total,
             token_usage=used / total,
             gen_throughput=self._throughput.rate(time.monotonic()),
@@ -739,7 +901,9 @@ class Scheduler:
             num_retractions=self.num_retractions,
             num_prefill_tokens=self.num_prefill_tokens,
             mode=self.disagg.mode if self.disagg is not None else "null",
-            decode_retracted_queue_reqs=sum(1 for r in self.waiting if r.num_retractions) if pd else 0,
+            decode_retracted_queue_reqs=sum(1 for r in self.waiting if r.num_retractions)
+            if pd
+            else 0,
             **pd,
         )
 

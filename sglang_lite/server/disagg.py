@@ -7,6 +7,7 @@ decode server. The decode rank reserves memory and answers ``Reserved``; its ser
 prefill rank running that room (``TransferTarget``), or keeps it until the room's request arrives. The prefill rank
 then writes the request's KV, states and first token into the decode rank's memory (``scheduler/disagg.py``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,7 +44,9 @@ def bootstrap_of(host: Any, port: Any, room: Any, n: int) -> list[Bootstrap | No
         return [None] * n
     missing = [k for k, v in fields.items() if v is None]
     if missing:
-        raise ValueError(f"{missing[0]}: PD requests carry bootstrap_host, bootstrap_port and bootstrap_room")
+        raise ValueError(
+            f"{missing[0]}: PD requests carry bootstrap_host, bootstrap_port and bootstrap_room"
+        )
     per_prompt = {}
     for name, value in fields.items():
         values = value if isinstance(value, list) else [value] * n
@@ -51,7 +54,9 @@ def bootstrap_of(host: Any, port: Any, room: Any, n: int) -> list[Bootstrap | No
             raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
         per_prompt[name] = values
     out = []
-    for h, p, r in zip(per_prompt["bootstrap_host"], per_prompt["bootstrap_port"], per_prompt["bootstrap_room"]):
+    for h, p, r in zip(
+        per_prompt["bootstrap_host"], per_prompt["bootstrap_port"], per_prompt["bootstrap_room"]
+    ):
         if not 0 < p < 65536:
             raise ValueError(f"bootstrap_port must be a TCP port, got {p}")
         if not 0 <= r < ROOM_LIMIT:
@@ -70,7 +75,9 @@ class PDFrontEnd:
         self.manager, self.args = manager, manager.args
         self.mode = self.args.disaggregation_mode
         self.rooms: dict[int, RequestStream] = {}
-        self.pending: dict[int, tuple[dict[str, Any], float]] = {}  # prefill: destinations before their request
+        self.pending: dict[
+            int, tuple[dict[str, Any], float]
+        ] = {}  # prefill: destinations before their request
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._posts: set[asyncio.Task] = set()
@@ -82,10 +89,16 @@ class PDFrontEnd:
             app.router.add_get("/health", lambda _: web.json_response({"status": "ok"}))
             self._runner = web.AppRunner(app, access_log=None)
             await self._runner.setup()
-            await web.TCPSite(self._runner, self.args.host, self.args.disaggregation_bootstrap_port).start()
-            logger.info("bootstrap server on %s:%d", self.args.host, self.args.disaggregation_bootstrap_port)
+            await web.TCPSite(
+                self._runner, self.args.host, self.args.disaggregation_bootstrap_port
+            ).start()
+            logger.info(
+                "bootstrap server on %s:%d", self.args.host, self.args.disaggregation_bootstrap_port
+            )
         elif self.mode == "decode":
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=POST_TIMEOUT_S))
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=POST_TIMEOUT_S)
+            )
 
     async def shutdown(self) -> None:
         for task in list(self._posts):
@@ -101,13 +114,21 @@ class PDFrontEnd:
         if self.mode == "null":
             return
         if request.bootstrap is None:
-            raise ValueError(f"bootstrap_room: a {self.mode} server takes requests with bootstrap_host, "
-                             "bootstrap_port and bootstrap_room (send them through a PD router)")
+            raise ValueError(
+                f"bootstrap_room: a {self.mode} server takes requests with bootstrap_host, "
+                "bootstrap_port and bootstrap_room (send them through a PD router)"
+            )
         if request.bootstrap.room in self.rooms:
-            raise ValueError(f"bootstrap_room {request.bootstrap.room} is already in use by an unfinished request")
+            raise ValueError(
+                f"bootstrap_room {request.bootstrap.room} is already in use by an unfinished request"
+            )
 
     def room_of(self, request: GenerateInput) -> int | None:
-        return request.bootstrap.room if self.mode != "null" and request.bootstrap is not None else None
+        return (
+            request.bootstrap.room
+            if self.mode != "null" and request.bootstrap is not None
+            else None
+        )
 
     def on_submitted(self, stream: RequestStream, bootstrap: Bootstrap | None) -> None:
         if self.mode == "null" or bootstrap is None:
@@ -128,18 +149,26 @@ class PDFrontEnd:
         try:
             body = await request.json()
             room, target = body["room"], body["target"]
-            if not isinstance(room, int) or not 0 <= room < ROOM_LIMIT or not isinstance(target, dict):
+            if (
+                not isinstance(room, int)
+                or not 0 <= room < ROOM_LIMIT
+                or not isinstance(target, dict)
+            ):
                 raise ValueError("room must be an integer in [0, 2**63) and target an object")
         except (ValueError, KeyError, TypeError) as error:
             return web.json_response({"error": f"bad destination: {error}"}, status=400)
         self._expire(time.monotonic())
         if room in self.pending:
-            return web.json_response({"error": f"bootstrap_room {room} already has a destination"}, status=409)
+            return web.json_response(
+                {"error": f"bootstrap_room {room} already has a destination"}, status=409
+            )
         stream = self.rooms.get(room)
         if stream is None:
             self.pending[room] = (target, time.monotonic())
         elif getattr(stream, "target_sent", False):
-            return web.json_response({"error": f"bootstrap_room {room} already has a destination"}, status=409)
+            return web.json_response(
+                {"error": f"bootstrap_room {room} already has a destination"}, status=409
+            )
         else:
             stream.target_sent = True
             self.manager.client.send(stream.rank, TransferTarget(room, target))
@@ -163,13 +192,17 @@ class PDFrontEnd:
         bootstrap = stream.bootstrap
         url = f"http://{bootstrap.host}:{bootstrap.port}{TARGET_PATH}"
         try:
-            async with self._session.post(url, json={"room": reserved.room, "target": reserved.target}) as response:
+            async with self._session.post(
+                url, json={"room": reserved.room, "target": reserved.target}
+            ) as response:
                 if response.status == 200:
                     return
                 why = f"answered {response.status}: {(await response.text())[:200]}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as error:
             why = f"is unreachable ({type(error).__name__}: {error})"
-        message = f"the prefill server's bootstrap server at {bootstrap.host}:{bootstrap.port} {why}"
+        message = (
+            f"the prefill server's bootstrap server at {bootstrap.host}:{bootstrap.port} {why}"
+        )
         logger.warning("PD request %s fails: %s", reserved.rid, message)
         if self.manager.live[stream.rank]:
             self.manager.client.send(stream.rank, AbortRequest(reserved.rid, error=message))

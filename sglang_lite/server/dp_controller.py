@@ -4,6 +4,7 @@ A rank named by the request (``routed_dp_rank``, or the older ``data_parallel_ra
 ``--load-balance-method`` picks among live ranks. The choice is pure: it sees the live ranks and their in-flight
 request counts (kept by the tokenizer manager from dispatch to the end of each request), nothing else.
 """
+
 from __future__ import annotations
 
 import itertools

@@ -3,6 +3,7 @@
 Handlers translate HTTP to ``GenerateInput``s and ``ReqOutput``s to HTTP; tokenising, routing and streaming live
 in the tokenizer manager, the OpenAI shapes in ``openai_serving``.
 """
+
 from __future__ import annotations
 
 import time
@@ -30,7 +31,12 @@ from sglang_lite.server.middleware import (
     RouteCountMiddleware,
 )
 from sglang_lite.server.model_info import VERSION, model_info_of, server_info_of
-from sglang_lite.server.openai_protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
+from sglang_lite.server.openai_protocol import (
+    AbortRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+)
 from sglang_lite.server.responses import (
     ClientDisconnected,
     SSEResponse,
@@ -68,11 +74,16 @@ def create_app(args: ServerArgs, manager: TokenizerManager | None = None) -> Fas
     app = FastAPI(title="sglang_lite", version=VERSION, lifespan=lifespan)
     app.state.manager, app.state.args = manager, args
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
-    app.add_middleware(ConcurrencyLimitMiddleware, max_requests=args.max_concurrent_requests,
-                       exempt_paths=UNLIMITED_PATHS)  # outside the body limit: refuses before reading a body
+    app.add_middleware(
+        ConcurrencyLimitMiddleware,
+        max_requests=args.max_concurrent_requests,
+        exempt_paths=UNLIMITED_PATHS,
+    )  # outside the body limit: refuses before reading a body
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, open_paths=("/health",))
-    app.add_middleware(RouteCountMiddleware, metrics=manager.metrics)  # outermost: counts 401s and 413s too
+    app.add_middleware(
+        RouteCountMiddleware, metrics=manager.metrics
+    )  # outermost: counts 401s and 413s too
     _add_error_handlers(app)
     _add_routes(app, manager, args)
     openai_serving.add_routes(app, manager, args)
@@ -88,7 +99,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, error: StarletteHTTPException) -> Response:
         if error.status_code < 400:
             return Response(status_code=error.status_code, headers=error.headers)
-        return error_response(error.status_code, str(error.detail), error.headers)  # e.g. an unparsable body
+        return error_response(
+            error.status_code, str(error.detail), error.headers
+        )  # e.g. an unparsable body
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, error: RequestError) -> JSONResponse:
@@ -113,8 +126,14 @@ def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> No
         """200 while every rank is up; else 503, degraded, with each rank's state (up, starting, down, failed)."""
         if all(manager.live):
             return Response(status_code=200)
-        error = {"message": f"degraded: DP ranks alive: {manager.live}", "type": "ServiceUnavailable", "code": 503}
-        return JSONResponse({"error": error, "status": "degraded", "ranks": manager.rank_states()}, status_code=503)
+        error = {
+            "message": f"degraded: DP ranks alive: {manager.live}",
+            "type": "ServiceUnavailable",
+            "code": 503,
+        }
+        return JSONResponse(
+            {"error": error, "status": "degraded", "ranks": manager.rank_states()}, status_code=503
+        )
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
@@ -131,16 +150,28 @@ def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> No
         return model_info_of(manager, args)
 
     @app.get("/v1/loads")
-    async def loads(include: list[str] = Query(default=["all"]), dp_rank: int | None = None) -> dict[str, Any]:
+    async def loads(
+        include: list[str] = Query(default=["all"]), dp_rank: int | None = None
+    ) -> dict[str, Any]:
         sections = _parse_include(include)
         loads = await manager.get_loads(_parse_dp_rank(dp_rank, args.dp_size), sections)
-        return {"timestamp": datetime.now(timezone.utc).isoformat(), "version": VERSION, "loads": loads}
+        return {
+            "timestamp": datetime.now(timezone.utc).isoformat(),
+            "version": VERSION,
+            "loads": loads,
+        }
 
     @app.get("/get_load")
     async def get_load() -> list[dict[str, Any]]:
-        return [{"dp_rank": load["dp_rank"], "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
-                 "num_waiting_reqs": load["num_waiting_reqs"], "num_tokens": load["num_total_tokens"]}
-                for load in await manager.get_loads()]
+        return [
+            {
+                "dp_rank": load["dp_rank"],
+                "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                "num_waiting_reqs": load["num_waiting_reqs"],
+                "num_tokens": load["num_total_tokens"],
+            }
+            for load in await manager.get_loads()
+        ]
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest) -> dict[str, Any]:
@@ -174,15 +205,22 @@ def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> No
         tokenizer = manager.tokenizer
         if tokenizer is None:
             raise RequestError(404, "the server skipped tokenizer init")
-        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
-                "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
-                "chat_template": getattr(tokenizer, "chat_template", None),
-                "model_max_length": manager.config.context_length, "vocab_size": manager.config.vocab_size}
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token,
+            "pad_token": tokenizer.pad_token,
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": manager.config.context_length,
+            "vocab_size": manager.config.vocab_size,
+        }
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         loads = await manager.get_loads([r for r in range(args.dp_size) if manager.live[r]])
-        return PlainTextResponse(manager.metrics.render(loads), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            manager.metrics.render(loads), media_type="text/plain; version=0.0.4"
+        )
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
@@ -195,27 +233,44 @@ def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> No
         results = await until_disconnect(request, manager.run_all(inputs))
         texts = _logprob_texts(manager, body)
         payload = [_native_result(r.new_token_ids, r.new_text, texts(r.meta_info)) for r in results]
-        return JSONResponse(payload if batched or len(payload) > 1 else payload[0])  # n > 1: n results
+        return JSONResponse(
+            payload if batched or len(payload) > 1 else payload[0]
+        )  # n > 1: n results
 
 
 # ---- /generate -------------------------------------------------------------------------------------------------
-async def _generate_inputs(manager: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateInput], bool]:
+async def _generate_inputs(
+    manager: TokenizerManager, body: GenerateRequest
+) -> tuple[list[GenerateInput], bool]:
     try:
         prompts, is_text, batched = split_prompts(body.text, body.input_ids)
     except ValueError as error:
         raise bad_request(str(error)) from error
     manager.check_prompt_count(len(prompts), "text" if is_text else "input_ids")
-    params = [manager.sampling_params(p) for p in _per_prompt(body.sampling_params, len(prompts), "sampling_params")]
-    rids = _per_prompt(body.rid, len(prompts), "rid") if body.rid is not None else [None] * len(prompts)
+    params = [
+        manager.sampling_params(p)
+        for p in _per_prompt(body.sampling_params, len(prompts), "sampling_params")
+    ]
+    rids = (
+        _per_prompt(body.rid, len(prompts), "rid")
+        if body.rid is not None
+        else [None] * len(prompts)
+    )
     rank = requested_rank(body.routed_dp_rank, body.data_parallel_rank)
     try:
-        pd = bootstrap_of(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(prompts))
+        pd = bootstrap_of(
+            body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(prompts)
+        )
     except ValueError as error:
         raise bad_request(str(error)) from error
     logprobs = _logprob_params(body, len(prompts))
-    ids = [await manager.encode(p) for p in prompts] if is_text else prompts  # the sampling checks come first
-    return [GenerateInput(rid or uuid.uuid4().hex, i, p, rank, b, lp)
-            for i, p, rid, b, lp in zip(ids, params, rids, pd, logprobs)], batched
+    ids = (
+        [await manager.encode(p) for p in prompts] if is_text else prompts
+    )  # the sampling checks come first
+    return [
+        GenerateInput(rid or uuid.uuid4().hex, i, p, rank, b, lp)
+        for i, p, rid, b, lp in zip(ids, params, rids, pd, logprobs)
+    ], batched
 
 
 def _logprob_params(body: GenerateRequest, n: int) -> list[LogprobParams | None]:
@@ -224,22 +279,30 @@ def _logprob_params(body: GenerateRequest, n: int) -> list[LogprobParams | None]
     starts = _per_prompt(body.logprob_start_len, n, "logprob_start_len")
     tops = _per_prompt(body.top_logprobs_num, n, "top_logprobs_num")
     ids = body.token_ids_logprob
-    ids = _per_prompt(ids, n, "token_ids_logprob") if ids and isinstance(ids[0], list) else [ids] * n
+    ids = (
+        _per_prompt(ids, n, "token_ids_logprob") if ids and isinstance(ids[0], list) else [ids] * n
+    )
     params = []
     for ask, start, top, chosen in zip(asks, starts, tops, ids):
         if not ask and (start != -1 or top or chosen is not None):
-            raise bad_request("logprob_start_len, top_logprobs_num and token_ids_logprob need return_logprob")
+            raise bad_request(
+                "logprob_start_len, top_logprobs_num and token_ids_logprob need return_logprob"
+            )
         params.append(LogprobParams(True, start, top, chosen) if ask else None)
     return params
 
 
-def _logprob_texts(manager: TokenizerManager, body: GenerateRequest) -> Callable[[dict[str, Any]], dict[str, Any]]:
+def _logprob_texts(
+    manager: TokenizerManager, body: GenerateRequest
+) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """``return_text_in_logprobs``: fills each log-probability entry's text (its third place) in a meta_info."""
+
     def fill(meta: dict[str, Any]) -> dict[str, Any]:
         if body.return_text_in_logprobs:
             for key in [k for k in (*OUTPUT_KEYS, *INPUT_KEYS) if k in meta]:
                 meta[key] = [_with_texts(manager, position) for position in meta[key]]
         return meta
+
     return fill
 
 
@@ -265,7 +328,9 @@ def _native_result(ids: list[int], text: str, meta: dict[str, Any]) -> dict[str,
     return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
-async def _native_events(streams: list[RequestStream], texts: Callable[[dict], dict]) -> AsyncIterator[bytes]:
+async def _native_events(
+    streams: list[RequestStream], texts: Callable[[dict], dict]
+) -> AsyncIterator[bytes]:
     """SGLang's native stream: cumulative text, output ids and log-probabilities in every event; with ``n`` > 1
     the samples' events interleave, each with its ``index``."""
     text, ids, logprobs = [""] * len(streams), [[] for _ in streams], [{} for _ in streams]
@@ -307,8 +372,11 @@ def _parse_dp_rank(dp_rank: int | None, dp_size: int) -> list[int] | None:
 async def _health_generate(manager: TokenizerManager) -> Response:
     """One token on every live rank, each within the timeout."""
     one_token = manager.sampling_params({"max_new_tokens": 1})
-    inputs = [GenerateInput(f"health_generate_{uuid.uuid4().hex}", [0], one_token, rank)
-              for rank in range(len(manager.live)) if manager.live[rank]]
+    inputs = [
+        GenerateInput(f"health_generate_{uuid.uuid4().hex}", [0], one_token, rank)
+        for rank in range(len(manager.live))
+        if manager.live[rank]
+    ]
     if len(inputs) < len(manager.live):
         return error_response(503, f"DP ranks alive: {manager.live}")
     started = time.monotonic()

@@ -1,5 +1,6 @@
 """Prometheus text metrics: request counters, per-rank latency histograms, and per-rank load gauges taken live
 at scrape time."""
+
 from __future__ import annotations
 
 import bisect
@@ -8,17 +9,38 @@ from typing import Any
 
 PREFIX = "sglang_lite"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-LOAD_GAUGES = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens", "token_usage",
-               "gen_throughput", "utilization", "max_total_num_tokens")
+LOAD_GAUGES = (
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_used_tokens",
+    "num_total_tokens",
+    "token_usage",
+    "gen_throughput",
+    "utilization",
+    "max_total_num_tokens",
+)
 # counters the ranks keep (PD disaggregation: what each rank sent or received through the transfer engine)
 LOAD_COUNTERS = {  # metric: (load field, help)
-    "kv_transfers_total": ("kv_transfers_total", "KV transfers of PD requests completed by each rank."),
-    "kv_transfer_bytes_total": ("kv_transfer_bytes_total", "Bytes of KV and GDN state moved by each rank's PD "
-                                "transfers."),
-    "kv_transfer_seconds_total": ("kv_transfer_seconds_total", "Seconds the PD transfers of each rank took."),
-    "prefill_tokens_total": ("num_prefill_tokens", "Tokens each rank ran through prefill forwards."),
-    "cached_prompt_tokens_total": ("num_cached_prompt_tokens", "Prompt tokens each rank served from its prefix "
-                                   "cache."),
+    "kv_transfers_total": (
+        "kv_transfers_total",
+        "KV transfers of PD requests completed by each rank.",
+    ),
+    "kv_transfer_bytes_total": (
+        "kv_transfer_bytes_total",
+        "Bytes of KV and GDN state moved by each rank's PD transfers.",
+    ),
+    "kv_transfer_seconds_total": (
+        "kv_transfer_seconds_total",
+        "Seconds the PD transfers of each rank took.",
+    ),
+    "prefill_tokens_total": (
+        "num_prefill_tokens",
+        "Tokens each rank ran through prefill forwards.",
+    ),
+    "cached_prompt_tokens_total": (
+        "num_cached_prompt_tokens",
+        "Prompt tokens each rank served from its prefix cache.",
+    ),
 }
 
 
@@ -37,7 +59,10 @@ class Histogram:
         for bound, count in zip([*map(str, self.buckets), "+Inf"], self.counts):
             cumulative += count
             out.append(f'{name}_bucket{{{labels},le="{bound}"}} {cumulative}')
-        return out + [f"{name}_sum{{{labels}}} {self.sum}", f"{name}_count{{{labels}}} {cumulative}"]
+        return out + [
+            f"{name}_sum{{{labels}}} {self.sum}",
+            f"{name}_count{{{labels}}} {cumulative}",
+        ]
 
 
 class ServerMetrics:
@@ -52,30 +77,58 @@ class ServerMetrics:
         self.routed: Counter[tuple[int, str]] = Counter()  # (rank, "named" | "balanced")
         self.finished: Counter[tuple[int, str]] = Counter()  # (rank, finish reason)
         self.tokens: Counter[tuple[int, str]] = Counter()  # (rank, "prompt" | "generation")
-        self.histograms: dict[str, defaultdict[int, Histogram]] = {n: defaultdict(Histogram) for n in self.HISTOGRAMS}
+        self.histograms: dict[str, defaultdict[int, Histogram]] = {
+            n: defaultdict(Histogram) for n in self.HISTOGRAMS
+        }
 
     def observe(self, name: str, rank: int, seconds: float) -> None:
         self.histograms[name][rank].observe(seconds)
 
     def render(self, loads: list[dict[str, Any]]) -> str:
         lines: list[str] = []
-        self._counter(lines, "http_requests_total", "HTTP requests by route and status.",
-                      {f'route="{r}",status="{s}"': n for (r, s), n in self.http_requests.items()})
-        self._counter(lines, "requests_routed_total", "Requests dispatched to each rank; named: the request chose it.",
-                      {f'dp_rank="{r}",how="{h}"': n for (r, h), n in self.routed.items()})
-        self._counter(lines, "requests_finished_total", "Requests ended, by rank and finish reason.",
-                      {f'dp_rank="{r}",reason="{k}"': n for (r, k), n in self.finished.items()})
-        self._counter(lines, "tokens_total", "Prompt and generated tokens by rank.",
-                      {f'dp_rank="{r}",kind="{k}"': n for (r, k), n in self.tokens.items()})
+        self._counter(
+            lines,
+            "http_requests_total",
+            "HTTP requests by route and status.",
+            {f'route="{r}",status="{s}"': n for (r, s), n in self.http_requests.items()},
+        )
+        self._counter(
+            lines,
+            "requests_routed_total",
+            "Requests dispatched to each rank; named: the request chose it.",
+            {f'dp_rank="{r}",how="{h}"': n for (r, h), n in self.routed.items()},
+        )
+        self._counter(
+            lines,
+            "requests_finished_total",
+            "Requests ended, by rank and finish reason.",
+            {f'dp_rank="{r}",reason="{k}"': n for (r, k), n in self.finished.items()},
+        )
+        self._counter(
+            lines,
+            "tokens_total",
+            "Prompt and generated tokens by rank.",
+            {f'dp_rank="{r}",kind="{k}"': n for (r, k), n in self.tokens.items()},
+        )
         for name, help_text in self.HISTOGRAMS.items():
             lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} histogram"]
             for rank, histogram in sorted(self.histograms[name].items()):
                 lines += histogram.lines(f"{PREFIX}_{name}", f'dp_rank="{rank}"')
         for gauge in LOAD_GAUGES:
-            lines += [f"# HELP {PREFIX}_{gauge} Live {gauge} of each rank.", f"# TYPE {PREFIX}_{gauge} gauge"]
-            lines += [f'{PREFIX}_{gauge}{{dp_rank="{load["dp_rank"]}"}} {load[gauge]}' for load in loads]
+            lines += [
+                f"# HELP {PREFIX}_{gauge} Live {gauge} of each rank.",
+                f"# TYPE {PREFIX}_{gauge} gauge",
+            ]
+            lines += [
+                f'{PREFIX}_{gauge}{{dp_rank="{load["dp_rank"]}"}} {load[gauge]}' for load in loads
+            ]
         for name, (field, help_text) in LOAD_COUNTERS.items():
-            self._counter(lines, name, help_text, {f'dp_rank="{load["dp_rank"]}"': load[field] for load in loads})
+            self._counter(
+                lines,
+                name,
+                help_text,
+                {f'dp_rank="{load["dp_rank"]}"': load[field] for load in loads},
+            )
         return "\n".join(lines) + "\n"
 
     @staticmethod

@@ -1,5 +1,6 @@
 """ASGI middleware: the API key, the request body limit, the bound on requests in progress, and per-route
 request counts."""
+
 from __future__ import annotations
 
 import hmac
@@ -11,8 +12,12 @@ from sglang_lite.server.metrics import ServerMetrics
 Scope = dict[str, Any]
 
 
-async def _reply(send: Any, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json.dumps({"error": {"message": message, "type": "RequestError", "code": status}}).encode()
+async def _reply(
+    send: Any, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    body = json.dumps(
+        {"error": {"message": message, "type": "RequestError", "code": status}}
+    ).encode()
     base = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": base + (headers or [])})
     await send({"type": "http.response.body", "body": body})
@@ -32,8 +37,12 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = _header(scope, b"authorization") or b""
             if not hmac.compare_digest(given, self.expected):
-                await _reply(send, 401, "missing or wrong API key (Authorization: Bearer <key>)",
-                             [(b"www-authenticate", b"Bearer")])
+                await _reply(
+                    send,
+                    401,
+                    "missing or wrong API key (Authorization: Bearer <key>)",
+                    [(b"www-authenticate", b"Bearer")],
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -99,8 +108,12 @@ class ConcurrencyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         if self.active >= self.max_requests:
-            await _reply(send, 503, f"the server is handling {self.active} requests, its limit; retry later",
-                         [(b"retry-after", b"1")])
+            await _reply(
+                send,
+                503,
+                f"the server is handling {self.active} requests, its limit; retry later",
+                [(b"retry-after", b"1")],
+            )
             return
         self.active += 1
         try:

@@ -1,4 +1,5 @@
 """What the server says about itself and its model: ``/server_info``, ``/model_info`` and the served model name."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,9 +22,15 @@ def server_info_of(manager: TokenizerManager, args: ServerArgs) -> dict[str, Any
     info = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
     config = manager.config
     info.update(
-        version=VERSION, dp_size=args.dp_size, model_path=args.model_dir, served_model_name=served_model_name(args),
-        context_length=config.context_length, max_total_num_tokens=config.max_total_tokens,
-        max_running_requests=config.max_running_requests, is_generation=True, scheduler_pids=manager.rank_pids,
+        version=VERSION,
+        dp_size=args.dp_size,
+        model_path=args.model_dir,
+        served_model_name=served_model_name(args),
+        context_length=config.context_length,
+        max_total_num_tokens=config.max_total_tokens,
+        max_running_requests=config.max_running_requests,
+        is_generation=True,
+        scheduler_pids=manager.rank_pids,
     )
     if manager.alt_stream_plan is not None:
         info["alt_stream_plan"] = manager.alt_stream_plan
@@ -39,9 +46,15 @@ def model_info_of(manager: TokenizerManager, args: ServerArgs) -> dict[str, Any]
     with open(os.path.join(args.model_dir, "config.json")) as f:
         hf_config = json.load(f)
     return {
-        "model_path": args.model_dir, "tokenizer_path": args.tokenizer_dir,
-        "served_model_name": served_model_name(args), "is_generation": True,
-        "model_type": hf_config.get("model_type"), "architectures": hf_config.get("architectures"),
-        "context_length": manager.config.context_length, "preferred_sampling_params": None,
-        "weight_version": "default", "has_image_understanding": False, "has_audio_understanding": False,
+        "model_path": args.model_dir,
+        "tokenizer_path": args.tokenizer_dir,
+        "served_model_name": served_model_name(args),
+        "is_generation": True,
+        "model_type": hf_config.get("model_type"),
+        "architectures": hf_config.get("architectures"),
+        "context_length": manager.config.context_length,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
     }

@@ -5,6 +5,7 @@ lm-evaluation-harness reads): ``{"tokens", "token_logprobs", "top_logprobs", "te
 ``top_logprobs`` entry maps a token's text to its log-probability, holding the top ``logprobs`` tokens and the
 chosen one; with ``echo`` the prompt's tokens come first (the first has no log-probability).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,8 +21,12 @@ def chat_logprobs(meta: dict[str, Any], texts: TokenTexts) -> dict[str, Any]:
     content = []
     for entry, text, top in zip(chosen, chosen_texts, tops):
         top_texts = texts([t[1] for t in top])
-        content.append({**_chat_entry(text, entry[0]),
-                        "top_logprobs": [_chat_entry(t, e[0]) for t, e in zip(top_texts, top)]})
+        content.append(
+            {
+                **_chat_entry(text, entry[0]),
+                "top_logprobs": [_chat_entry(t, e[0]) for t, e in zip(top_texts, top)],
+            }
+        )
     return {"content": content}
 
 
@@ -45,17 +50,25 @@ class CompletionLogprobs:
         chosen += output
         tops += meta.get("output_top_logprobs") or [[] for _ in output]
         tokens = self.texts([entry[1] for entry in chosen])
-        shaped = {"tokens": tokens, "token_logprobs": [entry[0] for entry in chosen], "top_logprobs": [],
-                  "text_offset": []}
+        shaped = {
+            "tokens": tokens,
+            "token_logprobs": [entry[0] for entry in chosen],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
         for entry, text, top in zip(chosen, tokens, tops):
             shaped["text_offset"].append(self.offset)
             self.offset += len(text)
-            shaped["top_logprobs"].append(None if entry[0] is None else self._top(entry, text, top or []))
+            shaped["top_logprobs"].append(
+                None if entry[0] is None else self._top(entry, text, top or [])
+            )
         return shaped
 
     def _top(self, entry: list, text: str, top: list) -> dict[str, float]:
         ranked: dict[str, float] = {}
         for top_text, top_entry in zip(self.texts([e[1] for e in top]), top):
-            ranked.setdefault(top_text, top_entry[0])  # tokens of equal text: the likeliest (they come ranked)
+            ranked.setdefault(
+                top_text, top_entry[0]
+            )  # tokens of equal text: the likeliest (they come ranked)
         ranked.setdefault(text, entry[0])  # the chosen token is always there
         return ranked

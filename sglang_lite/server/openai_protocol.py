@@ -4,12 +4,22 @@ send extras (``model: null``, ``log_metrics``, ``return_hidden_states`` ...).
 
 The sampling fields carry the static bounds of ``SamplingParams.validate`` (so /openapi.json states them); the
 bounds that depend on the model (the vocabulary) and the stop strings' total length are checked there alone."""
+
 from __future__ import annotations
 
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from sglang_lite.sampling.logprobs import MAX_TOP_LOGPROBS
 from sglang_lite.sampling.params import (
@@ -32,7 +42,9 @@ class _Request(BaseModel):
     APIs is implemented (declared) or listed in ``refused``: a 400 naming it unless it has a neutral value."""
 
     model_config = ConfigDict(extra="ignore")
-    refused: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {}  # field -> (neutral values, why it is refused)
+    refused: ClassVar[
+        dict[str, tuple[tuple[Any, ...], str]]
+    ] = {}  # field -> (neutral values, why it is refused)
 
     @model_validator(mode="before")
     @classmethod
@@ -54,7 +66,9 @@ class GenerateRequest(_Request):
     routed_dp_rank: StrictInt | None = None
     data_parallel_rank: StrictInt | None = Field(None, description="Older name of routed_dp_rank.")
     return_logprob: StrictBool | list[StrictBool] = False
-    logprob_start_len: StrictInt | list[StrictInt] = Field(-1, description="-1: output tokens only.")
+    logprob_start_len: StrictInt | list[StrictInt] = Field(
+        -1, description="-1: output tokens only."
+    )
     top_logprobs_num: StrictInt | list[StrictInt] = 0
     token_ids_logprob: list[StrictInt] | list[list[StrictInt]] | None = None
     return_text_in_logprobs: StrictBool = False
@@ -66,7 +80,10 @@ class GenerateRequest(_Request):
         "audio_data": ((None, []), "the served models take text only"),
         "video_data": ((None, []), "the served models take text only"),
         "lora_path": ((None,), "LoRA adapters are not supported"),
-        "session_params": ((None,), "sessions are not supported (the prefix cache reuses shared prefixes)"),
+        "session_params": (
+            (None,),
+            "sessions are not supported (the prefix cache reuses shared prefixes)",
+        ),
         "custom_logit_processor": ((None,), "custom logit processors are not supported"),
     }
     # PD disaggregation (set by a PD router): the prefill server's bootstrap address and the transfer's id
@@ -82,7 +99,9 @@ class StreamOptions(_Request):
 class JsonSchemaFormat(_Request):
     name: StrictStr | None = None
     description: StrictStr | None = None
-    schema_: dict[str, Any] = Field(alias="schema", description="The JSON schema the output must match.")
+    schema_: dict[str, Any] = Field(
+        alias="schema", description="The JSON schema the output must match."
+    )
     strict: StrictBool | None = None
 
 
@@ -95,7 +114,7 @@ class ResponseFormat(_Request):
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type json_schema needs json_schema: {\"name\": ..., \"schema\": {...}}")
+            raise ValueError('type json_schema needs json_schema: {"name": ..., "schema": {...}}')
         return self
 
     def grammar(self) -> dict[str, str]:
@@ -115,20 +134,32 @@ class _OpenAISampling(_Request):
     max_tokens: StrictInt | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
     temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: StrictInt | None = Field(None, ge=-1, le=INT32_MAX, description="-1 (off) or 1 to the vocabulary size.")
+    top_k: StrictInt | None = Field(
+        None, ge=-1, le=INT32_MAX, description="-1 (off) or 1 to the vocabulary size."
+    )
     min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     min_tokens: StrictInt | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
-    n: StrictInt = Field(1, ge=1, le=MAX_N, description="Choices per prompt: one prefill, n samples.")
+    n: StrictInt = Field(
+        1, ge=1, le=MAX_N, description="Choices per prompt: one prefill, n samples."
+    )
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     seed: StrictInt | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
-    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
-    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
-    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(
+        None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False
+    )
+    presence_penalty: float | None = Field(
+        None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False
+    )
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False
+    )
     logit_bias: dict[StrictStr, LogitBias] | None = Field(
-        None, description="Token id (a string) -> bias added to its logit; ids in [0, vocabulary size).")
+        None,
+        description="Token id (a string) -> bias added to its logit; ids in [0, vocabulary size).",
+    )
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
@@ -139,18 +170,34 @@ class _OpenAISampling(_Request):
     bootstrap_port: StrictInt | None = None
     bootstrap_room: StrictInt | None = None
     response_format: ResponseFormat | None = None
-    regex: StrictStr | None = Field(None, description="SGLang: the output must match this regular expression.")
-    ebnf: StrictStr | None = Field(None, description="SGLang: the output must match this EBNF grammar.")
+    regex: StrictStr | None = Field(
+        None, description="SGLang: the output must match this regular expression."
+    )
+    ebnf: StrictStr | None = Field(
+        None, description="SGLang: the output must match this EBNF grammar."
+    )
 
     def sampling_dict(self, default_max_tokens: int | None) -> dict[str, Any]:
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         return {
-            "max_new_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-            "min_p": self.min_p, "min_new_tokens": self.min_tokens, "stop": self.stop,
-            "stop_token_ids": self.stop_token_ids, "seed": self.seed, "ignore_eos": self.ignore_eos,
-            "skip_special_tokens": self.skip_special_tokens, "frequency_penalty": self.frequency_penalty,
-            "presence_penalty": self.presence_penalty, "repetition_penalty": self.repetition_penalty,
-            "logit_bias": self.logit_bias, "regex": self.regex, "ebnf": self.ebnf, "n": self.n,
+            "max_new_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "min_new_tokens": self.min_tokens,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": self.logit_bias,
+            "regex": self.regex,
+            "ebnf": self.ebnf,
+            "n": self.n,
             **(self.response_format.grammar() if self.response_format is not None else {}),
         }
 
@@ -161,9 +208,15 @@ class _OpenAISampling(_Request):
 
 class CompletionRequest(_OpenAISampling):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    echo: StrictBool = Field(False, description="The prompt before the completion (with logprobs: its tokens').")
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
-                                       description="Log-probabilities of the chosen tokens and of this many top ones.")
+    echo: StrictBool = Field(
+        False, description="The prompt before the completion (with logprobs: its tokens')."
+    )
+    logprobs: StrictInt | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Log-probabilities of the chosen tokens and of this many top ones.",
+    )
     refused: ClassVar = {
         "suffix": ((None, ""), "insertion (text after the completion) is not supported"),
         "best_of": ((None, 1), "best_of > 1 is not supported (n gives n samples)"),
@@ -203,17 +256,29 @@ class ChatMessage(_Request):
     name: StrictStr | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant
     tool_call_id: StrictStr | None = None  # tool
-    reasoning_content: StrictStr | None = None  # assistant: its <think> text, which the template may render
+    reasoning_content: StrictStr | None = (
+        None  # assistant: its <think> text, which the template may render
+    )
 
     def to_template(self) -> dict[str, Any]:
-        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        content = (
+            self.content
+            if not isinstance(self.content, list)
+            else "".join(p.text for p in self.content)
+        )
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
         if self.tool_calls:
-            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
-                "name": c.function.name, "arguments": c.function.arguments_dict()}} for c in self.tool_calls]
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": c.function.arguments_dict()},
+                }
+                for c in self.tool_calls
+            ]
         return message
 
 
@@ -246,10 +311,14 @@ class ChatCompletionRequest(_OpenAISampling):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description="Default: auto with tools, none without. required and a named function are rendered "
-        "and parsed as auto (not yet constrained by a grammar).")
+        None,
+        description="Default: auto with tools, none without. required and a named function are rendered "
+        "and parsed as auto (not yet constrained by a grammar).",
+    )
     parallel_tool_calls: StrictBool = True
-    separate_reasoning: StrictBool = Field(True, description="With --reasoning-parser: reasoning_content apart.")
+    separate_reasoning: StrictBool = Field(
+        True, description="With --reasoning-parser: reasoning_content apart."
+    )
     # accepted, with no effect on the output: labels for the caller's own bookkeeping and caching hints (the prefix
     # cache reuses every shared prefix by itself)
     metadata: dict[str, StrictStr] | None = None
@@ -265,7 +334,10 @@ class ChatCompletionRequest(_OpenAISampling):
         "functions": ((None, []), "deprecated by OpenAI: send tools"),
         "function_call": ((None,), "deprecated by OpenAI: send tool_choice"),
         "prediction": ((None,), "predicted outputs are not supported"),
-        "reasoning_effort": ((None,), "Qwen3.5 thinks or not: chat_template_kwargs {\"enable_thinking\": false}"),
+        "reasoning_effort": (
+            (None,),
+            'Qwen3.5 thinks or not: chat_template_kwargs {"enable_thinking": false}',
+        ),
         "verbosity": ((None,), "not supported"),
         "web_search_options": ((None,), "web search is not supported"),
         "moderation": ((None,), "moderation is not supported"),

@@ -12,13 +12,20 @@ is parsed (``--reasoning-parser``, ``--tool-call-parser``), and the OpenAI shape
   ``<think>`` block (Qwen3.5's template with thinking on).
 - ``finish_reason`` is ``tool_calls`` when calls were parsed and the model stopped by itself (``length`` stays).
 """
+
 from __future__ import annotations
 
 import json
 from typing import Any
 
 from sglang_lite.server.openai_protocol import ChatCompletionRequest
-from sglang_lite.server.parsers import OutputParser, ParsedText, ParsingPlan, join_tool_calls, prompt_opens_reasoning
+from sglang_lite.server.parsers import (
+    OutputParser,
+    ParsedText,
+    ParsingPlan,
+    join_tool_calls,
+    prompt_opens_reasoning,
+)
 from sglang_lite.server.parsers.base import new_call_id
 from sglang_lite.server.tokenizer_manager import bad_request
 from sglang_lite.server_args import ServerArgs
@@ -46,7 +53,11 @@ def rendered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     if choice == "none":
         return None
     named = None if isinstance(choice, str) else choice.function.name
-    tools = [t.model_dump(exclude_none=True) for t in body.tools or [] if named in (None, t.function.name)]
+    tools = [
+        t.model_dump(exclude_none=True)
+        for t in body.tools or []
+        if named in (None, t.function.name)
+    ]
     return tools or None
 
 
@@ -54,9 +65,12 @@ def parsing_plan(args: ServerArgs, body: ChatCompletionRequest, prompt: str) -> 
     thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False
     reasoning = args.reasoning_parser is not None and body.separate_reasoning and thinking
     tools = rendered_tools(body) if args.tool_call_parser else None
-    plan = ParsingPlan(reasoning=reasoning, starts_in_reasoning=reasoning and prompt_opens_reasoning(prompt),
-                       tool_parser=args.tool_call_parser if tools else None,
-                       tools=tuple(t["function"] for t in tools or ()))
+    plan = ParsingPlan(
+        reasoning=reasoning,
+        starts_in_reasoning=reasoning and prompt_opens_reasoning(prompt),
+        tool_parser=args.tool_call_parser if tools else None,
+        tools=tuple(t["function"] for t in tools or ()),
+    )
     return plan if plan.active else None
 
 
@@ -65,9 +79,17 @@ def tool_call_schema(body: ChatCompletionRequest) -> str | None:
     choice = tool_choice(body)
     if choice in ("none", "auto"):
         return None
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                               "parameters": t["function"].get("parameters") or {"type": "object"}},
-              "required": ["name", "parameters"]} for t in rendered_tools(body)]
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t["function"]["name"]]},
+                "parameters": t["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "parameters"],
+        }
+        for t in rendered_tools(body)
+    ]
     items = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items}
     if not body.parallel_tool_calls or not isinstance(choice, str):
@@ -81,10 +103,21 @@ def forced_tool_message(text: str) -> dict[str, Any]:
         calls = json.loads(text)
     except ValueError:  # max_tokens ran out inside the list
         return {"role": "assistant", "content": text}
-    return {"role": "assistant", "content": None, "tool_calls": [
-        {"id": new_call_id(), "type": "function",
-         "function": {"name": call["name"], "arguments": json.dumps(call["parameters"], ensure_ascii=False)}}
-        for call in calls]}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": new_call_id(),
+                "type": "function",
+                "function": {
+                    "name": call["name"],
+                    "arguments": json.dumps(call["parameters"], ensure_ascii=False),
+                },
+            }
+            for call in calls
+        ],
+    }
 
 
 def tool_finish_reason(parser: OutputParser, reason: str | None) -> str | None:
@@ -100,9 +133,10 @@ def parsed_message(parser: OutputParser, text: str) -> dict[str, Any]:
     calls = join_tool_calls(parsed.tool_calls)
     if calls:
         message["content"] = parsed.content or None
-        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
-                                                                              "arguments": c.arguments}}
-                                 for c in calls]
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
     return message
 
 

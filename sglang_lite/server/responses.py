@@ -1,4 +1,5 @@
 """Response helpers shared by the native and OpenAI endpoints: error bodies, SSE framing, disconnect watching."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,16 +19,29 @@ class ClientDisconnected(Exception):
     """The client hung up before its response was ready; its requests were aborted."""
 
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLarge",
-               503: "ServiceUnavailable"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLarge",
+    503: "ServiceUnavailable",
+}
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
     """OpenAI's error shape, which the openai client turns into its exception's message."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "ServerError"), "code": status}}
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "ServerError"),
+            "code": status,
+        }
+    }
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 

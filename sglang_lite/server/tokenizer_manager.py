@@ -10,6 +10,7 @@ requests fail at once with 503, and it is restarted after a backoff (1 s, doubli
 never restarted: when any process of the world dies, every DP rank of the world fails at once, for good. A request
 that failed inside its rank ends with a 500.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,7 +52,12 @@ LOADS_TIMEOUT_S = 5.0
 WATCH_INTERVAL_S = 1.0
 RESTART_BACKOFF_S, RESTART_BACKOFF_MAX_S = 1.0, 30.0
 RESTART_TIMEOUT_S = 300.0  # a restarted rank not ready by then counts as a failed restart
-UP, STARTING, DOWN, FAILED = "up", "starting", "down", "failed"  # FAILED: down for good (no restarts left)
+UP, STARTING, DOWN, FAILED = (
+    "up",
+    "starting",
+    "down",
+    "failed",
+)  # FAILED: down for good (no restarts left)
 # Sampling keys other engines and sglang-router send; accepted at their neutral value, refused otherwise.
 MAX_RID_CHARS = 256
 NEUTRAL_SAMPLING = {"no_stop_trim": False, "spaces_between_special_tokens": True}
@@ -75,7 +81,9 @@ class GenerateInput:
     input_ids: list[int]
     sampling_params: SamplingParams
     requested_rank: int | None = None
-    bootstrap: Bootstrap | None = None  # PD disaggregation: the prefill server and the transfer's room
+    bootstrap: Bootstrap | None = (
+        None  # PD disaggregation: the prefill server and the transfer's room
+    )
     logprob: LogprobParams | None = None  # the log-probabilities to report in meta_info
 
 
@@ -147,7 +155,9 @@ class TokenizerManager:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.tokenizer: Any = None
-        self.grammars: GrammarCache | None = None  # set at start, with the tokenizer and the vocabulary
+        self.grammars: GrammarCache | None = (
+            None  # set at start, with the tokenizer and the vocabulary
+        )
         self.client: SchedulerClient | None = None
         self.config: SchedulerConfig | None = None  # every rank's, but dp_rank
         self.dp = DPController(args.dp_size, args.load_balance_method)
@@ -155,7 +165,9 @@ class TokenizerManager:
         self.streams: dict[str, RequestStream] = {}
         self.in_flight = [0] * args.dp_size
         self.ranks = [RankHealth(state=STARTING) for _ in range(args.dp_size)]
-        self._queries: dict[int, tuple[asyncio.Future, int]] = {}  # query id -> (its answer, the rank asked)
+        self._queries: dict[
+            int, tuple[asyncio.Future, int]
+        ] = {}  # query id -> (its answer, the rank asked)
         self._probes: dict[int, int] = {}  # the supervisor's loads queries: id -> rank
         self._tasks: list[asyncio.Task] = []
         self.pd = PDFrontEnd(self)
@@ -163,13 +175,20 @@ class TokenizerManager:
     # ---- lifetime ----------------------------------------------------------------------------------------------
     async def start(self) -> None:
         self.tokenizer = load_server_tokenizer(self.args)
-        self.client = SchedulerClient(self.args)  # spawned from the event loop's thread, which outlives the ranks
+        self.client = SchedulerClient(
+            self.args
+        )  # spawned from the event loop's thread, which outlives the ranks
         await asyncio.to_thread(self.client.wait_ready)
         self.config = self.client.config
-        self.grammars = GrammarCache(self.tokenizer, self.config.vocab_size)  # compiles only to check grammars
+        self.grammars = GrammarCache(
+            self.tokenizer, self.config.vocab_size
+        )  # compiles only to check grammars
         for health in self.ranks:
             health.set(UP, time.monotonic())
-        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._supervise())]
+        self._tasks = [
+            asyncio.create_task(self._receive_loop()),
+            asyncio.create_task(self._supervise()),
+        ]
         await self.pd.start()
 
     @property
@@ -178,8 +197,16 @@ class TokenizerManager:
 
     def rank_states(self) -> list[dict[str, Any]]:
         """Each rank's state for ``/health``."""
-        return [{"dp_rank": rank, "state": h.state, "restarts": h.restarts, "pid": self.client.processes[rank].pid,
-                 "last_error": h.why or None} for rank, h in enumerate(self.ranks)]
+        return [
+            {
+                "dp_rank": rank,
+                "state": h.state,
+                "restarts": h.restarts,
+                "pid": self.client.processes[rank].pid,
+                "last_error": h.why or None,
+            }
+            for rank, h in enumerate(self.ranks)
+        ]
 
     @property
     def rank_pids(self) -> list[int]:
@@ -198,44 +225,65 @@ class TokenizerManager:
             self.client.shutdown()
 
     # ---- requests ----------------------------------------------------------------------------------------------
-    async def encode(self, text: str, name: str = "text", add_special_tokens: bool = True) -> list[int]:
+    async def encode(
+        self, text: str, name: str = "text", add_special_tokens: bool = True
+    ) -> list[int]:
         """Token ids of a text prompt, tokenised on a worker thread so a long text never stalls the event loop."""
         if self.tokenizer is None:
-            raise bad_request("text prompts need a tokenizer (the server skipped tokenizer init); pass input_ids")
+            raise bad_request(
+                "text prompts need a tokenizer (the server skipped tokenizer init); pass input_ids"
+            )
         self._check_prompt_chars(len(text), name)
         options = {} if add_special_tokens else {"add_special_tokens": False}
         return await asyncio.to_thread(self._tokenize, text, name, options)
 
-    async def encode_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any],
-                          tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
+    async def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> ChatPrompt:
         """The chat template's prompt (``tools``: OpenAI tool definitions, rendered by the template)."""
         if self.tokenizer is None:
             raise bad_request("chat needs a tokenizer (the server skipped tokenizer init)")
-        chars = sum(len(m.get("content") or "") for m in messages) + len(json.dumps(tools) if tools else "")
+        chars = sum(len(m.get("content") or "") for m in messages) + len(
+            json.dumps(tools) if tools else ""
+        )
         self._check_prompt_chars(chars, "messages")
         return await asyncio.to_thread(self._encode_chat, messages, template_kwargs, tools)
 
-    def _encode_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any],
-                     tools: list[dict[str, Any]] | None) -> ChatPrompt:
+    def _encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any],
+        tools: list[dict[str, Any]] | None,
+    ) -> ChatPrompt:
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=True, **template_kwargs)
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True, **template_kwargs
+            )
         except Exception as error:  # a template rejecting the conversation is the request's fault
             raise bad_request(f"messages: the chat template failed: {error}") from error
         return ChatPrompt(text, self._tokenize(text, "messages", {"add_special_tokens": False}))
 
     def _tokenize(self, text: str, name: str, options: dict[str, Any]) -> list[int]:
-        if not is_utf8(text):  # JSON can carry lone surrogates, which the tokenizer refuses with a TypeError
+        if not is_utf8(
+            text
+        ):  # JSON can carry lone surrogates, which the tokenizer refuses with a TypeError
             raise bad_request(f"{name}: the text is not valid Unicode (it holds a lone surrogate)")
         return self.tokenizer.encode(text, **options)
 
     def _check_prompt_chars(self, chars: int, name: str) -> None:
         """The cheap check before tokenising: a text that cannot fit in the context is a 400 at once."""
         if self._prompt_chars_limit is None:
-            self._prompt_chars_limit = max_prompt_chars(self.tokenizer, self.config.max_request_tokens)
+            self._prompt_chars_limit = max_prompt_chars(
+                self.tokenizer, self.config.max_request_tokens
+            )
         if chars > self._prompt_chars_limit:
-            raise bad_request(f"{name}: the prompt has {chars} characters, more than the context length "
-                              f"({self.config.max_request_tokens} tokens) can hold")
+            raise bad_request(
+                f"{name}: the prompt has {chars} characters, more than the context length "
+                f"({self.config.max_request_tokens} tokens) can hold"
+            )
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text (empty without a tokenizer), for log-probability entries."""
@@ -246,8 +294,10 @@ class TokenizerManager:
     def check_prompt_count(self, count: int, name: str) -> None:
         """A batched request carries at most ``--max-queued-requests`` prompts: more could never be queued."""
         if count > self.args.max_queued_requests:
-            raise bad_request(f"{name}: {count} prompts in one request, more than --max-queued-requests "
-                              f"({self.args.max_queued_requests})")
+            raise bad_request(
+                f"{name}: {count} prompts in one request, more than --max-queued-requests "
+                f"({self.args.max_queued_requests})"
+            )
 
     def sampling_params(self, raw: dict[str, Any] | None) -> SamplingParams:
         """SGLang sampling parameters from a request, validated; None values mean the default."""
@@ -256,11 +306,15 @@ class TokenizerManager:
         params = {k: v for k, v in (raw or {}).items() if v is not None}
         for key in [k for k in params if k in NEUTRAL_SAMPLING]:
             if params.pop(key) != NEUTRAL_SAMPLING[key]:
-                raise bad_request(f"sampling parameter {key} is not supported (only {NEUTRAL_SAMPLING[key]!r})")
+                raise bad_request(
+                    f"sampling parameter {key} is not supported (only {NEUTRAL_SAMPLING[key]!r})"
+                )
         for key in ("stop", "stop_token_ids"):
             if not isinstance(params.get(key, []), (str, list)):
                 kind = type(params[key]).__name__
-                raise bad_request(f"sampling parameter {key} must be a string or a list, got {kind}")
+                raise bad_request(
+                    f"sampling parameter {key} must be a string or a list, got {kind}"
+                )
         try:
             result = SamplingParams.from_dict(params)
             result.validate(self.config.vocab_size)
@@ -272,8 +326,13 @@ class TokenizerManager:
         if not _valid_rid(request.rid):
             raise bad_request(f"rid must be a UTF-8 string of 1 to {MAX_RID_CHARS} characters")
         try:
-            validate_request(request.input_ids, request.sampling_params, self.config, self.tokenizer is not None,
-                             request.logprob)
+            validate_request(
+                request.input_ids,
+                request.sampling_params,
+                self.config,
+                self.tokenizer is not None,
+                request.logprob,
+            )
             self.pd.check(request)
         except (ValueError, TypeError) as error:
             raise bad_request(str(error)) from error
@@ -311,9 +370,15 @@ class TokenizerManager:
         self.in_flight[rank] += len(streams)
         try:
             room = self.pd.room_of(request)
-            self.client.send(rank, AddRequest(request.rid, request.input_ids, request.sampling_params, room,
-                                              request.logprob))
-        except BaseException:  # never sent: nothing to abort on the rank, but nothing may stay registered
+            self.client.send(
+                rank,
+                AddRequest(
+                    request.rid, request.input_ids, request.sampling_params, room, request.logprob
+                ),
+            )
+        except (
+            BaseException
+        ):  # never sent: nothing to abort on the rank, but nothing may stay registered
             for stream in streams:
                 stream.finished = True
                 stream.close()
@@ -387,14 +452,18 @@ class TokenizerManager:
             self.metrics.observe("time_to_first_token_seconds", stream.rank, now - stream.arrival)
         elif n:
             for _ in range(n):
-                self.metrics.observe("inter_token_latency_seconds", stream.rank, (now - stream.last_token_time) / n)
+                self.metrics.observe(
+                    "inter_token_latency_seconds", stream.rank, (now - stream.last_token_time) / n
+                )
         stream.last_token_time = now if n else stream.last_token_time
         self.metrics.tokens[stream.rank, "generation"] += n
         if output.finished:
             self.metrics.finished[stream.rank, _finish_kind(output)] += 1
             self.metrics.observe("e2e_request_latency_seconds", stream.rank, now - stream.arrival)
 
-    async def run_all(self, inputs: list[GenerateInput], timeout: float | None = None) -> list[ReqOutput]:
+    async def run_all(
+        self, inputs: list[GenerateInput], timeout: float | None = None
+    ) -> list[ReqOutput]:
         """Runs requests to the end, each joined into one output (``n`` of them in a row for one with parallel
         samples); every one is dispatched before any is awaited, and all abort on failure."""
         for request in inputs:
@@ -404,14 +473,17 @@ class TokenizerManager:
         try:
             for request in inputs:
                 streams += await self.submit_samples(request)
-            return list(await asyncio.wait_for(asyncio.gather(*(_joined(s) for s in streams)), timeout))
+            return list(
+                await asyncio.wait_for(asyncio.gather(*(_joined(s) for s in streams)), timeout)
+            )
         finally:
             for stream in streams:
                 stream.close()
 
     # ---- loads -------------------------------------------------------------------------------------------------
-    async def get_loads(self, ranks: list[int] | None = None,
-                        sections: tuple[str, ...] = LOAD_SECTIONS) -> list[dict[str, Any]]:
+    async def get_loads(
+        self, ranks: list[int] | None = None, sections: tuple[str, ...] = LOAD_SECTIONS
+    ) -> list[dict[str, Any]]:
         """Each rank's load figures, asked of the rank now (after every command sent before this call)."""
         ranks = list(range(self.args.dp_size)) if ranks is None else ranks
         dead = [r for r in ranks if not self.live[r]]
@@ -421,7 +493,9 @@ class TokenizerManager:
         try:
             replies = await asyncio.wait_for(asyncio.gather(*waiters), LOADS_TIMEOUT_S)
         except asyncio.TimeoutError as error:
-            raise RequestError(503, f"DP ranks did not report loads within {LOADS_TIMEOUT_S} s") from error
+            raise RequestError(
+                503, f"DP ranks did not report loads within {LOADS_TIMEOUT_S} s"
+            ) from error
         return [reply.loads for reply in replies]
 
     def _ask_loads(self, rank: int, sections: tuple[str, ...]) -> asyncio.Future:
@@ -438,11 +512,15 @@ class TokenizerManager:
 
     async def flush_cache(self) -> int:
         """Drops every live rank's unused cached prefixes; returns the KV slots freed."""
-        waiters = [self._ask(rank, FlushCache) for rank in range(self.args.dp_size) if self.live[rank]]
+        waiters = [
+            self._ask(rank, FlushCache) for rank in range(self.args.dp_size) if self.live[rank]
+        ]
         try:
             replies = await asyncio.wait_for(asyncio.gather(*waiters), LOADS_TIMEOUT_S)
         except asyncio.TimeoutError as error:
-            raise RequestError(503, f"DP ranks did not flush their caches within {LOADS_TIMEOUT_S} s") from error
+            raise RequestError(
+                503, f"DP ranks did not flush their caches within {LOADS_TIMEOUT_S} s"
+            ) from error
         return sum(reply.freed_tokens for reply in replies)
 
     # ---- replies from the ranks --------------------------------------------------------------------------------
@@ -496,7 +574,9 @@ class TokenizerManager:
     def on_ready(self, ready: Ready) -> None:
         health = self.ranks[ready.rank]
         if health.state == STARTING:
-            logger.warning("DP rank %d is back (restart %d, pid %d)", ready.rank, health.restarts, ready.pid)
+            logger.warning(
+                "DP rank %d is back (restart %d, pid %d)", ready.rank, health.restarts, ready.pid
+            )
             health.set(UP, time.monotonic())
 
     # ---- the supervisor ----------------------------------------------------------------------------------------
@@ -514,8 +594,12 @@ class TokenizerManager:
             code = exited.get(rank)
             if health.state == UP:
                 self._check_up(rank, health, code, now)
-            elif health.state == STARTING and (code is not None or now - health.since > RESTART_TIMEOUT_S):
-                self._restart_failed(rank, f"exit code {code}" if code is not None else "not ready in time")
+            elif health.state == STARTING and (
+                code is not None or now - health.since > RESTART_TIMEOUT_S
+            ):
+                self._restart_failed(
+                    rank, f"exit code {code}" if code is not None else "not ready in time"
+                )
             elif health.state == DOWN and now >= health.next_restart:
                 self._restart(rank, health, now)
 
@@ -528,7 +612,9 @@ class TokenizerManager:
         elif health.probe is None:
             query_id = self.client.next_query_id()
             health.probe, self._probes[query_id] = (query_id, now), rank
-            self.client.send(rank, LoadsQuery(query_id, ("core",)))  # unsent (queue full): it times out, as hung
+            self.client.send(
+                rank, LoadsQuery(query_id, ("core",))
+            )  # unsent (queue full): it times out, as hung
 
     def _restart(self, rank: int, health: RankHealth, now: float) -> None:
         if health.restarts >= self.args.rank_max_restarts:
@@ -536,7 +622,12 @@ class TokenizerManager:
             health.set(FAILED, now)
             return
         health.restarts += 1
-        logger.warning("restarting DP rank %d (restart %d of %d)", rank, health.restarts, self.args.rank_max_restarts)
+        logger.warning(
+            "restarting DP rank %d (restart %d of %d)",
+            rank,
+            health.restarts,
+            self.args.rank_max_restarts,
+        )
         health.set(STARTING, now)
         self.client.respawn(rank)
 

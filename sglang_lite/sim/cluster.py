@@ -9,6 +9,7 @@ most at a per-request rate, all together at most at the link's bandwidth; so a l
 ones sent later); it joins the rank's running batch at the next step, where its first token reaches the client,
 and leaves after output_len - 1 steps.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -27,14 +28,18 @@ from sglang_lite.sim.prefill import PrefillServer
 from sglang_lite.sim.request import SimRequest
 from sglang_lite.sim.router_sim import SimRouter
 
-LASTING_HORIZON_STEPS = 130  # ~ a request's wait before it decodes (1.7 s at ~13 ms a step), for `lasting`
+LASTING_HORIZON_STEPS = (
+    130  # ~ a request's wait before it decodes (1.7 s at ~13 ms a step), for `lasting`
+)
 
 
 @dataclass
 class SimResult:
     config: SimConfig
     balance: BalanceStats
-    output_throughput_per_gpu: float  # output tokens/s per GPU (prefill and decode GPUs) in the window
+    output_throughput_per_gpu: (
+        float  # output tokens/s per GPU (prefill and decode GPUs) in the window
+    )
     tpot_p50: float
     tpot_p90: float
     ttft_p50: float
@@ -51,24 +56,41 @@ class SimResult:
     cpu_s: float = 0.0  # process CPU time of the run (wall time on a shared machine says little)
 
     def row(self) -> dict[str, float]:
-        return {"output_tok_s_per_gpu": self.output_throughput_per_gpu, "tpot_p50_ms": self.tpot_p50 * 1e3,
-                "tpot_p90_ms": self.tpot_p90 * 1e3, "ttft_p50_s": self.ttft_p50, "ttft_p90_s": self.ttft_p90,
-                **self.balance.row(), "transfer_share": float(np.mean(self.transfer_share or [0.0])),
-                "max_busiest_share": max(self.balance.busiest_share)}
+        return {
+            "output_tok_s_per_gpu": self.output_throughput_per_gpu,
+            "tpot_p50_ms": self.tpot_p50 * 1e3,
+            "tpot_p90_ms": self.tpot_p90 * 1e3,
+            "ttft_p50_s": self.ttft_p50,
+            "ttft_p90_s": self.ttft_p90,
+            **self.balance.row(),
+            "transfer_share": float(np.mean(self.transfer_share or [0.0])),
+            "max_busiest_share": max(self.balance.busiest_share),
+        }
 
 
 class Cluster:
-    def __init__(self, config: SimConfig, sessions: Iterator[list[TraceRequest]] | None = None) -> None:
+    def __init__(
+        self, config: SimConfig, sessions: Iterator[list[TraceRequest]] | None = None
+    ) -> None:
         self.cfg = config
         cl = config.cluster
         self.prefills = [PrefillServer(i, config.cost, cl) for i in range(cl.num_prefill)]
-        self.decodes = [DecodeServer(i, i * cl.decode_dp_size, config.cost, cl) for i in range(cl.num_decode)]
+        self.decodes = [
+            DecodeServer(i, i * cl.decode_dp_size, config.cost, cl) for i in range(cl.num_decode)
+        ]
         self.ranks = [rank for server in self.decodes for rank in server.ranks]
-        self.router = SimRouter(config.policy, config.prefill_policy, cl.num_prefill,
-                                [(s.index, r) for s in self.decodes for r in range(cl.decode_dp_size)], config.seed)
+        self.router = SimRouter(
+            config.policy,
+            config.prefill_policy,
+            cl.num_prefill,
+            [(s.index, r) for s in self.decodes for r in range(cl.decode_dp_size)],
+            config.seed,
+        )
         self.router.work_ahead = self._work_ahead
         self.router.lasting = self._lasting
-        self.sessions = sessions if sessions is not None else iter_agentic_sessions(config.seed, config.trace)
+        self.sessions = (
+            sessions if sessions is not None else iter_agentic_sessions(config.seed, config.trace)
+        )
         self.sessions_started = 0
         self.events: list[tuple[float, int, Callable, object]] = []
         self.seq = itertools.count()
@@ -108,8 +130,13 @@ class Cluster:
 
     def _lasting(self) -> list[int]:
         dp, horizon = self.cfg.cluster.decode_dp_size, LASTING_HORIZON_STEPS
-        return [len(r.prealloc) + r.num_transfer + len(r.ready)
-                + r.running_beyond(self.decodes[r.index // dp].step, horizon) for r in self.ranks]
+        return [
+            len(r.prealloc)
+            + r.num_transfer
+            + len(r.ready)
+            + r.running_beyond(self.decodes[r.index // dp].step, horizon)
+            for r in self.ranks
+        ]
 
     # ---- clients -----------------------------------------------------------------------------------------------
     def _next_turn(self, client: int) -> None:
@@ -206,8 +233,15 @@ class Cluster:
 
     def _sample(self, _: object = None) -> None:
         ranks = self.ranks
-        self.samples.append((self.now, [r.outstanding for r in ranks], [r.num_running for r in ranks],
-                             [r.num_total_tokens for r in ranks], [r.num_transfer for r in ranks]))
+        self.samples.append(
+            (
+                self.now,
+                [r.outstanding for r in ranks],
+                [r.num_running for r in ranks],
+                [r.num_total_tokens for r in ranks],
+                [r.num_transfer for r in ranks],
+            )
+        )
         self.at(self.now + self.cfg.cluster.sample_interval_s, self._sample)
 
     # ---- results -----------------------------------------------------------------------------------------------
@@ -215,19 +249,31 @@ class Cluster:
         warm = self.cfg.warmup_s if end > self.cfg.warmup_s else 0.0
         window = [s for s in self.samples if s[0] >= warm] or self.samples
         times = np.array([s[0] for s in window])
-        outstanding, running, kv, transfer = (np.array([s[i] for s in window]) for i in (1, 2, 3, 4))
+        outstanding, running, kv, transfer = (
+            np.array([s[i] for s in window]) for i in (1, 2, 3, 4)
+        )
         reqs = [r for r in self.finished if r.finish_time >= warm]
         tpots = np.array([t for t in (r.tpot() for r in reqs) if t is not None] or [0.0])
         ttfts = np.array([r.first_token_time - r.arrival for r in reqs] or [0.0])
         gpus = self.cfg.cluster.num_gpus
         return SimResult(
-            config=self.cfg, balance=balance_stats(outstanding, running, kv),
+            config=self.cfg,
+            balance=balance_stats(outstanding, running, kv),
             output_throughput_per_gpu=self.output_tokens / max(end - warm, 1e-9) / gpus,
-            tpot_p50=float(np.percentile(tpots, 50)), tpot_p90=float(np.percentile(tpots, 90)),
-            ttft_p50=float(np.percentile(ttfts, 50)), ttft_p90=float(np.percentile(ttfts, 90)), completed=len(reqs),
-            transfer_share=tuple(float(x) for x in transfer.sum(0) / np.maximum(outstanding.sum(0), 1)),
-            sample_times=times, outstanding=outstanding, running=running, kv_tokens=kv,
-            finish_counts=self.finish_counts, admitted=next(self.rids),
+            tpot_p50=float(np.percentile(tpots, 50)),
+            tpot_p90=float(np.percentile(tpots, 90)),
+            ttft_p50=float(np.percentile(ttfts, 50)),
+            ttft_p90=float(np.percentile(ttfts, 90)),
+            completed=len(reqs),
+            transfer_share=tuple(
+                float(x) for x in transfer.sum(0) / np.maximum(outstanding.sum(0), 1)
+            ),
+            sample_times=times,
+            outstanding=outstanding,
+            running=running,
+            kv_tokens=kv,
+            finish_counts=self.finish_counts,
+            admitted=next(self.rids),
         )
 
 

@@ -3,6 +3,7 @@
 Runs are independent simulations, spread over worker processes; each is deterministic for its seed, so the
 table is the same whatever the number of processes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,13 +35,18 @@ def _run(config: SimConfig) -> SimResult:
     return dataclasses.replace(result, finish_counts={})
 
 
-def run_grid(base: SimConfig, policies: Sequence[str], concurrencies: Sequence[int],
-             processes: int = 2) -> dict[tuple[str, int], SimResult]:
-    configs = [dataclasses.replace(base, policy=p, concurrency=c) for c in concurrencies for p in policies]
+def run_grid(
+    base: SimConfig, policies: Sequence[str], concurrencies: Sequence[int], processes: int = 2
+) -> dict[tuple[str, int], SimResult]:
+    configs = [
+        dataclasses.replace(base, policy=p, concurrency=c) for c in concurrencies for p in policies
+    ]
     if processes <= 1:
         results = [_run(c) for c in configs]
     else:
-        with get_context("spawn").Pool(processes) as pool:  # spawn: no forked copy of a torch-importing parent
+        with get_context("spawn").Pool(
+            processes
+        ) as pool:  # spawn: no forked copy of a torch-importing parent
             results = pool.map(_run, configs, chunksize=1)
     return {(c.policy, c.concurrency): r for c, r in zip(configs, results)}
 
@@ -81,7 +87,7 @@ def plot_grid(results: dict[tuple[str, int], SimResult], path: str | Path) -> No
             ax.plot(concs, [results[(p, c)].row()[key] for c in concs], marker="o", label=p)
         ax.set_title(title)
         ax.set_xlabel("concurrency")
-    for ax in axes.flat[len(METRICS):]:
+    for ax in axes.flat[len(METRICS) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()

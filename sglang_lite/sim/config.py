@@ -1,4 +1,5 @@
 """Simulator configuration: a cost model and a cluster shape (from a JSON file), and one run's settings."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,11 +32,19 @@ class CostModel:
     transfer_request_bytes_s: float = 0.0
 
     def rank_step_s(self, batch: int, kv_tokens: int) -> float:
-        return self.decode_base_s + self.decode_per_req_s * batch + self.decode_per_kv_token_s * kv_tokens
+        return (
+            self.decode_base_s
+            + self.decode_per_req_s * batch
+            + self.decode_per_kv_token_s * kv_tokens
+        )
 
     def prefill_s(self, tokens: int, token_ctx: int) -> float:
         """`token_ctx`: sum over the batch's new tokens of the context length each attends to."""
-        return self.prefill_base_s + self.prefill_per_token_s * tokens + self.prefill_per_token_ctx_s * token_ctx
+        return (
+            self.prefill_base_s
+            + self.prefill_per_token_s * tokens
+            + self.prefill_per_token_ctx_s * token_ctx
+        )
 
     def transfer_s(self, tokens: int) -> float:
         """Wire time only; the latency is added once per request."""
@@ -57,13 +66,19 @@ class ClusterConfig:
     rank_max_running: int = 128  # request rows of one decode rank
     prefill_max_tokens: int = 16384  # tokens in one prefill forward
     prefill_chunk_tokens: int = 8192  # tokens of one request in one prefill forward
-    prefill_cache_tokens: int = 20_000_000  # prefix cache of one prefill server (LRU over prefix groups)
+    prefill_cache_tokens: int = (
+        20_000_000  # prefix cache of one prefill server (LRU over prefix groups)
+    )
     poll_interval_s: float = 1.0  # the router's /v1/loads polling period (loads are this stale)
     sample_interval_s: float = 1.0  # the balance sampler's period
 
     def __post_init__(self) -> None:
-        assert self.num_prefill > 0 and self.num_decode > 0 and self.decode_dp_size > 0, "empty cluster"
-        assert self.prefill_chunk_tokens <= self.prefill_max_tokens, "a chunk must fit one prefill forward"
+        assert self.num_prefill > 0 and self.num_decode > 0 and self.decode_dp_size > 0, (
+            "empty cluster"
+        )
+        assert self.prefill_chunk_tokens <= self.prefill_max_tokens, (
+            "a chunk must fit one prefill forward"
+        )
 
     @property
     def num_gpus(self) -> int:
@@ -82,9 +97,18 @@ def load_trace_config(path: str | Path | None = None) -> AgenticTraceConfig:
         return AgenticTraceConfig(**json.load(f).get("trace", {}))
 
 
-def save_cluster_file(path: str | Path, cost: CostModel, cluster: ClusterConfig, comment: str = "",
-                      trace: AgenticTraceConfig | None = None) -> None:
-    data = {"_comment": comment, "cost": dataclasses.asdict(cost), "cluster": dataclasses.asdict(cluster)}
+def save_cluster_file(
+    path: str | Path,
+    cost: CostModel,
+    cluster: ClusterConfig,
+    comment: str = "",
+    trace: AgenticTraceConfig | None = None,
+) -> None:
+    data = {
+        "_comment": comment,
+        "cost": dataclasses.asdict(cost),
+        "cluster": dataclasses.asdict(cluster),
+    }
     if trace is not None:
         data["trace"] = dataclasses.asdict(trace)
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
@@ -107,8 +131,12 @@ class SimConfig:
     cost: CostModel = field(default_factory=lambda: load_cluster_file()[0])
     cluster: ClusterConfig = field(default_factory=lambda: load_cluster_file()[1])
     trace: AgenticTraceConfig = field(default_factory=load_trace_config)
-    check_invariants: bool = False  # assert memory limits after every step (slower; tests turn it on)
+    check_invariants: bool = (
+        False  # assert memory limits after every step (slower; tests turn it on)
+    )
 
     def __post_init__(self) -> None:
         assert self.concurrency > 0, "concurrency must be positive"
-        assert self.duration_s is not None or self.max_sessions is not None, "an endless trace needs a duration"
+        assert self.duration_s is not None or self.max_sessions is not None, (
+            "an endless trace needs a duration"
+        )

@@ -7,6 +7,7 @@ by the engine scheduler's `plan_prefill` with the rank's free memory and request
 needs to retract; retraction is therefore not modelled). Work per step is O(ranks) plus the requests that finish:
 a running request's KV grows by one token per step, so a rank keeps sums instead of touching every request.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -24,7 +25,9 @@ class DecodeRank:
         self.kv_capacity = kv_capacity
         self.max_running = max_running
         self.prealloc: list[SimRequest] = []
-        self.prealloc_tokens = 0  # input tokens waiting in prealloc (they count in num_total_tokens)
+        self.prealloc_tokens = (
+            0  # input tokens waiting in prealloc (they count in num_total_tokens)
+        )
         self.num_transfer = 0  # reserved, waiting for prefill and transfer
         self.ready: list[SimRequest] = []  # transferred, joining at the next step
         self.running: list[tuple[int, int, SimRequest]] = []  # heap of (finish step, rid, request)
@@ -58,12 +61,17 @@ class DecodeRank:
         if not self.prealloc:
             return []
         admitted_count = self.num_transfer + len(self.ready) + len(self.running)
-        budget = PrefillBudget(kv_free=self.kv_capacity - self.kv_used, admit_free=self.kv_capacity - self.reserved,
-                               batch_tokens=UNLIMITED, chunk_size=UNLIMITED,
-                               free_rows=self.max_running - admitted_count, new_token_ratio=1.0)
+        budget = PrefillBudget(
+            kv_free=self.kv_capacity - self.kv_used,
+            admit_free=self.kv_capacity - self.reserved,
+            batch_tokens=UNLIMITED,
+            chunk_size=UNLIMITED,
+            free_rows=self.max_running - admitted_count,
+            new_token_ratio=1.0,
+        )
         plan = plan_prefill(None, self.prealloc, budget)
         admitted = [r for r, _ in plan]
-        del self.prealloc[:len(admitted)]
+        del self.prealloc[: len(admitted)]
         for req in admitted:
             self.prealloc_tokens -= req.input_len
             self.kv_used += req.input_len
@@ -109,16 +117,24 @@ class DecodeRank:
         self.reserved -= req.input_len + max(req.decode_steps, 0)
 
     def check(self) -> None:
-        assert 0 <= self.kv_used <= self.reserved <= self.kv_capacity, f"rank {self.index}: memory over its limit"
-        assert self.outstanding - len(self.prealloc) <= self.max_running, f"rank {self.index}: too many rows"
+        assert 0 <= self.kv_used <= self.reserved <= self.kv_capacity, (
+            f"rank {self.index}: memory over its limit"
+        )
+        assert self.outstanding - len(self.prealloc) <= self.max_running, (
+            f"rank {self.index}: too many rows"
+        )
 
 
 class DecodeServer:
-    def __init__(self, index: int, first_rank: int, cost: CostModel, cluster: ClusterConfig) -> None:
+    def __init__(
+        self, index: int, first_rank: int, cost: CostModel, cluster: ClusterConfig
+    ) -> None:
         self.index = index
         self.cost = cost
-        self.ranks = [DecodeRank(first_rank + i, cluster.rank_kv_tokens, cluster.rank_max_running)
-                      for i in range(cluster.decode_dp_size)]
+        self.ranks = [
+            DecodeRank(first_rank + i, cluster.rank_kv_tokens, cluster.rank_max_running)
+            for i in range(cluster.decode_dp_size)
+        ]
         self.step = 0  # completed steps
         self.busy = False
         self.link_free_at = 0.0  # the link's bandwidth is shared first come first served

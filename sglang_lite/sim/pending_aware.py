@@ -15,6 +15,7 @@ bound what a live estimate could do. The phase counts the router observes live: 
 until the first response bytes of the decode leg (the decode server streams the first token once the request joins
 its batch), decoding from then until the end of the response.
 """
+
 from __future__ import annotations
 
 import random
@@ -31,16 +32,26 @@ class PhasedWorkerState(WorkerState):
     """A worker state that also says how many in-flight requests have not yet had a first token."""
 
     pending: int = 0
-    work_ahead: int = 0  # decode steps its in-flight requests still need (the `work_ahead` candidate)
-    lasting: int = 0  # in-flight requests that will be in the batch a wait from now (the `lasting` candidate)
+    work_ahead: int = (
+        0  # decode steps its in-flight requests still need (the `work_ahead` candidate)
+    )
+    lasting: int = (
+        0  # in-flight requests that will be in the batch a wait from now (the `lasting` candidate)
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        assert 0 <= self.pending <= self.in_flight, f"pending requests outside in-flight on {self.url}"
-        assert self.work_ahead >= 0 and 0 <= self.lasting <= self.in_flight, f"bad oracle counts on {self.url}"
+        assert 0 <= self.pending <= self.in_flight, (
+            f"pending requests outside in-flight on {self.url}"
+        )
+        assert self.work_ahead >= 0 and 0 <= self.lasting <= self.in_flight, (
+            f"bad oracle counts on {self.url}"
+        )
 
 
-def least_by(healthy: Sequence[WorkerState], rng: random.Random, key: Callable[[WorkerState], tuple]) -> WorkerState:
+def least_by(
+    healthy: Sequence[WorkerState], rng: random.Random, key: Callable[[WorkerState], tuple]
+) -> WorkerState:
     """The candidate with the lowest key, among the polled ones (all when none is), scanning from a random start
     so that ties break randomly, like `least_requests`."""
     polled = [w for w in healthy if w.polled_tokens is not None]
@@ -87,7 +98,11 @@ class PendingAwarePolicy(LeastByPolicy):
 
     def key(self, w: WorkerState) -> tuple:
         pending = _pending(w)
-        return (pending + self.decoding_weight * (w.in_flight - pending), w.in_flight, w.polled_tokens or 0)
+        return (
+            pending + self.decoding_weight * (w.in_flight - pending),
+            w.in_flight,
+            w.polled_tokens or 0,
+        )
 
 
 class PendingOnlyPolicy(PendingAwarePolicy):

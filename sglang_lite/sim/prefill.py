@@ -5,6 +5,7 @@ budget, chunk size). Modelled instead: prefill memory is not limited (the prefil
 it is sent), and the prefix cache remembers, per prefix group, how many prompt tokens the last request of that
 group left behind (LRU over groups, bounded in tokens), instead of a token-level radix tree.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -45,8 +46,14 @@ class PrefillServer:
         self.waiting: list[SimRequest] = []
         self.chunked: SimRequest | None = None
         self.cache = PrefixCache(cluster.prefill_cache_tokens)
-        self.budget = PrefillBudget(kv_free=UNLIMITED, admit_free=UNLIMITED, batch_tokens=cluster.prefill_max_tokens,
-                                    chunk_size=cluster.prefill_chunk_tokens, free_rows=UNLIMITED, new_token_ratio=1.0)
+        self.budget = PrefillBudget(
+            kv_free=UNLIMITED,
+            admit_free=UNLIMITED,
+            batch_tokens=cluster.prefill_max_tokens,
+            chunk_size=cluster.prefill_chunk_tokens,
+            free_rows=UNLIMITED,
+            new_token_ratio=1.0,
+        )
         self.busy = False
         self.batch: list[tuple[SimRequest, int]] = []
 

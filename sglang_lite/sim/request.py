@@ -1,4 +1,5 @@
 """A simulated request: its lengths, where it is, and the times it passed each stage."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

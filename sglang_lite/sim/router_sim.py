@@ -7,6 +7,7 @@ independently, each side by its own policy; decode workers are DP-aware (`url@ra
 Additionally it counts, per decode rank, the in-flight requests still waiting for their first token, which is
 what the candidate `remaining` signal reads (`PhasedWorkerState.pending`, see pending_aware.py).
 """
+
 from __future__ import annotations
 
 import random
@@ -26,7 +27,15 @@ PLAIN_POLICIES = ("round_robin", "random")
 EMPTY_REQUEST = RequestInfo()
 # Policies the simulator knows that the router does not (candidates, test fixtures): label -> factory.
 EXTRA_POLICIES: dict[str, Callable[[], Policy]] = {
-    p.name: p for p in (PendingAwarePolicy, PendingOnlyPolicy, WorkAheadPolicy, PendingTieBreakPolicy, LastingPolicy)}
+    p.name: p
+    for p in (
+        PendingAwarePolicy,
+        PendingOnlyPolicy,
+        WorkAheadPolicy,
+        PendingTieBreakPolicy,
+        LastingPolicy,
+    )
+}
 PHASED_POLICIES = (PendingAwarePolicy, WorkAheadPolicy, PendingTieBreakPolicy, LastingPolicy)
 
 
@@ -43,8 +52,14 @@ def make_policy(label: str) -> Policy:
 
 
 class SimRouter:
-    def __init__(self, decode_policy: str, prefill_policy: str, num_prefill: int, decode_ranks: list[tuple[int, int]],
-                 seed: int) -> None:
+    def __init__(
+        self,
+        decode_policy: str,
+        prefill_policy: str,
+        num_prefill: int,
+        decode_ranks: list[tuple[int, int]],
+        seed: int,
+    ) -> None:
         """`decode_ranks`: (server, rank) of every decode DP rank, in the order policies see them."""
         self.decode_policy = make_policy(decode_policy)
         self.prefill_policy = make_policy(prefill_policy)
@@ -58,8 +73,12 @@ class SimRouter:
         self._decode_index = {u: i for i, u in enumerate(self.decode_urls)}
         self._prefill_index = {u: i for i, u in enumerate(self.prefill_urls)}
         self.polls = 0
-        self.work_ahead: Callable[[], list[int]] = lambda: [0] * len(self.decode_urls)  # the cluster sets it
-        self.lasting: Callable[[], list[int]] = lambda: [0] * len(self.decode_urls)  # the cluster sets it
+        self.work_ahead: Callable[[], list[int]] = lambda: (
+            [0] * len(self.decode_urls)
+        )  # the cluster sets it
+        self.lasting: Callable[[], list[int]] = lambda: (
+            [0] * len(self.decode_urls)
+        )  # the cluster sets it
 
     def dispatch(self) -> tuple[int, int]:
         """(prefill server, global decode rank) for a new request; counts it in flight on both."""
@@ -79,12 +98,29 @@ class SimRouter:
         # Only the candidate metrics read the phase; plain states are cheaper to build for the others.
         if isinstance(self.decode_policy, PHASED_POLICIES):
             ahead, lasting = self.work_ahead(), self.lasting()
-            return [PhasedWorkerState(u, i, True, self.in_flight[i], self.polled[i], self.pending[i], ahead[i],
-                                      lasting[i]) for i, u in enumerate(self.decode_urls)]
-        return [WorkerState(u, i, True, self.in_flight[i], self.polled[i]) for i, u in enumerate(self.decode_urls)]
+            return [
+                PhasedWorkerState(
+                    u,
+                    i,
+                    True,
+                    self.in_flight[i],
+                    self.polled[i],
+                    self.pending[i],
+                    ahead[i],
+                    lasting[i],
+                )
+                for i, u in enumerate(self.decode_urls)
+            ]
+        return [
+            WorkerState(u, i, True, self.in_flight[i], self.polled[i])
+            for i, u in enumerate(self.decode_urls)
+        ]
 
     def _prefill_views(self) -> list[WorkerState]:
-        return [WorkerState(u, None, True, self.prefill_in_flight[i]) for i, u in enumerate(self.prefill_urls)]
+        return [
+            WorkerState(u, None, True, self.prefill_in_flight[i])
+            for i, u in enumerate(self.prefill_urls)
+        ]
 
     def on_prefill_done(self, prefill: int) -> None:
         # The prefill leg's response ends when its prompt is processed.

@@ -1,4 +1,5 @@
 """Alternate-stream overlap for Qwen3.5: the plan (which sites overlap) and the runtime (streams, fork/join)."""
+
 from sglang_lite.streams.plan import (
     StreamFlags,
     StreamPlan,

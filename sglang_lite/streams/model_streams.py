@@ -3,6 +3,7 @@
 Building a model reads the environment flags and the (global) server arguments once; each forward then asks for
 its ``OverlapContext``. Two models built under different flags in one process therefore follow different plans.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,10 +36,22 @@ class ModelStreams:
     overlap_by_batch_size: dict[int, bool] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, device: torch.device | str, server_args: ServerArgs, has_moe: bool, fusion_supported: bool,
-              fusion_blocker: str = "") -> ModelStreams:
-        streams = cls(detect_platform(device), StreamFlags.from_env(), server_args.disable_shared_experts_fusion,
-                      fusion_supported, has_moe, StreamRuntime(device))
+    def build(
+        cls,
+        device: torch.device | str,
+        server_args: ServerArgs,
+        has_moe: bool,
+        fusion_supported: bool,
+        fusion_blocker: str = "",
+    ) -> ModelStreams:
+        streams = cls(
+            detect_platform(device),
+            StreamFlags.from_env(),
+            server_args.disable_shared_experts_fusion,
+            fusion_supported,
+            has_moe,
+            StreamRuntime(device),
+        )
         if has_moe and not server_args.disable_shared_experts_fusion and not fusion_supported:
             logger.warning("shared-expert fusion off: %s", fusion_blocker)
         return streams
@@ -49,10 +62,20 @@ class ModelStreams:
 
     def plan(self, capturing: bool, num_tokens: int, batch_size: int | None = None) -> StreamPlan:
         override = self.overlap_by_batch_size.get(batch_size) if batch_size is not None else None
-        return decide_stream_plan(self.platform, self.flags, self.disable_shared_experts_fusion,
-                                  self.fusion_supported, capturing, num_tokens, override, self.has_moe)
+        return decide_stream_plan(
+            self.platform,
+            self.flags,
+            self.disable_shared_experts_fusion,
+            self.fusion_supported,
+            capturing,
+            num_tokens,
+            override,
+            self.has_moe,
+        )
 
-    def context(self, capturing: bool, num_tokens: int, batch_size: int | None = None) -> OverlapContext:
+    def context(
+        self, capturing: bool, num_tokens: int, batch_size: int | None = None
+    ) -> OverlapContext:
         plan = self.plan(capturing, num_tokens, batch_size)
         return OverlapContext(plan, self.runtime.get() if plan.any_overlap else None)
 

@@ -7,6 +7,7 @@ Sites (see shared/reference/qwen3_5.md, "Alt streams"):
   shared expert is inside the fused MoE call).
 Everything here is pure: the caller passes the platform, the flags and the server arguments in.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -110,6 +111,8 @@ def choose_overlap_per_batch_size(
     choice = {}
     for bs, (plain, overlapped) in sorted(timings_ms.items()):
         if plain <= 0 or overlapped <= 0:
-            raise ValueError(f"batch size {bs}: timings must be positive, got plain={plain}, overlapped={overlapped}")
+            raise ValueError(
+                f"batch size {bs}: timings must be positive, got plain={plain}, overlapped={overlapped}"
+            )
         choice[bs] = overlapped < plain * (1.0 - min_gain)
     return choice

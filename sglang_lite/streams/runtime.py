@@ -5,6 +5,7 @@ with overlap off (or on the CPU) it simply runs both in order, so every site rea
 
     qkvz, ba = overlap(lambda: self.in_proj_qkvz(x), lambda: self.in_proj_ba(x), ctx.alt, ctx.plan.gdn_qkvz_ba, x)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,9 @@ class StreamRuntime:
             return None
         if name not in self._streams:
             if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"stream {name!r} must be created before CUDA-graph capture starts")
+                raise RuntimeError(
+                    f"stream {name!r} must be created before CUDA-graph capture starts"
+                )
             self._streams[name] = torch.cuda.Stream(device=self.device)
         return self._streams[name]
 
@@ -44,8 +47,14 @@ class OverlapContext:
 
 
 PLAIN = OverlapContext(
-    StreamPlan(alt_stream=False, gdn_qkvz_ba=False, qk_norm=False, moe_shared_routed=False, fused_qk_norm=False,
-               shared_experts_fusion=False),
+    StreamPlan(
+        alt_stream=False,
+        gdn_qkvz_ba=False,
+        qk_norm=False,
+        moe_shared_routed=False,
+        fused_qk_norm=False,
+        shared_experts_fusion=False,
+    ),
     None,
 )
 

@@ -1,4 +1,5 @@
 """Tokenizer loading and incremental detokenisation for streaming."""
+
 from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from sglang_lite.tokenizer.loader import load_tokenizer
 

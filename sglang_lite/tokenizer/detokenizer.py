@@ -4,6 +4,7 @@ Byte-level BPE tokens may each hold part of a character; decoding a growing wind
 ends in U+FFFD (an unfinished character) keeps every emitted piece valid. Decoding from a small window before the
 newest tokens (``prefix_offset``) keeps the tokenizer's merge of spaces and prefixes the same as a full decode.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,7 +20,10 @@ def _fast_decoder(tokenizer: Any) -> Any:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:
         return None
-    if not isinstance(tokenizer, TokenizersBackend) or type(tokenizer)._decode is not TokenizersBackend._decode:
+    if (
+        not isinstance(tokenizer, TokenizersBackend)
+        or type(tokenizer)._decode is not TokenizersBackend._decode
+    ):
         return None
     return None if tokenizer.clean_up_tokenization_spaces else tokenizer.backend_tokenizer
 
@@ -51,7 +55,9 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text) :]
 
     def _decode(self, ids: list[int]) -> str:
-        return self._decoder.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+        return (
+            self._decoder.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+        )
 
 
 class StopStringMatcher:
@@ -71,7 +77,10 @@ class StopStringMatcher:
             emit, self.pending = self.pending[:position], ""
             return emit
         keep = self._held_tail_len()
-        emit, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
+        emit, self.pending = (
+            self.pending[: len(self.pending) - keep],
+            self.pending[len(self.pending) - keep :],
+        )
         return emit
 
     def flush(self) -> str:

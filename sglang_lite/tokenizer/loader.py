@@ -1,4 +1,5 @@
 """Loads the Hugging Face tokenizer of a checkpoint (the built-in tiny model's when no path is given)."""
+
 from __future__ import annotations
 
 import os

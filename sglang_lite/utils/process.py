@@ -1,4 +1,5 @@
 """Processes: waiting for a server to answer (tests, benchmarks), stopping scheduler processes, heap settings."""
+
 from __future__ import annotations
 
 import ctypes
@@ -7,7 +8,11 @@ import time
 
 
 def wait_until_healthy(
-    url: str, process: subprocess.Popen, timeout_s: float, path: str = "/health", interval_s: float = 0.5
+    url: str,
+    process: subprocess.Popen,
+    timeout_s: float,
+    path: str = "/health",
+    interval_s: float = 0.5,
 ) -> bool:
     """Polls ``GET url + path`` until it answers 200 (True); False once ``process`` has exited or time is up.
 

@@ -5,7 +5,13 @@ import csv
 import numpy as np
 import pytest
 
-from sglang_lite.bench.balance import LoadSeries, balance_stats, format_table, mean_cv, outstanding_of
+from sglang_lite.bench.balance import (
+    LoadSeries,
+    balance_stats,
+    format_table,
+    mean_cv,
+    outstanding_of,
+)
 
 
 def test_statistics_on_hand_made_series():
@@ -36,15 +42,26 @@ def test_mismatched_series_are_rejected():
 
 
 def _entry(rank, running, waiting=0, transfer=0, tokens=0):
-    return {"dp_rank": rank, "num_running_reqs": running, "num_waiting_reqs": waiting,
-            "decode_transfer_queue_reqs": transfer, "num_total_tokens": tokens, "num_used_tokens": tokens,
-            "gen_throughput": 10.0 * running}
+    return {
+        "dp_rank": rank,
+        "num_running_reqs": running,
+        "num_waiting_reqs": waiting,
+        "decode_transfer_queue_reqs": transfer,
+        "num_total_tokens": tokens,
+        "num_used_tokens": tokens,
+        "gen_throughput": 10.0 * running,
+    }
 
 
 def test_outstanding_counts_every_request_once():
     # a decode rank's num_waiting_reqs already counts its prealloc and transfer queues (as SGLang's does)
     assert outstanding_of(_entry(0, 3, waiting=6, transfer=4)) == 9
-    assert outstanding_of({"num_running_reqs": 1, "num_waiting_reqs": 0, "prefill_inflight_queue_reqs": 2}) == 3
+    assert (
+        outstanding_of(
+            {"num_running_reqs": 1, "num_waiting_reqs": 0, "prefill_inflight_queue_reqs": 2}
+        )
+        == 3
+    )
     assert outstanding_of({"num_running_reqs": 1}) == 1  # sections not requested are simply absent
 
 
@@ -56,7 +73,9 @@ def test_series_drops_incomplete_polls_and_writes_csv(tmp_path):
     assert series.times == [0.0, 1.0]
     s = series.stats()
     assert s.outstanding_cv == pytest.approx(0.0) and s.busiest_batch == pytest.approx(1.5)
-    steady = series.stats(min_total_outstanding=3)  # only the first sample holds 3 requests (2 + 0 + 1 waiting)
+    steady = series.stats(
+        min_total_outstanding=3
+    )  # only the first sample holds 3 requests (2 + 0 + 1 waiting)
     assert steady.num_samples == 1 and steady.busiest_batch == pytest.approx(2.0)
     path = tmp_path / "loads.csv"
     series.write_csv(path)
@@ -86,13 +105,17 @@ def test_sampler_counts_and_logs_failed_polls(caplog):
 
     async def sample() -> BalanceSampler:
         async with BalanceSampler([url], interval=0.02, timeout=0.5) as sampler:
-            while sampler.series.poll_failures.get(url, 0) < 3:  # a loaded machine polls less often than 50/s
+            while (
+                sampler.series.poll_failures.get(url, 0) < 3
+            ):  # a loaded machine polls less often than 50/s
                 await asyncio.sleep(0.02)
         return sampler
 
     sampler = asyncio.run(asyncio.wait_for(sample(), 10))
     assert sampler.series.poll_failures[url] >= 3 and not sampler.series.times
-    assert sum("load poll of" in r.getMessage() for r in caplog.records) == 1  # rate-limited, not one per poll
+    assert (
+        sum("load poll of" in r.getMessage() for r in caplog.records) == 1
+    )  # rate-limited, not one per poll
     stats = balance_stats(np.ones((1, 2)), np.ones((1, 2)), np.ones((1, 2)))
     assert "poll_failures" in format_table({"p": stats})
     series = LoadSeries()

@@ -12,6 +12,7 @@ from sglang_lite.bench.traces import agentic_trace
 
 async def _fake_server(log: list[tuple[str, int, int]]) -> web.AppRunner:
     """Streams `max_new_tokens` SSE chunks and records (session turn order, prompt length) per request."""
+
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         n = body["sampling_params"]["max_new_tokens"]
@@ -20,7 +21,9 @@ async def _fake_server(log: list[tuple[str, int, int]]) -> web.AppRunner:
         await resp.prepare(request)
         for i in range(1, n + 1):
             await asyncio.sleep(0.001)
-            await resp.write(f"data: {json.dumps({'meta_info': {'completion_tokens': i}})}\n\n".encode())
+            await resp.write(
+                f"data: {json.dumps({'meta_info': {'completion_tokens': i}})}\n\n".encode()
+            )
         await resp.write(b"data: [DONE]\n\n")
         log.append(("end", len(body["input_ids"]), n))
         return resp
@@ -39,7 +42,9 @@ def _url(runner: web.AppRunner) -> str:
 
 
 def test_closed_loop_keeps_session_order_and_concurrency():
-    trace = [dataclasses.replace(r, output_len=min(r.output_len, 5)) for r in agentic_trace(6, seed=2)]  # fast
+    trace = [
+        dataclasses.replace(r, output_len=min(r.output_len, 5)) for r in agentic_trace(6, seed=2)
+    ]  # fast
 
     async def run():
         log: list = []
@@ -68,7 +73,9 @@ def test_timestamp_replay_and_shared_prompts():
     trace = agentic_trace(3, seed=0, session_rate=50.0)[:4]
     prompts = PromptTokens(vocab_size=50)
     first, second = prompts.ids(trace[0]), prompts.ids(trace[1])
-    assert trace[1].session == trace[0].session and second[:len(first)] == first  # turn 2 repeats turn 1's prompt
+    assert (
+        trace[1].session == trace[0].session and second[: len(first)] == first
+    )  # turn 2 repeats turn 1's prompt
     assert all(10 <= t < 50 for t in second)
 
     async def run():

@@ -38,6 +38,8 @@ def test_jsonl_round_trip_with_timestamps(tmp_path):
 
 def test_bad_line_names_its_number(tmp_path):
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"session": "a", "turn": 0, "input_len": 5, "output_len": 1}\n{"session": "a"}\n')
+    path.write_text(
+        '{"session": "a", "turn": 0, "input_len": 5, "output_len": 1}\n{"session": "a"}\n'
+    )
     with pytest.raises(ValueError, match="line 2"):
         load_trace(path)

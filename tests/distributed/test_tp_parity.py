@@ -4,6 +4,7 @@ The all-reduce changes the order of additions, so logits match within a float32 
 Checkpoints are odd on purpose: a vocabulary that does not divide (padded), GQA, one KV head (replicated over the
 ranks), more value heads than key heads in the Gated DeltaNet, MoE with and without the fused shared expert, dense.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -33,8 +34,12 @@ def run_world(layout: dict, path: str, prompts: list, fusion: bool = True) -> li
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=run_rank, args=(r, port, layout, path, prompts[r], fusion, results), daemon=True)
-             for r in range(len(prompts))]
+    procs = [
+        ctx.Process(
+            target=run_rank, args=(r, port, layout, path, prompts[r], fusion, results), daemon=True
+        )
+        for r in range(len(prompts))
+    ]
     for p in procs:
         p.start()
     try:
@@ -64,8 +69,13 @@ CHECKPOINTS = {
     "moe-one-kv-head": dict(moe=True, num_key_value_heads=1),
     "dense-odd-vocab": dict(moe=False, vocab_size=157, tie_word_embeddings=True),
     # four ways: 2 KV heads over 4 ranks (each shared by two), 4 key / 8 value GDN heads, vocab 162 padded to 164
-    "moe-four-ways": dict(moe=True, vocab_size=162, linear_num_key_heads=4, linear_num_value_heads=8,
-                          shared_expert_intermediate_size=24),
+    "moe-four-ways": dict(
+        moe=True,
+        vocab_size=162,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        shared_expert_intermediate_size=24,
+    ),
 }
 
 
@@ -119,7 +129,9 @@ def test_dp_attention_ranks_run_their_own_tokens(checkpoints):
 def test_idle_dp_attention_rank_joins_the_moe(checkpoints):
     """A DP rank with no tokens runs an empty forward; the busy rank's logits are unaffected."""
     path = checkpoints["moe-odd-vocab"]
-    busy, idle = run_world({"tp_size": 2, "dp_size": 2, "dp_attention": True}, path, [PROMPTS[0], None])
+    busy, idle = run_world(
+        {"tp_size": 2, "dp_size": 2, "dp_attention": True}, path, [PROMPTS[0], None]
+    )
     assert idle.shape == (0, 161)
     torch.testing.assert_close(busy, reference(path, PROMPTS[0]), atol=2e-5, rtol=1e-4)
 

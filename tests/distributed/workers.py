@@ -1,4 +1,5 @@
 """Bodies of the ranks the distributed tests start (a module of its own: spawned processes import it)."""
+
 from __future__ import annotations
 
 import os
@@ -7,7 +8,9 @@ import traceback
 import torch
 
 
-def run_rank(rank: int, port: int, layout: dict, path: str, prompt: list[int] | None, fusion: bool, queue) -> None:
+def run_rank(
+    rank: int, port: int, layout: dict, path: str, prompt: list[int] | None, fusion: bool, queue
+) -> None:
     """Joins a gloo world, loads ``path`` sharded, and puts (rank, logits of ``prompt``) on ``queue`` (an empty
     forward when ``prompt`` is None, as an idle DP-attention rank runs)."""
     os.environ["TRITON_INTERPRET"] = "1"
@@ -25,7 +28,9 @@ def run_rank(rank: int, port: int, layout: dict, path: str, prompt: list[int] | 
             logits = model(torch.tensor([prompt]))[0]
         else:
             pools = ModelPools.create(model.config, 8, 1, 8, torch.float32, "cpu")
-            logits = model.forward_batch(build_forward_batch(pools, ForwardMode.DECODE, [], [], [], [], "cpu"))
+            logits = model.forward_batch(
+                build_forward_batch(pools, ForwardMode.DECODE, [], [], [], [], "cpu")
+            )
         queue.put((rank, logits))
     except BaseException:
         queue.put((rank, traceback.format_exc()))

@@ -1,4 +1,5 @@
 """Tiny random transformers Qwen3.5 checkpoints (dense and MoE) and their transformers greedy outputs."""
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,12 @@ SIZES = dict(
     tie_word_embeddings=False,
     initializer_range=0.1,  # wider logits than the default 0.02: fewer near-ties for the greedy comparison
 )
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+)
 DENSE = dict(intermediate_size=96)
 
 
@@ -30,7 +36,12 @@ class TinyCheckpoint:
     """A saved random transformers model plus a memo of its greedy continuations."""
 
     def __init__(self, kind: str, root: str) -> None:
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+        from transformers import (
+            Qwen3_5ForCausalLM,
+            Qwen3_5MoeForCausalLM,
+            Qwen3_5MoeTextConfig,
+            Qwen3_5TextConfig,
+        )
 
         torch.manual_seed(1234 if kind == "moe" else 4321)
         if kind == "moe":
@@ -47,8 +58,13 @@ class TinyCheckpoint:
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = self.model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=0,
-                do_sample=False, eos_token_id=None, pad_token_id=0,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=0,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
         return out[0, len(prompt) :].tolist()
 

@@ -1,4 +1,5 @@
 """The offline Engine on the built-in tiny model: streaming, stop strings, abort, bad requests, shutdown."""
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,9 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine(load_format="dummy", max_total_tokens=1024, max_running_requests=4, context_length=256) as engine:
+    with Engine(
+        load_format="dummy", max_total_tokens=1024, max_running_requests=4, context_length=256
+    ) as engine:
         yield engine
 
 
@@ -41,7 +44,9 @@ def test_stop_string_trims_the_text(engine):
 
 
 def test_batch_of_prompts_with_per_request_params(engine):
-    results = engine.generate(["a = 1", "b = 2"], [{**GREEDY, "max_new_tokens": 3}, {**GREEDY, "max_new_tokens": 5}])
+    results = engine.generate(
+        ["a = 1", "b = 2"], [{**GREEDY, "max_new_tokens": 3}, {**GREEDY, "max_new_tokens": 5}]
+    )
     assert [r["meta_info"]["completion_tokens"] for r in results] == [3, 5]
     seeded_params = {"max_new_tokens": 8, "temperature": 1.0, "seed": 11}
     seeded = [engine.generate("x", seeded_params)["output_ids"] for _ in range(2)]
@@ -55,7 +60,11 @@ def test_abort_mid_decode_frees_kv_and_state(engine):
     assert held["num_running_reqs"] == 1 and held["num_used_tokens"] > 0
     engine.abort(first[0]["meta_info"]["id"])
     loads = engine.get_loads()
-    assert (loads["num_running_reqs"], loads["num_waiting_reqs"], loads["num_used_tokens"]) == (0, 0, 0)
+    assert (loads["num_running_reqs"], loads["num_waiting_reqs"], loads["num_used_tokens"]) == (
+        0,
+        0,
+        0,
+    )
     engine.check_invariants()  # state slots and request rows are free too
     rest = list(stream)
     assert rest[-1]["meta_info"]["finish_reason"]["type"] == "abort"
@@ -71,8 +80,14 @@ def test_closing_a_stream_early_aborts_it(engine):
 
 @pytest.mark.parametrize(
     "params,field",
-    [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.01}, "top_p"),
-     ({"top_k": 0}, "top_k"), ({"top_k": -5}, "top_k"), ({"max_new_tokens": -1}, "max_new_tokens")],
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -5}, "top_k"),
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+    ],
 )
 def test_bad_params_raise_naming_the_field_while_others_run(engine, params, field):
     stream = engine.generate_stream("x = [", {**GREEDY, "max_new_tokens": 20})
@@ -88,12 +103,21 @@ def test_bad_params_raise_naming_the_field_while_others_run(engine, params, fiel
 def test_prompt_longer_than_the_context_is_rejected(engine):
     with pytest.raises(ValueError, match="input_ids.*context length"):
         engine.generate(input_ids=list(range(300)), sampling_params=GREEDY)
-    assert engine.generate(input_ids=list(range(10)), sampling_params={**GREEDY, "max_new_tokens": 2})["output_ids"]
+    assert engine.generate(
+        input_ids=list(range(10)), sampling_params={**GREEDY, "max_new_tokens": 2}
+    )["output_ids"]
 
 
 def test_shutdown_releases_and_refuses_new_work():
-    engine = Engine(load_format="dummy", max_total_tokens=256, max_running_requests=2, skip_tokenizer_init=True)
-    assert engine.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": 2})["text"] == ""
+    engine = Engine(
+        load_format="dummy", max_total_tokens=256, max_running_requests=2, skip_tokenizer_init=True
+    )
+    assert (
+        engine.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": 2})[
+            "text"
+        ]
+        == ""
+    )
     engine.shutdown()
     engine.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
@@ -101,9 +125,13 @@ def test_shutdown_releases_and_refuses_new_work():
 
 
 def test_a_dead_scheduler_process_fails_its_requests_with_a_clear_error():
-    engine = Engine(load_format="dummy", max_total_tokens=256, max_running_requests=2, skip_tokenizer_init=True)
+    engine = Engine(
+        load_format="dummy", max_total_tokens=256, max_running_requests=2, skip_tokenizer_init=True
+    )
     try:
-        stream = engine.generate_stream(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 200})
+        stream = engine.generate_stream(
+            input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 200}
+        )
         next(stream)
         engine._client.core.processes[0].kill()
         with pytest.raises(RuntimeError, match="scheduler process died"):

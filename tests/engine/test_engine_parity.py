@@ -1,5 +1,6 @@
 """Greedy parity with transformers ``generate`` (each prompt alone) under continuous batching, chunked prefill,
 late arrivals and retraction, on tiny random dense and MoE models."""
+
 from __future__ import annotations
 
 import threading
@@ -18,7 +19,9 @@ KINDS = ["moe", "dense"]
 
 
 def small_chunks(path: str, **overrides) -> dict:
-    args = dict(model_path=path, skip_tokenizer_init=True, chunked_prefill_size=8, max_prefill_tokens=16)
+    args = dict(
+        model_path=path, skip_tokenizer_init=True, chunked_prefill_size=8, max_prefill_tokens=16
+    )
     return {**args, "max_total_tokens": 2048, "max_running_requests": 8, **overrides}
 
 
@@ -41,7 +44,9 @@ def test_scheduler_interleaved_arrivals_match_transformers(checkpoints, kind):
         step += 1
     assert seen_decode_with_waiting, "the arrivals must meet decoding requests"
     for i, prompt in enumerate(prompts):
-        assert outputs[str(i)] == checkpoint.greedy(prompt, NEW_TOKENS), f"prompt {i} (length {len(prompt)})"
+        assert outputs[str(i)] == checkpoint.greedy(prompt, NEW_TOKENS), (
+            f"prompt {i} (length {len(prompt)})"
+        )
     assert scheduler.get_loads().num_used_tokens == 0
 
 
@@ -53,6 +58,7 @@ def test_engine_concurrent_requests_match_transformers(checkpoints, kind):
         stream = engine.generate_stream(input_ids=prompts[0], sampling_params=GREEDY)
         first = [next(stream)]  # prompt 0 is decoding
         late: dict = {}
+
         def generate_late() -> None:
             late.update(out=engine.generate(input_ids=prompts[1:], sampling_params=GREEDY))
 
@@ -62,13 +68,19 @@ def test_engine_concurrent_requests_match_transformers(checkpoints, kind):
         thread.join(timeout=120)
         loads = engine.get_loads()
         engine.check_invariants()
-    results = [[t for piece in first for t in piece["output_ids"]]] + [r["output_ids"] for r in late["out"]]
+    results = [[t for piece in first for t in piece["output_ids"]]] + [
+        r["output_ids"] for r in late["out"]
+    ]
     for i, (prompt, got) in enumerate(zip(prompts, results)):
         assert got == checkpoint.greedy(prompt, NEW_TOKENS), f"prompt {i} (length {len(prompt)})"
     meta = late["out"][0]["meta_info"]
     assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(prompts[1]), NEW_TOKENS)
     assert meta["finish_reason"] == {"type": "length", "length": NEW_TOKENS}
-    assert (loads["num_used_tokens"], loads["num_running_reqs"], loads["num_waiting_reqs"]) == (0, 0, 0)
+    assert (loads["num_used_tokens"], loads["num_running_reqs"], loads["num_waiting_reqs"]) == (
+        0,
+        0,
+        0,
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -84,5 +96,11 @@ def test_small_pool_retracts_and_every_request_matches(checkpoints, kind):
     assert loads["num_retractions"] > 0, "the pool was meant to run out"
     assert sum(r["meta_info"]["num_retractions"] for r in results) == loads["num_retractions"]
     for i, (prompt, result) in enumerate(zip(prompts, results)):
-        assert result["output_ids"] == checkpoint.greedy(prompt, NEW_TOKENS), f"prompt {i} (length {len(prompt)})"
-    assert (loads["num_used_tokens"], loads["num_running_reqs"], loads["num_waiting_reqs"]) == (0, 0, 0)
+        assert result["output_ids"] == checkpoint.greedy(prompt, NEW_TOKENS), (
+            f"prompt {i} (length {len(prompt)})"
+        )
+    assert (loads["num_used_tokens"], loads["num_running_reqs"], loads["num_waiting_reqs"]) == (
+        0,
+        0,
+        0,
+    )

@@ -1,5 +1,6 @@
 """Parallel samples (``n`` > 1): one prefill, then n continuations forked from the prompt's KV and GDN state, each
 with its own seed. Each sample equals the same request run alone with that seed."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,7 +31,9 @@ def test_n_samples_prefill_once_and_equal_their_seeds_run_alone(checkpoints, cac
     sampled = {"max_new_tokens": 10, "temperature": 1.0, "seed": 40, "ignore_eos": True}
     scheduler = create_scheduler(ServerArgs(**args))
     together = run(scheduler, {"p": (prompt, {**sampled, "n": 3})})
-    assert scheduler.num_prefill_tokens == len(prompt)  # the forks read the prompt, never prefill it
+    assert scheduler.num_prefill_tokens == len(
+        prompt
+    )  # the forks read the prompt, never prefill it
     assert scheduler.get_loads().num_used_tokens == 0
     alone = create_scheduler(ServerArgs(**args))
     for rid, seed in [("p", 40), ("p.n1", 41), ("p.n2", 42)]:
@@ -44,12 +47,16 @@ def test_greedy_samples_match_transformers_and_forks_wait_when_memory_is_short(c
     checkpoint = checkpoints["dense"]
     prompts = random_prompts([9, 14], seed=4)
     greedy = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True, "n": 3}
-    scheduler = create_scheduler(ServerArgs(**small_chunks(checkpoint.path, max_running_requests=4)))
+    scheduler = create_scheduler(
+        ServerArgs(**small_chunks(checkpoint.path, max_running_requests=4))
+    )
     results = run(scheduler, {"a": (prompts[0], greedy), "b": (prompts[1], greedy)})
     assert sorted(results) == ["a", "a.n1", "a.n2", "b", "b.n1", "b.n2"]
     for rid, tokens in results.items():
         assert tokens == checkpoint.greedy(prompts[0 if rid.startswith("a") else 1], 6), rid
-    assert scheduler.num_prefill_tokens > len(prompts[0]) + len(prompts[1])  # the waiting forks prefilled
+    assert scheduler.num_prefill_tokens > len(prompts[0]) + len(
+        prompts[1]
+    )  # the waiting forks prefilled
 
 
 def test_aborting_a_sample_before_its_fork_and_a_parent_that_ends_first(checkpoints):
@@ -66,10 +73,18 @@ def test_aborting_a_sample_before_its_fork_and_a_parent_that_ends_first(checkpoi
     while scheduler.has_work:
         for out in scheduler.step():
             if out.finished:
-                finished[out.rid] = (out.meta_info["finish_reason"]["type"], out.meta_info["completion_tokens"])
+                finished[out.rid] = (
+                    out.meta_info["finish_reason"]["type"],
+                    out.meta_info["completion_tokens"],
+                )
         scheduler.check_invariants()
-    assert finished == {"x": ("length", 4), "x.n1": ("length", 4), "x.n2": ("abort", 0), "y": ("abort", 0),
-                        "y.n1": ("abort", 0)}
+    assert finished == {
+        "x": ("length", 4),
+        "x.n1": ("length", 4),
+        "x.n2": ("abort", 0),
+        "y": ("abort", 0),
+        "y.n1": ("abort", 0),
+    }
 
 
 def test_engine_returns_n_results_per_prompt(checkpoints):
@@ -80,4 +95,6 @@ def test_engine_returns_n_results_per_prompt(checkpoints):
         results = engine.generate(input_ids=prompts, sampling_params=params)
         with pytest.raises(ValueError, match="n"):
             engine.generate(input_ids=prompts[0], sampling_params={**params, "n": 0})
-    assert [r["output_ids"] for r in results] == [checkpoint.greedy(p, 3) for p in prompts for _ in range(2)]
+    assert [r["output_ids"] for r in results] == [
+        checkpoint.greedy(p, 3) for p in prompts for _ in range(2)
+    ]

@@ -1,5 +1,6 @@
 """Frequency, presence and repetition penalties and logit biases: the batched book against a per-request loop, the
 parameters' validation and transport, and their effect on the tiny model's greedy output (scheduler, Engine, HTTP)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +39,8 @@ def random_params(rng: random.Random) -> SamplingParams:
         frequency_penalty=rng.uniform(-2, 2) if counts else 0.0,
         presence_penalty=rng.uniform(-2, 2) if counts else 0.0,
         repetition_penalty=rng.uniform(0.1, 2) if counts else 1.0,
-        logit_bias={str(rng.randrange(VOCAB)): rng.uniform(-100, 100) for _ in range(3)} if kind in ("bias", "all")
+        logit_bias={str(rng.randrange(VOCAB)): rng.uniform(-100, 100) for _ in range(3)}
+        if kind in ("bias", "all")
         else None,
     )
 
@@ -59,8 +61,13 @@ def test_book_matches_a_per_request_loop_over_mixed_rows(seed, device):
         for row in [r for r in live if rng.random() < 0.1]:  # finished
             book.release(row)
             del live[row]
-        for row in [r for r in range(8) if r not in live and rng.random() < 0.3]:  # admitted (some retracted)
-            params, history = random_params(rng), [rng.randrange(VOCAB) for _ in range(rng.choice([0, 0, 5]))]
+        for row in [
+            r for r in range(8) if r not in live and rng.random() < 0.3
+        ]:  # admitted (some retracted)
+            params, history = (
+                random_params(rng),
+                [rng.randrange(VOCAB) for _ in range(rng.choice([0, 0, 5]))],
+            )
             book.admit(row, params, history)
             live[row] = (params, history)
         if not live:
@@ -84,7 +91,9 @@ def test_readmission_counts_the_output_so_far_again():
     book.admit(2, params)
     book.record([2], [7])
     book.record([2], torch.tensor([7]))
-    book.release(2)  # retracted: the row goes to another request, which leaves tokens of its own in it
+    book.release(
+        2
+    )  # retracted: the row goes to another request, which leaves tokens of its own in it
     book.admit(2, SamplingParams(presence_penalty=1.0), [1, 1, 1])
     book.release(2)
     book.admit(3, params, [7, 7])  # back, in another row, with its output so far
@@ -136,8 +145,14 @@ def test_bad_penalty_names_its_field(params, field):
 
 
 def test_penalties_survive_the_wire_and_int_keys_become_strings():
-    params = SamplingParams.from_dict({"frequency_penalty": -2, "presence_penalty": 2.0, "repetition_penalty": 0.5,
-                                       "logit_bias": {5: -100, "999": 100.0}})
+    params = SamplingParams.from_dict(
+        {
+            "frequency_penalty": -2,
+            "presence_penalty": 2.0,
+            "repetition_penalty": 0.5,
+            "logit_bias": {5: -100, "999": 100.0},
+        }
+    )
     params.validate(vocab_size=1000)
     assert params.logit_bias == {"5": -100, "999": 100.0}
     back = decode(encode(AddRequest("r", [1, 2], params)))
@@ -146,7 +161,11 @@ def test_penalties_survive_the_wire_and_int_keys_become_strings():
 
 
 # ---- the tiny model: the scheduler, the Engine and the HTTP server ----------------------------------------------
-GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 40}  # plain greedy repeats by then
+GREEDY = {
+    "temperature": 0.0,
+    "ignore_eos": True,
+    "max_new_tokens": 40,
+}  # plain greedy repeats by then
 PROMPT = [11, 900, 42, 7, 7, 3000, 15]
 
 
@@ -155,8 +174,11 @@ def scheduler():
     from sglang_lite.runtime.factory import create_scheduler
     from sglang_lite.server_args import ServerArgs
 
-    return create_scheduler(ServerArgs(load_format="dummy", max_total_tokens=512, max_running_requests=4,
-                                       context_length=128))
+    return create_scheduler(
+        ServerArgs(
+            load_format="dummy", max_total_tokens=512, max_running_requests=4, context_length=128
+        )
+    )
 
 
 def run_recording_logits(scheduler, params: dict) -> tuple[list[int], list[torch.Tensor]]:
@@ -175,11 +197,19 @@ def run_recording_logits(scheduler, params: dict) -> tuple[list[int], list[torch
     return output, [step[0].float() for step in logits]
 
 
-@pytest.mark.parametrize("penalties", [
-    {"frequency_penalty": 1.5},
-    {"repetition_penalty": 1.8},
-    {"presence_penalty": 0.7, "frequency_penalty": -0.5, "repetition_penalty": 0.8, "logit_bias": {"17": 3.0}},
-])
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        {"frequency_penalty": 1.5},
+        {"repetition_penalty": 1.8},
+        {
+            "presence_penalty": 0.7,
+            "frequency_penalty": -0.5,
+            "repetition_penalty": 0.8,
+            "logit_bias": {"17": 3.0},
+        },
+    ],
+)
 def test_greedy_output_follows_the_penalised_model_logits(scheduler, penalties):
     """Each greedy token is the argmax of the model's own logits penalised by the output before it."""
     plain, _ = run_recording_logits(scheduler, GREEDY)
@@ -194,12 +224,16 @@ def test_greedy_output_follows_the_penalised_model_logits(scheduler, penalties):
 def engine():
     from sglang_lite import Engine
 
-    with Engine(load_format="dummy", max_total_tokens=1024, max_running_requests=4, context_length=256) as engine:
+    with Engine(
+        load_format="dummy", max_total_tokens=1024, max_running_requests=4, context_length=256
+    ) as engine:
         yield engine
 
 
 def test_logit_bias_forces_a_token_every_step(engine):
-    result = engine.generate(input_ids=PROMPT, sampling_params={**GREEDY, "logit_bias": {"500": 100}})
+    result = engine.generate(
+        input_ids=PROMPT, sampling_params={**GREEDY, "logit_bias": {"500": 100}}
+    )
     assert result["output_ids"] == [500] * GREEDY["max_new_tokens"]
     other = engine.generate(input_ids=PROMPT, sampling_params={**GREEDY, "logit_bias": {500: -100}})
     assert 500 not in other["output_ids"]
@@ -208,7 +242,9 @@ def test_logit_bias_forces_a_token_every_step(engine):
 def test_large_presence_penalty_never_repeats_a_token(engine):
     plain = engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
     assert len(set(plain)) < len(plain), "the plain greedy output was meant to repeat itself"
-    output = engine.generate(input_ids=PROMPT, sampling_params={**GREEDY, "presence_penalty": 2.0, "logit_bias": None})
+    output = engine.generate(
+        input_ids=PROMPT, sampling_params={**GREEDY, "presence_penalty": 2.0, "logit_bias": None}
+    )
     assert len(set(output["output_ids"])) == len(output["output_ids"]) == GREEDY["max_new_tokens"]
 
 
@@ -225,11 +261,18 @@ def completions(server: ServerProcess, **body) -> httpx.Response:
 
 
 def test_openai_completions_take_logit_bias_and_penalties(server_dp1: ServerProcess) -> None:  # noqa: F811
-    forced = completions(server_dp1, logit_bias={"500": 100}, presence_penalty=1.5, frequency_penalty=-1.0,
-                         repetition_penalty=1.2)
+    forced = completions(
+        server_dp1,
+        logit_bias={"500": 100},
+        presence_penalty=1.5,
+        frequency_penalty=-1.0,
+        repetition_penalty=1.2,
+    )
     assert forced.status_code == 200, forced.text
-    texts = [r.json()["choices"][0]["text"] for r in (forced, completions(server_dp1, logit_bias={"500": 100}),
-                                                       completions(server_dp1))]
+    texts = [
+        r.json()["choices"][0]["text"]
+        for r in (forced, completions(server_dp1, logit_bias={"500": 100}), completions(server_dp1))
+    ]
     assert texts[0] == texts[1] != texts[2], texts
     bad = completions(server_dp1, presence_penalty=3.0)
     assert bad.status_code == 400 and "presence_penalty" in bad.text

@@ -1,5 +1,6 @@
 """The prefix cache (radix tree of KV slots with GDN state snapshots): greedy tokens equal transformers with the
 cache on and off, for prompts that share prefixes in every way, under eviction pressure too; hits are reported."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,12 +20,22 @@ GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
 
 
 def scheduler(path: str, cache: bool, max_total_tokens: int = 2048, chunk: int = 16):
-    return create_scheduler(ServerArgs(model_path=path, skip_tokenizer_init=True, disable_radix_cache=not cache,
-                                       max_total_tokens=max_total_tokens, max_running_requests=4,
-                                       chunked_prefill_size=chunk, max_prefill_tokens=32))
+    return create_scheduler(
+        ServerArgs(
+            model_path=path,
+            skip_tokenizer_init=True,
+            disable_radix_cache=not cache,
+            max_total_tokens=max_total_tokens,
+            max_running_requests=4,
+            chunked_prefill_size=chunk,
+            max_prefill_tokens=32,
+        )
+    )
 
 
-def run(sched, requests: list[tuple[str, list[int]]], together: bool = False) -> dict[str, tuple[list[int], dict]]:
+def run(
+    sched, requests: list[tuple[str, list[int]]], together: bool = False
+) -> dict[str, tuple[list[int], dict]]:
     """Runs requests one after another (or all at once), checking the pools' accounting after every step."""
     out: dict[str, tuple[list[int], dict]] = {}
     batches = [requests] if together else [[r] for r in requests]
@@ -65,7 +76,9 @@ def test_cache_on_and_off_give_transformers_tokens(checkpoints, kind):
     assert with_cache["first"][1]["cached_tokens"] == 0
     assert with_cache["extends"][1]["cached_tokens"] >= 40
     assert with_cache["extends-more"][1]["cached_tokens"] >= 49
-    assert with_cache["equal"][1]["cached_tokens"] > 0  # the prefix up to a snapshot before its last token
+    assert (
+        with_cache["equal"][1]["cached_tokens"] > 0
+    )  # the prefix up to a snapshot before its last token
 
 
 def test_concurrent_requests_on_one_prefix_and_a_tiny_pool(checkpoints):
@@ -95,8 +108,14 @@ def test_a_next_turn_that_rewrites_the_prompt_end_reuses_an_aligned_snapshot():
     requests = [("first", prompt), ("next", prompt[:-2] + turn)]
 
     def engine(cache: bool):
-        return create_scheduler(ServerArgs(skip_tokenizer_init=True, disable_radix_cache=not cache,
-                                           max_total_tokens=4096, max_running_requests=4))
+        return create_scheduler(
+            ServerArgs(
+                skip_tokenizer_init=True,
+                disable_radix_cache=not cache,
+                max_total_tokens=4096,
+                max_running_requests=4,
+            )
+        )
 
     with_cache, without = run(engine(True), requests), run(engine(False), requests)
     assert [with_cache[rid][0] for rid, _ in requests] == [without[rid][0] for rid, _ in requests]
@@ -108,7 +127,13 @@ def test_snapshot_aligned_chunk():
     end = floor + align + 10
     assert snapshot_aligned_chunk(0, end, end) == floor + align  # finishes the prompt: cut
     assert snapshot_aligned_chunk(0, end, floor) == floor  # does not finish it: as planned
-    assert snapshot_aligned_chunk(0, floor + align, floor + align) == floor  # the snapshot comes before the last token
-    start = floor + align - gain + 1  # the aligned point is too close to the previous snapshot: one chunk
+    assert (
+        snapshot_aligned_chunk(0, floor + align, floor + align) == floor
+    )  # the snapshot comes before the last token
+    start = (
+        floor + align - gain + 1
+    )  # the aligned point is too close to the previous snapshot: one chunk
     assert snapshot_aligned_chunk(start, end, end - start) == end - start
-    assert snapshot_aligned_chunk(0, floor - 10, floor - 10) == floor - 10  # a short prompt: one chunk
+    assert (
+        snapshot_aligned_chunk(0, floor - 10, floor - 10) == floor - 10
+    )  # a short prompt: one chunk

@@ -1,4 +1,5 @@
 """Sampling parameters, the batched sampler and incremental detokenisation (no model needed)."""
+
 from __future__ import annotations
 
 import pytest
@@ -56,7 +57,9 @@ def test_greedy_and_top_k_1_take_the_argmax():
     assert sample(logits, [greedy, top1], gens).tolist() == [1, 0]
 
 
-@pytest.mark.parametrize("kind", ["random", "ties", "nan", "all -inf", "max in the short last block"])
+@pytest.mark.parametrize(
+    "kind", ["random", "ties", "nan", "all -inf", "max in the short last block"]
+)
 @pytest.mark.parametrize("vocab", [1024, 1000, 4097, 32000])
 def test_blocked_argmax_equals_torch_argmax(kind, vocab):
     """The CPU's blocked argmax returns torch's index: the first maximum, NaN counting as the maximum."""
@@ -72,7 +75,9 @@ def test_blocked_argmax_equals_torch_argmax(kind, vocab):
     elif kind == "max in the short last block":
         logits[:, -1] = logits[:, -2] = 100.0
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
-    assert torch.equal(argmax_rows(logits[:, :-3]), logits[:, :-3].argmax(dim=-1))  # rows that are strided
+    assert torch.equal(
+        argmax_rows(logits[:, :-3]), logits[:, :-3].argmax(dim=-1)
+    )  # rows that are strided
 
 
 def test_top_k_top_p_min_p_restrict_the_support():
@@ -85,7 +90,9 @@ def test_top_k_top_p_min_p_restrict_the_support():
 
 def test_temperature_follows_the_softened_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
-    counts = torch.bincount(torch.tensor(draw(logits, SamplingParams(temperature=2.0), 4000)), minlength=3)
+    counts = torch.bincount(
+        torch.tensor(draw(logits, SamplingParams(temperature=2.0), 4000)), minlength=3
+    )
     expected = torch.softmax(logits[0] / 2.0, dim=-1)
     assert torch.allclose(counts / 4000, expected, atol=0.03), (counts / 4000, expected)
 
@@ -95,7 +102,9 @@ def test_seeded_request_draws_the_same_whatever_shares_its_batch():
     params = SamplingParams(temperature=1.0, seed=7)
     alone = [sample(logits[:1], [params], [make_generator(7)]).item() for _ in range(1)]
     gens = [make_generator(7), make_generator(1), make_generator(2)]
-    batched = sample(logits, [params, SamplingParams(), SamplingParams(temperature=0.0)], gens).tolist()
+    batched = sample(
+        logits, [params, SamplingParams(), SamplingParams(temperature=0.0)], gens
+    ).tolist()
     assert batched[0] == alone[0]
     again = [draw(logits[:1], params, 20, seed=7), draw(logits[:1], params, 20, seed=7)]
     assert again[0] == again[1] and len(set(again[0])) > 1
@@ -103,7 +112,10 @@ def test_seeded_request_draws_the_same_whatever_shares_its_batch():
 
 def test_banned_ids_are_never_produced():
     logits = rows([5.0, 0.0, 0.0])
-    assert sample(logits, [SamplingParams(temperature=0.0)], [make_generator(0)], banned=[[0]]).item() != 0
+    assert (
+        sample(logits, [SamplingParams(temperature=0.0)], [make_generator(0)], banned=[[0]]).item()
+        != 0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +136,12 @@ def test_incremental_detokenizer_never_breaks_a_character(tokenizer):
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_incremental_detokenizer_gives_the_wrappers_text_through_the_fast_decoder(tokenizer, skip_special_tokens):
-    ids = torch.randint(0, len(tokenizer), (400,), generator=torch.Generator().manual_seed(0)).tolist()
+def test_incremental_detokenizer_gives_the_wrappers_text_through_the_fast_decoder(
+    tokenizer, skip_special_tokens
+):
+    ids = torch.randint(
+        0, len(tokenizer), (400,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
     assert detok._decoder is not tokenizer  # the built-in tokenizer takes the Rust path
     text = "".join(detok.push([t]) for t in ids) + detok.flush()
@@ -146,7 +162,9 @@ def test_stop_matcher_releases_a_false_start():
     assert matcher.flush() == "" and matcher.matched is None
 
 
-@pytest.mark.parametrize("params,field", [({"stop": 5}, "stop"), ({"stop_token_ids": 7}, "stop_token_ids")])
+@pytest.mark.parametrize(
+    "params,field", [({"stop": 5}, "stop"), ({"stop_token_ids": 7}, "stop_token_ids")]
+)
 def test_wrong_container_types_name_the_field(params, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams.from_dict(params)

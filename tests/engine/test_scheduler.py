@@ -1,4 +1,5 @@
 """Scheduler policies on request dataclasses, server arguments, and the scheduler's bookkeeping on the tiny model."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,14 @@ def req(rid: str, prompt_len: int, max_new: int = 10, arrival: float = 0.0) -> R
 
 
 def budget(**overrides) -> PrefillBudget:
-    base = dict(kv_free=1000, admit_free=1000, batch_tokens=64, chunk_size=32, free_rows=8, new_token_ratio=0.5)
+    base = dict(
+        kv_free=1000,
+        admit_free=1000,
+        batch_tokens=64,
+        chunk_size=32,
+        free_rows=8,
+        new_token_ratio=0.5,
+    )
     return PrefillBudget(**{**base, **overrides})
 
 
@@ -52,10 +60,17 @@ def test_prefill_plan_reserves_decode_tokens():
 def test_chunked_request_continues_first():
     chunked = req("a", 100)
     chunked.num_cached = 32
-    assert [(r.rid, n) for r, n in plan_prefill(chunked, [req("b", 5)], budget())] == [("a", 32)]  # still partial
-    assert [(r.rid, n) for r, n in plan_prefill(chunked, [req("b", 5)], budget(kv_free=7))] == [("a", 7)]
+    assert [(r.rid, n) for r, n in plan_prefill(chunked, [req("b", 5)], budget())] == [
+        ("a", 32)
+    ]  # still partial
+    assert [(r.rid, n) for r, n in plan_prefill(chunked, [req("b", 5)], budget(kv_free=7))] == [
+        ("a", 7)
+    ]
     chunked.num_cached = 80
-    assert [(r.rid, n) for r, n in plan_prefill(chunked, [req("b", 5)], budget())] == [("a", 20), ("b", 5)]
+    assert [(r.rid, n) for r, n in plan_prefill(chunked, [req("b", 5)], budget())] == [
+        ("a", 20),
+        ("b", 5),
+    ]
 
 
 def test_new_token_ratio_decays_and_jumps_after_retraction():
@@ -81,14 +96,30 @@ def test_server_args_cli_defaults_come_from_the_dataclass():
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     assert ServerArgs.from_cli_args(parser.parse_args([])) == ServerArgs()
-    args = ServerArgs.from_cli_args(parser.parse_args(["--max-total-tokens", "512", "--chunked-prefill-size", "64",
-                                                       "--disable-shared-experts-fusion", "--schedule-policy", "sjf"]))
-    assert (args.max_total_tokens, args.chunked_prefill_size, args.disable_shared_experts_fusion) == (512, 64, True)
+    args = ServerArgs.from_cli_args(
+        parser.parse_args(
+            [
+                "--max-total-tokens",
+                "512",
+                "--chunked-prefill-size",
+                "64",
+                "--disable-shared-experts-fusion",
+                "--schedule-policy",
+                "sjf",
+            ]
+        )
+    )
+    assert (
+        args.max_total_tokens,
+        args.chunked_prefill_size,
+        args.disable_shared_experts_fusion,
+    ) == (512, 64, True)
     assert dataclasses.replace(args, dp_size=2).dp_size == 2
 
 
-@pytest.mark.parametrize("bad", [{"schedule_policy": "lifo"}, {"mem_fraction_static": 0.0},
-                                 {"max_running_requests": 0}])
+@pytest.mark.parametrize(
+    "bad", [{"schedule_policy": "lifo"}, {"mem_fraction_static": 0.0}, {"max_running_requests": 0}]
+)
 def test_server_args_reject_bad_values(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         ServerArgs(**bad)
@@ -100,8 +131,16 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def scheduler():
-    return create_scheduler(ServerArgs(load_format="dummy", max_total_tokens=512, max_running_requests=4,
-                                       chunked_prefill_size=8, max_prefill_tokens=16, context_length=128))
+    return create_scheduler(
+        ServerArgs(
+            load_format="dummy",
+            max_total_tokens=512,
+            max_running_requests=4,
+            chunked_prefill_size=8,
+            max_prefill_tokens=16,
+            context_length=128,
+        )
+    )
 
 
 def drain(scheduler, outputs=None, max_steps=500) -> dict[str, list]:
@@ -118,7 +157,11 @@ def drain(scheduler, outputs=None, max_steps=500) -> dict[str, list]:
 def assert_empty(scheduler) -> None:
     loads = scheduler.get_loads()
     assert (loads.num_used_tokens, loads.num_running_reqs, loads.num_waiting_reqs) == (0, 0, 0)
-    assert scheduler.pools.states.allocator.num_used == scheduler.pools.req_to_token.allocator.num_used == 0
+    assert (
+        scheduler.pools.states.allocator.num_used
+        == scheduler.pools.req_to_token.allocator.num_used
+        == 0
+    )
 
 
 def test_abort_at_every_stage_frees_everything(scheduler):
@@ -130,7 +173,9 @@ def test_abort_at_every_stage_frees_everything(scheduler):
     outputs = {}
     for out in scheduler.step():
         outputs.setdefault(out.rid, []).append(out)
-    assert scheduler.abort("r0") and scheduler.abort("r5")  # chunked, and still waiting (4 rows: r4/r5 queue)
+    assert scheduler.abort("r0") and scheduler.abort(
+        "r5"
+    )  # chunked, and still waiting (4 rows: r4/r5 queue)
     while not scheduler.running:
         drain_step(scheduler, outputs)
     decoding = scheduler.running[0].rid
@@ -138,7 +183,10 @@ def test_abort_at_every_stage_frees_everything(scheduler):
     assert not scheduler.abort("no-such-request")
     drain(scheduler, outputs)
     for rid in ("r0", "r5", decoding):
-        assert outputs[rid][-1].finished and outputs[rid][-1].meta_info["finish_reason"]["type"] == "abort"
+        assert (
+            outputs[rid][-1].finished
+            and outputs[rid][-1].meta_info["finish_reason"]["type"] == "abort"
+        )
     others = [f"r{i}" for i in range(1, 5) if f"r{i}" != decoding]
     assert all(outputs[rid][-1].meta_info["finish_reason"]["type"] == "length" for rid in others)
     assert_empty(scheduler)
@@ -165,9 +213,13 @@ def test_bad_request_raises_and_leaves_others_running(scheduler):
     with pytest.raises(ValueError, match="context length"):
         scheduler.add_request("bad", list(range(128)), GREEDY)
     with pytest.raises(ValueError, match="rid 'good'"):
-        scheduler.add_request("good", prompt, GREEDY)  # in use: the running request is not disturbed
+        scheduler.add_request(
+            "good", prompt, GREEDY
+        )  # in use: the running request is not disturbed
     drain(scheduler, outputs)
-    assert [t for out in outputs["good"] for t in out.new_token_ids] == reference and "bad" not in outputs
+    assert [
+        t for out in outputs["good"] for t in out.new_token_ids
+    ] == reference and "bad" not in outputs
     assert_empty(scheduler)
 
 
@@ -183,8 +235,13 @@ def test_stop_token_min_new_tokens_and_zero_max_new(scheduler):
     stop_ids = [t for out in outputs["stop"] for t in out.new_token_ids]
     assert stop_ids == free[: first + 1]
     assert outputs["stop"][-1].meta_info["finish_reason"] == {"type": "stop", "matched": stop_at}
-    assert outputs["zero"][-1].new_token_ids == [] and outputs["zero"][-1].meta_info["finish_reason"]["length"] == 0
-    scheduler.add_request("min", prompt, {**GREEDY, "stop_token_ids": [free[0]], "min_new_tokens": 3})
+    assert (
+        outputs["zero"][-1].new_token_ids == []
+        and outputs["zero"][-1].meta_info["finish_reason"]["length"] == 0
+    )
+    scheduler.add_request(
+        "min", prompt, {**GREEDY, "stop_token_ids": [free[0]], "min_new_tokens": 3}
+    )
     min_ids = [t for out in drain(scheduler)["min"] for t in out.new_token_ids]
     assert len(min_ids) >= 3 and free[0] not in min_ids[:3]
     assert_empty(scheduler)
@@ -197,21 +254,41 @@ def test_a_request_that_does_not_stream_sends_one_output(scheduler):
     prompt = random_prompts([7], vocab=4000, seed=11)[0]
     logprob = {"return_logprob": True, "top_logprobs_num": 2}
     scheduler.add_request("streamed", prompt, {**GREEDY, "max_new_tokens": 6}, logprob=logprob)
-    scheduler.add_request("whole", prompt, {**GREEDY, "max_new_tokens": 6}, logprob=logprob, stream=False)
+    scheduler.add_request(
+        "whole", prompt, {**GREEDY, "max_new_tokens": 6}, logprob=logprob, stream=False
+    )
     outputs = drain(scheduler)
-    assert len(outputs["streamed"]) == 6 and len(outputs["whole"]) == 1 and outputs["whole"][0].finished
+    assert (
+        len(outputs["streamed"]) == 6
+        and len(outputs["whole"]) == 1
+        and outputs["whole"][0].finished
+    )
     streamed, whole = join_outputs(outputs["streamed"]), outputs["whole"][0]
     assert whole.new_token_ids == streamed.new_token_ids
-    got, want = whole.meta_info["output_token_logprobs"], streamed.meta_info["output_token_logprobs"]
+    got, want = (
+        whole.meta_info["output_token_logprobs"],
+        streamed.meta_info["output_token_logprobs"],
+    )
     assert [ids for _, ids, _ in got] == [ids for _, ids, _ in want]
     assert [lp for lp, _, _ in got] == pytest.approx([lp for lp, _, _ in want], rel=1e-5)
-    assert len(whole.meta_info["output_top_logprobs"]) == len(streamed.meta_info["output_top_logprobs"]) == 6
+    assert (
+        len(whole.meta_info["output_top_logprobs"])
+        == len(streamed.meta_info["output_top_logprobs"])
+        == 6
+    )
     assert_empty(scheduler)
 
 
 def test_stream_interval_groups_tokens():
-    scheduler = create_scheduler(ServerArgs(load_format="dummy", max_total_tokens=256, max_running_requests=2,
-                                            stream_interval=4, skip_tokenizer_init=True))
+    scheduler = create_scheduler(
+        ServerArgs(
+            load_format="dummy",
+            max_total_tokens=256,
+            max_running_requests=2,
+            stream_interval=4,
+            skip_tokenizer_init=True,
+        )
+    )
     scheduler.add_request("a", [1, 2, 3], {**GREEDY, "max_new_tokens": 10})
     outs = drain(scheduler)["a"]
     assert [len(o.new_token_ids) for o in outs] == [4, 4, 2] and outs[-1].finished
@@ -223,7 +300,9 @@ def test_throughput_meter_counts_the_recent_window():
     meter.record(1.0, 30)
     assert meter.rate(2.0) == pytest.approx(15.0)  # 30 tokens in the 2 s since start
     meter.record(11.5, 20)
-    assert meter.rate(12.0) == pytest.approx(2.0)  # the first event left the window: 20 tokens / 10 s
+    assert meter.rate(12.0) == pytest.approx(
+        2.0
+    )  # the first event left the window: 20 tokens / 10 s
 
 
 # ---- error isolation: a request's failure fails that request, a step's failure its batch, only a broken device
@@ -237,7 +316,9 @@ def tokens_of(outputs: list) -> list[int]:
 
 def assert_failed_with(outputs: list, text: str) -> None:
     reason = outputs[-1].meta_info["finish_reason"]
-    assert outputs[-1].finished and reason["type"] == "abort" and reason["status_code"] == 500, reason
+    assert outputs[-1].finished and reason["type"] == "abort" and reason["status_code"] == 500, (
+        reason
+    )
     assert text in reason["message"], reason
 
 
@@ -260,7 +341,9 @@ def test_a_request_whose_sampling_raises_fails_alone(scheduler, monkeypatch):
 
     monkeypatch.setattr(sampling_module, "sample", poisoned_sample)
     scheduler.add_request("good", prompt, {**GREEDY, "max_new_tokens": 6})
-    scheduler.add_request("bad", prompt, {"max_new_tokens": 6, "temperature": 0.7, "seed": POISONED_SEED})
+    scheduler.add_request(
+        "bad", prompt, {"max_new_tokens": 6, "temperature": 0.7, "seed": POISONED_SEED}
+    )
     outputs = drain(scheduler)  # checks the invariants after every step
     assert tokens_of(outputs["good"]) == reference
     assert outputs["good"][-1].meta_info["finish_reason"]["type"] == "length"
@@ -315,8 +398,15 @@ def test_a_failing_forward_fails_its_batch_and_the_rank_goes_on(scheduler, monke
 @pytest.fixture(scope="module")
 def doomed_scheduler():
     """A scheduler that tests may leave broken."""
-    return create_scheduler(ServerArgs(load_format="dummy", max_total_tokens=256, max_running_requests=2,
-                                       context_length=64, skip_tokenizer_init=True))
+    return create_scheduler(
+        ServerArgs(
+            load_format="dummy",
+            max_total_tokens=256,
+            max_running_requests=2,
+            context_length=64,
+            skip_tokenizer_init=True,
+        )
+    )
 
 
 def failing_forward(monkeypatch, scheduler, errors: list[BaseException]) -> None:
@@ -333,7 +423,9 @@ def failing_forward(monkeypatch, scheduler, errors: list[BaseException]) -> None
 def test_out_of_memory_fails_the_batch_until_it_keeps_happening(doomed_scheduler, monkeypatch):
     from sglang_lite.scheduler.faults import MAX_MEMORY_FAILURES, RankBroken
 
-    failing_forward(monkeypatch, doomed_scheduler, [MemoryError("out of memory")] * MAX_MEMORY_FAILURES)
+    failing_forward(
+        monkeypatch, doomed_scheduler, [MemoryError("out of memory")] * MAX_MEMORY_FAILURES
+    )
     for i in range(MAX_MEMORY_FAILURES - 1):  # survivable: each batch fails alone
         doomed_scheduler.add_request(f"m{i}", [1, 2, 3], {**GREEDY, "max_new_tokens": 4})
         outputs = drain(doomed_scheduler)

@@ -1,5 +1,6 @@
 """Structured output: the grammar cache, masks and matchers (no model), then the offline Engine on the built-in tiny
 model with random weights, whose outputs must still parse and match their JSON schema, regex or EBNF."""
+
 from __future__ import annotations
 
 import json
@@ -41,10 +42,17 @@ EBNF_MATCH = re.compile(r"let [a-z]{1,3} = [0-9]+;")
 
 def matches_schema(value: object) -> bool:
     """SCHEMA, checked by hand."""
-    return (isinstance(value, dict) and set(value) == set(SCHEMA["required"]) and isinstance(value["ok"], bool)
-            and value["color"] in ("red", "green", "blue") and isinstance(value["count"], int)
-            and not isinstance(value["count"], bool) and 0 <= value["count"] <= 99
-            and isinstance(value["name"], str) and len(value["name"]) <= 6)
+    return (
+        isinstance(value, dict)
+        and set(value) == set(SCHEMA["required"])
+        and isinstance(value["ok"], bool)
+        and value["color"] in ("red", "green", "blue")
+        and isinstance(value["count"], int)
+        and not isinstance(value["count"], bool)
+        and 0 <= value["count"] <= 99
+        and isinstance(value["name"], str)
+        and len(value["name"]) <= 6
+    )
 
 
 # ---- the grammar module ------------------------------------------------------------------------------------------
@@ -79,15 +87,20 @@ def test_the_cache_forgets_the_least_recently_used(tokenizer):
     cache.shutdown()
 
 
-@pytest.mark.parametrize("kind,text,needle", [
-    ("regex", "(ab", "parenthesis"),
-    ("json_schema", "{not json", "JSON"),
-    ("json_schema", '{"type": 5}', "Type should be a string"),
-    ("ebnf", "root ::= missing", "missing"),
-    ("ebnf", "root ::= (", "EBNF"),
-])
+@pytest.mark.parametrize(
+    "kind,text,needle",
+    [
+        ("regex", "(ab", "parenthesis"),
+        ("json_schema", "{not json", "JSON"),
+        ("json_schema", '{"type": 5}', "Type should be a string"),
+        ("ebnf", "root ::= missing", "missing"),
+        ("ebnf", "root ::= (", "EBNF"),
+    ],
+)
 def test_a_grammar_that_cannot_compile_is_a_value_error_naming_its_field(cache, kind, text, needle):
-    with pytest.raises(ValueError, match=rf"^sampling parameter {kind} does not compile: ") as error:
+    with pytest.raises(
+        ValueError, match=rf"^sampling parameter {kind} does not compile: "
+    ) as error:
         cache.compile(GrammarKey(kind, text))
     message = str(error.value)
     assert needle in message and "/project/" not in message and ".cc:" not in message, message
@@ -95,14 +108,17 @@ def test_a_grammar_that_cannot_compile_is_a_value_error_naming_its_field(cache, 
         cache.compile(GrammarKey(kind, text))
 
 
-@pytest.mark.parametrize("params,needle", [
-    ({"json_schema": "{}", "regex": "a"}, "json_schema, regex: at most one"),
-    ({"regex": "a", "ebnf": 'root ::= "a"'}, "regex, ebnf: at most one"),
-    ({"regex": ""}, "regex"),
-    ({"ebnf": 5}, "ebnf"),
-    ({"json_schema": "x" * 70000}, "json_schema"),
-    ({"regex": "\ud800"}, "regex"),
-])
+@pytest.mark.parametrize(
+    "params,needle",
+    [
+        ({"json_schema": "{}", "regex": "a"}, "json_schema, regex: at most one"),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "regex, ebnf: at most one"),
+        ({"regex": ""}, "regex"),
+        ({"ebnf": 5}, "ebnf"),
+        ({"json_schema": "x" * 70000}, "json_schema"),
+        ({"regex": "\ud800"}, "regex"),
+    ],
+)
 def test_bad_grammar_parameters_name_their_field(params, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         SamplingParams.from_dict(params).validate(VOCAB)
@@ -116,7 +132,9 @@ def test_masks_touch_only_grammar_rows_and_match_the_bitmask(cache, tokenizer):
     logits = torch.randn(3, VOCAB)
     grammar = RequestGrammar(cache.compile(GrammarKey("regex", "(yes|no)")), [EOS])
     masked = mask_logits(logits, [None, grammar, None])
-    assert masked is not logits and torch.isfinite(logits).all(), "the forward's logits stay as they were"
+    assert masked is not logits and torch.isfinite(logits).all(), (
+        "the forward's logits stay as they were"
+    )
     assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
     texts = {tokenizer.decode([t]) for t in allowed(masked[1])}
     assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
@@ -130,7 +148,9 @@ def test_a_matcher_ends_at_the_stop_token_once_complete(cache, tokenizer):
     for token in tokenizer.encode("no"):
         assert not grammar.terminated
         grammar.accept(token)
-    assert allowed(mask_logits(torch.zeros(1, VOCAB), [grammar])[0]) == {EOS}, "complete: only the stop token"
+    assert allowed(mask_logits(torch.zeros(1, VOCAB), [grammar])[0]) == {EOS}, (
+        "complete: only the stop token"
+    )
     grammar.accept(EOS)
     assert grammar.terminated
 
@@ -181,7 +201,9 @@ PROMPT = "def read_config(path):\n"
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine(load_format="dummy", max_total_tokens=2048, max_running_requests=8, context_length=512) as engine:
+    with Engine(
+        load_format="dummy", max_total_tokens=2048, max_running_requests=8, context_length=512
+    ) as engine:
         yield engine
 
 
@@ -191,7 +213,10 @@ def texts(results: list[dict]) -> list[str]:
 
 def test_json_schema_outputs_parse_and_match(engine):
     schema = json.dumps(SCHEMA)
-    params = [{"json_schema": schema, "temperature": 1.0, "seed": s, "max_new_tokens": 120} for s in range(4)]
+    params = [
+        {"json_schema": schema, "temperature": 1.0, "seed": s, "max_new_tokens": 120}
+        for s in range(4)
+    ]
     params.append({"json_schema": schema, "temperature": 0.0, "max_new_tokens": 120})
     results = engine.generate([PROMPT] * len(params), params)
     for result in results:
@@ -202,8 +227,10 @@ def test_json_schema_outputs_parse_and_match(engine):
 def test_any_json_object_parses_when_it_ends(engine):
     """``{"type": "object"}`` (OpenAI's json_object) leaves keys free, where random weights may babble on: the
     outputs that end are objects, the others are cut objects."""
-    params = [{"json_schema": '{"type": "object"}', "temperature": 1.0, "seed": s, "max_new_tokens": 40}
-              for s in range(8)]
+    params = [
+        {"json_schema": '{"type": "object"}', "temperature": 1.0, "seed": s, "max_new_tokens": 40}
+        for s in range(8)
+    ]
     results = engine.generate([PROMPT] * len(params), params)
     ended = [r for r in results if r["meta_info"]["finish_reason"]["type"] == "stop"]
     assert ended, [r["text"] for r in results]
@@ -212,10 +239,12 @@ def test_any_json_object_parses_when_it_ends(engine):
 
 
 def test_regex_and_ebnf_outputs_match(engine):
-    params = [{"regex": REGEX, "temperature": 1.0, "seed": 8, "max_new_tokens": 40},
-              {"regex": REGEX, "temperature": 0.0, "max_new_tokens": 40},
-              {"ebnf": EBNF, "temperature": 1.0, "seed": 9, "max_new_tokens": 40},
-              {"ebnf": EBNF, "temperature": 0.0, "max_new_tokens": 40}]
+    params = [
+        {"regex": REGEX, "temperature": 1.0, "seed": 8, "max_new_tokens": 40},
+        {"regex": REGEX, "temperature": 0.0, "max_new_tokens": 40},
+        {"ebnf": EBNF, "temperature": 1.0, "seed": 9, "max_new_tokens": 40},
+        {"ebnf": EBNF, "temperature": 0.0, "max_new_tokens": 40},
+    ]
     results = engine.generate([PROMPT] * len(params), params)
     for result, pattern in zip(results, [REGEX, REGEX, EBNF_MATCH.pattern, EBNF_MATCH.pattern]):
         assert re.fullmatch(pattern, result["text"]), (pattern, result["text"])
@@ -223,41 +252,59 @@ def test_regex_and_ebnf_outputs_match(engine):
 
 
 def test_free_requests_are_unchanged_beside_grammar_requests(engine):
-    free = [{"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True},
-            {"temperature": 1.0, "seed": 3, "max_new_tokens": 12, "ignore_eos": True}]
+    free = [
+        {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True},
+        {"temperature": 1.0, "seed": 3, "max_new_tokens": 12, "ignore_eos": True},
+    ]
     alone = engine.generate([PROMPT, "import os\n"], free)
-    grammar = [{"regex": REGEX, "temperature": 0.0, "max_new_tokens": 40},
-               {"json_schema": json.dumps(SCHEMA), "temperature": 1.0, "seed": 1, "max_new_tokens": 120}]
-    mixed = engine.generate([PROMPT, PROMPT, "import os\n", PROMPT], [free[0], grammar[0], free[1], grammar[1]])
+    grammar = [
+        {"regex": REGEX, "temperature": 0.0, "max_new_tokens": 40},
+        {"json_schema": json.dumps(SCHEMA), "temperature": 1.0, "seed": 1, "max_new_tokens": 120},
+    ]
+    mixed = engine.generate(
+        [PROMPT, PROMPT, "import os\n", PROMPT], [free[0], grammar[0], free[1], grammar[1]]
+    )
     assert [r["output_ids"] for r in (mixed[0], mixed[2])] == [r["output_ids"] for r in alone]
     assert re.fullmatch(REGEX, mixed[1]["text"]) and matches_schema(json.loads(mixed[3]["text"]))
 
 
 def test_ignore_eos_still_ends_where_the_grammar_ends(engine):
-    result = engine.generate(PROMPT, {"regex": REGEX, "temperature": 1.0, "seed": 4, "ignore_eos": True,
-                                      "max_new_tokens": 60})
+    result = engine.generate(
+        PROMPT,
+        {"regex": REGEX, "temperature": 1.0, "seed": 4, "ignore_eos": True, "max_new_tokens": 60},
+    )
     assert re.fullmatch(REGEX, result["text"]), result["text"]
     reason = result["meta_info"]["finish_reason"]
     assert reason["type"] == "stop" and reason["matched"] in engine.config.eos_token_ids, reason
 
 
 def test_min_new_tokens_gives_way_to_a_complete_grammar(engine):
-    result = engine.generate(PROMPT, {"regex": "ok", "temperature": 1.0, "seed": 5, "min_new_tokens": 10,
-                                      "max_new_tokens": 20})
+    result = engine.generate(
+        PROMPT,
+        {"regex": "ok", "temperature": 1.0, "seed": 5, "min_new_tokens": 10, "max_new_tokens": 20},
+    )
     assert result["text"] == "ok" and result["meta_info"]["finish_reason"]["type"] == "stop"
 
 
 def test_a_grammar_cut_by_max_new_tokens_ends_with_length(engine):
-    result = engine.generate(PROMPT, {"json_schema": json.dumps(SCHEMA), "temperature": 0.0, "max_new_tokens": 3})
+    result = engine.generate(
+        PROMPT, {"json_schema": json.dumps(SCHEMA), "temperature": 0.0, "max_new_tokens": 3}
+    )
     assert result["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
     assert result["text"].startswith("{")
 
 
-@pytest.mark.parametrize("params,needle", [
-    ({"regex": "[0-9"}, "sampling parameter regex does not compile"),
-    ({"json_schema": '{"type": "object", "properties": 3}'}, "sampling parameter json_schema does not compile"),
-    ({"ebnf": "root ::= nothing"}, "sampling parameter ebnf does not compile"),
-])
+@pytest.mark.parametrize(
+    "params,needle",
+    [
+        ({"regex": "[0-9"}, "sampling parameter regex does not compile"),
+        (
+            {"json_schema": '{"type": "object", "properties": 3}'},
+            "sampling parameter json_schema does not compile",
+        ),
+        ({"ebnf": "root ::= nothing"}, "sampling parameter ebnf does not compile"),
+    ],
+)
 def test_a_bad_grammar_raises_and_sends_nothing(engine, params, needle):
     with pytest.raises(ValueError, match=needle):
         engine.generate([PROMPT, PROMPT], [{"max_new_tokens": 2}, params])
@@ -287,8 +334,15 @@ def small_scheduler():
     from sglang_lite.runtime.factory import create_scheduler
     from sglang_lite.server_args import ServerArgs
 
-    return create_scheduler(ServerArgs(load_format="dummy", max_total_tokens=256, max_running_requests=6,
-                                       context_length=128, schedule_conservativeness=0.0))
+    return create_scheduler(
+        ServerArgs(
+            load_format="dummy",
+            max_total_tokens=256,
+            max_running_requests=6,
+            context_length=128,
+            schedule_conservativeness=0.0,
+        )
+    )
 
 
 def test_retracted_grammar_requests_resume_where_their_grammar_was(small_scheduler):
@@ -297,8 +351,11 @@ def test_retracted_grammar_requests_resume_where_their_grammar_was(small_schedul
     accepted twice)."""
     prompts = [small_scheduler.tokenizer.encode(f"def f{i}(a, b):\n    return") for i in range(6)]
     for i, prompt in enumerate(prompts):
-        small_scheduler.add_request(f"r{i}", prompt, {"regex": "[0-9]{60}", "temperature": 1.0, "seed": i,
-                                                      "max_new_tokens": 100})
+        small_scheduler.add_request(
+            f"r{i}",
+            prompt,
+            {"regex": "[0-9]{60}", "temperature": 1.0, "seed": i, "max_new_tokens": 100},
+        )
     outputs = run_all(small_scheduler)
     assert small_scheduler.num_retractions > 0
     for i in range(6):
@@ -323,7 +380,9 @@ def test_a_grammar_that_fails_on_the_rank_fails_its_request_alone(small_schedule
     small_scheduler.add_request("good", prompt, {"regex": "[0-7]{3}", "max_new_tokens": 8})
     outputs = run_all(small_scheduler)
     reason = outputs["bad"][-1].meta_info["finish_reason"]
-    assert reason["type"] == "abort" and reason["status_code"] == 500 and "regex" in reason["message"], reason
+    assert (
+        reason["type"] == "abort" and reason["status_code"] == 500 and "regex" in reason["message"]
+    ), reason
     assert re.fullmatch("[0-7]{3}", text_of(outputs["good"]))
 
 
@@ -331,8 +390,15 @@ def test_a_grammar_needs_a_tokenizer():
     from sglang_lite.runtime.factory import create_scheduler
     from sglang_lite.server_args import ServerArgs
 
-    scheduler = create_scheduler(ServerArgs(load_format="dummy", max_total_tokens=128, max_running_requests=2,
-                                            context_length=64, skip_tokenizer_init=True))
+    scheduler = create_scheduler(
+        ServerArgs(
+            load_format="dummy",
+            max_total_tokens=128,
+            max_running_requests=2,
+            context_length=64,
+            skip_tokenizer_init=True,
+        )
+    )
     with pytest.raises(ValueError, match="sampling parameter regex needs a tokenizer"):
         scheduler.add_request("r", [1, 2], {"regex": "a"})
 

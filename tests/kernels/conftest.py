@@ -1,5 +1,6 @@
 """Fixtures of the kernel tests. The kernels run in Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET
 before any test module imports them."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """Triton paged attention (interpreted on the CPU) against the PyTorch reference, and the reference against an
 explicit per-request softmax(QK^T)V loop. Unused pool slots hold NaN, so reading a wrong slot fails."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,9 @@ class Pool:
     """A NaN-filled KV pool with each request's positions scattered over random slots; slot 0 stays unused (and
     NaN) and is where padding entries of req_to_token point, as in SGLang."""
 
-    def __init__(self, lens: list[int], num_kv: int, head_dim: int, dtype: torch.dtype, seed: int = 0):
+    def __init__(
+        self, lens: list[int], num_kv: int, head_dim: int, dtype: torch.dtype, seed: int = 0
+    ):
         num_slots = sum(lens) + 50
         self.k_cache = poison_(torch.empty(num_slots, num_kv, head_dim, dtype=dtype))
         self.v_cache = poison_(torch.empty(num_slots, num_kv, head_dim, dtype=dtype))
@@ -57,7 +60,9 @@ def _extend_batch(prefix_lens, extend_lens, heads, num_kv, head_dim, dtype):
     for i, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
         keys = _randn(p + e, num_kv, head_dim, dtype=dtype, seed=i)
         values = _randn(p + e, num_kv, head_dim, dtype=dtype, seed=100 + i)
-        attention.store_kv(pool.k_cache, pool.v_cache, pool.slots(i, 0, p + e), keys, values, backend="triton")
+        attention.store_kv(
+            pool.k_cache, pool.v_cache, pool.slots(i, 0, p + e), keys, values, backend="triton"
+        )
     q = _randn(sum(extend_lens), heads, head_dim, dtype=dtype, seed=7)
     return pool, q, torch.tensor(prefix_lens), torch.tensor(extend_lens)
 
@@ -73,39 +78,76 @@ EXTEND_CASES = [
 
 
 @pytest.mark.parametrize("prefix_lens,extend_lens,heads,num_kv,head_dim,dtype", EXTEND_CASES)
-def test_extend_attention(nan_allocations, prefix_lens, extend_lens, heads, num_kv, head_dim, dtype):
-    pool, q, prefix, extend = _extend_batch(prefix_lens, extend_lens, heads, num_kv, head_dim, dtype)
-    args = (q, pool.k_cache, pool.v_cache, pool.req_to_token, pool.rows, prefix, extend, head_dim**-0.5)
+def test_extend_attention(
+    nan_allocations, prefix_lens, extend_lens, heads, num_kv, head_dim, dtype
+):
+    pool, q, prefix, extend = _extend_batch(
+        prefix_lens, extend_lens, heads, num_kv, head_dim, dtype
+    )
+    args = (
+        q,
+        pool.k_cache,
+        pool.v_cache,
+        pool.req_to_token,
+        pool.rows,
+        prefix,
+        extend,
+        head_dim**-0.5,
+    )
     want = naive.extend_attention(*args)
     assert_rel_close(attention.extend_attention(*args, backend="triton"), want, dtype)
     # the reference itself, request by request, against the explicit softmax(QK^T)V
     for i, (p, e, start) in enumerate(zip(prefix_lens, extend_lens, _starts(extend_lens))):
         slots = pool.slots(i, 0, p + e)
-        explicit = _explicit_attention(q[start : start + e], pool.k_cache[slots], pool.v_cache[slots], p,
-                                       head_dim**-0.5)
+        explicit = _explicit_attention(
+            q[start : start + e], pool.k_cache[slots], pool.v_cache[slots], p, head_dim**-0.5
+        )
         assert_rel_close(want[start : start + e], explicit, dtype, f"naive request {i}")
 
 
 def test_extend_attention_varlen_matches_per_request_launches():
     prefix_lens, extend_lens = [65, 0, 1], [63, 64, 65]
     pool, q, prefix, extend = _extend_batch(prefix_lens, extend_lens, 4, 2, 80, torch.float32)
-    packed = attention.extend_attention(q, pool.k_cache, pool.v_cache, pool.req_to_token, pool.rows, prefix, extend,
-                                        0.1, backend="triton")
+    packed = attention.extend_attention(
+        q,
+        pool.k_cache,
+        pool.v_cache,
+        pool.req_to_token,
+        pool.rows,
+        prefix,
+        extend,
+        0.1,
+        backend="triton",
+    )
     for i, (e, start) in enumerate(zip(extend_lens, _starts(extend_lens))):
-        alone = attention.extend_attention(q[start : start + e], pool.k_cache, pool.v_cache, pool.req_to_token,
-                                           pool.rows[i : i + 1], prefix[i : i + 1], extend[i : i + 1], 0.1,
-                                           backend="triton")
+        alone = attention.extend_attention(
+            q[start : start + e],
+            pool.k_cache,
+            pool.v_cache,
+            pool.req_to_token,
+            pool.rows[i : i + 1],
+            prefix[i : i + 1],
+            extend[i : i + 1],
+            0.1,
+            backend="triton",
+        )
         torch.testing.assert_close(packed[start : start + e], alone, rtol=0, atol=0)
 
 
 def test_extend_attention_writes_every_element_of_a_given_out():
     pool, q, prefix, extend = _extend_batch([3, 0], [65, 1], 4, 2, 80, torch.float32)
     out = poison_(torch.empty_like(q))
-    got = triton_attention.extend_attention(q, pool.k_cache, pool.v_cache, pool.req_to_token, pool.rows, prefix,
-                                            extend, 0.1, out=out)
+    got = triton_attention.extend_attention(
+        q, pool.k_cache, pool.v_cache, pool.req_to_token, pool.rows, prefix, extend, 0.1, out=out
+    )
     assert got is out
-    assert_rel_close(out, naive.extend_attention(q, pool.k_cache, pool.v_cache, pool.req_to_token, pool.rows, prefix,
-                                                 extend, 0.1), torch.float32)
+    assert_rel_close(
+        out,
+        naive.extend_attention(
+            q, pool.k_cache, pool.v_cache, pool.req_to_token, pool.rows, prefix, extend, 0.1
+        ),
+        torch.float32,
+    )
 
 
 # (seq_lens, heads, kv_heads, head_dim, dtype)
@@ -114,7 +156,13 @@ DECODE_CASES = [
     ([257, 1, 600], 4, 2, 80, torch.bfloat16),
     ([64, 65], 8, 2, 128, torch.float32),
     ([7, 257], 4, 1, 80, torch.float32),
-    ([2000, 1], 2, 1, 64, torch.float32),  # several key blocks per split: the running max must rescale
+    (
+        [2000, 1],
+        2,
+        1,
+        64,
+        torch.float32,
+    ),  # several key blocks per split: the running max must rescale
 ]
 
 
@@ -124,22 +172,39 @@ def test_decode_attention(nan_allocations, seq_lens, heads, num_kv, head_dim, dt
     for i, n in enumerate(seq_lens):
         keys = _randn(n, num_kv, head_dim, dtype=dtype, seed=i)
         values = _randn(n, num_kv, head_dim, dtype=dtype, seed=50 + i)
-        attention.store_kv(pool.k_cache, pool.v_cache, pool.slots(i, 0, n), keys, values, backend="triton")
+        attention.store_kv(
+            pool.k_cache, pool.v_cache, pool.slots(i, 0, n), keys, values, backend="triton"
+        )
     q = _randn(len(seq_lens), heads, head_dim, dtype=dtype, seed=9)
-    args = (q, pool.k_cache, pool.v_cache, pool.req_to_token, pool.rows, torch.tensor(seq_lens), head_dim**-0.5)
+    args = (
+        q,
+        pool.k_cache,
+        pool.v_cache,
+        pool.req_to_token,
+        pool.rows,
+        torch.tensor(seq_lens),
+        head_dim**-0.5,
+    )
     want = naive.decode_attention(*args)
     assert_rel_close(attention.decode_attention(*args, backend="triton"), want, dtype)
     # the host-known maximum (what the engine passes) reads the same padded window as the read-back
-    assert torch.equal(attention.decode_attention(*args, max_seq_len=max(seq_lens), backend="torch"), want)
+    assert torch.equal(
+        attention.decode_attention(*args, max_seq_len=max(seq_lens), backend="torch"), want
+    )
     for i, n in enumerate(seq_lens):
         slots = pool.slots(i, 0, n)
-        explicit = _explicit_attention(q[i : i + 1], pool.k_cache[slots], pool.v_cache[slots], n - 1, head_dim**-0.5)
+        explicit = _explicit_attention(
+            q[i : i + 1], pool.k_cache[slots], pool.v_cache[slots], n - 1, head_dim**-0.5
+        )
         assert_rel_close(want[i : i + 1], explicit, dtype, f"naive request {i}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_writes_exactly_the_given_slots(dtype):
-    k_cache, v_cache = poison_(torch.empty(40, 2, 80, dtype=dtype)), poison_(torch.empty(40, 2, 80, dtype=dtype))
+    k_cache, v_cache = (
+        poison_(torch.empty(40, 2, 80, dtype=dtype)),
+        poison_(torch.empty(40, 2, 80, dtype=dtype)),
+    )
     loc = torch.randperm(40, generator=torch.Generator().manual_seed(0))[:13]
     k, v = _randn(13, 2, 80, dtype=dtype, seed=1), _randn(13, 2, 80, dtype=dtype, seed=2)
     attention.store_kv(k_cache, v_cache, loc, k, v, backend="triton")
@@ -161,6 +226,13 @@ def test_store_kv_casts_to_the_pool_dtype():
 def test_attention_rejects_mismatched_pool():
     q = torch.zeros(3, 4, 64)
     with pytest.raises(ValueError, match="q must be"):
-        attention.decode_attention(q, torch.zeros(8, 3, 64), torch.zeros(8, 3, 64),
-                                   torch.zeros(3, 8, dtype=torch.int32), torch.arange(3),
-                                   torch.ones(3, dtype=torch.int64), 0.1, backend="triton")
+        attention.decode_attention(
+            q,
+            torch.zeros(8, 3, 64),
+            torch.zeros(8, 3, 64),
+            torch.zeros(3, 8, dtype=torch.int32),
+            torch.arange(3),
+            torch.ones(3, dtype=torch.int64),
+            0.1,
+            backend="triton",
+        )

@@ -3,6 +3,7 @@
 Their outputs are allocated in C++, out of reach of the NaN poisoning; each case runs twice on fresh inputs of the
 same shape instead, so an element left unwritten would hold the first run's value and fail the second comparison.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -55,7 +56,9 @@ def test_qk_rmsnorm_of_strided_heads(seed):
     q_gate, k = _randn(7, 4, 2 * 64, seed=seed), _randn(7, 2, 64, seed=seed + 1)
     q = q_gate[..., :64]
     wq, wk = _randn(64, seed=seed + 2), _randn(64, seed=seed + 3)
-    assert_rel_close(norms.gemma_rmsnorm(q, wq, EPS, backend="native"), norm_ref.gemma_rmsnorm(q, wq, EPS), F32)
+    assert_rel_close(
+        norms.gemma_rmsnorm(q, wq, EPS, backend="native"), norm_ref.gemma_rmsnorm(q, wq, EPS), F32
+    )
     got = norms.fused_qk_gemma_rmsnorm(q, k, wq, wk, EPS, 64, backend="native")
     for g, w, name in zip(got, norm_ref.fused_qk_gemma_rmsnorm(q, k, wq, wk, EPS, 64), "qk"):
         assert_rel_close(g, w, F32, name)
@@ -66,7 +69,9 @@ def test_qk_rmsnorm_of_strided_heads(seed):
 def test_gated_rmsnorm_with_strided_gate(seed, tokens, heads, dim):
     """z as the GDN layer has it: a column slice of the packed qkvz projection."""
     o = _randn(tokens, heads, dim, seed=seed)
-    z = _randn(tokens, 3 * heads * dim, seed=seed + 1)[:, heads * dim : 2 * heads * dim].reshape(tokens, heads, dim)
+    z = _randn(tokens, 3 * heads * dim, seed=seed + 1)[:, heads * dim : 2 * heads * dim].reshape(
+        tokens, heads, dim
+    )
     weight = _randn(dim, seed=seed + 2)
     expected = norm_ref.gated_rmsnorm(o, z, weight, EPS)
     assert_rel_close(norms.gated_rmsnorm(o, z, weight, EPS, backend="native"), expected, F32)
@@ -77,7 +82,9 @@ def test_gated_rmsnorm_with_strided_gate(seed, tokens, heads, dim):
 @pytest.mark.parametrize("taps, activation", [(4, "silu"), (2, None)])
 def test_conv1d_update(seed, slots, taps, activation):
     dim, pool = 37, 8
-    x = _randn(len(slots), 2 * dim, seed=seed)[:, :dim]  # strided rows, as a slice of the projection
+    x = _randn(len(slots), 2 * dim, seed=seed)[
+        :, :dim
+    ]  # strided rows, as a slice of the projection
     weight = _randn(dim, taps, seed=seed + 1)
     states = _randn(pool, dim, taps - 1, seed=seed + 2)
     want_states, indices = states.clone(), torch.tensor(slots)
@@ -108,12 +115,18 @@ def test_recurrent_gated_delta_rule(seed, slots, hk, hv, dk, dv, l2norm):
     q = qkv[:, : hk * dk].view(batch, hk, dk)
     k = qkv[:, hk * dk : 2 * hk * dk].view(batch, hk, dk)
     v = qkv[:, 2 * hk * dk :].view(batch, hv, dv)
-    g, beta = -torch.rand(batch, hv, generator=_gen(seed + 1)), torch.rand(batch, hv, generator=_gen(seed + 2))
+    g, beta = (
+        -torch.rand(batch, hv, generator=_gen(seed + 1)),
+        torch.rand(batch, hv, generator=_gen(seed + 2)),
+    )
     states = _randn(pool, hv, dk, dv, seed=seed + 3)
     want_states, indices = states.clone(), torch.tensor(slots)
-    got = gated_delta_rule.fused_recurrent_gated_delta_rule(q, k, v, g, beta, states, indices, None, l2norm,
-                                                             backend="native")
-    want = gdn_ref.fused_recurrent_gated_delta_rule(q, k, v, g, beta, want_states, indices, None, l2norm)
+    got = gated_delta_rule.fused_recurrent_gated_delta_rule(
+        q, k, v, g, beta, states, indices, None, l2norm, backend="native"
+    )
+    want = gdn_ref.fused_recurrent_gated_delta_rule(
+        q, k, v, g, beta, want_states, indices, None, l2norm
+    )
     assert_rel_close(got, want, F32)
     assert_rel_close(states, want_states, F32, "ssm states")
 
@@ -123,7 +136,9 @@ def _cu(lens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("lens, slots", [([130], [3]), ([5, 37, 1, 64], [6, 1, 3, 2]), ([2, 0, 9], [4, 5, 1])])
+@pytest.mark.parametrize(
+    "lens, slots", [([130], [3]), ([5, 37, 1, 64], [6, 1, 3, 2]), ([2, 0, 9], [4, 5, 1])]
+)
 @pytest.mark.parametrize("hk, hv, dk, dv", [(2, 4, 32, 48), (4, 8, 64, 64), (1, 3, 20, 136)])
 @pytest.mark.parametrize("l2norm", [True, False])
 def test_chunk_gated_delta_rule(seed, lens, slots, hk, hv, dk, dv, l2norm):
@@ -132,7 +147,9 @@ def test_chunk_gated_delta_rule(seed, lens, slots, hk, hv, dk, dv, l2norm):
     leave 64- and 16-wide blocks and a scalar tail; outputs and final states."""
     tokens, pool = sum(lens), 8
     qkv = _randn(tokens, 2 * hk * dk + hv * dv, seed=seed)
-    if not l2norm:  # keys of about unit norm, as a model gives it: with |k|^2 ~ dk the recurrence is unstable
+    if (
+        not l2norm
+    ):  # keys of about unit norm, as a model gives it: with |k|^2 ~ dk the recurrence is unstable
         qkv[:, : 2 * hk * dk] /= dk**0.5
     q = qkv[:, : hk * dk].view(tokens, hk, dk)
     k = qkv[:, hk * dk : 2 * hk * dk].view(tokens, hk, dk)
@@ -141,9 +158,12 @@ def test_chunk_gated_delta_rule(seed, lens, slots, hk, hv, dk, dv, l2norm):
     beta = torch.rand(tokens, hv, generator=_gen(seed + 2))
     states = _randn(pool, hv, dk, dv, seed=seed + 3) / 4
     want_states, indices = states.clone(), torch.tensor(slots)
-    got = gated_delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, states, indices, _cu(lens), None, l2norm,
-                                                  backend="native")
-    want = gdn_ref.chunk_gated_delta_rule(q, k, v, g, beta, want_states, indices, _cu(lens), None, l2norm)
+    got = gated_delta_rule.chunk_gated_delta_rule(
+        q, k, v, g, beta, states, indices, _cu(lens), None, l2norm, backend="native"
+    )
+    want = gdn_ref.chunk_gated_delta_rule(
+        q, k, v, g, beta, want_states, indices, _cu(lens), None, l2norm
+    )
     assert_rel_close(got, want, F32)
     assert_rel_close(states, want_states, F32, "ssm states")
 
@@ -154,19 +174,33 @@ def test_chunk_gated_delta_rule_then_decode_is_one_prefill():
     q, k = _randn(steps, hk, dk, seed=0), _randn(steps, hk, dk, seed=1)
     v, g = _randn(steps, hv, dv, seed=2), -torch.rand(steps, hv, generator=_gen(3))
     beta = torch.rand(steps, hv, generator=_gen(4))
-    whole_pool, split_pool, slot = torch.zeros(2, hv, dk, dv), torch.zeros(2, hv, dk, dv), torch.tensor([1])
-    whole = gated_delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, whole_pool, slot, _cu([steps]),
-                                                    backend="native")
-    pieces = [gated_delta_rule.chunk_gated_delta_rule(*(t[a:b] for t in (q, k, v, g, beta)), split_pool, slot,
-                                                      _cu([b - a]), backend="native") for a, b in ((0, 9), (9, 22))]
-    pieces.append(gated_delta_rule.fused_recurrent_gated_delta_rule(*(t[22:] for t in (q, k, v, g, beta)),
-                                                                    split_pool, slot, backend="native"))
+    whole_pool, split_pool, slot = (
+        torch.zeros(2, hv, dk, dv),
+        torch.zeros(2, hv, dk, dv),
+        torch.tensor([1]),
+    )
+    whole = gated_delta_rule.chunk_gated_delta_rule(
+        q, k, v, g, beta, whole_pool, slot, _cu([steps]), backend="native"
+    )
+    pieces = [
+        gated_delta_rule.chunk_gated_delta_rule(
+            *(t[a:b] for t in (q, k, v, g, beta)), split_pool, slot, _cu([b - a]), backend="native"
+        )
+        for a, b in ((0, 9), (9, 22))
+    ]
+    pieces.append(
+        gated_delta_rule.fused_recurrent_gated_delta_rule(
+            *(t[22:] for t in (q, k, v, g, beta)), split_pool, slot, backend="native"
+        )
+    )
     assert_rel_close(torch.cat(pieces), whole, F32)
     assert_rel_close(split_pool, whole_pool, F32, "ssm states")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("lens, slots", [([128, 128], [2, 5]), ([1, 2, 7, 40], [3, 1, 6, 2]), ([1, 3], [4, 1])])
+@pytest.mark.parametrize(
+    "lens, slots", [([128, 128], [2, 5]), ([1, 2, 7, 40], [3, 1, 6, 2]), ([1, 3], [4, 1])]
+)
 @pytest.mark.parametrize("dim", [37, 300])
 @pytest.mark.parametrize("taps, activation", [(4, "silu"), (2, None), (5, "silu")])
 def test_causal_conv1d_prefill(seed, lens, slots, dim, taps, activation):
@@ -176,7 +210,9 @@ def test_causal_conv1d_prefill(seed, lens, slots, dim, taps, activation):
     weight = _randn(dim, taps, seed=seed + 1)
     states = _randn(pool, dim, taps - 1, seed=seed + 2)
     want_states, indices = states.clone(), torch.tensor(slots)
-    got = conv1d.causal_conv1d_fn(x, weight, states, indices, _cu(lens), activation, backend="native")
+    got = conv1d.causal_conv1d_fn(
+        x, weight, states, indices, _cu(lens), activation, backend="native"
+    )
     want = conv_ref.causal_conv1d_fn(x, weight, want_states, indices, _cu(lens), activation)
     assert_rel_close(got, want, F32)
     assert_rel_close(states, want_states, F32, "conv states")
@@ -184,10 +220,16 @@ def test_causal_conv1d_prefill(seed, lens, slots, dim, taps, activation):
 
 def test_bad_cu_seqlens_is_an_error_naming_it():
     x, states = torch.zeros(4, 8), torch.zeros(3, 8, 3)
-    with pytest.raises(RuntimeError, match=r"cu_seqlens must run from 0 to the 4 tokens, got 0 to 3"):
-        conv1d.causal_conv1d_fn(x, torch.zeros(8, 4), states, torch.tensor([1]), _cu([3]), backend="native")
+    with pytest.raises(
+        RuntimeError, match=r"cu_seqlens must run from 0 to the 4 tokens, got 0 to 3"
+    ):
+        conv1d.causal_conv1d_fn(
+            x, torch.zeros(8, 4), states, torch.tensor([1]), _cu([3]), backend="native"
+        )
     with pytest.raises(RuntimeError, match=r"cu_seqlens must hold 3 entries"):
-        conv1d.causal_conv1d_fn(x, torch.zeros(8, 4), states, torch.tensor([1, 2]), _cu([4]), backend="native")
+        conv1d.causal_conv1d_fn(
+            x, torch.zeros(8, 4), states, torch.tensor([1, 2]), _cu([4]), backend="native"
+        )
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -195,11 +237,20 @@ def test_bad_cu_seqlens_is_an_error_naming_it():
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
 def test_decode_attention(seed, heads, kv_heads, hd, table_dtype):
     pool, rows, context = 600, 6, 80
-    k_cache, v_cache = _randn(pool, kv_heads, hd, seed=seed), _randn(pool, kv_heads, hd, seed=seed + 1)
-    table = torch.randperm(pool, generator=_gen(seed + 2))[: rows * context].view(rows, context).to(table_dtype)
+    k_cache, v_cache = (
+        _randn(pool, kv_heads, hd, seed=seed),
+        _randn(pool, kv_heads, hd, seed=seed + 1),
+    )
+    table = (
+        torch.randperm(pool, generator=_gen(seed + 2))[: rows * context]
+        .view(rows, context)
+        .to(table_dtype)
+    )
     req_rows, seq_lens = torch.tensor([4, 0, 5, 2]), torch.tensor([1, 80, 17, 64])
     q = _randn(4, heads, hd, seed=seed + 3)
-    got = attention.decode_attention(q, k_cache, v_cache, table, req_rows, seq_lens, hd**-0.5, backend="native")
+    got = attention.decode_attention(
+        q, k_cache, v_cache, table, req_rows, seq_lens, hd**-0.5, backend="native"
+    )
     want = attention_ref.decode_attention(q, k_cache, v_cache, table, req_rows, seq_lens, hd**-0.5)
     assert_rel_close(got, want, F32)
 
@@ -217,11 +268,16 @@ def test_fused_moe(seed, tokens, layout, hidden, inter):
     """Top-k routed experts plus an always-selected shared one (id E - 1), as the fused shared expert runs; widths
     around the kernel's column blocks (128-column runs of one-row experts included) and depths off a multiple of 4."""
     experts, top_k = 9, 3
-    w13, w2 = _randn(experts, 2 * inter, hidden, seed=seed) / 8, _randn(experts, hidden, inter, seed=seed + 1) / 8
+    w13, w2 = (
+        _randn(experts, 2 * inter, hidden, seed=seed) / 8,
+        _randn(experts, hidden, inter, seed=seed + 1) / 8,
+    )
     if layout == "in_out":
         w13, w2 = _transposed_memory(w13), _transposed_memory(w2)
     x = _randn(tokens, hidden, seed=seed + 2)
-    routed = torch.stack([torch.randperm(experts - 1, generator=_gen(seed + t))[: top_k - 1] for t in range(tokens)])
+    routed = torch.stack(
+        [torch.randperm(experts - 1, generator=_gen(seed + t))[: top_k - 1] for t in range(tokens)]
+    )
     ids = torch.cat([routed, torch.full((tokens, 1), experts - 1)], dim=1).to(torch.int32)
     weights = torch.rand(tokens, top_k, generator=_gen(seed + 3))
     got = moe.fused_moe(x, w13, w2, weights, ids, backend="native")
@@ -255,8 +311,12 @@ def test_linear_takes_only_what_it_serves():
     weight = _input_major(_randn(40, 24, seed=0))
     assert cpu.takes_linear(_randn(5, 24, seed=1), weight)
     assert cpu.takes_linear(_randn(5, 24, seed=1), weight.contiguous())
-    assert not cpu.takes_linear(_randn(cpu.LINEAR_MAX_ROWS_OUT_IN + 1, 24, seed=1), weight.contiguous())
-    assert not cpu.takes_linear(_randn(5, 24, seed=1), _randn(40, 48, seed=4)[:, ::2])  # strides (48, 2)
+    assert not cpu.takes_linear(
+        _randn(cpu.LINEAR_MAX_ROWS_OUT_IN + 1, 24, seed=1), weight.contiguous()
+    )
+    assert not cpu.takes_linear(
+        _randn(5, 24, seed=1), _randn(40, 48, seed=4)[:, ::2]
+    )  # strides (48, 2)
     assert not cpu.takes_linear(_randn(5, 24, seed=1), _input_major(_randn(15, 24, seed=2)))
     assert not cpu.takes_linear(_randn(cpu.LINEAR_MAX_ROWS + 1, 24, seed=1), weight)
     x = _randn(2, 3, 24, seed=3)
@@ -269,7 +329,9 @@ def test_fused_moe_with_experts_of_many_rows():
     w13 = _transposed_memory(_randn(experts, 2 * inter, hidden, seed=0) / 8)
     w2 = _transposed_memory(_randn(experts, hidden, inter, seed=1) / 8)
     x = _randn(tokens, hidden, seed=2)
-    ids = torch.stack([torch.tensor([t % 2, 2 + t % 3]) for t in range(tokens)]).to(torch.int32)  # 150, 150, 100...
+    ids = torch.stack([torch.tensor([t % 2, 2 + t % 3]) for t in range(tokens)]).to(
+        torch.int32
+    )  # 150, 150, 100...
     ids[:7, 1] = 4  # and one expert of 7 rows
     weights = torch.rand(tokens, top_k, generator=_gen(3))
     got = moe.fused_moe(x, w13, w2, weights, ids, backend="native")
@@ -283,7 +345,9 @@ def test_fused_moe_in_token_chunks(monkeypatch):
     w13 = _transposed_memory(_randn(experts, 2 * inter, hidden, seed=0) / 8)
     w2 = _transposed_memory(_randn(experts, hidden, inter, seed=1) / 8)
     x = _randn(tokens, hidden, seed=2)
-    ids = torch.stack([torch.randperm(experts, generator=_gen(t))[:top_k] for t in range(tokens)]).to(torch.int32)
+    ids = torch.stack(
+        [torch.randperm(experts, generator=_gen(t))[:top_k] for t in range(tokens)]
+    ).to(torch.int32)
     weights = torch.rand(tokens, top_k, generator=_gen(3))
     got = moe.fused_moe(x, w13, w2, weights, ids, backend="native")
     assert_rel_close(got, moe_ref.fused_moe(x, w13, w2, weights, ids), F32)
@@ -305,15 +369,24 @@ def test_moe_route(seed, tokens, experts, top_k, shared, renormalize):
 
 def test_bad_slot_is_an_error_naming_it():
     states = torch.zeros(4, 8, 3)
-    with pytest.raises(RuntimeError, match=r"state_indices\[1\] = 9 is outside the pool of 4 slots"):
-        conv1d.causal_conv1d_update(torch.zeros(2, 8), torch.zeros(8, 4), states, torch.tensor([0, 9]),
-                                    backend="native")
+    with pytest.raises(
+        RuntimeError, match=r"state_indices\[1\] = 9 is outside the pool of 4 slots"
+    ):
+        conv1d.causal_conv1d_update(
+            torch.zeros(2, 8), torch.zeros(8, 4), states, torch.tensor([0, 9]), backend="native"
+        )
 
 
 def test_bad_expert_id_is_an_error_naming_it():
     with pytest.raises(RuntimeError, match=r"topk_ids\[0\] = 5 is outside the pool of 4"):
-        moe.fused_moe(torch.zeros(1, 8), torch.zeros(4, 6, 8), torch.zeros(4, 8, 3), torch.ones(1, 1),
-                      torch.tensor([[5]], dtype=torch.int32), backend="native")
+        moe.fused_moe(
+            torch.zeros(1, 8),
+            torch.zeros(4, 6, 8),
+            torch.zeros(4, 8, 3),
+            torch.ones(1, 1),
+            torch.tensor([[5]], dtype=torch.int32),
+            backend="native",
+        )
 
 
 def test_dispatch(monkeypatch):

@@ -1,5 +1,6 @@
 """Block FP8: the Triton per-token-group quantization, W8A8 block GEMM and FP8 fused MoE (interpreted on the CPU)
 against the PyTorch references, and the references against plain float arithmetic on the dequantized weights."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,10 +40,20 @@ def test_per_token_group_quant_matches_reference(nan_allocations, num_rows, num_
 
 
 @pytest.mark.parametrize("num_rows", [1, 63, 65, 500])
-@pytest.mark.parametrize("shape,block", [((130, 200), (128, 128)), ((96, 48), (128, 128)), ((72, 80), (8, 16))])
-@pytest.mark.parametrize("fp8,dtype", [(torch.float8_e4m3fn, torch.float32), (torch.float8_e4m3fn, torch.bfloat16),
-                                       (torch.float8_e4m3fnuz, torch.float32)])
-def test_w8a8_block_fp8_matmul_matches_reference(nan_allocations, num_rows, shape, block, fp8, dtype):
+@pytest.mark.parametrize(
+    "shape,block", [((130, 200), (128, 128)), ((96, 48), (128, 128)), ((72, 80), (8, 16))]
+)
+@pytest.mark.parametrize(
+    "fp8,dtype",
+    [
+        (torch.float8_e4m3fn, torch.float32),
+        (torch.float8_e4m3fn, torch.bfloat16),
+        (torch.float8_e4m3fnuz, torch.float32),
+    ],
+)
+def test_w8a8_block_fp8_matmul_matches_reference(
+    nan_allocations, num_rows, shape, block, fp8, dtype
+):
     w, scale = _fp8_weight(shape, block, fp8)
     x = _randn(num_rows, shape[1], seed=num_rows, dtype=dtype)
     got = w8a8_block_fp8_matmul(x, w, scale, block, backend="triton")
@@ -66,7 +77,9 @@ def test_e4m3fnuz_holds_the_same_weights():
     w[0, 0] = -0.0  # the e4m3fn pattern that is NaN in e4m3fnuz
     fnuz, fnuz_scale = e4m3fn_to_e4m3fnuz(w, scale)
     assert fnuz.dtype == torch.float8_e4m3fnuz
-    assert torch.equal(dequantize_blocks(fnuz, fnuz_scale, (128, 128)), dequantize_blocks(w, scale, (128, 128)))
+    assert torch.equal(
+        dequantize_blocks(fnuz, fnuz_scale, (128, 128)), dequantize_blocks(w, scale, (128, 128))
+    )
 
 
 @pytest.mark.parametrize("block", [(128, 128), (16, 32)])
@@ -74,11 +87,15 @@ def test_quantize_blocks_round_trip_within_fp8_rounding(block):
     w = _randn(130, 200)
     q, s = quantize_blocks(w, block, torch.float8_e4m3fn)
     assert s.shape == (-(-130 // block[0]), -(-200 // block[1]))
-    assert ((dequantize_blocks(q, s, block) - w).abs() <= w.abs() / 16 + 1e-6).all()  # half an FP8 ulp
+    assert (
+        (dequantize_blocks(q, s, block) - w).abs() <= w.abs() / 16 + 1e-6
+    ).all()  # half an FP8 ulp
 
 
 @pytest.mark.parametrize("num_tokens", [1, 65, 300])
-@pytest.mark.parametrize("hidden,inter,block", [(64, 32, (128, 128)), (200, 136, (128, 128)), (64, 48, (16, 32))])
+@pytest.mark.parametrize(
+    "hidden,inter,block", [(64, 32, (128, 128)), (200, 136, (128, 128)), (64, 48, (16, 32))]
+)
 @pytest.mark.parametrize("fp8", FORMATS)
 def test_fused_moe_fp8_matches_reference(nan_allocations, num_tokens, hidden, inter, block, fp8):
     num_experts, top_k = 9, 2
@@ -94,8 +111,13 @@ def test_fused_moe_fp8_matches_reference(nan_allocations, num_tokens, hidden, in
     want = moe.fused_moe(x, w13, w2, weights, ids, backend="torch", **scales)
     # the activation between the GEMMs is rounded to FP8: a different summation order may flip one rounding
     assert rel_err(got, want) < 1e-2
-    plain = moe_naive.fused_moe(x, dequantize_blocks(w13, w13_scale, block), dequantize_blocks(w2, w2_scale, block),
-                                weights, ids)
+    plain = moe_naive.fused_moe(
+        x,
+        dequantize_blocks(w13, w13_scale, block),
+        dequantize_blocks(w2, w2_scale, block),
+        weights,
+        ids,
+    )
     assert rel_err(want, plain) < FP8_TOL
 
 
@@ -104,5 +126,14 @@ def test_fused_moe_fp8_rejects_wrong_scales():
     w2, w2_scale = _fp8_weight((4, 48, 32), (128, 128), torch.float8_e4m3fn)
     weights, ids = moe_naive.topk_softmax(_randn(3, 4), 2)
     with pytest.raises(ValueError, match="w2_scale must be float32"):
-        moe.fused_moe(_randn(3, 48), w13, w2, weights, ids, w13_scale=w13_scale, w2_scale=w2_scale[:, :, :0],
-                      block=(128, 128), backend="triton")
+        moe.fused_moe(
+            _randn(3, 48),
+            w13,
+            w2,
+            weights,
+            ids,
+            w13_scale=w13_scale,
+            w2_scale=w2_scale[:, :, :0],
+            block=(128, 128),
+            backend="triton",
+        )

@@ -1,12 +1,16 @@
 """Triton fused MoE (interpreted on the CPU) against the PyTorch reference, and both against the transformers
 Qwen3.5-MoE block math, including the shared expert fused in as expert E."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock, Qwen3_5MoeTopKRouter
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+    Qwen3_5MoeSparseMoeBlock,
+    Qwen3_5MoeTopKRouter,
+)
 
 from sglang_lite.kernels import moe
 from sglang_lite.kernels.moe import naive, triton_moe
@@ -16,7 +20,9 @@ from .utils import assert_rel_close
 HIDDEN, INTER = 64, 32
 
 
-def _randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, std: float = 1.0) -> torch.Tensor:
+def _randn(
+    *shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, std: float = 1.0
+) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=gen) * std).to(dtype)
 
@@ -97,14 +103,28 @@ def test_fused_moe_triton_vs_naive(nan_allocations, num_tokens, num_experts, top
 # padded bmm with the shared expert overflowing
 @pytest.mark.parametrize(
     "num_tokens,num_experts,top_k,shared",
-    [(1, 8, 1, True), (1, 16, 4, True), (7, 60, 8, False), (64, 16, 2, True), (300, 8, 2, True), (256, 16, 4, True)],
+    [
+        (1, 8, 1, True),
+        (1, 16, 4, True),
+        (7, 60, 8, False),
+        (64, 16, 2, True),
+        (300, 8, 2, True),
+        (256, 16, 4, True),
+    ],
 )
 def test_naive_fused_moe_vs_explicit_loop(num_tokens, num_experts, top_k, shared):
     total = num_experts + int(shared)
     x = _randn(num_tokens, HIDDEN, seed=1)
-    w13, w2 = _randn(total, 2 * INTER, HIDDEN, seed=2, std=0.1), _randn(total, HIDDEN, INTER, seed=3, std=0.1)
+    w13, w2 = (
+        _randn(total, 2 * INTER, HIDDEN, seed=2, std=0.1),
+        _randn(total, HIDDEN, INTER, seed=3, std=0.1),
+    )
     weights, ids = _routing(num_tokens, num_experts, top_k, shared)
-    assert_rel_close(naive.fused_moe(x, w13, w2, weights, ids), _explicit_moe(x, w13, w2, weights, ids), torch.float32)
+    assert_rel_close(
+        naive.fused_moe(x, w13, w2, weights, ids),
+        _explicit_moe(x, w13, w2, weights, ids),
+        torch.float32,
+    )
 
 
 def test_align_by_expert_groups_every_row_once():
@@ -114,29 +134,44 @@ def test_align_by_expert_groups_every_row_once():
     assert used % triton_moe.BLOCK_M == 0
     rows = sorted_rows[:used].long()
     real = rows < ids.numel()
-    assert torch.equal(rows[real].sort().values, torch.arange(ids.numel()))  # each (token, slot) exactly once
+    assert torch.equal(
+        rows[real].sort().values, torch.arange(ids.numel())
+    )  # each (token, slot) exactly once
     block_of_row = torch.arange(used) // triton_moe.BLOCK_M
     assert torch.equal(ids.reshape(-1)[rows[real]].long(), block_expert[block_of_row[real]].long())
     assert (block_expert[used // triton_moe.BLOCK_M :] == -1).all()
 
 
 def _hf_block(num_experts: int, top_k: int) -> Qwen3_5MoeSparseMoeBlock:
-    config = Qwen3_5MoeTextConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER,
-                                  shared_expert_intermediate_size=INTER, num_experts=num_experts,
-                                  num_experts_per_tok=top_k)
+    config = Qwen3_5MoeTextConfig(
+        hidden_size=HIDDEN,
+        moe_intermediate_size=INTER,
+        shared_expert_intermediate_size=INTER,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+    )
     block = Qwen3_5MoeSparseMoeBlock(config)
     for i, p in enumerate(block.parameters()):
         p.data = _randn(*p.shape, seed=10 + i, std=0.1)
     return block
 
 
-def _fused_shared_forward(block: Qwen3_5MoeSparseMoeBlock, x: torch.Tensor, top_k: int, backend: str) -> torch.Tensor:
+def _fused_shared_forward(
+    block: Qwen3_5MoeSparseMoeBlock, x: torch.Tensor, top_k: int, backend: str
+) -> torch.Tensor:
     """Our fused path: top-k routing, the shared expert appended as expert E, one fused_moe call."""
     shared = block.shared_expert
-    w13 = torch.cat([block.experts.gate_up_proj, torch.cat([shared.gate_proj.weight, shared.up_proj.weight])[None]])
+    w13 = torch.cat(
+        [
+            block.experts.gate_up_proj,
+            torch.cat([shared.gate_proj.weight, shared.up_proj.weight])[None],
+        ]
+    )
     w2 = torch.cat([block.experts.down_proj, shared.down_proj.weight[None]])
     weights, ids = moe.topk_softmax(F.linear(x, block.gate.weight), top_k, backend=backend)
-    weights = torch.cat([weights, torch.sigmoid(F.linear(x, block.shared_expert_gate.weight)).float()], 1)
+    weights = torch.cat(
+        [weights, torch.sigmoid(F.linear(x, block.shared_expert_gate.weight)).float()], 1
+    )
     ids = torch.cat([ids, torch.full_like(ids[:, :1], block.experts.num_experts)], 1)
     return moe.fused_moe(x, w13, w2, weights, ids, backend=backend)
 
@@ -153,7 +188,11 @@ def test_fused_shared_expert_matches_transformers_block(backend, num_tokens, num
 
 
 def test_fused_moe_rejects_bad_shapes():
-    x, w13, w2 = torch.zeros(4, HIDDEN), torch.zeros(3, 2 * INTER, HIDDEN), torch.zeros(3, HIDDEN, INTER + 1)
+    x, w13, w2 = (
+        torch.zeros(4, HIDDEN),
+        torch.zeros(3, 2 * INTER, HIDDEN),
+        torch.zeros(3, HIDDEN, INTER + 1),
+    )
     weights, ids = torch.ones(4, 1), torch.zeros(4, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="w2"):
         moe.fused_moe(x, w13, w2, weights, ids, backend="triton")

@@ -1,9 +1,13 @@
 """Triton RMSNorm kernels (interpreted on the CPU) against the PyTorch references."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm, Qwen3_5MoeRMSNormGated
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+    Qwen3_5MoeRMSNorm,
+    Qwen3_5MoeRMSNormGated,
+)
 
 from sglang_lite.kernels import norms
 from sglang_lite.kernels.norms import naive, triton_norms
@@ -24,7 +28,11 @@ def _randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("dim", [20, 48])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_gemma_rmsnorm(nan_allocations, dtype, rows, dim, with_residual):
-    x, w, r = _randn(rows, dim, dtype=dtype), _randn(dim, dtype=dtype, seed=1), _randn(rows, dim, dtype=dtype, seed=2)
+    x, w, r = (
+        _randn(rows, dim, dtype=dtype),
+        _randn(dim, dtype=dtype, seed=1),
+        _randn(rows, dim, dtype=dtype, seed=2),
+    )
     residual = r if with_residual else None
     got = norms.gemma_rmsnorm(x, w, EPS, residual, backend="triton")
     want = naive.gemma_rmsnorm(x, w, EPS, residual)
@@ -47,10 +55,15 @@ class _LaunchCounter:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 65])
 @pytest.mark.parametrize("q_heads,k_heads,head_dim", [(2, 1, 20), (3, 3, 48)])
-def test_fused_qk_one_launch_on_strided_views(nan_allocations, monkeypatch, dtype, tokens, q_heads, k_heads, head_dim):
+def test_fused_qk_one_launch_on_strided_views(
+    nan_allocations, monkeypatch, dtype, tokens, q_heads, k_heads, head_dim
+):
     # q and k are column slices of one projection output, as after a fused qkv projection: not contiguous
     proj = _randn(tokens, (q_heads + 2 * k_heads) * head_dim, dtype=dtype)
-    q, k = proj[:, : q_heads * head_dim], proj[:, q_heads * head_dim : (q_heads + k_heads) * head_dim]
+    q, k = (
+        proj[:, : q_heads * head_dim],
+        proj[:, q_heads * head_dim : (q_heads + k_heads) * head_dim],
+    )
     qw, kw = _randn(head_dim, dtype=dtype, seed=1), _randn(head_dim, dtype=dtype, seed=2)
     counter = _LaunchCounter(triton_norms._fused_qk_kernel)
     monkeypatch.setattr(triton_norms, "_fused_qk_kernel", counter)
@@ -65,8 +78,10 @@ def test_fused_qk_one_launch_on_strided_views(nan_allocations, monkeypatch, dtyp
 def test_fused_qk_head_shaped_and_empty_inputs():
     q, k = _randn(5, 4, 20, dtype=torch.float32), _randn(5, 2, 20, dtype=torch.float32)
     qw, kw = _randn(20, dtype=torch.float32, seed=1), _randn(20, dtype=torch.float32, seed=2)
-    for got, want in zip(norms.fused_qk_gemma_rmsnorm(q, k, qw, kw, EPS, 20, backend="triton"),
-                         naive.fused_qk_gemma_rmsnorm(q, k, qw, kw, EPS, 20)):
+    for got, want in zip(
+        norms.fused_qk_gemma_rmsnorm(q, k, qw, kw, EPS, 20, backend="triton"),
+        naive.fused_qk_gemma_rmsnorm(q, k, qw, kw, EPS, 20),
+    ):
         assert_rel_close(got, want, torch.float32)
     q_out, k_out = norms.fused_qk_gemma_rmsnorm(q[:0], k[:0], qw, kw, EPS, 20, backend="triton")
     assert q_out.shape == (0, 4, 20) and k_out.shape == (0, 2, 20)
@@ -75,7 +90,9 @@ def test_fused_qk_head_shaped_and_empty_inputs():
 def test_errors_name_the_bad_tensor():
     q, k = torch.randn(3, 40), torch.randn(3, 20)
     with pytest.raises(ValueError, match="k_weight"):
-        norms.fused_qk_gemma_rmsnorm(q, k, torch.randn(20), torch.randn(16), EPS, 20, backend="triton")
+        norms.fused_qk_gemma_rmsnorm(
+            q, k, torch.randn(20), torch.randn(16), EPS, 20, backend="triton"
+        )
     with pytest.raises(ValueError, match="residual"):
         norms.gemma_rmsnorm(q, torch.randn(40), EPS, torch.randn(2, 40), backend="triton")
     with pytest.raises(ValueError, match="z shape"):
@@ -87,9 +104,15 @@ def test_errors_name_the_bad_tensor():
 def test_gated_rmsnorm(nan_allocations, dtype, tokens):
     heads, dv = 3, 20
     o = _randn(tokens, heads, dv, dtype=dtype)
-    z = _randn(tokens, 2 * heads * dv, dtype=dtype, seed=1)[:, heads * dv :].view(tokens, heads, dv)  # strided
+    z = _randn(tokens, 2 * heads * dv, dtype=dtype, seed=1)[:, heads * dv :].view(
+        tokens, heads, dv
+    )  # strided
     w = _randn(dv, dtype=dtype, seed=2)
-    assert_rel_close(norms.gated_rmsnorm(o, z, w, EPS, backend="triton"), naive.gated_rmsnorm(o, z, w, EPS), dtype)
+    assert_rel_close(
+        norms.gated_rmsnorm(o, z, w, EPS, backend="triton"),
+        naive.gated_rmsnorm(o, z, w, EPS),
+        dtype,
+    )
 
 
 def test_backend_choice(monkeypatch):

@@ -1,4 +1,5 @@
 """Shared helpers for kernel tests: NaN-poisoned outputs and a relative-error check that fails on NaN."""
+
 from __future__ import annotations
 
 import torch
@@ -13,11 +14,17 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((a - e).abs().max() / e.abs().max().clamp_min(1e-12)).item() if e.numel() else 0.0
 
 
-def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str = "output") -> None:
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+def assert_rel_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str = "output"
+) -> None:
+    assert actual.shape == expected.shape, (
+        f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
     err = rel_err(actual, expected)
     tol = REL_TOL[dtype]
-    assert err <= tol, f"{name}: relative error {err} > {tol} ({dtype})"  # NaN fails this comparison too
+    assert err <= tol, (
+        f"{name}: relative error {err} > {tol} ({dtype})"
+    )  # NaN fails this comparison too
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:

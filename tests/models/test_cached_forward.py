@@ -1,4 +1,5 @@
 """The cached, packed variable-length mode equals the plain causal forward."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,15 +27,24 @@ class Session:
     def __init__(self, model, num_requests: int, max_len: int) -> None:
         self.model = model
         num_slots = num_requests * max_len
-        self.pools = ModelPools.create(model.config, num_slots, num_requests, max_len, torch.float32, "cpu")
+        self.pools = ModelPools.create(
+            model.config, num_slots, num_requests, max_len, torch.float32, "cpu"
+        )
         self.rows = self.pools.req_to_token.allocator.alloc(num_requests)
         self.slots = self.pools.states.alloc(num_requests)
         self.cached = [0] * num_requests
 
-    def run(self, which: list[int], tokens: list[list[int]], mode: ForwardMode, all_logits: bool) -> torch.Tensor:
+    def run(
+        self, which: list[int], tokens: list[list[int]], mode: ForwardMode, all_logits: bool
+    ) -> torch.Tensor:
         batch = build_forward_batch(
-            self.pools, mode, tokens, [self.cached[i] for i in which],
-            [self.rows[i] for i in which], [self.slots[i] for i in which], "cpu",
+            self.pools,
+            mode,
+            tokens,
+            [self.cached[i] for i in which],
+            [self.rows[i] for i in which],
+            [self.slots[i] for i in which],
+            "cpu",
         )
         for i, t in zip(which, tokens):
             self.cached[i] += len(t)
@@ -44,8 +54,12 @@ class Session:
 def test_packed_batch_equals_each_request_alone(model):
     lengths = [1, 63, 64, 65, 17]
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
-    packed = Session(model, len(prompts), 80).run(list(range(len(prompts))), prompts, ForwardMode.EXTEND, True)
+    prompts = [
+        torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths
+    ]
+    packed = Session(model, len(prompts), 80).run(
+        list(range(len(prompts))), prompts, ForwardMode.EXTEND, True
+    )
     start = 0
     for prompt in prompts:
         alone = model(torch.tensor([prompt]))[0]
@@ -59,7 +73,10 @@ def test_chunked_prefill_then_decode_equals_full_forward(model, chunks):
     num_decode = 6
     gen = torch.Generator().manual_seed(len(chunks))
     prompt_lens = [sum(chunks), sum(chunks) - 7]
-    full = [torch.randint(0, model.config.vocab_size, (n + num_decode,), generator=gen).tolist() for n in prompt_lens]
+    full = [
+        torch.randint(0, model.config.vocab_size, (n + num_decode,), generator=gen).tolist()
+        for n in prompt_lens
+    ]
     expected = [model(torch.tensor([seq]))[0] for seq in full]
     session = Session(model, 2, 128)
     for r, n in enumerate(prompt_lens):

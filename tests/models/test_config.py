@@ -1,4 +1,5 @@
 """ModelConfig.from_hf normalises text configs, VL wrappers and the older rope spellings."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,30 +8,53 @@ from transformers import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConf
 from sglang_lite.assets import TINY_MODEL_DIR
 from sglang_lite.config import ModelConfig
 
-SMALL = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=32)
+SMALL = dict(
+    hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=32
+)
 
 
 def test_moe_text_config():
     cfg = ModelConfig.from_hf(Qwen3_5MoeTextConfig(**SMALL, num_experts=4, num_experts_per_tok=2))
     assert cfg.is_moe and cfg.num_experts == 4 and cfg.num_experts_per_tok == 2
-    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 2
+    assert (
+        cfg.layer_types
+        == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 2
+    )
     assert cfg.rotary_dim == 8 and cfg.full_attention_layers == [3]
 
 
 def test_dense_text_config_with_interval_and_tied_embeddings():
-    cfg = ModelConfig.from_hf(Qwen3_5TextConfig(**SMALL, intermediate_size=96, full_attention_interval=3,
-                                                tie_word_embeddings=True))
+    cfg = ModelConfig.from_hf(
+        Qwen3_5TextConfig(
+            **SMALL, intermediate_size=96, full_attention_interval=3, tie_word_embeddings=True
+        )
+    )
     assert not cfg.is_moe and cfg.intermediate_size == 96 and cfg.tie_word_embeddings
     assert cfg.full_attention_layers == [2, 5]
 
 
 @pytest.mark.parametrize("wrapper", ["qwen3_5", "qwen3_5_moe"])
 def test_vl_wrapper_reads_text_config(wrapper):
-    text = Qwen3_5MoeTextConfig(**SMALL).to_dict() if wrapper == "qwen3_5_moe" else Qwen3_5TextConfig(**SMALL).to_dict()
-    text.pop("model_type")  # real wrappers may omit it; the wrapper type says which text model it is
-    raw = {"model_type": wrapper, "text_config": text, "tie_word_embeddings": True, "vision_config": {}}
+    text = (
+        Qwen3_5MoeTextConfig(**SMALL).to_dict()
+        if wrapper == "qwen3_5_moe"
+        else Qwen3_5TextConfig(**SMALL).to_dict()
+    )
+    text.pop(
+        "model_type"
+    )  # real wrappers may omit it; the wrapper type says which text model it is
+    raw = {
+        "model_type": wrapper,
+        "text_config": text,
+        "tie_word_embeddings": True,
+        "vision_config": {},
+    }
     cfg = ModelConfig.from_hf(raw)
-    assert cfg.is_moe == (wrapper == "qwen3_5_moe") and cfg.tie_word_embeddings and cfg.hidden_size == 64
+    assert (
+        cfg.is_moe == (wrapper == "qwen3_5_moe")
+        and cfg.tie_word_embeddings
+        and cfg.hidden_size == 64
+    )
 
 
 def test_transformers_wrapper_object():

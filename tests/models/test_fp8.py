@@ -5,6 +5,7 @@ The checkpoints are built here from tiny transformers models: every linear proje
 ``modules_to_not_convert`` names is quantized into e4m3 blocks (partial ones: the tiny sizes are not multiples of
 the block), and the reference is the same transformers model with the dequantized weights loaded back.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,26 +22,52 @@ from sglang_lite.models.weights import CheckpointError
 from sglang_lite.server_args import ServerArgs
 from tests.hf_checkpoints import make_hf_model, save_checkpoint
 
-NOT_CONVERTED = ["lm_head", "mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b",
-                 "model.visual"]
+NOT_CONVERTED = [
+    "lm_head",
+    "mlp.gate",
+    "mlp.shared_expert_gate",
+    "linear_attn.in_proj_a",
+    "linear_attn.in_proj_b",
+    "model.visual",
+]
 CASES = {  # name -> (make_hf_model options, checkpoint layout, weight block)
     "moe-vl-128": (dict(moe=True), "vl", (128, 128)),
     "moe-text-8x16": (dict(moe=True, seed=4), "text", (8, 16)),
-    "dense-odd-dims": (dict(moe=False, linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=18,
-                            linear_value_head_dim=14, head_dim=40, intermediate_size=136, hidden_size=144,
-                            tie_word_embeddings=True), "text", (128, 128)),
-    "moe-fused-shared-odd": (dict(moe=True, shared_expert_intermediate_size=24, hidden_size=136), "vl", (128, 128)),
+    "dense-odd-dims": (
+        dict(
+            moe=False,
+            linear_num_key_heads=1,
+            linear_num_value_heads=3,
+            linear_key_head_dim=18,
+            linear_value_head_dim=14,
+            head_dim=40,
+            intermediate_size=136,
+            hidden_size=144,
+            tie_word_embeddings=True,
+        ),
+        "text",
+        (128, 128),
+    ),
+    "moe-fused-shared-odd": (
+        dict(moe=True, shared_expert_intermediate_size=24, hidden_size=136),
+        "vl",
+        (128, 128),
+    ),
 }
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
+    return (
+        (actual.double() - expected.double()).abs().max() / expected.double().abs().max()
+    ).item()
 
 
 def quantizable(name: str) -> bool:
     """A linear projection's weight that ``NOT_CONVERTED`` does not name."""
     module = name.removesuffix(".weight")
-    return "proj" in module.rsplit(".", 1)[-1] and not any(f".{p}." in f".{module}." for p in NOT_CONVERTED)
+    return "proj" in module.rsplit(".", 1)[-1] and not any(
+        f".{p}." in f".{module}." for p in NOT_CONVERTED
+    )
 
 
 def _per_expert(name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -49,12 +76,16 @@ def _per_expert(name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
     if kind == "down_proj":
         return {f"{layer}.{e}.down_proj.weight": param[e] for e in range(param.shape[0])}
     inter = param.shape[1] // 2
-    return {f"{layer}.{e}.{part}_proj.weight": param[e, rows] for e in range(param.shape[0])
-            for part, rows in (("gate", slice(0, inter)), ("up", slice(inter, None)))}
+    return {
+        f"{layer}.{e}.{part}_proj.weight": param[e, rows]
+        for e in range(param.shape[0])
+        for part, rows in (("gate", slice(0, inter)), ("up", slice(inter, None)))
+    }
 
 
-def make_fp8_checkpoint(hf: torch.nn.Module, path: str, layout: str = "text", block: tuple[int, int] = (128, 128)
-                        ) -> str:
+def make_fp8_checkpoint(
+    hf: torch.nn.Module, path: str, layout: str = "text", block: tuple[int, int] = (128, 128)
+) -> str:
     """Quantizes ``hf``'s projections into e4m3 blocks, loads the dequantized weights back into ``hf`` (the
     reference) and saves the FP8 checkpoint (``weight`` + ``weight_scale_inv``) in ``layout`` at ``path``."""
     quantized = {}
@@ -77,8 +108,13 @@ def make_fp8_checkpoint(hf: torch.nn.Module, path: str, layout: str = "text", bl
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     # a VL wrapper keeps quantization_config at its top level, as Qwen's FP8 releases do
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block), "modules_to_not_convert": NOT_CONVERTED}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": NOT_CONVERTED,
+    }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return path
@@ -98,8 +134,9 @@ def test_checkpoint_is_fp8(checkpoint):
     qkv = next(v for k, v in tensors.items() if k.endswith("linear_attn.in_proj_qkv.weight"))
     assert qkv.dtype == torch.float8_e4m3fn
     experts = [k for k in tensors if ".layers.0.mlp.experts.0." in k]
-    assert len(experts) in (0, 6) and all(tensors[k.removesuffix("_scale_inv")].dtype == torch.float8_e4m3fn
-                                          for k in experts), "per-expert FP8 weights with their scales"
+    assert len(experts) in (0, 6) and all(
+        tensors[k.removesuffix("_scale_inv")].dtype == torch.float8_e4m3fn for k in experts
+    ), "per-expert FP8 weights with their scales"
 
 
 @pytest.mark.parametrize("seq_len", [1, 65])
@@ -107,7 +144,9 @@ def test_float32_logits_match_dequantized_transformers(checkpoint, seq_len):
     hf, path, _ = checkpoint
     model = load_model(path, dtype=torch.float32)
     assert not any(isinstance(m, Fp8Linear) for m in model.modules()), "the CPU dequantizes at load"
-    ids = torch.randint(0, hf.config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seq_len))
+    ids = torch.randint(
+        0, hf.config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seq_len)
+    )
     with torch.no_grad():
         expected = hf(ids).logits
     assert relative_error(model(ids), expected) < 1e-4
@@ -120,7 +159,9 @@ def test_fp8_weights_in_memory_hold_the_checkpoint_blocks(checkpoint):
     model = load_model(path, fp8_weights=True)
     fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert fp8 and all(m.weight.dtype == torch.float8_e4m3fn for m in fp8)
-    assert isinstance(model.model.layers[0].mlp, Fp8SparseMoeBlock) == hf.config.model_type.endswith("moe_text")
+    assert isinstance(
+        model.model.layers[0].mlp, Fp8SparseMoeBlock
+    ) == hf.config.model_type.endswith("moe_text")
     gdn = model.model.layers[0].linear_attn
     assert isinstance(gdn.in_proj_qkvz, Fp8Linear) and not isinstance(gdn.in_proj_ba, Fp8Linear)
     hf_gdn = hf.model.layers[0].linear_attn
@@ -129,7 +170,9 @@ def test_fp8_weights_in_memory_hold_the_checkpoint_blocks(checkpoint):
     # blocks that line up are copied as they are; the others are requantized (one more FP8 rounding)
     aligned = all(size % block[0] == 0 for size in gdn.in_proj_qkvz.output_sizes)
     assert relative_error(stored, packed) < (1e-7 if aligned else 0.07)
-    ids = torch.randint(0, hf.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(
+        0, hf.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3)
+    )
     with torch.no_grad():
         expected = hf(ids).logits
     assert relative_error(model(ids), expected) < 0.1
@@ -139,8 +182,12 @@ def test_bfloat16_load_equals_the_dequantized_checkpoint_in_bfloat16(checkpoint,
     """Dequantizing is exact, so rounding to bfloat16 afterwards gives the plain checkpoint's bfloat16 model."""
     hf, path, _ = checkpoint
     plain = save_checkpoint(hf, str(tmp_path))
-    ids = torch.randint(0, hf.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(2))
-    assert torch.equal(load_model(path, dtype=torch.bfloat16)(ids), load_model(plain, dtype=torch.bfloat16)(ids))
+    ids = torch.randint(
+        0, hf.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(2)
+    )
+    assert torch.equal(
+        load_model(path, dtype=torch.bfloat16)(ids), load_model(plain, dtype=torch.bfloat16)(ids)
+    )
 
 
 def test_engine_greedy_tokens_match_dequantized_transformers(tmp_path):
@@ -148,13 +195,17 @@ def test_engine_greedy_tokens_match_dequantized_transformers(tmp_path):
     path = make_fp8_checkpoint(hf, str(tmp_path), "vl")
     prompts = [[3, 17, 42, 99, 150, 7, 61, 88, 120, 5, 33], [9, 140, 2, 77]]
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-    with Engine(path, skip_tokenizer_init=True, max_total_tokens=512, max_running_requests=4) as engine:
+    with Engine(
+        path, skip_tokenizer_init=True, max_total_tokens=512, max_running_requests=4
+    ) as engine:
         outputs = engine.generate(input_ids=prompts, sampling_params=params)
     for prompt, out in zip(prompts, outputs):
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
-        assert out["output_ids"] == expected[0, len(prompt):].tolist()
+            expected = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False
+            )
+        assert out["output_ids"] == expected[0, len(prompt) :].tolist()
 
 
 def test_quantization_none_dequantizes_and_fp8_needs_an_fp8_checkpoint(tmp_path):
@@ -186,10 +237,17 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
     with pytest.raises(CheckpointError, match=f"tensor '{QKV}' .* is FP8 .* no '{QKV}_scale_inv'"):
         load_model(path)
     _rewrite(path, lambda t: t.update({QKV + "_scale_inv": torch.ones(2, 2)}))
-    with pytest.raises(CheckpointError, match=f"shape mismatch for tensor '{QKV}_scale_inv'.*expected \\(1, 1\\)"):
+    with pytest.raises(
+        CheckpointError, match=f"shape mismatch for tensor '{QKV}_scale_inv'.*expected \\(1, 1\\)"
+    ):
         load_model(path)
     a_name = "model.layers.0.linear_attn.in_proj_a.weight"
-    _rewrite(path, lambda t: t.update({QKV + "_scale_inv": torch.ones(1, 1), a_name + "_scale_inv": torch.ones(1, 1)}))
+    _rewrite(
+        path,
+        lambda t: t.update(
+            {QKV + "_scale_inv": torch.ones(1, 1), a_name + "_scale_inv": torch.ones(1, 1)}
+        ),
+    )
     with pytest.raises(CheckpointError, match=f"'{a_name}' .*modules_to_not_convert lists it"):
         load_model(path)
     with open(os.path.join(path, "config.json")) as f:
@@ -197,7 +255,9 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
     config.pop("quantization_config")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-    with pytest.raises(CheckpointError, match="unexpected tensor .*_scale_inv.* no quantization_config"):
+    with pytest.raises(
+        CheckpointError, match="unexpected tensor .*_scale_inv.* no quantization_config"
+    ):
         load_model(path)
 
 
@@ -211,6 +271,13 @@ def test_server_info_says_the_quantization(tmp_path):
     manager = SimpleNamespace(config=limits, rank_pids=[], alt_stream_plan=None)
     info = server_info_of(manager, ServerArgs(model_path=path))
     assert info["quantization"] == "fp8"
-    assert info["quantization_config"].startswith("fp8 (e4m3, 128x128 weight blocks, dynamic activation scales)")
-    assert server_info_of(manager, ServerArgs(model_path=path, quantization="none"))["quantization"] == "none"
-    assert server_info_of(manager, ServerArgs())["quantization"] == "none"  # the built-in plain model
+    assert info["quantization_config"].startswith(
+        "fp8 (e4m3, 128x128 weight blocks, dynamic activation scales)"
+    )
+    assert (
+        server_info_of(manager, ServerArgs(model_path=path, quantization="none"))["quantization"]
+        == "none"
+    )
+    assert (
+        server_info_of(manager, ServerArgs())["quantization"] == "none"
+    )  # the built-in plain model

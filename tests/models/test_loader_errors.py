@@ -1,4 +1,5 @@
 """Malformed checkpoints raise CheckpointError naming the tensor, the shapes and the file."""
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,9 @@ def test_missing_tensor(checkpoint):
     name = "model.layers.1.linear_attn.in_proj_z.weight"
     del tensors[name]
     save_file(tensors, file)
-    message = rf"missing tensor '{name}' \(expected shape \(40, 48\), found none\) in checkpoint {path}"
+    message = (
+        rf"missing tensor '{name}' \(expected shape \(40, 48\), found none\) in checkpoint {path}"
+    )
     with pytest.raises(CheckpointError, match=message):
         load_model(path)
 
@@ -44,7 +47,9 @@ def test_shape_mismatch(checkpoint):
     name = "model.layers.3.self_attn.k_proj.weight"
     tensors[name] = torch.zeros(40, 48)
     save_file(tensors, file)
-    message = rf"shape mismatch for tensor '{name}' in {file}: expected \(48, 48\), found \(40, 48\)"
+    message = (
+        rf"shape mismatch for tensor '{name}' in {file}: expected \(48, 48\), found \(40, 48\)"
+    )
     with pytest.raises(CheckpointError, match=message):
         load_model(path)
 
@@ -59,7 +64,10 @@ def test_no_weights_at_all(tmp_path):
 def test_dummy_weights_are_seeded(tmp_path):
     path = save_checkpoint(make_hf_model(moe=True), str(tmp_path))
     ids = torch.tensor([[1, 2, 3, 4]])
-    a, b = load_model(path, load_format="dummy", seed=1), load_model(path, load_format="dummy", seed=1)
+    a, b = (
+        load_model(path, load_format="dummy", seed=1),
+        load_model(path, load_format="dummy", seed=1),
+    )
     c = load_model(path, load_format="dummy", seed=2)
     assert torch.equal(a(ids), b(ids)) and not torch.allclose(a(ids), c(ids))
 

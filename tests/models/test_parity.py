@@ -1,4 +1,5 @@
 """load_model logits equal the transformers reference (float32, relative error < 1e-4)."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,17 +14,32 @@ SEQ_LENS = (1, 63, 64, 65, 200)
 CASES = {
     "moe": dict(moe=True),
     "dense": dict(moe=False),
-    "moe_hv_hk_3_odd_dims_tied": dict(moe=True, linear_num_key_heads=1, linear_num_value_heads=3,
-                                      linear_key_head_dim=18, linear_value_head_dim=14, head_dim=40,
-                                      tie_word_embeddings=True),
-    "dense_hv_hk_2_interval_3": dict(moe=False, linear_num_key_heads=2, linear_num_value_heads=4,
-                                     full_attention_interval=3, num_hidden_layers=6),
-    "moe_interval_3_tied": dict(moe=True, full_attention_interval=3, num_hidden_layers=3, tie_word_embeddings=True),
+    "moe_hv_hk_3_odd_dims_tied": dict(
+        moe=True,
+        linear_num_key_heads=1,
+        linear_num_value_heads=3,
+        linear_key_head_dim=18,
+        linear_value_head_dim=14,
+        head_dim=40,
+        tie_word_embeddings=True,
+    ),
+    "dense_hv_hk_2_interval_3": dict(
+        moe=False,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        full_attention_interval=3,
+        num_hidden_layers=6,
+    ),
+    "moe_interval_3_tied": dict(
+        moe=True, full_attention_interval=3, num_hidden_layers=3, tie_word_embeddings=True
+    ),
 }
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
+    return (
+        (actual.double() - expected.double()).abs().max() / expected.double().abs().max()
+    ).item()
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -38,7 +54,9 @@ def test_logits_match_transformers(checkpoint, seq_len):
     hf, path, case = checkpoint
     model = load_model(path)
     assert isinstance(model, Qwen3_5MoeForCausalLM if case["moe"] else Qwen3_5ForCausalLM)
-    ids = torch.randint(0, hf.config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seq_len))
+    ids = torch.randint(
+        0, hf.config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seq_len)
+    )
     with torch.no_grad():
         expected = hf(ids).logits
     actual = model(ids)
@@ -53,7 +71,9 @@ def test_checkpoint_layouts_load_to_same_logits(tmp_path, layout, moe):
         pytest.skip("dense checkpoints have no experts")
     hf = make_hf_model(moe=moe, seed=3)
     path = save_checkpoint(hf, str(tmp_path), layout=layout)
-    ids = torch.randint(0, hf.config.vocab_size, (1, 65), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, hf.config.vocab_size, (1, 65), generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         expected = hf(ids).logits
     assert relative_error(load_model(path)(ids), expected) < 1e-4
@@ -71,7 +91,9 @@ def test_bfloat16_load_keeps_A_log_fp32_and_tracks_fp32(tmp_path):
     model = load_model(path, dtype=torch.bfloat16)
     gdn = model.model.layers[0].linear_attn
     assert gdn.A_log.dtype == torch.float32 and gdn.out_proj.weight.dtype == torch.bfloat16
-    ids = torch.randint(0, hf.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(
+        0, hf.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(2)
+    )
     with torch.no_grad():
         expected = hf(ids).logits
     assert relative_error(model(ids).float(), expected) < 5e-2

@@ -1,6 +1,7 @@
 """The built-in tiny model ships weights trained on the Python standard library (scripts/train_tiny_model.py):
 they load by default, they predict unseen Python far better than random weights, and our model classes decode
 them token for token as transformers does."""
+
 from __future__ import annotations
 
 import json
@@ -59,7 +60,9 @@ def next_token_loss(model: torch.nn.Module, ids: list[int]) -> float:
 def test_the_shipped_weights_predict_unseen_python(trained, tokenizer):
     ids = tokenizer.encode(UNSEEN_PYTHON)
     assert next_token_loss(trained, ids) < LOSS_BOUND
-    assert next_token_loss(load_model(None, load_format="dummy"), ids) > 7.0  # the same shape, random weights
+    assert (
+        next_token_loss(load_model(None, load_format="dummy"), ids) > 7.0
+    )  # the same shape, random weights
 
 
 def test_the_recorded_held_out_loss_is_below_the_bound():
@@ -82,9 +85,17 @@ def test_greedy_decoding_matches_transformers_on_the_shipped_weights(trained, to
         prompt = tokenizer.encode(text)
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)
-        expected = out[0, len(prompt):].tolist()
-        ours = greedy_generate(trained, prompt, max_new_tokens=24)  # stops early only at an end-of-sequence token
-        assert ours == expected[:len(ours)]
+            out = reference.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        expected = out[0, len(prompt) :].tolist()
+        ours = greedy_generate(
+            trained, prompt, max_new_tokens=24
+        )  # stops early only at an end-of-sequence token
+        assert ours == expected[: len(ours)]
         assert len(ours) == 24 or ours[-1] in trained.config.eos_token_ids

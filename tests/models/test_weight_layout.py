@@ -1,4 +1,5 @@
 """Storing the projection weights [in, out] for the CPU's GEMMs changes no logit, tied embeddings included."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,9 @@ from tests.hf_checkpoints import make_hf_model, save_checkpoint
 def test_input_major_weights_give_the_same_logits(tmp_path, moe, tied):
     hf = make_hf_model(moe=moe, seed=3, tie_word_embeddings=tied)
     model = load_model(save_checkpoint(hf, str(tmp_path)))
-    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0)
+    )
     before = model(ids)
     assert store_input_major(model) > 0
     torch.testing.assert_close(model(ids), before, rtol=1e-5, atol=1e-5)

@@ -5,6 +5,7 @@ tiny model on the CPU). Two dp-size-2 servers are shared by the whole session, s
 start on a small host; tests that kill a server start their own. The stand-in upstream (upstream.py) remains for
 what a real server cannot show: the exact bytes the router forwarded, and latency to a few milliseconds.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,21 +25,61 @@ from sglang_lite.utils.process import wait_until_healthy
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-SERVER_STARTUP_TIMEOUT = 180.0  # a cold start imports torch and builds the model: ~20-40 s on 2 loaded cores
+SERVER_STARTUP_TIMEOUT = (
+    180.0  # a cold start imports torch and builds the model: ~20-40 s on 2 loaded cores
+)
 # Small pools keep every rank light; 1024 tokens of context leave room for the long generations some tests hold.
-SERVER_FLAGS = ["--context-length", "1024", "--max-total-tokens", "16384", "--max-running-requests", "32",
-                "--cpu-threads-per-rank", "1", "--log-level", "warning", "--load-format", "dummy"]  # random weights
+SERVER_FLAGS = [
+    "--context-length",
+    "1024",
+    "--max-total-tokens",
+    "16384",
+    "--max-running-requests",
+    "32",
+    "--cpu-threads-per-rank",
+    "1",
+    "--log-level",
+    "warning",
+    "--load-format",
+    "dummy",
+]  # random weights
 
 
-def upstream_command(port: int, dp_size: int, token_delay: float, name: str, *extra: str) -> list[str]:
-    return [sys.executable, str(HERE / "upstream.py"), "--port", str(port), "--dp-size", str(dp_size),
-            "--token-delay", str(token_delay), "--name", name, *extra]
+def upstream_command(
+    port: int, dp_size: int, token_delay: float, name: str, *extra: str
+) -> list[str]:
+    return [
+        sys.executable,
+        str(HERE / "upstream.py"),
+        "--port",
+        str(port),
+        "--dp-size",
+        str(dp_size),
+        "--token-delay",
+        str(token_delay),
+        "--name",
+        name,
+        *extra,
+    ]
 
 
 def server_command(port: int, dp_size: int, name: str, *extra: str) -> list[str]:
     """A real sglang_lite server; `name` becomes its served model name, so OpenAI responses say who answered."""
-    return [sys.executable, "-m", "sglang_lite.launch_server", "--host", "127.0.0.1", "--port", str(port),
-            "--dp-size", str(dp_size), "--served-model-name", name, *SERVER_FLAGS, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "sglang_lite.launch_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dp-size",
+        str(dp_size),
+        "--served-model-name",
+        name,
+        *SERVER_FLAGS,
+        *extra,
+    ]
 
 
 def free_port() -> int:
@@ -93,7 +134,9 @@ def spawn(cmd: list[str], port: int = 0) -> Proc:
     """Start `cmd` in its own process group with output to a file (a pipe could fill and block it)."""
     log = Path(tempfile.mkstemp(prefix="router-test-", suffix=".log")[1])
     with open(log, "wb") as out:
-        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        popen = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
+        )
     return Proc(popen, port, log)
 
 
@@ -114,15 +157,24 @@ def launch(cmd: list[str], ready: re.Pattern, timeout: float = 20.0) -> Proc:
     raise RuntimeError(f"{cmd} did not become ready:\n{text[-3000:]}")
 
 
-def spawn_server(dp_size: int, name: str, port: int | None = None, extra: tuple[str, ...] = ()) -> Proc:
+def spawn_server(
+    dp_size: int, name: str, port: int | None = None, extra: tuple[str, ...] = ()
+) -> Proc:
     """Start a real server without waiting, so several can start at once; call wait_healthy() on it."""
     port = port or free_port()
     return spawn(server_command(port, dp_size, name, *extra), port)
 
 
-def start_upstream(dp_size: int = 1, token_delay: float = 0.0, port: int = 0, name: str = "upstream",
-                   extra: tuple[str, ...] = ()) -> Proc:
-    return launch(upstream_command(port, dp_size, token_delay, name, *extra), re.compile(r"READY port=(\d+)"))
+def start_upstream(
+    dp_size: int = 1,
+    token_delay: float = 0.0,
+    port: int = 0,
+    name: str = "upstream",
+    extra: tuple[str, ...] = (),
+) -> Proc:
+    return launch(
+        upstream_command(port, dp_size, token_delay, name, *extra), re.compile(r"READY port=(\d+)")
+    )
 
 
 def start_router(*args: str) -> Proc:
@@ -142,8 +194,13 @@ class Procs:
     def router(self, *args: str) -> Proc:
         return self.adopt(start_router(*args))
 
-    def servers(self, names: list[str], dp_size: int = 1, port: int | None = None,
-                extra: tuple[str, ...] = ()) -> list[Proc]:
+    def servers(
+        self,
+        names: list[str],
+        dp_size: int = 1,
+        port: int | None = None,
+        extra: tuple[str, ...] = (),
+    ) -> list[Proc]:
         """Real servers started together (one per name), each killed at teardown even if another fails to start."""
         started = [self.adopt(spawn_server(dp_size, name, port, extra)) for name in names]
         return [proc.wait_healthy() for proc in started]

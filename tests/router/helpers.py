@@ -1,4 +1,5 @@
 """Client helpers for the router's end-to-end tests: bounded in count and time."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,15 +32,28 @@ class Result:
         return self.status == 200 and self.error is None
 
 
-async def generate(session: aiohttp.ClientSession, url: str, route: str = "/generate", *, stream: bool = False,
-                   max_new_tokens: int = 4, text: str = "hello", timeout: float = 10.0, headers=None) -> Result:
+async def generate(
+    session: aiohttp.ClientSession,
+    url: str,
+    route: str = "/generate",
+    *,
+    stream: bool = False,
+    max_new_tokens: int = 4,
+    text: str = "hello",
+    timeout: float = 10.0,
+    headers=None,
+) -> Result:
     body = payload(route, stream, max_new_tokens, text)
     start = time.perf_counter()
     try:
-        async with session.post(url + route, json=body, headers=headers,
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            result = Result(resp.status, upstream=resp.headers.get("X-Upstream-Name"),
-                            retry_after=resp.headers.get("Retry-After"))
+        async with session.post(
+            url + route, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
+            result = Result(
+                resp.status,
+                upstream=resp.headers.get("X-Upstream-Name"),
+                retry_after=resp.headers.get("Retry-After"),
+            )
             if stream and resp.status == 200:
                 await read_events(resp, result, start)
             else:
@@ -76,7 +90,13 @@ def payload(route: str, stream: bool, max_new_tokens: int, text: str) -> dict:
     if route == "/generate":
         params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
         return {"text": text, "sampling_params": params, "stream": stream}
-    common = {"model": "m", "max_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+    common = {
+        "model": "m",
+        "max_tokens": max_new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if route == "/v1/chat/completions":
         return {"messages": [{"role": "user", "content": text}], **common}
     return {"prompt": text, **common}
@@ -107,7 +127,7 @@ def parse_counter(metrics: str, name: str, **labels: str) -> dict[str, float]:
     out = {}
     for line in metrics.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            key, value = line[len(name) + 1:].rsplit("} ", 1)
+            key, value = line[len(name) + 1 :].rsplit("} ", 1)
             out[key] = float(value)
     return out
 
@@ -130,7 +150,10 @@ def delta(after: dict[int, int], before: dict[int, int]) -> dict[int, int]:
 async def server_idle(session: aiohttp.ClientSession, server_url: str) -> bool:
     """Every rank of a real server holds no request and no KV tokens."""
     loads = (await get_json(session, server_url + "/v1/loads?include=core"))["loads"]
-    return all(rank["num_running_reqs"] == rank["num_waiting_reqs"] == rank["num_total_tokens"] == 0 for rank in loads)
+    return all(
+        rank["num_running_reqs"] == rank["num_waiting_reqs"] == rank["num_total_tokens"] == 0
+        for rank in loads
+    )
 
 
 async def in_flight(session: aiohttp.ClientSession, router_url: str) -> dict[str, int]:

@@ -5,6 +5,7 @@ Greedy tokens must equal transformers ``generate`` on the same checkpoint; prefi
 server (the decode ranks' prefill token counters stay 0); every PD queue drains. Failures end with clear errors,
 bounded in time, and free the decode side's reservation.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,21 +25,41 @@ from .helpers import get_json, get_text, parse_counter, run, wait_for
 try:
     import mooncake.engine  # noqa: F401
 except ImportError as error:  # no silent skip: the PD tests need the transfer engine installed
-    raise ImportError("PD tests need the Mooncake transfer engine: pip install mooncake-transfer-engine-non-cuda "
-                      f"and apt-get install libibverbs1 ({error})") from error
+    raise ImportError(
+        "PD tests need the Mooncake transfer engine: pip install mooncake-transfer-engine-non-cuda "
+        f"and apt-get install libibverbs1 ({error})"
+    ) from error
 
-PROMPTS = [[5, 17, 42, 99, 150, 7, 61], [9, 140, 2, 77, 120, 12, 3, 3, 8, 31, 64, 100], [11] * 30, [1, 2, 3],
-           list(range(20, 70))]
+PROMPTS = [
+    [5, 17, 42, 99, 150, 7, 61],
+    [9, 140, 2, 77, 120, 12, 3, 3, 8, 31, 64, 100],
+    [11] * 30,
+    [1, 2, 3],
+    list(range(20, 70)),
+]
 NEW_TOKENS = 8
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
 TIMEOUT_S = 5  # --disaggregation-transfer-timeout of the servers here
-COMMON = ["--context-length", "2048", "--max-total-tokens", "8192", "--max-running-requests", "8",
-          "--cpu-threads-per-rank", "1", "--skip-tokenizer-init", "--disaggregation-transfer-timeout", str(TIMEOUT_S)]
+COMMON = [
+    "--context-length",
+    "2048",
+    "--max-total-tokens",
+    "8192",
+    "--max-running-requests",
+    "8",
+    "--cpu-threads-per-rank",
+    "1",
+    "--skip-tokenizer-init",
+    "--disaggregation-transfer-timeout",
+    str(TIMEOUT_S),
+]
 
 
 class Checkpoint:
     def __init__(self, path: str) -> None:
-        self.model = make_hf_model(seed=5, initializer_range=0.1, vocab_size=161)  # MoE, GQA, HK 2 / HV 4
+        self.model = make_hf_model(
+            seed=5, initializer_range=0.1, vocab_size=161
+        )  # MoE, GQA, HK 2 / HV 4
         self.path = save_checkpoint(self.model, path)
 
     def greedy(self, prompt: list[int]) -> list[int]:
@@ -47,9 +68,23 @@ class Checkpoint:
 
 def server(checkpoint: Checkpoint, mode: str, dp_size: int, *extra: str) -> Proc:
     port = free_port()
-    cmd = [sys.executable, "-m", "sglang_lite.launch_server", "--host", "127.0.0.1", "--port", str(port),
-           "--model-path", checkpoint.path, "--dp-size", str(dp_size), "--disaggregation-mode", mode, *COMMON,
-           *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_lite.launch_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model-path",
+        checkpoint.path,
+        "--dp-size",
+        str(dp_size),
+        "--disaggregation-mode",
+        mode,
+        *COMMON,
+        *extra,
+    ]
     return spawn(cmd, port)
 
 
@@ -58,8 +93,10 @@ def pd(tmp_path_factory):
     """A prefill server (dp 1) and a decode server (dp 2) on one checkpoint, shared by the module's tests."""
     checkpoint = Checkpoint(str(tmp_path_factory.mktemp("pd_checkpoint")))
     bootstrap_port = free_port()
-    procs = [server(checkpoint, "prefill", 1, "--disaggregation-bootstrap-port", str(bootstrap_port)),
-             server(checkpoint, "decode", 2)]
+    procs = [
+        server(checkpoint, "prefill", 1, "--disaggregation-bootstrap-port", str(bootstrap_port)),
+        server(checkpoint, "decode", 2),
+    ]
     try:
         for proc in procs:
             if not wait_until_healthy(proc.url, proc.popen, 180, interval_s=0.25):
@@ -70,9 +107,13 @@ def pd(tmp_path_factory):
             proc.kill()
 
 
-async def _generate(s: aiohttp.ClientSession, url: str, prompt: list[int], **extra) -> tuple[int, dict]:
+async def _generate(
+    s: aiohttp.ClientSession, url: str, prompt: list[int], **extra
+) -> tuple[int, dict]:
     body = {"input_ids": prompt, "sampling_params": GREEDY, **extra}
-    async with s.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=60)) as response:
+    async with s.post(
+        url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=60)
+    ) as response:
         return response.status, await response.json(content_type=None)
 
 
@@ -81,18 +122,29 @@ async def _loads(s: aiohttp.ClientSession, url: str) -> list[dict]:
 
 
 async def _drained(s: aiohttp.ClientSession, *urls: str) -> bool:
-    queues = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "prefill_prealloc_queue_reqs",
-              "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs", "decode_transfer_queue_reqs")
+    queues = (
+        "num_running_reqs",
+        "num_waiting_reqs",
+        "num_used_tokens",
+        "prefill_prealloc_queue_reqs",
+        "prefill_inflight_queue_reqs",
+        "decode_prealloc_queue_reqs",
+        "decode_transfer_queue_reqs",
+    )
     loads = [load for url in urls for load in await _loads(s, url)]
     return all(load[q] == 0 for load in loads for q in queues)
 
 
-def _through(router: Proc, checkpoint: Checkpoint, prefill: Proc, decode: Proc) -> tuple[list, list, list]:
+def _through(
+    router: Proc, checkpoint: Checkpoint, prefill: Proc, decode: Proc
+) -> tuple[list, list, list]:
     async def scenario():
         async with aiohttp.ClientSession() as s:
             before = [load["num_prefill_tokens"] for load in await _loads(s, prefill.url)]
             results = await asyncio.gather(*(_generate(s, router.url, p) for p in PROMPTS))
-            assert await wait_for(lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.1)
+            assert await wait_for(
+                lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.1
+            )
             after = [load["num_prefill_tokens"] for load in await _loads(s, prefill.url)]
             return results, await _loads(s, decode.url), [a - b for a, b in zip(after, before)]
 
@@ -102,8 +154,13 @@ def _through(router: Proc, checkpoint: Checkpoint, prefill: Proc, decode: Proc) 
 def _check(results: list, decode_loads: list, prefilled: list, checkpoint: Checkpoint) -> None:
     assert [status for status, _ in results] == [200] * len(PROMPTS), results
     assert [body["output_ids"] for _, body in results] == [checkpoint.greedy(p) for p in PROMPTS]
-    assert prefilled == [sum(len(p) for p in PROMPTS)]  # every prompt prefilled once, on the prefill server
-    assert [load["num_prefill_tokens"] for load in decode_loads] == [0, 0]  # and never on the decode server
+    assert prefilled == [
+        sum(len(p) for p in PROMPTS)
+    ]  # every prompt prefilled once, on the prefill server
+    assert [load["num_prefill_tokens"] for load in decode_loads] == [
+        0,
+        0,
+    ]  # and never on the decode server
     assert all(load["mode"] == "decode" for load in decode_loads)
     received = [load for load in decode_loads if load["kv_transfers_total"]]
     assert received and all(load["kv_transfer_speed_gb_s"] > 0 for load in received)
@@ -111,11 +168,31 @@ def _check(results: list, decode_loads: list, prefilled: list, checkpoint: Check
 
 def test_pd_through_sglang_lite_router_equals_transformers(pd):
     checkpoint, prefill, decode, bootstrap_port = pd
-    router = launch([sys.executable, "-m", "sglang_lite.router", "--port", "0", "--log-level", "info",
-                     "--pd-disaggregation", "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url,
-                     "--dp-aware", "--decode-policy", "power_of_two", "--p2c-load-metric", "least_requests",
-                     "--worker-startup-check-interval", "0.1"],
-                    re.compile(r"router listening on http://127\.0\.0\.1:(\d+)"))
+    router = launch(
+        [
+            sys.executable,
+            "-m",
+            "sglang_lite.router",
+            "--port",
+            "0",
+            "--log-level",
+            "info",
+            "--pd-disaggregation",
+            "--prefill",
+            prefill.url,
+            str(bootstrap_port),
+            "--decode",
+            decode.url,
+            "--dp-aware",
+            "--decode-policy",
+            "power_of_two",
+            "--p2c-load-metric",
+            "least_requests",
+            "--worker-startup-check-interval",
+            "0.1",
+        ],
+        re.compile(r"router listening on http://127\.0\.0\.1:(\d+)"),
+    )
     try:
         _check(*_through(router, checkpoint, prefill, decode), checkpoint)
     finally:
@@ -127,9 +204,24 @@ def test_pd_through_sglang_router_0_3_2_equals_transformers(pd):
 
     checkpoint, prefill, decode, bootstrap_port = pd
     port = free_port()
-    router = spawn([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-                    "--pd-disaggregation", "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url],
-                   port)
+    router = spawn(
+        [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--pd-disaggregation",
+            "--prefill",
+            prefill.url,
+            str(bootstrap_port),
+            "--decode",
+            decode.url,
+        ],
+        port,
+    )
     try:
         assert _wait_port(port, 60), router.output()[-2000:]
         _check(*_through(router, checkpoint, prefill, decode), checkpoint)
@@ -157,11 +249,19 @@ def test_long_prompts_on_a_reused_pool(pd):
         async with aiohttp.ClientSession() as s:
             results = []
             for i, prompt in enumerate(prompts):
-                fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port, "bootstrap_room": 900 + i}
-                legs = await asyncio.gather(_generate(s, prefill.url, prompt, **fields),
-                                            _generate(s, decode.url, prompt, **fields))
+                fields = {
+                    "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": bootstrap_port,
+                    "bootstrap_room": 900 + i,
+                }
+                legs = await asyncio.gather(
+                    _generate(s, prefill.url, prompt, **fields),
+                    _generate(s, decode.url, prompt, **fields),
+                )
                 results.append(legs)
-            return results, await wait_for(lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.1)
+            return results, await wait_for(
+                lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.1
+            )
 
     results, drained = run(scenario())
     for prompt, (prefill_leg, decode_leg) in zip(prompts, results):
@@ -181,14 +281,22 @@ def test_prefill_server_reuses_cached_prefixes(pd):
         async with aiohttp.ClientSession() as s:
             outputs = []
             for i, prompt in enumerate((base, follow)):
-                fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port, "bootstrap_room": 700 + i}
-                legs = await asyncio.gather(_generate(s, prefill.url, prompt, **fields),
-                                            _generate(s, decode.url, prompt, **fields))
+                fields = {
+                    "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": bootstrap_port,
+                    "bootstrap_room": 700 + i,
+                }
+                legs = await asyncio.gather(
+                    _generate(s, prefill.url, prompt, **fields),
+                    _generate(s, decode.url, prompt, **fields),
+                )
                 outputs.append(legs)
             return outputs
 
     (_, first), (prefill_leg, decode_leg) = run(scenario())
-    assert prefill_leg[1]["meta_info"]["cached_tokens"] >= 300  # the first prompt, cached by the prefill server
+    assert (
+        prefill_leg[1]["meta_info"]["cached_tokens"] >= 300
+    )  # the first prompt, cached by the prefill server
     assert decode_leg[1]["output_ids"] == checkpoint.greedy(follow)
     assert first[1]["output_ids"] == checkpoint.greedy(base)
 
@@ -196,23 +304,37 @@ def test_prefill_server_reuses_cached_prefixes(pd):
 # ---- failures ----------------------------------------------------------------------------------------------------
 def test_decode_server_refuses_requests_without_bootstrap_and_duplicate_rooms(pd):
     _, prefill, decode, bootstrap_port = pd
-    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port, "bootstrap_room": 4242}
+    fields = {
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": bootstrap_port,
+        "bootstrap_room": 4242,
+    }
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
             plain = await _generate(s, decode.url, PROMPTS[0])
-            first = asyncio.create_task(_generate(s, decode.url, PROMPTS[0], **fields))  # no prefill side: waits
+            first = asyncio.create_task(
+                _generate(s, decode.url, PROMPTS[0], **fields)
+            )  # no prefill side: waits
             await asyncio.sleep(0.5)
             duplicate = await _generate(s, decode.url, PROMPTS[1], **fields)
             timed_out = await first
-            drained = await wait_for(lambda: _drained(s, decode.url), timeout=TIMEOUT_S + 10, interval=0.2)
+            drained = await wait_for(
+                lambda: _drained(s, decode.url), timeout=TIMEOUT_S + 10, interval=0.2
+            )
             return plain, duplicate, timed_out, drained
 
     plain, duplicate, timed_out, drained = run(scenario())
     assert plain[0] == 400 and "bootstrap_room" in plain[1]["error"]["message"]
-    assert duplicate[0] == 400 and "bootstrap_room 4242 is already in use" in duplicate[1]["error"]["message"]
+    assert (
+        duplicate[0] == 400
+        and "bootstrap_room 4242 is already in use" in duplicate[1]["error"]["message"]
+    )
     # the prefill server kept the destination but never got the request: the decode side gives up, and frees
-    assert timed_out[0] == 500 and f"did not finish within {TIMEOUT_S} s" in timed_out[1]["error"]["message"]
+    assert (
+        timed_out[0] == 500
+        and f"did not finish within {TIMEOUT_S} s" in timed_out[1]["error"]["message"]
+    )
     assert drained
 
 
@@ -222,35 +344,66 @@ def test_unreachable_prefill_server_fails_the_decode_request_at_once(pd):
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
-            result = await _generate(s, decode.url, PROMPTS[2], bootstrap_host="127.0.0.1", bootstrap_port=dead,
-                                     bootstrap_room=7)
+            result = await _generate(
+                s,
+                decode.url,
+                PROMPTS[2],
+                bootstrap_host="127.0.0.1",
+                bootstrap_port=dead,
+                bootstrap_room=7,
+            )
             return result, await wait_for(lambda: _drained(s, decode.url), timeout=10, interval=0.2)
 
     (status, body), drained = run(scenario())
-    assert status == 500 and f"bootstrap server at 127.0.0.1:{dead} is unreachable" in body["error"]["message"]
+    assert (
+        status == 500
+        and f"bootstrap server at 127.0.0.1:{dead} is unreachable" in body["error"]["message"]
+    )
     assert drained
 
 
 def test_client_abort_reaches_both_sides(pd):
     checkpoint, prefill, decode, bootstrap_port = pd
-    router = launch([sys.executable, "-m", "sglang_lite.router", "--port", "0", "--pd-disaggregation", "--prefill",
-                     prefill.url, str(bootstrap_port), "--decode", decode.url, "--worker-startup-check-interval",
-                     "0.1"], re.compile(r"router listening on http://127\.0\.0\.1:(\d+)"))
+    router = launch(
+        [
+            sys.executable,
+            "-m",
+            "sglang_lite.router",
+            "--port",
+            "0",
+            "--pd-disaggregation",
+            "--prefill",
+            prefill.url,
+            str(bootstrap_port),
+            "--decode",
+            decode.url,
+            "--worker-startup-check-interval",
+            "0.1",
+        ],
+        re.compile(r"router listening on http://127\.0\.0\.1:(\d+)"),
+    )
 
     async def aborts(s: aiohttp.ClientSession) -> float:
         metrics = await get_text(s, decode.url + "/metrics")
-        return sum(parse_counter(metrics, "sglang_lite_requests_finished_total", reason="abort").values())
+        return sum(
+            parse_counter(metrics, "sglang_lite_requests_finished_total", reason="abort").values()
+        )
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
             before = await aborts(s)
-            body = {"input_ids": PROMPTS[4], "stream": True,
-                    "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+            body = {
+                "input_ids": PROMPTS[4],
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
+            }
             async with s.post(router.url + "/generate", json=body) as response:
                 async for _ in response.content:  # the first event: decoding has started
                     break
             # the client left: the decode request is aborted, the prefill leg too; everything drains
-            drained = await wait_for(lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.2)
+            drained = await wait_for(
+                lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.2
+            )
             return drained, await aborts(s) - before
 
     try:

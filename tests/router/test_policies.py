@@ -1,4 +1,5 @@
 """The routing semantics of router.md, line by line, on the pure policy objects."""
+
 from __future__ import annotations
 
 import random
@@ -22,8 +23,12 @@ from sglang_lite.router.policies.consistent_hashing import HashRing
 NO_REQUEST = RequestInfo()
 
 
-def w(name: str, in_flight: int = 0, tokens: int | None = None, healthy: bool = True) -> WorkerState:
-    return WorkerState(url=f"http://{name}", in_flight=in_flight, polled_tokens=tokens, healthy=healthy)
+def w(
+    name: str, in_flight: int = 0, tokens: int | None = None, healthy: bool = True
+) -> WorkerState:
+    return WorkerState(
+        url=f"http://{name}", in_flight=in_flight, polled_tokens=tokens, healthy=healthy
+    )
 
 
 def picks(policy, workers, n: int, seed: int = 0, request: RequestInfo = NO_REQUEST) -> Counter:
@@ -42,7 +47,10 @@ def test_round_robin_cycles_over_healthy_workers_only():
 def test_round_robin_counter_is_modulo_current_healthy_count():
     policy = RoundRobinPolicy()
     three = [w("a"), w("b"), w("c")]
-    assert [policy.select(three, NO_REQUEST, None).url for _ in range(2)] == ["http://a", "http://b"]
+    assert [policy.select(three, NO_REQUEST, None).url for _ in range(2)] == [
+        "http://a",
+        "http://b",
+    ]
     # counter is 2 now; with only two healthy workers 2 % 2 = 0 -> a
     assert policy.select([w("a"), w("b")], NO_REQUEST, None).url == "http://a"
 
@@ -64,11 +72,18 @@ def test_random_is_uniform_over_healthy_and_seeded():
 
 
 # ---- power of two: metric selection ---------------------------------------------------------------------
-@pytest.mark.parametrize("env,flag,expected", [
-    (None, None, "tokens"), ("requests", None, "requests"), ("least_requests", None, "least_requests"),
-    ("bogus", None, "tokens"), ("requests", "tokens", "tokens"), (None, "least_requests", "least_requests"),
-    (" Requests ", None, "requests"),
-])
+@pytest.mark.parametrize(
+    "env,flag,expected",
+    [
+        (None, None, "tokens"),
+        ("requests", None, "requests"),
+        ("least_requests", None, "least_requests"),
+        ("bogus", None, "tokens"),
+        ("requests", "tokens", "tokens"),
+        (None, "least_requests", "least_requests"),
+        (" Requests ", None, "requests"),
+    ],
+)
 def test_load_metric_from_env_and_flag_flag_wins(monkeypatch, env, flag, expected):
     if env is None:
         monkeypatch.delenv("SGLANG_ROUTER_P2C_LOAD_METRIC", raising=False)
@@ -87,7 +102,9 @@ def test_load_metric_is_read_when_the_policy_is_created(monkeypatch):
 def test_power_of_two_single_healthy_worker_is_chosen():
     for metric in ("tokens", "requests", "least_requests"):
         workers = [w("a", healthy=False), w("b", in_flight=99, tokens=10**6)]
-        assert PowerOfTwoPolicy(metric).select(workers, NO_REQUEST, random.Random(0)).url == "http://b"
+        assert (
+            PowerOfTwoPolicy(metric).select(workers, NO_REQUEST, random.Random(0)).url == "http://b"
+        )
 
 
 # ---- power of two: tokens -------------------------------------------------------------------------------
@@ -188,8 +205,12 @@ def test_ring_has_150_virtual_nodes_per_worker():
 def test_same_key_same_worker_and_keys_spread():
     workers = [w(n) for n in "abcd"]
     policy, rng = ConsistentHashingPolicy(), random.Random(0)
-    homes = {k: policy.select(workers, _req(x_smg_routing_key=f"user{k}"), rng).url for k in range(400)}
-    again = {k: policy.select(workers, _req(x_smg_routing_key=f"user{k}"), rng).url for k in range(400)}
+    homes = {
+        k: policy.select(workers, _req(x_smg_routing_key=f"user{k}"), rng).url for k in range(400)
+    }
+    again = {
+        k: policy.select(workers, _req(x_smg_routing_key=f"user{k}"), rng).url for k in range(400)
+    }
     assert homes == again
     spread = Counter(homes.values())
     assert len(spread) == 4 and min(spread.values()) > 50, spread
@@ -200,7 +221,9 @@ def test_key_header_priority_order():
     policy, rng = ConsistentHashingPolicy(), random.Random(0)
     # The routing key beats Authorization, which beats X-Forwarded-For, which beats Cookie.
     only = lambda **h: policy.select(workers, _req(**h), rng).url  # noqa: E731
-    everything = dict(x_smg_routing_key="k1", authorization="Bearer t", x_forwarded_for="10.0.0.1", cookie="c=1")
+    everything = dict(
+        x_smg_routing_key="k1", authorization="Bearer t", x_forwarded_for="10.0.0.1", cookie="c=1"
+    )
     assert only(**everything) == only(x_smg_routing_key="k1")
     del everything["x_smg_routing_key"]
     assert only(**everything) == only(authorization="Bearer t")
@@ -221,11 +244,20 @@ def test_keys_land_on_distinct_workers_for_distinct_headers():
 def test_target_worker_header_is_a_direct_index():
     workers = [w("a"), w("b"), w("c", healthy=False)]
     policy, rng = ConsistentHashingPolicy(), random.Random(0)
-    assert policy.select(workers, _req(x_smg_target_worker="1", x_smg_routing_key="z"), rng).url == "http://b"
+    assert (
+        policy.select(workers, _req(x_smg_target_worker="1", x_smg_routing_key="z"), rng).url
+        == "http://b"
+    )
     # An unhealthy or out-of-range target falls through to the routing key.
     keyed = policy.select(workers, _req(x_smg_routing_key="z"), rng).url
-    assert policy.select(workers, _req(x_smg_target_worker="2", x_smg_routing_key="z"), rng).url == keyed
-    assert policy.select(workers, _req(x_smg_target_worker="9", x_smg_routing_key="z"), rng).url == keyed
+    assert (
+        policy.select(workers, _req(x_smg_target_worker="2", x_smg_routing_key="z"), rng).url
+        == keyed
+    )
+    assert (
+        policy.select(workers, _req(x_smg_target_worker="9", x_smg_routing_key="z"), rng).url
+        == keyed
+    )
 
 
 def test_no_key_is_a_random_healthy_worker():
@@ -293,7 +325,9 @@ def test_radix_tree_evicts_least_recently_used_leaves():
 def test_cache_aware_routes_shared_prefixes_to_the_same_worker():
     workers = [w("a"), w("b"), w("c")]
     policy, rng = CacheAwarePolicy(cache_threshold=0.5), random.Random(0)
-    first = policy.select(workers, RequestInfo(text="system prompt: you are helpful. question 1"), rng).url
+    first = policy.select(
+        workers, RequestInfo(text="system prompt: you are helpful. question 1"), rng
+    ).url
     for i in range(2, 10):
         text = f"system prompt: you are helpful. question {i}"
         assert policy.select(workers, RequestInfo(text=text), rng).url == first
@@ -303,29 +337,48 @@ def test_cache_aware_without_a_match_goes_to_the_smallest_tree():
     workers = [w("a"), w("b"), w("c")]
     policy, rng = CacheAwarePolicy(cache_threshold=0.5), random.Random(0)
     chosen = [policy.select(workers, RequestInfo(text=p * 20), rng).url for p in "xyz"]
-    assert sorted(chosen) == ["http://a", "http://b", "http://c"]  # each new prefix fills the emptiest worker
+    assert sorted(chosen) == [
+        "http://a",
+        "http://b",
+        "http://c",
+    ]  # each new prefix fills the emptiest worker
 
 
 def test_cache_aware_match_must_exceed_the_threshold():
     workers = [w("a"), w("b")]
     policy, rng = CacheAwarePolicy(cache_threshold=0.5), random.Random(0)
-    policy.select(workers, RequestInfo(text="abcdefghij" * 10), rng)  # to a (both empty: first smallest)
+    policy.select(
+        workers, RequestInfo(text="abcdefghij" * 10), rng
+    )  # to a (both empty: first smallest)
     # 40% shared prefix: below the threshold -> the smaller tree (b), not the match (a)
-    assert policy.select(workers, RequestInfo(text="abcdefghij" * 4 + "Z" * 60), rng).url == "http://b"
+    assert (
+        policy.select(workers, RequestInfo(text="abcdefghij" * 4 + "Z" * 60), rng).url == "http://b"
+    )
     # 90% shared -> the match
-    assert policy.select(workers, RequestInfo(text="abcdefghij" * 9 + "Q" * 10), rng).url == "http://a"
+    assert (
+        policy.select(workers, RequestInfo(text="abcdefghij" * 9 + "Q" * 10), rng).url == "http://a"
+    )
 
 
 def test_cache_aware_imbalance_goes_to_the_least_loaded():
     def route(load_a: int, load_b: int) -> str:
-        policy, rng = CacheAwarePolicy(balance_abs_threshold=4, balance_rel_threshold=1.5), random.Random(0)
-        policy.select([w("a"), w("b")], RequestInfo(text="shared prefix " * 10), rng)  # a now holds the prefix
+        policy, rng = (
+            CacheAwarePolicy(balance_abs_threshold=4, balance_rel_threshold=1.5),
+            random.Random(0),
+        )
+        policy.select(
+            [w("a"), w("b")], RequestInfo(text="shared prefix " * 10), rng
+        )  # a now holds the prefix
         text = RequestInfo(text="shared prefix " * 10 + "more")
         return policy.select([w("a", load_a), w("b", load_b)], text, rng).url
 
-    assert route(6, 1) == "http://b"  # max-min 5 > 4 and 6 > 1*1.5: imbalanced -> least loaded, despite a's cache
+    assert (
+        route(6, 1) == "http://b"
+    )  # max-min 5 > 4 and 6 > 1*1.5: imbalanced -> least loaded, despite a's cache
     assert route(5, 1) == "http://a"  # max-min 4 is not > 4: balanced -> the cache match
-    assert route(30, 20) == "http://a"  # max-min 10 > 4 but 30 is not > 20*1.5: balanced -> the cache match
+    assert (
+        route(30, 20) == "http://a"
+    )  # max-min 10 > 4 but 30 is not > 20*1.5: balanced -> the cache match
     assert route(31, 20) == "http://b"  # both thresholds exceeded
 
 
@@ -339,7 +392,9 @@ def test_cache_aware_tree_is_bounded_and_follows_worker_removal():
 
 
 def test_create_policy_by_name_passes_only_accepted_options():
-    policy = create_policy("power_of_two", load_metric="requests", cache_threshold=0.9, bounded_load=2.0)
+    policy = create_policy(
+        "power_of_two", load_metric="requests", cache_threshold=0.9, bounded_load=2.0
+    )
     assert isinstance(policy, PowerOfTwoPolicy) and policy.load_metric == "requests"
     assert create_policy("consistent_hashing", bounded_load=2.0).bounded_load == 2.0
     with pytest.raises(ValueError, match="unknown policy"):
@@ -350,7 +405,9 @@ def test_policies_import_no_http_or_torch():
     import subprocess
     import sys
 
-    code = ("import sys, sglang_lite.router.policies; "
-            "bad = [m for m in ('aiohttp', 'torch', 'httpx', 'sglang_lite.router.app') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, sglang_lite.router.policies; "
+        "bad = [m for m in ('aiohttp', 'torch', 'httpx', 'sglang_lite.router.app') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,6 +1,7 @@
 """End to end: a real router process in front of two real sglang_lite servers with dp-size 2 each (`dp_pair`,
 served model names s0 and s1, shared by the session). What a test checks is what a user can see: response bodies,
 the servers' /metrics routing counters and /v1/loads, and the router's /workers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -43,13 +44,17 @@ async def _all_idle(s: aiohttp.ClientSession, servers) -> bool:
 
 
 def test_dp_aware_routing_spreads_over_all_four_ranks_and_keeps_bodies(procs, idle_pair):
-    router = procs.router("--worker-urls", *[u.url for u in idle_pair], "--dp-aware", "--policy", "round_robin", *FAST)
+    router = procs.router(
+        "--worker-urls", *[u.url for u in idle_pair], "--dp-aware", "--policy", "round_robin", *FAST
+    )
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
             direct = await generate(s, idle_pair[0].url, max_new_tokens=2)
             before = [await routed(s, u.url, how="named") for u in idle_pair]
-            results = await asyncio.gather(*(generate(s, router.url, max_new_tokens=2) for _ in range(40)))
+            results = await asyncio.gather(
+                *(generate(s, router.url, max_new_tokens=2) for _ in range(40))
+            )
             after = [await routed(s, u.url, how="named") for u in idle_pair]
             workers = (await get_json(s, router.url + "/workers"))["workers"]
         return direct, results, [delta(a, b) for a, b in zip(after, before)], workers
@@ -62,16 +67,28 @@ def test_dp_aware_routing_spreads_over_all_four_ranks_and_keeps_bodies(procs, id
     assert sorted(r.body["meta_info"]["dp_rank"] for r in results) == [0] * 20 + [1] * 20
     # The body reached the servers intact: same prompt, same sampling parameters, so the same greedy tokens.
     assert {tuple(r.body["output_ids"]) for r in results} == {tuple(direct.body["output_ids"])}
-    assert all(r.body["meta_info"]["prompt_tokens"] == direct.body["meta_info"]["prompt_tokens"] for r in results)
+    assert all(
+        r.body["meta_info"]["prompt_tokens"] == direct.body["meta_info"]["prompt_tokens"]
+        for r in results
+    )
 
 
 def test_load_monitor_sees_per_rank_tokens(procs, idle_pair):
-    router = procs.router("--worker-urls", *[u.url for u in idle_pair], "--dp-aware", "--policy", "power_of_two",
-                          "--p2c-load-metric", "tokens", *FAST)
+    router = procs.router(
+        "--worker-urls",
+        *[u.url for u in idle_pair],
+        "--dp-aware",
+        "--policy",
+        "power_of_two",
+        "--p2c-load-metric",
+        "tokens",
+        *FAST,
+    )
     target = f"{idle_pair[0].url}@1"
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
+
             async def seen():
                 workers = (await get_json(s, router.url + "/workers"))["workers"]
                 return {w["url"]: w["polled_tokens"] for w in workers}
@@ -87,13 +104,17 @@ def test_load_monitor_sees_per_rank_tokens(procs, idle_pair):
                 for t in busy:
                     t.cancel()  # the client hangs up: the server aborts them
                 await asyncio.gather(*busy, return_exceptions=True)
-            released = await wait_for(lambda: server_idle(s, idle_pair[0].url), timeout=20, interval=0.2)
+            released = await wait_for(
+                lambda: server_idle(s, idle_pair[0].url), timeout=20, interval=0.2
+            )
             return idle, tokens, released
 
     idle, tokens, released = run(scenario())
     assert set(idle.values()) == {0}, idle
     assert all(v == 0 for k, v in tokens.items() if k != target), tokens
-    assert tokens[target] >= 3  # three prompts of at least one token, plus what was generated so far
+    assert (
+        tokens[target] >= 3
+    )  # three prompts of at least one token, plus what was generated so far
     assert released
 
 
@@ -106,7 +127,11 @@ async def _positive(seen, target) -> bool:
 
 
 async def _direct(s: aiohttp.ClientSession, base: str, rank: int) -> None:
-    body = {"text": "x", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}, "routed_dp_rank": rank}
+    body = {
+        "text": "x",
+        "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+        "routed_dp_rank": rank,
+    }
     async with s.post(base + "/generate", json=body) as resp:
         await resp.read()
 
@@ -115,15 +140,34 @@ def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(
     urls = [u.url for u in idle_pair]
     router = procs.router("--worker-urls", *urls, "--dp-aware", "--policy", "round_robin", *FAST)
     # The same servers behind a router with a 1 s request timeout: long streams fail with an error event.
-    strict = procs.router("--worker-urls", *urls, "--dp-aware", "--policy", "round_robin",
-                          "--request-timeout-secs", "1", *FAST)
+    strict = procs.router(
+        "--worker-urls",
+        *urls,
+        "--dp-aware",
+        "--policy",
+        "round_robin",
+        "--request-timeout-secs",
+        "1",
+        *FAST,
+    )
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
             # 1. complete: 16 streams of 256 tokens (long enough to be seen together) are counted while they run,
             # four on each rank.
-            streams = [asyncio.create_task(generate(s, router.url, "/v1/chat/completions", stream=True,
-                                                    max_new_tokens=256, timeout=60)) for _ in range(16)]
+            streams = [
+                asyncio.create_task(
+                    generate(
+                        s,
+                        router.url,
+                        "/v1/chat/completions",
+                        stream=True,
+                        max_new_tokens=256,
+                        timeout=60,
+                    )
+                )
+                for _ in range(16)
+            ]
             assert await wait_for(lambda: _total(s, router.url, 16), timeout=10)
             during = await in_flight(s, router.url)
             results = await asyncio.gather(*streams)
@@ -134,13 +178,19 @@ def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(
             # 2. abandoned: read one event and hang up; the router releases and the servers abort the requests.
             aborts = [await _aborted(s, u) for u in urls]
             await asyncio.gather(*(_abandon(s, router.url) for _ in range(8)))
-            assert await wait_for(lambda: _all_zero(s, router.url), timeout=3), await in_flight(s, router.url)
+            assert await wait_for(lambda: _all_zero(s, router.url), timeout=3), await in_flight(
+                s, router.url
+            )
             assert await wait_for(lambda: _all_idle(s, idle_pair), timeout=10, interval=0.2)
             aborted = [await _aborted(s, u) - n for u, n in zip(urls, aborts)]
 
             # 3. fail: streams that outlive the router's request timeout end with an error event.
-            failed = await asyncio.gather(*(generate(s, strict.url, stream=True, max_new_tokens=3000, timeout=10)
-                                            for _ in range(4)))
+            failed = await asyncio.gather(
+                *(
+                    generate(s, strict.url, stream=True, max_new_tokens=3000, timeout=10)
+                    for _ in range(4)
+                )
+            )
             released = await wait_for(lambda: _all_zero(s, strict.url), timeout=3)
             stopped = await wait_for(lambda: _all_idle(s, idle_pair), timeout=10, interval=0.2)
             return aborted, failed, released, stopped
@@ -148,7 +198,9 @@ def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(
     aborted, failed, released, stopped = run(scenario())
     assert aborted == [4, 4], aborted  # round robin: two abandoned requests per rank
     # a 504 if the head was late, else a final error event; either way within the timeout
-    assert all((r.status == 504 or "mid-stream" in (r.error or "")) and r.elapsed < 5 for r in failed), failed
+    assert all(
+        (r.status == 504 or "mid-stream" in (r.error or "")) and r.elapsed < 5 for r in failed
+    ), failed
     assert released and stopped
 
 
@@ -158,11 +210,17 @@ async def _total(s: aiohttp.ClientSession, url: str, n: int) -> bool:
 
 async def _aborted(s: aiohttp.ClientSession, server_url: str) -> int:
     metrics = await get_text(s, server_url + "/metrics")
-    return int(sum(parse_counter(metrics, "sglang_lite_requests_finished_total", reason="abort").values()))
+    return int(
+        sum(parse_counter(metrics, "sglang_lite_requests_finished_total", reason="abort").values())
+    )
 
 
 async def _abandon(s: aiohttp.ClientSession, url: str) -> None:
-    body = {"text": "bye", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}, "stream": True}
+    body = {
+        "text": "bye",
+        "sampling_params": {"max_new_tokens": 500, "ignore_eos": True},
+        "stream": True,
+    }
     async with s.post(url + "/generate", json=body) as resp:
         await resp.content.readline()
         resp.close()  # drop the connection mid-stream
@@ -173,15 +231,22 @@ async def _all_zero(s: aiohttp.ClientSession, url: str) -> bool:
 
 
 def test_openai_routes_models_errors_and_metrics(procs, dp_pair):
-    router = procs.router("--worker-urls", *[u.url for u in dp_pair], "--policy", "cache_aware", *FAST)
+    router = procs.router(
+        "--worker-urls", *[u.url for u in dp_pair], "--policy", "cache_aware", *FAST
+    )
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
             replies = []
             for route in ("/v1/completions", "/v1/chat/completions"):
                 for stream in (False, True):
-                    replies.append((route, stream, await generate(s, router.url, route, stream=stream,
-                                                                  max_new_tokens=3)))
+                    replies.append(
+                        (
+                            route,
+                            stream,
+                            await generate(s, router.url, route, stream=stream, max_new_tokens=3),
+                        )
+                    )
             models = await get_json(s, router.url + "/v1/models")
             async with s.post(router.url + "/generate", data=b"{not json") as resp:
                 bad = (resp.status, await resp.json())
@@ -196,13 +261,29 @@ def test_openai_routes_models_errors_and_metrics(procs, dp_pair):
     assert models["data"][0]["id"] == "s0"  # the first healthy worker answers
     assert bad[0] == 400 and "not valid JSON" in bad[1]["error"]["message"]
     assert 'sglang_router_requests_total{route="/v1/chat/completions",status="200"} 2' in metrics
-    assert "sglang_router_worker_in_flight{worker=" in metrics and "sglang_router_worker_breaker_state" in metrics
+    assert (
+        "sglang_router_worker_in_flight{worker=" in metrics
+        and "sglang_router_worker_breaker_state" in metrics
+    )
     assert 'sglang_router_request_duration_seconds_count{route="/v1/completions"} 2' in metrics
 
 
 def test_api_key_and_admission_limits(procs, idle_pair):
-    router = procs.router("--worker-urls", idle_pair[0].url, "--policy", "random", "--api-key", "sekrit",
-                          "--max-concurrent-requests", "2", "--queue-size", "2", "--queue-timeout-secs", "0.3", *FAST)
+    router = procs.router(
+        "--worker-urls",
+        idle_pair[0].url,
+        "--policy",
+        "random",
+        "--api-key",
+        "sekrit",
+        "--max-concurrent-requests",
+        "2",
+        "--queue-size",
+        "2",
+        "--queue-timeout-secs",
+        "0.3",
+        *FAST,
+    )
     auth = {"Authorization": "Bearer sekrit"}
 
     async def scenario():
@@ -210,8 +291,12 @@ def test_api_key_and_admission_limits(procs, idle_pair):
             denied = await generate(s, router.url)
             # 2 run (300 tokens: over a second, well over the 0.3 s queue timeout even on a fast machine), 2 queue
             # and time out -> 503, the rest are shed at once -> 429
-            results = await asyncio.gather(*(generate(s, router.url, max_new_tokens=300, headers=auth, timeout=60)
-                                             for _ in range(8)))
+            results = await asyncio.gather(
+                *(
+                    generate(s, router.url, max_new_tokens=300, headers=auth, timeout=60)
+                    for _ in range(8)
+                )
+            )
             after = await generate(s, router.url, max_new_tokens=1, headers=auth)
             async with s.get(router.url + "/health") as health:
                 health_status = health.status
@@ -232,17 +317,23 @@ def test_add_and_remove_worker(procs, dp_pair):
         async with aiohttp.ClientSession() as s:
             async with s.post(router.url + "/add_worker", params={"url": b.url}) as resp:
                 assert resp.status == 200
-            both = {(await generate(s, router.url, route, max_new_tokens=1)).model for _ in range(4)}
+            both = {
+                (await generate(s, router.url, route, max_new_tokens=1)).model for _ in range(4)
+            }
             async with s.post(router.url + "/remove_worker", params={"url": a.url}) as resp:
                 assert resp.status == 200
-            only_b = {(await generate(s, router.url, route, max_new_tokens=1)).model for _ in range(4)}
+            only_b = {
+                (await generate(s, router.url, route, max_new_tokens=1)).model for _ in range(4)
+            }
             async with s.post(router.url + "/remove_worker", params={"url": a.url}) as resp:
                 missing = resp.status
             listed = await get_json(s, router.url + "/list_workers")
         return both, only_b, missing, listed
 
     both, only_b, missing, listed = run(scenario())
-    assert both == {"s0", "s1"} and only_b == {"s1"} and missing == 404 and listed == {"urls": [b.url]}
+    assert (
+        both == {"s0", "s1"} and only_b == {"s1"} and missing == 404 and listed == {"urls": [b.url]}
+    )
 
 
 def test_streaming_time_to_first_token_matches_direct(procs):
@@ -256,7 +347,9 @@ def test_streaming_time_to_first_token_matches_direct(procs):
             direct, routed_ttft = [], []
             for _ in range(8):
                 direct.append((await generate(s, up.url, stream=True, max_new_tokens=2)).ttft)
-                routed_ttft.append((await generate(s, router.url, stream=True, max_new_tokens=2)).ttft)
+                routed_ttft.append(
+                    (await generate(s, router.url, stream=True, max_new_tokens=2)).ttft
+                )
         return statistics.median(direct), statistics.median(routed_ttft)
 
     direct, routed_ttft = run(scenario())
@@ -266,22 +359,37 @@ def test_streaming_time_to_first_token_matches_direct(procs):
 
 def test_client_errors_do_not_trip_the_breaker_and_timeouts_release(procs, idle_pair):
     server = idle_pair[0]
-    router = procs.router("--worker-urls", server.url, "--policy", "round_robin", "--cb-failure-threshold", "2",
-                          "--request-timeout-secs", "1", *FAST)
+    router = procs.router(
+        "--worker-urls",
+        server.url,
+        "--policy",
+        "round_robin",
+        "--cb-failure-threshold",
+        "2",
+        "--request-timeout-secs",
+        "1",
+        *FAST,
+    )
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
             bad = [await generate(s, router.url, max_new_tokens=-1) for _ in range(5)]
             good = await generate(s, router.url, max_new_tokens=2)
-            slow = await generate(s, router.url, max_new_tokens=900)  # many seconds of tokens against 1 s
+            slow = await generate(
+                s, router.url, max_new_tokens=900
+            )  # many seconds of tokens against 1 s
             slow_stream = await generate(s, router.url, stream=True, max_new_tokens=900)
             workers = (await get_json(s, router.url + "/workers"))["workers"]
             stopped = await wait_for(lambda: server_idle(s, server.url), timeout=10, interval=0.2)
         return bad, good, slow, slow_stream, workers, stopped
 
     bad, good, slow, slow_stream, workers, stopped = run(scenario())
-    assert [r.status for r in bad] == [400] * 5 and "max_new_tokens" in bad[0].body["error"]["message"]
-    assert good.ok  # with a breaker threshold of 2, the five 400s before it would otherwise have opened it
+    assert [r.status for r in bad] == [400] * 5 and "max_new_tokens" in bad[0].body["error"][
+        "message"
+    ]
+    assert (
+        good.ok
+    )  # with a breaker threshold of 2, the five 400s before it would otherwise have opened it
     assert slow.status == 504 and slow.elapsed < 3
     assert slow_stream.error is not None and slow_stream.elapsed < 3
     assert workers[0]["in_flight"] == 0 and workers[0]["errors"] == 2
@@ -291,13 +399,20 @@ def test_client_errors_do_not_trip_the_breaker_and_timeouts_release(procs, idle_
 def test_dp_aware_routing_over_a_dp_attention_server(procs):
     """One world of two ranks whose attention runs data-parallel (DP ranks 0 and 1 meet in every MoE): the router
     sees two DP ranks in /v1/loads, names one per request, and both serve."""
-    (server,) = procs.servers(["dpa"], dp_size=2, extra=("--tp-size", "2", "--enable-dp-attention",
-                                                         "--cpu-threads-per-rank", "1"))
-    router = procs.router("--worker-urls", server.url, "--dp-aware", "--policy", "round_robin", *FAST)
+    (server,) = procs.servers(
+        ["dpa"],
+        dp_size=2,
+        extra=("--tp-size", "2", "--enable-dp-attention", "--cpu-threads-per-rank", "1"),
+    )
+    router = procs.router(
+        "--worker-urls", server.url, "--dp-aware", "--policy", "round_robin", *FAST
+    )
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
-            results = await asyncio.gather(*(generate(s, router.url, max_new_tokens=3) for _ in range(8)))
+            results = await asyncio.gather(
+                *(generate(s, router.url, max_new_tokens=3) for _ in range(8))
+            )
             workers = (await get_json(s, router.url + "/workers"))["workers"]
         return results, workers
 

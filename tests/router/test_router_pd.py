@@ -5,6 +5,7 @@ in-flight accounting and the round trip run against real servers (tests/router/t
 It does not echo the fields, so the test of exactly what the router injects runs against the stand-in, which
 records the bodies it received.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,9 +18,20 @@ from .helpers import delta, finish_reason, generate, get_json, in_flight, routed
 def test_pd_injects_bootstrap_fields_sends_to_both_and_returns_decode(procs):
     prefill = procs.upstream(name="prefill")
     decodes = [procs.upstream(dp_size=2, name=f"decode{i}") for i in range(2)]
-    router = procs.router("--pd-disaggregation", "--prefill", prefill.url, "9000",
-                          *[a for d in decodes for a in ("--decode", d.url)], "--prefill-policy", "random",
-                          "--decode-policy", "power_of_two", "--worker-startup-check-interval", "0.1", "--dp-aware")
+    router = procs.router(
+        "--pd-disaggregation",
+        "--prefill",
+        prefill.url,
+        "9000",
+        *[a for d in decodes for a in ("--decode", d.url)],
+        "--prefill-policy",
+        "random",
+        "--decode-policy",
+        "power_of_two",
+        "--worker-startup-check-interval",
+        "0.1",
+        "--dp-aware",
+    )
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
@@ -37,12 +49,18 @@ def test_pd_injects_bootstrap_fields_sends_to_both_and_returns_decode(procs):
     assert r.ok and r.upstream in ("decode0", "decode1")
     [p_body] = p_stats["bodies"]
     [d_body] = [b for st in d_stats for b in st["bodies"]]
-    sent = {"text": "pd test", "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
-            "stream": False}
+    sent = {
+        "text": "pd test",
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+        "stream": False,
+    }
     for body in (p_body, d_body):
         assert {k: body[k] for k in sent} == sent
         assert body["bootstrap_host"] == "127.0.0.1" and body["bootstrap_port"] == 9000
-    assert p_body["bootstrap_room"] == d_body["bootstrap_room"] and 0 <= p_body["bootstrap_room"] < 2**63
+    assert (
+        p_body["bootstrap_room"] == d_body["bootstrap_room"]
+        and 0 <= p_body["bootstrap_room"] < 2**63
+    )
     assert p_body["routed_dp_rank"] == 0 and d_body["routed_dp_rank"] in (0, 1)
     assert policies == {"prefill": "random", "decode": "power_of_two:tokens"}
     assert len(p_batch["bootstrap_room"]) == 2 and len(set(p_batch["bootstrap_room"])) == 2
@@ -51,16 +69,40 @@ def test_pd_injects_bootstrap_fields_sends_to_both_and_returns_decode(procs):
 
 def test_pd_with_real_servers_counts_both_sides_and_returns_decode(procs, dp_pair):
     prefill, decode = dp_pair  # s0 prefills, s1 decodes (each its own dp-size-2 server)
-    router = procs.router("--pd-disaggregation", "--prefill", prefill.url, "9000", "--decode", decode.url,
-                          "--prefill-policy", "random", "--decode-policy", "power_of_two",
-                          "--worker-startup-check-interval", "0.1")
+    router = procs.router(
+        "--pd-disaggregation",
+        "--prefill",
+        prefill.url,
+        "9000",
+        "--decode",
+        decode.url,
+        "--prefill-policy",
+        "random",
+        "--decode-policy",
+        "power_of_two",
+        "--worker-startup-check-interval",
+        "0.1",
+    )
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
             before = [await routed(s, u.url) for u in dp_pair]
-            streams = [asyncio.create_task(generate(s, router.url, "/v1/chat/completions", stream=True,
-                                                    max_new_tokens=256, timeout=60)) for _ in range(6)]
-            assert await wait_for(lambda: _total(s, router.url, 12), timeout=10), await in_flight(s, router.url)
+            streams = [
+                asyncio.create_task(
+                    generate(
+                        s,
+                        router.url,
+                        "/v1/chat/completions",
+                        stream=True,
+                        max_new_tokens=256,
+                        timeout=60,
+                    )
+                )
+                for _ in range(6)
+            ]
+            assert await wait_for(lambda: _total(s, router.url, 12), timeout=10), await in_flight(
+                s, router.url
+            )
             during = await in_flight(s, router.url)
             results = await asyncio.gather(*streams)
             released = await wait_for(lambda: _zero(s, router.url), timeout=5)
@@ -68,14 +110,28 @@ def test_pd_with_real_servers_counts_both_sides_and_returns_decode(procs, dp_pai
             async with s.post(router.url + "/generate", json=batch) as resp:
                 batched = (resp.status, await resp.json())
             after = [await routed(s, u.url) for u in dp_pair]
-        return during, results, released, batched, [sum(delta(a, b).values()) for a, b in zip(after, before)]
+        return (
+            during,
+            results,
+            released,
+            batched,
+            [sum(delta(a, b).values()) for a, b in zip(after, before)],
+        )
 
     during, results, released, batched, per_server = run(scenario())
     assert during == {prefill.url: 6, decode.url: 6}, during
-    assert all(r.ok and finish_reason(r) == "length" and r.model == "s1" for r in results), results[:2]
+    assert all(r.ok and finish_reason(r) == "length" and r.model == "s1" for r in results), results[
+        :2
+    ]
     assert released
-    assert batched[0] == 200 and [len(x["output_ids"]) for x in batched[1]] == [1, 1]  # lists of bootstrap fields
-    assert per_server == [8, 8]  # both legs of every request (6 streams, 2 batched prompts) reached their server
+    assert batched[0] == 200 and [len(x["output_ids"]) for x in batched[1]] == [
+        1,
+        1,
+    ]  # lists of bootstrap fields
+    assert per_server == [
+        8,
+        8,
+    ]  # both legs of every request (6 streams, 2 batched prompts) reached their server
 
 
 async def _total(s: aiohttp.ClientSession, url: str, n: int) -> bool:

@@ -1,4 +1,5 @@
 """Pure pieces of the router around the policies: breaker, health thresholds, /v1/loads parsing, bodies."""
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,15 @@ from sglang_lite.router.health import record_health
 from sglang_lite.router.load_monitor import apply_loads, parse_loads
 from sglang_lite.router.proxy import forward_headers, shed_of, with_fields
 from sglang_lite.router.request_info import batch_size, prompt_text
-from sglang_lite.router.workers import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, Server, WorkerRegistry, expand
+from sglang_lite.router.workers import (
+    CLOSED,
+    HALF_OPEN,
+    OPEN,
+    CircuitBreaker,
+    Server,
+    WorkerRegistry,
+    expand,
+)
 
 
 def test_breaker_opens_after_threshold_probes_after_timeout_and_closes_after_successes():
@@ -60,11 +69,17 @@ def test_dp_expansion_and_registry_views():
 
 
 def test_parse_loads_drops_missing_negative_and_duplicate_ranks():
-    payload = {"loads": [
-        {"dp_rank": 0, "num_total_tokens": 10}, {"dp_rank": 1, "num_total_tokens": 20},
-        {"dp_rank": 1, "num_total_tokens": 30}, {"dp_rank": -1, "num_total_tokens": 5},
-        {"num_total_tokens": 7}, {"dp_rank": 2}, {"dp_rank": 3, "num_total_tokens": 40},
-    ]}
+    payload = {
+        "loads": [
+            {"dp_rank": 0, "num_total_tokens": 10},
+            {"dp_rank": 1, "num_total_tokens": 20},
+            {"dp_rank": 1, "num_total_tokens": 30},
+            {"dp_rank": -1, "num_total_tokens": 5},
+            {"num_total_tokens": 7},
+            {"dp_rank": 2},
+            {"dp_rank": 3, "num_total_tokens": 40},
+        ]
+    }
     assert parse_loads(payload) == {0: 10, 3: 40}
     assert parse_loads({"oops": 1}) == {} and parse_loads([1]) == {}
 
@@ -80,12 +95,15 @@ def test_apply_loads_per_rank_and_failed_poll_clears():
     assert whole[0].polled_tokens == 15
 
 
-@pytest.mark.parametrize("raw", [b'{"text": "hi", "x": [1, {"y": 2}]}', b'{}', b' { "a" : 1 }\n'])
+@pytest.mark.parametrize("raw", [b'{"text": "hi", "x": [1, {"y": 2}]}', b"{}", b' { "a" : 1 }\n'])
 def test_with_fields_keeps_the_client_bytes_and_adds_the_rank(raw):
     out = with_fields(raw, {"routed_dp_rank": 3})
     assert out.startswith(raw.rstrip()[:-1])
     assert json.loads(out) == {**json.loads(raw), "routed_dp_rank": 3}
-    assert json.loads(with_fields(b'{"routed_dp_rank": 0}', {"routed_dp_rank": 1}))["routed_dp_rank"] == 1
+    assert (
+        json.loads(with_fields(b'{"routed_dp_rank": 0}', {"routed_dp_rank": 1}))["routed_dp_rank"]
+        == 1
+    )
 
 
 def test_prompt_text_and_batch_size():
@@ -98,13 +116,50 @@ def test_prompt_text_and_batch_size():
 
 def test_cli_defaults_come_from_the_dataclass_and_flags_parse():
     assert config_from_args([]) == RouterConfig()
-    cfg = config_from_args(["--worker-urls", "http://a", "http://b", "--policy", "power_of_two", "--dp-aware",
-                            "--p2c-load-metric", "requests", "--max-concurrent-requests", "8", "--log-level", "warn"])
-    assert cfg.worker_urls == ("http://a", "http://b") and cfg.dp_aware and cfg.p2c_load_metric == "requests"
-    assert cfg.max_concurrent_requests == 8 and cfg.log_level == "warning" and cfg.host == "127.0.0.1"
-    pd = config_from_args(["--pd-disaggregation", "--prefill", "http://p1", "9000", "--prefill", "http://p2",
-                           "--decode", "http://d1", "--prefill-policy", "random", "--decode-policy", "power_of_two"])
-    assert [(p.url, p.bootstrap_port) for p in pd.prefill] == [("http://p1", 9000), ("http://p2", None)]
+    cfg = config_from_args(
+        [
+            "--worker-urls",
+            "http://a",
+            "http://b",
+            "--policy",
+            "power_of_two",
+            "--dp-aware",
+            "--p2c-load-metric",
+            "requests",
+            "--max-concurrent-requests",
+            "8",
+            "--log-level",
+            "warn",
+        ]
+    )
+    assert (
+        cfg.worker_urls == ("http://a", "http://b")
+        and cfg.dp_aware
+        and cfg.p2c_load_metric == "requests"
+    )
+    assert (
+        cfg.max_concurrent_requests == 8 and cfg.log_level == "warning" and cfg.host == "127.0.0.1"
+    )
+    pd = config_from_args(
+        [
+            "--pd-disaggregation",
+            "--prefill",
+            "http://p1",
+            "9000",
+            "--prefill",
+            "http://p2",
+            "--decode",
+            "http://d1",
+            "--prefill-policy",
+            "random",
+            "--decode-policy",
+            "power_of_two",
+        ]
+    )
+    assert [(p.url, p.bootstrap_port) for p in pd.prefill] == [
+        ("http://p1", 9000),
+        ("http://p2", None),
+    ]
     assert pd.decode == ("http://d1",) and pd.prefill_policy == "random"
 
 
@@ -112,8 +167,12 @@ def test_cli_help_imports_neither_torch_nor_the_http_stack():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "sglang_lite.router", "--help"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "sglang_lite.router", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
     assert "--pd-disaggregation" in out.stdout
     assert not {m for m in imported if m.split(".")[0] in ("torch", "triton", "aiohttp")}
@@ -128,7 +187,10 @@ def test_worker_key_defaults_to_the_api_key_and_empty_means_none():
 
 def test_forwarded_headers_carry_the_worker_key_instead_of_the_clients():
     client = {"authorization": "Bearer client", "X-Trace": "1", "Host": "router"}
-    assert forward_headers(client) == {"authorization": "Bearer client", "X-Trace": "1"}  # no worker key: as sent
+    assert forward_headers(client) == {
+        "authorization": "Bearer client",
+        "X-Trace": "1",
+    }  # no worker key: as sent
     assert forward_headers(client, "wk") == {"X-Trace": "1", "Authorization": "Bearer wk"}
     assert forward_headers({}, "wk") == {"Authorization": "Bearer wk"}
 
@@ -136,7 +198,9 @@ def test_forwarded_headers_carry_the_worker_key_instead_of_the_clients():
 def test_key_check_is_exact():
     assert key_matches("Bearer s3cret", "s3cret")
     assert not key_matches("Bearer s3creT", "s3cret") and not key_matches(None, "s3cret")
-    assert not key_matches("Bearer s3cret ", "s3cret") and not key_matches("Bearer \u00e9", "s3cret")
+    assert not key_matches("Bearer s3cret ", "s3cret") and not key_matches(
+        "Bearer \u00e9", "s3cret"
+    )
 
 
 class _Head:
@@ -152,8 +216,12 @@ def test_shedding_needs_retry_after_or_a_dead_rank():
     assert shed_of(_Head(429, {"Retry-After": "1"}), b"{}").retry_after == 1.0
     dead = shed_of(_Head(503, {}), b'{"error": {"message": "DP rank 3 died: exit code -9"}}')
     assert dead is not None and dead.dead_rank == 3 and dead.retry_after is None
-    assert shed_of(_Head(503, {}), b'{"error": "out of memory"}') is None  # a plain 503 is a failure
-    assert shed_of(_Head(429, {}), b"DP rank 1 is not alive") is None  # only a 503 names a dead rank
+    assert (
+        shed_of(_Head(503, {}), b'{"error": "out of memory"}') is None
+    )  # a plain 503 is a failure
+    assert (
+        shed_of(_Head(429, {}), b"DP rank 1 is not alive") is None
+    )  # only a 503 names a dead rank
 
 
 def test_a_rank_marked_down_is_unhealthy_until_its_time_or_a_probe():
@@ -179,7 +247,9 @@ def test_rank_probes_mark_only_silent_ranks_and_only_while_the_server_answers(mo
     checker = health.HealthChecker(None, lambda: [server], RouterConfig())
     answering: set[int] = set()
 
-    async def fake_probe(session, url, endpoint, timeout):  # /health fails; ranks in `answering` answer
+    async def fake_probe(
+        session, url, endpoint, timeout
+    ):  # /health fails; ranks in `answering` answer
         return endpoint != "/health" and int(endpoint.rsplit("=", 1)[1]) in answering
 
     monkeypatch.setattr(health, "probe", fake_probe)
@@ -191,7 +261,11 @@ def test_rank_probes_mark_only_silent_ranks_and_only_while_the_server_answers(mo
         return [w.rank_up(1e9) for w in server.workers]
 
     assert check({0, 2}) == [True, False, True] and server.healthy and server.health_failures == 0
-    assert check(set()) == [True, False, True]  # nothing answers: a server failure (1 of 3), no rank marked
+    assert check(set()) == [
+        True,
+        False,
+        True,
+    ]  # nothing answers: a server failure (1 of 3), no rank marked
     assert server.health_failures == 1 and server.healthy
     assert check({0, 1, 2}) == [True, True, True]
 
@@ -222,5 +296,7 @@ def test_a_stream_failing_inside_an_event_ends_with_a_whole_error_event():
     client = Client()
     assert asyncio.run(_pump(client, Upstream(), whole_events=True)) is True
     events = [json.loads(e.removeprefix(b"data: ")) for e in client.body.split(b"\n\n") if e]
-    assert events[0] == {"text": "a"} and "upstream failed mid-stream" in events[1]["error"]["message"]
+    assert (
+        events[0] == {"text": "a"} and "upstream failed mid-stream" in events[1]["error"]["message"]
+    )
     assert len(events) == 2

@@ -16,6 +16,7 @@ and /v1/loads answers 503 when it asks about a dead rank.
 
 Run: python tests/router/upstream.py --port 0 --dp-size 2 --token-delay 0.01   (prints "READY port=N")
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,10 +73,20 @@ class State:
         reqs = [r for r in self.running.values() if r.rank == rank]
         now = datetime.datetime.now(datetime.timezone.utc).isoformat()
         tokens = sum(r.tokens for r in reqs)
-        return {"dp_rank": rank, "timestamp": now, "num_running_reqs": len(reqs), "num_waiting_reqs": 0,
-                "num_used_tokens": tokens, "num_total_tokens": tokens, "max_total_num_tokens": 100000,
-                "token_usage": tokens / 100000, "gen_throughput": 0.0, "cache_hit_rate": 0.0,
-                "utilization": tokens / 100000, "max_running_requests": 256}
+        return {
+            "dp_rank": rank,
+            "timestamp": now,
+            "num_running_reqs": len(reqs),
+            "num_waiting_reqs": 0,
+            "num_used_tokens": tokens,
+            "num_total_tokens": tokens,
+            "max_total_num_tokens": 100000,
+            "token_usage": tokens / 100000,
+            "gen_throughput": 0.0,
+            "cache_hit_rate": 0.0,
+            "utilization": tokens / 100000,
+            "max_running_requests": 256,
+        }
 
 
 def prompt_of(body: dict) -> str:
@@ -88,7 +99,12 @@ def prompt_of(body: dict) -> str:
 
 def max_tokens_of(body: dict) -> int:
     params = body.get("sampling_params") or {}
-    return int(params.get("max_new_tokens") or body.get("max_tokens") or body.get("max_completion_tokens") or 8)
+    return int(
+        params.get("max_new_tokens")
+        or body.get("max_tokens")
+        or body.get("max_completion_tokens")
+        or 8
+    )
 
 
 async def generate_tokens(state: State, body: dict):
@@ -115,23 +131,59 @@ async def generate_tokens(state: State, body: dict):
 
 def chunk_json(route: str, text: str, rank: int, done: bool) -> dict:
     if route == "/generate":
-        return {"text": text, "meta_info": {"dp_rank": rank, "finish_reason": "length" if done else None}}
+        return {
+            "text": text,
+            "meta_info": {"dp_rank": rank, "finish_reason": "length" if done else None},
+        }
     if route == "/v1/chat/completions":
-        return {"object": "chat.completion.chunk", "model": "upstream",
-                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": "length" if done else None}]}
-    return {"object": "text_completion", "model": "upstream",
-            "choices": [{"index": 0, "text": text, "finish_reason": "length" if done else None}]}
+        return {
+            "object": "chat.completion.chunk",
+            "model": "upstream",
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": text},
+                    "finish_reason": "length" if done else None,
+                }
+            ],
+        }
+    return {
+        "object": "text_completion",
+        "model": "upstream",
+        "choices": [{"index": 0, "text": text, "finish_reason": "length" if done else None}],
+    }
 
 
 def full_json(route: str, text: str, rank: int, n_tokens: int) -> dict:
     if route == "/generate":
-        return {"text": text, "meta_info": {"dp_rank": rank, "completion_tokens": n_tokens, "finish_reason": "length"}}
+        return {
+            "text": text,
+            "meta_info": {
+                "dp_rank": rank,
+                "completion_tokens": n_tokens,
+                "finish_reason": "length",
+            },
+        }
     usage = {"completion_tokens": n_tokens}
     if route == "/v1/chat/completions":
-        return {"object": "chat.completion", "model": "upstream", "usage": usage, "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}]}
-    return {"object": "text_completion", "model": "upstream", "usage": usage,
-            "choices": [{"index": 0, "text": text, "finish_reason": "length"}]}
+        return {
+            "object": "chat.completion",
+            "model": "upstream",
+            "usage": usage,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "length",
+                }
+            ],
+        }
+    return {
+        "object": "text_completion",
+        "model": "upstream",
+        "usage": usage,
+        "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+    }
 
 
 def make_app(state: State) -> web.Application:
@@ -144,7 +196,9 @@ def make_app(state: State) -> web.Application:
         refusal = refuse(state, body)
         if refusal is not None:
             return refusal
-        if max_tokens_of(body) < 0:  # the server validates sampling params: a client error, not a failure
+        if (
+            max_tokens_of(body) < 0
+        ):  # the server validates sampling params: a client error, not a failure
             return web.json_response({"error": "max_new_tokens must be >= 0"}, status=400)
         if body.get("stream"):
             return await stream(request, body)
@@ -155,48 +209,80 @@ def make_app(state: State) -> web.Application:
         return web.json_response(full_json(request.path, "".join(pieces), rank, len(pieces)))
 
     async def stream(request: web.Request, body: dict) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Upstream-Name": state.name})
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Upstream-Name": state.name,
+            }
+        )
         await resp.prepare(request)
         text, n = "", max_tokens_of(body)
         async for rank, piece in generate_tokens(state, body):
             text += piece
-            shown = text if request.path == "/generate" else piece  # /generate streams the text so far
+            shown = (
+                text if request.path == "/generate" else piece
+            )  # /generate streams the text so far
             done = len(text.split()) == n
-            await resp.write(b"data: " + json.dumps(chunk_json(request.path, shown, rank, done)).encode() + b"\n\n")
+            await resp.write(
+                b"data: "
+                + json.dumps(chunk_json(request.path, shown, rank, done)).encode()
+                + b"\n\n"
+            )
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
     async def loads(request: web.Request) -> web.Response:
         include = set(request.query.get("include", "all").split(","))
         if include - INCLUDE_NAMES:
-            return web.json_response({"error": f"unknown include {sorted(include - INCLUDE_NAMES)}"}, status=400)
+            return web.json_response(
+                {"error": f"unknown include {sorted(include - INCLUDE_NAMES)}"}, status=400
+            )
         ranks = range(state.dp_size)
         if "dp_rank" in request.query:
             ranks = [int(request.query["dp_rank"])]
         if state.dead & set(ranks):
-            return error(503, f"DP rank(s) {sorted(state.dead & set(ranks))} are not alive", retry_after=5)
+            return error(
+                503, f"DP rank(s) {sorted(state.dead & set(ranks))} are not alive", retry_after=5
+            )
         now = datetime.datetime.now(datetime.timezone.utc).isoformat()
-        return web.json_response({"timestamp": now, "version": "upstream-test",
-                                  "loads": [state.rank_load(r) for r in ranks]})
+        return web.json_response(
+            {
+                "timestamp": now,
+                "version": "upstream-test",
+                "loads": [state.rank_load(r) for r in ranks],
+            }
+        )
 
     async def get_load(request: web.Request) -> web.Response:
         out = []
         for r in range(state.dp_size):
             core = state.rank_load(r)
-            out.append({"dp_rank": r, "num_reqs": core["num_running_reqs"], "num_waiting_reqs": 0,
-                        "num_tokens": core["num_total_tokens"]})
+            out.append(
+                {
+                    "dp_rank": r,
+                    "num_reqs": core["num_running_reqs"],
+                    "num_waiting_reqs": 0,
+                    "num_tokens": core["num_total_tokens"],
+                }
+            )
         return web.json_response(out)
 
     async def server_info(request: web.Request) -> web.Response:
-        return web.json_response({"dp_size": state.dp_size, "model_path": "upstream", "version": "test"})
+        return web.json_response(
+            {"dp_size": state.dp_size, "model_path": "upstream", "version": "test"}
+        )
 
     async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "upstream", "object": "model"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": "upstream", "object": "model"}]}
+        )
 
     async def health(request: web.Request) -> web.Response:
         if state.dead:
-            return error(503, f"DP ranks alive: {[r not in state.dead for r in range(state.dp_size)]}")
+            return error(
+                503, f"DP ranks alive: {[r not in state.dead for r in range(state.dp_size)]}"
+            )
         return web.Response(text="OK")
 
     async def set_rank(request: web.Request) -> web.Response:
@@ -205,14 +291,26 @@ def make_app(state: State) -> web.Application:
         return web.json_response({"dead": sorted(state.dead)})
 
     async def stats(request: web.Request) -> web.Response:
-        return web.json_response({"name": state.name, "by_rank": {str(k): v for k, v in state.by_rank.items()},
-                                  "running": len(state.running), "completed": state.completed,
-                                  "aborted": state.aborted, "shed": state.shed, "bodies": state.bodies[-50:]})
+        return web.json_response(
+            {
+                "name": state.name,
+                "by_rank": {str(k): v for k, v in state.by_rank.items()},
+                "running": len(state.running),
+                "completed": state.completed,
+                "aborted": state.aborted,
+                "shed": state.shed,
+                "bodies": state.bodies[-50:],
+            }
+        )
 
     @web.middleware
     async def api_key(request: web.Request, handler):
         open_path = request.path == "/health" or request.path.startswith("/_")
-        if state.api_key and not open_path and request.headers.get("Authorization") != f"Bearer {state.api_key}":
+        if (
+            state.api_key
+            and not open_path
+            and request.headers.get("Authorization") != f"Bearer {state.api_key}"
+        ):
             return error(401, "missing or wrong API key")
         return await handler(request)
 
@@ -226,9 +324,15 @@ def make_app(state: State) -> web.Application:
     app = web.Application(middlewares=[name_header, api_key])
     for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
         app.router.add_post(path, infer)
-    for path, handler in (("/v1/loads", loads), ("/get_load", get_load), ("/server_info", server_info),
-                          ("/get_server_info", server_info), ("/v1/models", models), ("/health", health),
-                          ("/_stats", stats)):
+    for path, handler in (
+        ("/v1/loads", loads),
+        ("/get_load", get_load),
+        ("/server_info", server_info),
+        ("/get_server_info", server_info),
+        ("/v1/models", models),
+        ("/health", health),
+        ("/_stats", stats),
+    ):
         app.router.add_get(path, handler)
     app.router.add_post("/_rank", set_rank)
     return app
@@ -236,7 +340,9 @@ def make_app(state: State) -> web.Application:
 
 def error(status: int, message: str, retry_after: int | None = None) -> web.Response:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return web.json_response({"error": {"message": message, "code": status}}, status=status, headers=headers)
+    return web.json_response(
+        {"error": {"message": message, "code": status}}, status=status, headers=headers
+    )
 
 
 def refuse(state: State, body: dict) -> web.Response | None:
@@ -246,14 +352,23 @@ def refuse(state: State, body: dict) -> web.Response | None:
         return error(503, f"DP rank {rank} is not alive", retry_after=5)
     if state.max_concurrency and len(state.running) >= state.max_concurrency:
         state.shed += 1
-        return error(503, f"rank {rank}: the waiting queue is full ({state.max_concurrency} requests)",
-                     retry_after=state.retry_after)
+        return error(
+            503,
+            f"rank {rank}: the waiting queue is full ({state.max_concurrency} requests)",
+            retry_after=state.retry_after,
+        )
     return None
 
 
 async def main(args: argparse.Namespace) -> None:
-    state = State(args.dp_size, args.token_delay, args.name, args.max_concurrency, args.retry_after,
-                  args.api_key or None)
+    state = State(
+        args.dp_size,
+        args.token_delay,
+        args.name,
+        args.max_concurrency,
+        args.retry_after,
+        args.api_key or None,
+    )
     runner = web.AppRunner(make_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", args.port, reuse_address=True)
@@ -266,9 +381,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--dp-size", type=int, default=1)
-    parser.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token")
+    parser.add_argument(
+        "--token-delay", type=float, default=0.0, help="seconds per generated token"
+    )
     parser.add_argument("--name", default="upstream")
-    parser.add_argument("--max-concurrency", type=int, default=0, help="shed beyond this many running (0: never)")
+    parser.add_argument(
+        "--max-concurrency", type=int, default=0, help="shed beyond this many running (0: never)"
+    )
     parser.add_argument("--retry-after", type=int, default=1, help="Retry-After of a shed request")
     parser.add_argument("--api-key", default="")
     try:

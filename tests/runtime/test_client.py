@@ -1,5 +1,6 @@
 """The client core on real scheduler processes: start-up failures stop everything, queues are bounded, a rank can
 be respawned, and no secret is on a command line."""
+
 from __future__ import annotations
 
 import os
@@ -11,14 +12,28 @@ import pytest
 from sglang_lite import Engine
 from sglang_lite.runtime import client as client_module
 from sglang_lite.runtime.client import SchedulerClient
-from sglang_lite.runtime.messages import Ack, AddRequest, CheckQuery, CheckReply, LoadsQuery, LoadsReply, Ready
+from sglang_lite.runtime.messages import (
+    Ack,
+    AddRequest,
+    CheckQuery,
+    CheckReply,
+    LoadsQuery,
+    LoadsReply,
+    Ready,
+)
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.server_args import ServerArgs
 
 
 def test_a_rank_that_fails_to_start_is_reported_and_every_rank_is_stopped(tmp_path):
-    client = SchedulerClient(ServerArgs(model_path=str(tmp_path / "missing"), skip_tokenizer_init=True, dp_size=2,
-                                        cpu_threads_per_rank=1))
+    client = SchedulerClient(
+        ServerArgs(
+            model_path=str(tmp_path / "missing"),
+            skip_tokenizer_init=True,
+            dp_size=2,
+            cpu_threads_per_rank=1,
+        )
+    )
     with pytest.raises(RuntimeError, match="failed to start: .*missing"):
         client.wait_ready(timeout_s=120)
     assert all(process.poll() is not None for process in client.processes)
@@ -26,8 +41,16 @@ def test_a_rank_that_fails_to_start_is_reported_and_every_rank_is_stopped(tmp_pa
 
 
 def test_queries_are_answered_by_the_rank_they_were_sent_to():
-    client = SchedulerClient(ServerArgs(load_format="dummy", max_total_tokens=256, max_running_requests=2,
-                                        skip_tokenizer_init=True, dp_size=2, cpu_threads_per_rank=1))
+    client = SchedulerClient(
+        ServerArgs(
+            load_format="dummy",
+            max_total_tokens=256,
+            max_running_requests=2,
+            skip_tokenizer_init=True,
+            dp_size=2,
+            cpu_threads_per_rank=1,
+        )
+    )
     try:
         ready = client.wait_ready(timeout_s=300)
         assert [r.rank for r in ready] == [0, 1] and client.config.max_total_tokens == 256
@@ -63,11 +86,21 @@ def next_reply(client, kind, timeout_s: float = 120.0):
     raise AssertionError(f"no {kind.__name__} in {timeout_s} s")
 
 
-def test_a_stuck_rank_gets_a_bounded_queue_and_is_respawned_without_the_key_on_its_command_line(monkeypatch):
+def test_a_stuck_rank_gets_a_bounded_queue_and_is_respawned_without_the_key_on_its_command_line(
+    monkeypatch,
+):
     key = "sk-do-not-leak-4711"
     monkeypatch.setattr(client_module, "COMMAND_QUEUE_LIMIT", 16)
-    client = SchedulerClient(ServerArgs(load_format="dummy", max_total_tokens=256, max_running_requests=2,
-                                        skip_tokenizer_init=True, cpu_threads_per_rank=1, api_key=key))
+    client = SchedulerClient(
+        ServerArgs(
+            load_format="dummy",
+            max_total_tokens=256,
+            max_running_requests=2,
+            skip_tokenizer_init=True,
+            cpu_threads_per_rank=1,
+            api_key=key,
+        )
+    )
     try:
         client.wait_ready(timeout_s=300)
         old = client.processes[0]
@@ -88,9 +121,13 @@ def test_a_stuck_rank_gets_a_bounded_queue_and_is_respawned_without_the_key_on_i
         client.respawn(0)  # kills the stuck process; what it never read is discarded
         assert old.poll() is not None
         ready = next_reply(client, Ready)
-        assert ready.pid == client.processes[0].pid != old.pid and key.encode() not in cmdline(ready.pid)
+        assert ready.pid == client.processes[0].pid != old.pid and key.encode() not in cmdline(
+            ready.pid
+        )
         client.send(0, LoadsQuery(client.next_query_id(), ("core",)))
         loads = next_reply(client, LoadsReply, timeout_s=30)
-        assert loads.loads["num_waiting_reqs"] == loads.loads["num_running_reqs"] == 0  # no stale commands
+        assert (
+            loads.loads["num_waiting_reqs"] == loads.loads["num_running_reqs"] == 0
+        )  # no stale commands
     finally:
         client.shutdown()

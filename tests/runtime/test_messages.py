@@ -1,5 +1,6 @@
 """The protocol between front ends and scheduler processes: every message survives the wire as itself, and a
 frame that is not a message is refused with a clear error."""
+
 from __future__ import annotations
 
 import msgpack
@@ -11,8 +12,15 @@ from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.request import ReqOutput, join_outputs
 
-CONFIG = SchedulerConfig(max_total_tokens=64, max_running_requests=2, context_length=32, chunk_size=8,
-                         max_prefill_tokens=16, vocab_size=100, eos_token_ids=(1, 2))
+CONFIG = SchedulerConfig(
+    max_total_tokens=64,
+    max_running_requests=2,
+    context_length=32,
+    chunk_size=8,
+    max_prefill_tokens=16,
+    vocab_size=100,
+    eos_token_ids=(1, 2),
+)
 EVERY_MESSAGE = [
     m.AddRequest("r1", [5, 6], SamplingParams(max_new_tokens=3, stop=["\n"], seed=7)),
     m.AddRequest("r2", [5], SamplingParams(), stream=False),
@@ -20,9 +28,17 @@ EVERY_MESSAGE = [
     m.LoadsQuery(3, ("core", "queues")),
     m.CheckQuery(4),
     m.Stop(),
-    m.Ready(1, 4242, CONFIG, {"platform": "cuda", "auto_overlap_by_batch_size": {1: True, 8: False}}),
+    m.Ready(
+        1, 4242, CONFIG, {"platform": "cuda", "auto_overlap_by_batch_size": {1: True, 8: False}}
+    ),
     m.Ack(0, "r1", m.REFUSED, "sampling parameter top_p must be in (0, 1], got 2"),
-    m.StepOutputs(1, [ReqOutput("r1", [9], "a", False, {"completion_tokens": 1}), ReqOutput("r2", [], "", True, {})]),
+    m.StepOutputs(
+        1,
+        [
+            ReqOutput("r1", [9], "a", False, {"completion_tokens": 1}),
+            ReqOutput("r2", [], "", True, {}),
+        ],
+    ),
     m.LoadsReply(0, 3, {"dp_rank": 0, "num_running_reqs": 1}),
     m.CheckReply(0, 4, None),
     m.Fatal(1, "RuntimeError: out of memory"),
@@ -50,7 +66,10 @@ def test_a_frame_that_is_not_a_message_is_refused_by_name():
 
 
 def test_join_outputs_keeps_every_token_and_the_last_meta():
-    parts = [ReqOutput("r", [1], "a", False, {"n": 1}), ReqOutput("r", [2, 3], "bc", True, {"n": 3})]
+    parts = [
+        ReqOutput("r", [1], "a", False, {"n": 1}),
+        ReqOutput("r", [2, 3], "bc", True, {"n": 3}),
+    ]
     assert join_outputs(parts) == ReqOutput("r", [1, 2, 3], "abc", True, {"n": 3})
 
 

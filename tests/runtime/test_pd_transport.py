@@ -1,5 +1,6 @@
 """PD transport pieces without a second server: slots come back in runs, runs become few blocks, and a transfer
 of many blocks goes out in batches the TCP transport accepts."""
+
 from __future__ import annotations
 
 from sglang_lite.disaggregation.layout import PoolLayout, request_blocks
@@ -37,7 +38,9 @@ class RecordingEngine:
 
 
 def test_large_transfers_are_split_into_accepted_batches():
-    transfer = MooncakeTransfer.__new__(MooncakeTransfer)  # the batching logic only, no engine to start
+    transfer = MooncakeTransfer.__new__(
+        MooncakeTransfer
+    )  # the batching logic only, no engine to start
     transfer.engine, transfer.stats = RecordingEngine(), TransferStats()
     n = 2 * MAX_BATCH_BLOCKS + 7
     assert transfer.write("peer:1", list(range(n)), list(range(n)), [4] * n) == 4 * n

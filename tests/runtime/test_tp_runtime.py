@@ -1,5 +1,6 @@
 """One model over several processes (a world of --tp-size ranks) behind both front ends: the offline Engine, an HTTP
 server with DP attention, two nodes on one machine, and a world that loses a process."""
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,15 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11] * 40]
 
 
 def greedy(model_path: str | None, tp_size: int) -> list[list[int]]:
-    engine = Engine(model_path, tp_size=tp_size, skip_tokenizer_init=True, cpu_threads_per_rank=1,
-                    context_length=256, max_total_tokens=2048, max_running_requests=4)
+    engine = Engine(
+        model_path,
+        tp_size=tp_size,
+        skip_tokenizer_init=True,
+        cpu_threads_per_rank=1,
+        context_length=256,
+        max_total_tokens=2048,
+        max_running_requests=4,
+    )
     try:
         params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
         return [r["output_ids"] for r in engine.generate(input_ids=PROMPTS, sampling_params=params)]
@@ -38,7 +46,11 @@ def greedy(model_path: str | None, tp_size: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("checkpoint", ["builtin", "hf_moe"])
 def test_engine_tp2_greedy_tokens_equal_tp1(checkpoint: str, tmp_path) -> None:
-    path = None if checkpoint == "builtin" else save_checkpoint(make_hf_model(moe=True), str(tmp_path / "moe"))
+    path = (
+        None
+        if checkpoint == "builtin"
+        else save_checkpoint(make_hf_model(moe=True), str(tmp_path / "moe"))
+    )
     assert greedy(path, tp_size=2) == greedy(path, tp_size=1)
 
 
@@ -55,10 +67,16 @@ def test_parallel_flags_are_validated_with_the_field_named() -> None:
         ServerArgs(tp_size=2, nnodes=2)
     with pytest.raises(ValueError, match="dp_size 1 or enable_dp_attention"):
         ServerArgs(tp_size=2, dp_size=2, nnodes=2, dist_init_addr="127.0.0.1:5000")
-    args = ServerArgs(tp_size=4, dp_size=2, nnodes=2, dist_init_addr="h:1", enable_dp_attention=True)
+    args = ServerArgs(
+        tp_size=4, dp_size=2, nnodes=2, dist_init_addr="h:1", enable_dp_attention=True
+    )
     assert (args.num_worlds, args.ranks_per_node, args.parallel_config.attn_tp_size) == (1, 2, 2)
-    assert ServerArgs(tp_size=2, dp_size=3, cpu_threads_per_rank=None).cpu_threads == max(1, os.cpu_count() // 6)
-    assert parse_args(["--tp", "2", "--ep-size", "2"]).parallel_config == ParallelConfig(tp_size=2, ep_size=2)
+    assert ServerArgs(tp_size=2, dp_size=3, cpu_threads_per_rank=None).cpu_threads == max(
+        1, os.cpu_count() // 6
+    )
+    assert parse_args(["--tp", "2", "--ep-size", "2"]).parallel_config == ParallelConfig(
+        tp_size=2, ep_size=2
+    )
 
 
 class CountingRunner:
@@ -79,8 +97,15 @@ class CountingRunner:
 
 
 def test_a_lockstep_step_runs_exactly_one_forward_real_or_idle() -> None:
-    scheduler = create_scheduler(ServerArgs(load_format="dummy", skip_tokenizer_init=True, context_length=128,
-                                            max_total_tokens=256, max_running_requests=2))
+    scheduler = create_scheduler(
+        ServerArgs(
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            context_length=128,
+            max_total_tokens=256,
+            max_running_requests=2,
+        )
+    )
     scheduler.model = runner = CountingRunner(scheduler.model)
     scheduler.step()  # nothing to do and not in lockstep: no forward
     scheduler.step(must_forward=True)
@@ -90,9 +115,13 @@ def test_a_lockstep_step_runs_exactly_one_forward_real_or_idle() -> None:
 
 
 # ---- the HTTP server ---------------------------------------------------------------------------------------------
-def generate(server: ServerProcess, rank: int | None = None, max_new_tokens: int = 4, timeout: float = 60) -> dict:
-    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True,
-                                                         "temperature": 0}}
+def generate(
+    server: ServerProcess, rank: int | None = None, max_new_tokens: int = 4, timeout: float = 60
+) -> dict:
+    body = {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 0},
+    }
     if rank is not None:
         body["routed_dp_rank"] = rank
     response = httpx.post(f"{server.url}/generate", json=body, timeout=timeout)
@@ -107,29 +136,61 @@ def dp_attention_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
 
 def test_dp_attention_server_answers_on_both_dp_ranks(dp_attention_server: ServerProcess) -> None:
     results: dict[int, dict] = {}
-    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, generate(dp_attention_server, r, 6)))
-               for r in (0, 1, 1)]  # both ranks at once: one batch meets an idle or smaller one in the MoE
+    threads = [
+        threading.Thread(
+            target=lambda r=r: results.__setitem__(r, generate(dp_attention_server, r, 6))
+        )
+        for r in (0, 1, 1)
+    ]  # both ranks at once: one batch meets an idle or smaller one in the MoE
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(120)
-    assert {r: (v["status"], v["meta_info"]["dp_rank"], len(v["output_ids"])) for r, v in results.items()} == {
-        0: (200, 0, 6), 1: (200, 1, 6)}
+    assert {
+        r: (v["status"], v["meta_info"]["dp_rank"], len(v["output_ids"]))
+        for r, v in results.items()
+    } == {0: (200, 0, 6), 1: (200, 1, 6)}
     loads = httpx.get(f"{dp_attention_server.url}/v1/loads", timeout=10).json()["loads"]
     assert [load["dp_rank"] for load in loads] == [0, 1]
     info = httpx.get(f"{dp_attention_server.url}/server_info", timeout=10).json()
-    layout = {k: info[k] for k in ("tp_size", "ep_size", "dp_size", "enable_dp_attention", "nnodes")}
-    assert layout == {"tp_size": 2, "ep_size": 1, "dp_size": 2, "enable_dp_attention": True, "nnodes": 1}
+    layout = {
+        k: info[k] for k in ("tp_size", "ep_size", "dp_size", "enable_dp_attention", "nnodes")
+    }
+    assert layout == {
+        "tp_size": 2,
+        "ep_size": 1,
+        "dp_size": 2,
+        "enable_dp_attention": True,
+        "nnodes": 1,
+    }
     assert httpx.get(f"{dp_attention_server.url}/health", timeout=10).status_code == 200
 
 
 @pytest.mark.parametrize("stopped_first", ["node0", "node1"])
 def test_two_nodes_on_one_machine_serve_through_node_0(stopped_first: str, tmp_path) -> None:
     address = f"127.0.0.1:{free_port()}"
-    flags = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", address, "--dist-timeout", "60", *ONE_THREAD]
+    flags = [
+        "--tp-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--dist-init-addr",
+        address,
+        "--dist-timeout",
+        "60",
+        *ONE_THREAD,
+    ]
     log = open(tmp_path / "node1.log", "w")
-    command = [sys.executable, "-m", "sglang_lite.launch_server", "--load-format", "dummy", "--node-rank", "1",
-               *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "sglang_lite.launch_server",
+        "--load-format",
+        "dummy",
+        "--node-rank",
+        "1",
+        *flags,
+    ]
     node1 = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     node0 = ServerProcess([*flags, "--node-rank", "0"], str(tmp_path / "node0.log"))
     try:
@@ -139,7 +200,9 @@ def test_two_nodes_on_one_machine_serve_through_node_0(stopped_first: str, tmp_p
         assert httpx.get(f"{node0.url}/server_info", timeout=10).json()["nnodes"] == 2
         if stopped_first == "node0":
             node0.kill()
-            node1.wait(30)  # node 0's ranks are gone (stopped, or killed with their group): node 1's follow
+            node1.wait(
+                30
+            )  # node 0's ranks are gone (stopped, or killed with their group): node 1's follow
         else:
             node1.send_signal(signal.SIGTERM)
             assert node1.wait(30) == 0  # it stops its ranks and exits
@@ -152,12 +215,16 @@ def test_two_nodes_on_one_machine_serve_through_node_0(stopped_first: str, tmp_p
 
 
 # ---- failure -----------------------------------------------------------------------------------------------------
-def test_a_killed_follower_fails_the_world_without_hanging(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_killed_follower_fails_the_world_without_hanging(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     flags = ["--tp-size", "2", "--dist-timeout", "30", *ONE_THREAD]
     with contextlib.contextmanager(start_server)(tmp_path_factory, "tp2_failure", flags) as server:
         follower = _child_with_arg(server.process.pid, b"--rank=1")
         outcome: dict = {}
-        request = threading.Thread(target=lambda: outcome.update(generate(server, max_new_tokens=400, timeout=60)))
+        request = threading.Thread(
+            target=lambda: outcome.update(generate(server, max_new_tokens=400, timeout=60))
+        )
         request.start()
         _wait_running(server)
         os.kill(follower, signal.SIGKILL)

@@ -1,4 +1,5 @@
 """Servers started as subprocesses on free ports, shared by the tests of a session and always killed."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,16 @@ from sglang_lite.utils.process import wait_until_healthy
 
 # Small limits keep every generation short on a 2-core CI machine; the engine uses the same ones for parity.
 # the built-in model with random weights: serving mechanics should not change when the shipped weights are retrained
-COMMON_FLAGS = ["--context-length", "512", "--max-total-tokens", "8192", "--max-running-requests", "16",
-                "--load-format", "dummy"]
+COMMON_FLAGS = [
+    "--context-length",
+    "512",
+    "--max-total-tokens",
+    "8192",
+    "--max-running-requests",
+    "16",
+    "--load-format",
+    "dummy",
+]
 STARTUP_TIMEOUT_S = 180.0
 
 
@@ -36,9 +45,18 @@ class ServerProcess:
         self.api_key = api_key
         self.log_path = log_path
         flags = [*COMMON_FLAGS, *extra_flags] + (["--api-key", api_key] if api_key else [])
-        command = [sys.executable, "-m", "sglang_lite.launch_server", "--port", str(self.port), *flags]
+        command = [
+            sys.executable,
+            "-m",
+            "sglang_lite.launch_server",
+            "--port",
+            str(self.port),
+            *flags,
+        ]
         self._log = open(log_path, "w")
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     @property
     def headers(self) -> dict[str, str]:
@@ -75,8 +93,12 @@ def _kill_group_leftovers(pgid: int) -> None:
         pass
 
 
-def start_server(tmp_path_factory: pytest.TempPathFactory, name: str, flags: list[str],
-                 api_key: str | None = None) -> Iterator[ServerProcess]:
+def start_server(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    flags: list[str],
+    api_key: str | None = None,
+) -> Iterator[ServerProcess]:
     server = ServerProcess(flags, str(tmp_path_factory.mktemp(name) / "server.log"), api_key)
     try:
         server.wait_ready()
@@ -92,14 +114,24 @@ def server_dp1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
 
 @pytest.fixture(scope="session")
 def server_dp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from start_server(tmp_path_factory, "dp2", ["--dp-size", "2", "--load-balance-method", "round_robin"])
+    yield from start_server(
+        tmp_path_factory, "dp2", ["--dp-size", "2", "--load-balance-method", "round_robin"]
+    )
 
 
 @pytest.fixture(scope="session")
 def small_queue_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """dp 1, an API key, a 4-request waiting queue and 2 running requests: easy to overload."""
-    flags = ["--dp-size", "1", "--max-queued-requests", "4", "--max-running-requests", "2",
-             "--max-request-body-bytes", "65536"]
+    flags = [
+        "--dp-size",
+        "1",
+        "--max-queued-requests",
+        "4",
+        "--max-running-requests",
+        "2",
+        "--max-request-body-bytes",
+        "65536",
+    ]
     yield from start_server(tmp_path_factory, "small_queue", flags, api_key="test-key")
 
 
@@ -119,7 +151,10 @@ def wait_idle(server: ServerProcess, timeout_s: float = 30.0) -> list[dict]:
     deadline = time.monotonic() + timeout_s
     while True:
         loads = get_loads(server)["loads"]
-        if all(load["num_running_reqs"] == load["num_waiting_reqs"] == load["num_used_tokens"] == 0 for load in loads):
+        if all(
+            load["num_running_reqs"] == load["num_waiting_reqs"] == load["num_used_tokens"] == 0
+            for load in loads
+        ):
             return loads
         if time.monotonic() > deadline:
             raise AssertionError(f"ranks still busy after {timeout_s} s: {loads}")

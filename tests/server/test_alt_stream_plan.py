@@ -1,6 +1,7 @@
 """Alt-stream toggles take effect per run without re-import: two server launches with different environment flags
 and arguments report different plans in /get_server_info, and a bad flag value stops the start with an error
 naming the variable instead of hanging."""
+
 from __future__ import annotations
 
 import os
@@ -15,10 +16,20 @@ import pytest
 
 from tests.server.conftest import ServerProcess
 
-ALT_STREAM_VARS = ("SGLANG_ALT_STREAM", "SGLANG_GDN_QKVZ_BA_ALT_STREAM", "SGLANG_QK_NORM_ALT_STREAM",
-                   "SGLANG_ALT_STREAM_EAGER", "SGLANG_GDN_ALT_STREAM_MAX_TOKENS")
+ALT_STREAM_VARS = (
+    "SGLANG_ALT_STREAM",
+    "SGLANG_GDN_QKVZ_BA_ALT_STREAM",
+    "SGLANG_QK_NORM_ALT_STREAM",
+    "SGLANG_ALT_STREAM_EAGER",
+    "SGLANG_GDN_ALT_STREAM_MAX_TOKENS",
+)
 BAD_START_TIMEOUT_S = 120.0
-NO_OVERLAP = {"alt_stream": False, "gdn_qkvz_ba": False, "qk_norm": False, "moe_shared_routed": False}
+NO_OVERLAP = {
+    "alt_stream": False,
+    "gdn_qkvz_ba": False,
+    "qk_norm": False,
+    "moe_shared_routed": False,
+}
 
 
 def _environment(**flags: str) -> dict[str, str]:
@@ -28,7 +39,9 @@ def _environment(**flags: str) -> dict[str, str]:
 
 
 def _launch(flags: list[str], log_path: str, env: dict[str, str]) -> ServerProcess:
-    with mock.patch.dict(os.environ, env, clear=True):  # the child copies the environment when it is spawned
+    with mock.patch.dict(
+        os.environ, env, clear=True
+    ):  # the child copies the environment when it is spawned
         return ServerProcess(["--dp-size", "1", *flags], log_path)
 
 
@@ -39,7 +52,9 @@ def two_launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dic
     toggled_env = _environment(SGLANG_GDN_QKVZ_BA_ALT_STREAM="1", SGLANG_QK_NORM_ALT_STREAM="0")
     servers = []
     try:
-        servers.append(_launch(["--disable-shared-experts-fusion"], str(folder / "toggled.log"), toggled_env))
+        servers.append(
+            _launch(["--disable-shared-experts-fusion"], str(folder / "toggled.log"), toggled_env)
+        )
         servers.append(_launch([], str(folder / "default.log"), _environment()))
         for server in servers:
             server.wait_ready()
@@ -51,10 +66,17 @@ def two_launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dic
 
 def test_flags_and_fusion_follow_each_launch(two_launches: tuple[dict, dict]) -> None:
     toggled, default = two_launches
-    assert toggled["disable_shared_experts_fusion"] is True and default["disable_shared_experts_fusion"] is False
+    assert (
+        toggled["disable_shared_experts_fusion"] is True
+        and default["disable_shared_experts_fusion"] is False
+    )
     toggled_plan, default_plan = toggled["alt_stream_plan"], default["alt_stream_plan"]
-    assert toggled_plan["flags"]["gdn_qkvz_ba"] is True and toggled_plan["flags"]["qk_norm"] is False
-    assert default_plan["flags"]["gdn_qkvz_ba"] is False and default_plan["flags"]["qk_norm"] is None
+    assert (
+        toggled_plan["flags"]["gdn_qkvz_ba"] is True and toggled_plan["flags"]["qk_norm"] is False
+    )
+    assert (
+        default_plan["flags"]["gdn_qkvz_ba"] is False and default_plan["flags"]["qk_norm"] is None
+    )
     # The tiny model's shared expert has the routed experts' size, so fusion happens unless it is disabled.
     assert toggled_plan["decode_captured"]["shared_experts_fusion"] is False
     assert default_plan["decode_captured"]["shared_experts_fusion"] is True
@@ -71,8 +93,14 @@ def test_the_cpu_never_overlaps(two_launches: tuple[dict, dict], which: int) -> 
 
 def test_a_bad_flag_value_stops_the_start_naming_the_variable(tmp_path) -> None:
     command = [sys.executable, "-m", "sglang_lite.launch_server", "--port", "0", "--dp-size", "1"]
-    process = subprocess.Popen(command, env=_environment(SGLANG_ALT_STREAM="maybe"), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        env=_environment(SGLANG_ALT_STREAM="maybe"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _, stderr = process.communicate(timeout=BAD_START_TIMEOUT_S)  # a hang fails here
     finally:

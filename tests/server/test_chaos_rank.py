@@ -3,6 +3,7 @@
 Its requests fail cleanly (an SSE error event with 503), the other rank's finish, ``/health`` says degraded and then
 ok once the supervisor has restarted the rank, and both ranks serve again with nothing left held.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,16 @@ HANG_TIMEOUT_S = 5
 
 @pytest.fixture(scope="module")
 def chaos_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    flags = ["--dp-size", "2", "--load-balance-method", "round_robin", "--rank-hang-timeout-s", str(HANG_TIMEOUT_S),
-             "--cpu-threads-per-rank", "1"]
+    flags = [
+        "--dp-size",
+        "2",
+        "--load-balance-method",
+        "round_robin",
+        "--rank-hang-timeout-s",
+        str(HANG_TIMEOUT_S),
+        "--cpu-threads-per-rank",
+        "1",
+    ]
     yield from start_server(tmp_path_factory, "chaos", flags)
 
 
@@ -33,11 +42,17 @@ def rank_pids(server: ServerProcess) -> list[int]:
     return httpx.get(f"{server.url}/server_info", timeout=10).json()["scheduler_pids"]
 
 
-def stream_on(server: ServerProcess, rank: int, started: threading.Event, at_first=None) -> list[dict]:
+def stream_on(
+    server: ServerProcess, rank: int, started: threading.Event, at_first=None
+) -> list[dict]:
     """One streaming request on ``rank``; its events (``started`` is set at the first one, after ``at_first``
     runs)."""
-    body = {"text": f"chaos on rank {rank}", "stream": True, "routed_dp_rank": rank,
-            "sampling_params": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": 0.0}}
+    body = {
+        "text": f"chaos on rank {rank}",
+        "stream": True,
+        "routed_dp_rank": rank,
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": 0.0},
+    }
     events = []
     with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=120) as response:
         assert response.status_code == 200, response.read()
@@ -56,11 +71,15 @@ def wait_health(server: ServerProcess, status: int, timeout_s: float) -> httpx.R
         response = httpx.get(f"{server.url}/health", timeout=10)
         if response.status_code == status:
             return response
-        assert time.monotonic() < deadline, f"/health not {status} in {timeout_s} s: {response.text}"
+        assert time.monotonic() < deadline, (
+            f"/health not {status} in {timeout_s} s: {response.text}"
+        )
         time.sleep(0.1)
 
 
-def under_load(server: ServerProcess, victim: int, signum: int) -> tuple[list[list[dict]], list[list[dict]]]:
+def under_load(
+    server: ServerProcess, victim: int, signum: int
+) -> tuple[list[list[dict]], list[list[dict]]]:
     """One stream on the victim rank, two on the other; the thread reading the victim's stream sends ``signum`` to
     the victim rank's process as soon as it has read its first event, so that stream cannot have finished however
     fast the rank generates or the threads were scheduled. Returns the events of the victim's stream and of the
@@ -73,22 +92,31 @@ def under_load(server: ServerProcess, victim: int, signum: int) -> tuple[list[li
         os.kill(pid, signum)
 
     with ThreadPoolExecutor(len(ranks)) as pool:
-        futures = [pool.submit(stream_on, server, rank, started, kill if rank == victim else None)
-                   for rank, started in zip(ranks, starts)]
+        futures = [
+            pool.submit(stream_on, server, rank, started, kill if rank == victim else None)
+            for rank, started in zip(ranks, starts)
+        ]
         assert starts[0].wait(60), "the victim's stream did not start"
         degraded = wait_health(server, 503, 5 + HANG_TIMEOUT_S)
         results = [future.result(timeout=120) for future in futures]
     assert degraded.json()["status"] == "degraded"
     assert degraded.json()["ranks"][victim]["state"] in ("down", "starting")
     assert degraded.json()["ranks"][1 - victim]["state"] == "up"
-    return ([r for r, k in zip(results, ranks) if k == victim], [r for r, k in zip(results, ranks) if k != victim])
+    return (
+        [r for r, k in zip(results, ranks) if k == victim],
+        [r for r, k in zip(results, ranks) if k != victim],
+    )
 
 
 def assert_recovered(server: ServerProcess, victim: int, old_pid: int) -> None:
     wait_health(server, 200, 150)  # restarted: 1 s backoff, then the start-up of a rank
     assert rank_pids(server)[victim] != old_pid
     for rank in (0, 1):  # both serve again
-        body = {"text": "after", "routed_dp_rank": rank, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+        body = {
+            "text": "after",
+            "routed_dp_rank": rank,
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+        }
         response = httpx.post(f"{server.url}/generate", json=body, timeout=60)
         assert response.status_code == 200, response.text
         assert response.json()["meta_info"]["dp_rank"] == rank
@@ -97,7 +125,9 @@ def assert_recovered(server: ServerProcess, victim: int, old_pid: int) -> None:
 
 def assert_clean_split(failed: list[list[dict]], finished: list[list[dict]]) -> None:
     for events in failed:  # some tokens, then one error event: 503 naming the dead rank
-        assert events[-1]["error"]["code"] == 503 and "died" in events[-1]["error"]["message"], events[-1]
+        assert events[-1]["error"]["code"] == 503 and "died" in events[-1]["error"]["message"], (
+            events[-1]
+        )
     for events in finished:
         assert "error" not in events[-1] and len(events[-1]["output_ids"]) == NEW_TOKENS
         assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"

@@ -1,4 +1,5 @@
 """Clients that hang up mid-stream: their requests are aborted on their ranks and all memory is freed."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,11 @@ from tests.server.conftest import ServerProcess, get_loads, wait_idle
 
 CLIENTS = 50
 # 50 x 400 tokens would keep the ranks busy for minutes; idle within seconds proves the aborts
-BODY = {"text": "hang up", "stream": True, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+BODY = {
+    "text": "hang up",
+    "stream": True,
+    "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+}
 
 
 async def _hang_up_after_first_event(server: ServerProcess, path: str, body: dict) -> bool:
@@ -24,7 +29,12 @@ async def _hang_up_after_first_event(server: ServerProcess, path: str, body: dic
 
 
 async def _hang_up_all(server: ServerProcess) -> list[bool]:
-    chat = {"messages": [{"role": "user", "content": "hang up"}], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    chat = {
+        "messages": [{"role": "user", "content": "hang up"}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
     jobs = [_hang_up_after_first_event(server, "/generate", BODY) for _ in range(CLIENTS - 10)]
     jobs += [_hang_up_after_first_event(server, "/v1/chat/completions", chat) for _ in range(10)]
     return list(await asyncio.gather(*jobs))
@@ -44,7 +54,9 @@ def test_fifty_hang_ups_leave_the_loads_at_zero(server_dp2: ServerProcess) -> No
     loads = wait_idle(server_dp2, timeout_s=30)
     assert all(load["num_total_tokens"] == 0 and load["token_usage"] == 0 for load in loads)
     assert sum(load["num_running_reqs"] for load in get_loads(server_dp2)["loads"]) == 0
-    assert aborted_by_ranks(server_dp2) - before == CLIENTS  # ended by abort, not by running to their length
+    assert (
+        aborted_by_ranks(server_dp2) - before == CLIENTS
+    )  # ended by abort, not by running to their length
 
 
 async def _requests_present(server: ServerProcess) -> int:
@@ -58,14 +70,25 @@ async def _abandon_once_all_arrived(server: ServerProcess, count: int) -> None:
 
     Hanging up only after the ranks report every request makes the count exact: a client-side timeout could fire
     before a loaded server read the request, or after a fast one finished it."""
-    body = {**BODY, "stream": False, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    body = {
+        **BODY,
+        "stream": False,
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+    }
     async with httpx.AsyncClient(timeout=120) as client:
-        posts = [asyncio.create_task(client.post(f"{server.url}/generate", json=body)) for _ in range(count)]
+        posts = [
+            asyncio.create_task(client.post(f"{server.url}/generate", json=body))
+            for _ in range(count)
+        ]
         try:
             deadline = asyncio.get_running_loop().time() + 20
             while await _requests_present(server) < count:
-                assert asyncio.get_running_loop().time() < deadline, "the ranks never held every request"
-                assert not any(post.done() for post in posts), "a request ended before the client hung up"
+                assert asyncio.get_running_loop().time() < deadline, (
+                    "the ranks never held every request"
+                )
+                assert not any(post.done() for post in posts), (
+                    "a request ended before the client hung up"
+                )
                 await asyncio.sleep(0.02)
         finally:
             for post in posts:

@@ -1,4 +1,5 @@
 """The DP controller's choice: a named rank wins, else round robin over live ranks or the fewest in flight."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,11 @@ from sglang_lite.server.dp_controller import DPController, InvalidRank, requeste
 def test_named_rank_wins_over_the_method() -> None:
     controller = DPController(4, "shortest_queue")
     assert controller.pick(3, live=[0, 1, 2, 3], in_flight=[0, 0, 0, 9]) == 3
-    assert requested_rank(None, 2) == 2 and requested_rank(1, 2) == 1 and requested_rank(None, None) is None
+    assert (
+        requested_rank(None, 2) == 2
+        and requested_rank(1, 2) == 1
+        and requested_rank(None, None) is None
+    )
 
 
 @pytest.mark.parametrize("rank", [-1, 4])
@@ -20,7 +25,12 @@ def test_named_rank_out_of_range_is_refused(rank: int) -> None:
 
 def test_round_robin_cycles_over_live_ranks_only() -> None:
     controller = DPController(3, "round_robin")
-    assert [controller.pick(None, live=[0, 2], in_flight=[0, 0, 0]) for _ in range(4)] == [0, 2, 0, 2]
+    assert [controller.pick(None, live=[0, 2], in_flight=[0, 0, 0]) for _ in range(4)] == [
+        0,
+        2,
+        0,
+        2,
+    ]
 
 
 def test_shortest_queue_takes_the_fewest_in_flight_lowest_rank_on_ties() -> None:

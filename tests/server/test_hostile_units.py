@@ -1,6 +1,7 @@
 """The HTTP side's defences without a server: a request that fails while being dispatched leaves nothing
 registered, tokenising never blocks the event loop, a too-long text is refused before the tokenizer runs, and the
 concurrency limit answers 503 with Retry-After."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,14 @@ from sglang_lite.server.middleware import ConcurrencyLimitMiddleware
 from sglang_lite.server.tokenizer_manager import GenerateInput, RequestError, TokenizerManager
 from sglang_lite.server_args import ServerArgs
 
-CONFIG = SchedulerConfig(max_total_tokens=8192, max_running_requests=4, context_length=512, chunk_size=256,
-                         max_prefill_tokens=1024, vocab_size=4096)
+CONFIG = SchedulerConfig(
+    max_total_tokens=8192,
+    max_running_requests=4,
+    context_length=512,
+    chunk_size=256,
+    max_prefill_tokens=1024,
+    vocab_size=4096,
+)
 
 
 class SlowTokenizer:
@@ -42,7 +49,9 @@ class BrokenClient:
 def manager_with(tokenizer: Any = None, client: Any = None) -> TokenizerManager:
     manager = TokenizerManager(ServerArgs(dp_size=2))
     manager.config, manager.tokenizer, manager.client = CONFIG, tokenizer, client
-    manager._pick_rank = lambda requested: 1  # as if both ranks were up (their health is another test's concern)
+    manager._pick_rank = lambda requested: (
+        1
+    )  # as if both ranks were up (their health is another test's concern)
     return manager
 
 
@@ -59,7 +68,12 @@ def test_a_request_that_fails_to_send_leaves_nothing_registered() -> None:
 def test_a_refused_request_leaves_nothing_registered() -> None:
     async def run() -> None:
         manager = manager_with(client=BrokenClient())
-        for raw in ({"top_k": 2**63}, {"temperature": float("inf")}, {"seed": 2**64}, {"stop": ["s"] * 17}):
+        for raw in (
+            {"top_k": 2**63},
+            {"temperature": float("inf")},
+            {"seed": 2**64},
+            {"stop": ["s"] * 17},
+        ):
             with pytest.raises(RequestError) as refused:
                 manager.sampling_params(raw)
             assert refused.value.status == 400 and next(iter(raw)) in refused.value.message
@@ -93,12 +107,16 @@ def test_a_text_too_long_for_the_context_is_refused_before_tokenising() -> None:
     async def run() -> None:
         tokenizer = SlowTokenizer(seconds=0.0)
         manager = manager_with(tokenizer)
-        with pytest.raises(RequestError, match="prompt: the prompt has .* characters, more than the context length"):
+        with pytest.raises(
+            RequestError, match="prompt: the prompt has .* characters, more than the context length"
+        ):
             await manager.encode("a" * (512 * 4 * 4 + 1), "prompt")
         with pytest.raises(RequestError, match="messages"):
             await manager.encode_chat([{"role": "user", "content": "a" * 10**6}], {})
         assert tokenizer.calls == 0
-        assert len(await manager.encode("a" * 2000)) == 2000  # under the cheap bound: the tokenizer decides
+        assert (
+            len(await manager.encode("a" * 2000)) == 2000
+        )  # under the cheap bound: the tokenizer decides
 
     asyncio.run(run())
 
@@ -120,13 +138,17 @@ def test_concurrency_limit_answers_503_with_retry_after() -> None:
                 if message["type"] == "http.response.start":
                     statuses.append((message["status"], dict(message["headers"])))
 
-            await limited({"type": "http", "path": path, "method": "POST", "headers": []}, None, send)
+            await limited(
+                {"type": "http", "path": path, "method": "POST", "headers": []}, None, send
+            )
 
         held = [asyncio.create_task(call("/generate")) for _ in range(2)]
         await asyncio.sleep(0.05)
         await call("/generate")  # over the limit: answered at once
         assert statuses == [(503, statuses[0][1])] and statuses[0][1][b"retry-after"] == b"1"
-        health = asyncio.create_task(call("/health"))  # exempt: waits for the app like the held ones
+        health = asyncio.create_task(
+            call("/health")
+        )  # exempt: waits for the app like the held ones
         release.set()
         await asyncio.gather(*held, health)
         assert [s for s, _ in statuses[1:]] == [200, 200, 200] and limited.active == 0

@@ -1,6 +1,7 @@
 """lm-evaluation-harness (from PyPI) against the server, as users evaluate a served model: its
 ``local-completions`` backend on a tiny local task of log-likelihood and generation requests, compared per sample
 with its transformers backend on the same weights (the built-in model's trained ones)."""
+
 from __future__ import annotations
 
 import glob
@@ -20,41 +21,68 @@ pytest.importorskip("lm_eval")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LM_EVAL_TIMEOUT_S = 600
 CHOICES = [
-    {"question": "def add(a, b):\n    return", "choices": [" a + b", " a - b", " None"], "answer": 0},
+    {
+        "question": "def add(a, b):\n    return",
+        "choices": [" a + b", " a - b", " None"],
+        "answer": 0,
+    },
     {"question": "import os\nimport", "choices": [" sys", " os", " 42"], "answer": 0},
-    {"question": "for i in range(10):\n   ", "choices": [" print(i)", " pass", " break"], "answer": 1},
+    {
+        "question": "for i in range(10):\n   ",
+        "choices": [" print(i)", " pass", " break"],
+        "answer": 1,
+    },
 ]
-PROMPTS = [{"question": "class Config:\n    def __init__(self", "answer": ")"},
-           {"question": "# Copyright", "answer": " 2024"}]
+PROMPTS = [
+    {"question": "class Config:\n    def __init__(self", "answer": ")"},
+    {"question": "# Copyright", "answer": " 2024"},
+]
 
 
 @pytest.fixture(scope="module")
 def trained_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The built-in model with its shipped weights (the session servers use random ones)."""
-    yield from start_server(tmp_path_factory, "lm_eval", ["--dp-size", "1", "--load-format", "auto"])
+    yield from start_server(
+        tmp_path_factory, "lm_eval", ["--dp-size", "1", "--load-format", "auto"]
+    )
 
 
 def _task_dir(root: Path) -> Path:
     """A multiple-choice (log-likelihood) task and a greedy generation task, with their data."""
     for name, rows in (("choices", CHOICES), ("prompts", PROMPTS)):
         (root / f"{name}.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
-    common = "dataset_path: json\ntest_split: test\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
+    common = 'dataset_path: json\ntest_split: test\ndoc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\n'
     (root / "choices.yaml").write_text(
         f"task: sglang_lite_choices\n{common}dataset_kwargs:\n  data_files:\n    test: {root / 'choices.jsonl'}\n"
-        "output_type: multiple_choice\ndoc_to_choice: \"{{choices}}\"\nmetric_list:\n  - metric: acc\n")
+        'output_type: multiple_choice\ndoc_to_choice: "{{choices}}"\nmetric_list:\n  - metric: acc\n'
+    )
     (root / "prompts.yaml").write_text(
         f"task: sglang_lite_prompts\n{common}dataset_kwargs:\n  data_files:\n    test: {root / 'prompts.jsonl'}\n"
-        "output_type: generate_until\ngeneration_kwargs:\n  until: [\"\\n\\n\"]\n  max_gen_toks: 12\n"
-        "  do_sample: false\n  temperature: 0\nmetric_list:\n  - metric: exact_match\n")
+        'output_type: generate_until\ngeneration_kwargs:\n  until: ["\\n\\n"]\n  max_gen_toks: 12\n'
+        "  do_sample: false\n  temperature: 0\nmetric_list:\n  - metric: exact_match\n"
+    )
     return root
 
 
 def _lm_eval(args: list[str], tasks: Path, output: Path) -> dict[tuple[str, int], list]:
     """Runs the lm_eval command from the repository root; each sample's responses by (task, doc id)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "lm_eval", *args, "--tasks", "sglang_lite_choices,sglang_lite_prompts",
-               "--include_path", str(tasks), "--log_samples", "--output_path", str(output)]
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=LM_EVAL_TIMEOUT_S)
+    command = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        *args,
+        "--tasks",
+        "sglang_lite_choices,sglang_lite_prompts",
+        "--include_path",
+        str(tasks),
+        "--log_samples",
+        "--output_path",
+        str(output),
+    ]
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=LM_EVAL_TIMEOUT_S
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     samples = {}
     for path in glob.glob(str(output / "*" / "samples_*.jsonl")):
@@ -67,11 +95,31 @@ def _lm_eval(args: list[str], tasks: Path, output: Path) -> dict[tuple[str, int]
 
 def test_lm_eval_against_the_server_matches_its_transformers_backend(trained_server, tmp_path):
     tasks = _task_dir(tmp_path)
-    served = _lm_eval(["--model", "local-completions", "--model_args",
-                       f"model=tiny_qwen3_5_moe,base_url={trained_server.url}/v1/completions,num_concurrent=2,"
-                       "max_retries=1"], tasks, tmp_path / "served")
-    reference = _lm_eval(["--model", "hf", "--model_args", f"pretrained={TINY_MODEL_DIR},dtype=float32",
-                          "--device", "cpu", "--batch_size", "1"], tasks, tmp_path / "hf")
+    served = _lm_eval(
+        [
+            "--model",
+            "local-completions",
+            "--model_args",
+            f"model=tiny_qwen3_5_moe,base_url={trained_server.url}/v1/completions,num_concurrent=2,"
+            "max_retries=1",
+        ],
+        tasks,
+        tmp_path / "served",
+    )
+    reference = _lm_eval(
+        [
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={TINY_MODEL_DIR},dtype=float32",
+            "--device",
+            "cpu",
+            "--batch_size",
+            "1",
+        ],
+        tasks,
+        tmp_path / "hf",
+    )
     assert sorted(served) == sorted(reference) and len(served) == len(CHOICES) + len(PROMPTS)
     for key in [k for k in served if k[0] == "choices"]:
         for ours, theirs in zip(served[key], reference[key], strict=True):

@@ -1,4 +1,5 @@
 """/v1/loads and /get_load: the schema, the filters, live counts while requests run, and routed_dp_rank."""
+
 from __future__ import annotations
 
 import threading
@@ -9,14 +10,37 @@ import pytest
 
 from tests.server.conftest import ServerProcess, get_loads, wait_idle
 
-CORE = {"dp_rank", "timestamp", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
-        "max_total_num_tokens", "token_usage", "gen_throughput", "cache_hit_rate", "utilization",
-        "max_running_requests", "cached_tokens", "num_cached_prompt_tokens"}
+CORE = {
+    "dp_rank",
+    "timestamp",
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_used_tokens",
+    "num_total_tokens",
+    "max_total_num_tokens",
+    "token_usage",
+    "gen_throughput",
+    "cache_hit_rate",
+    "utilization",
+    "max_running_requests",
+    "cached_tokens",
+    "num_cached_prompt_tokens",
+}
 MEMORY = {"weight_gb", "kv_cache_gb", "token_capacity"}
-DISAGG = {"mode", "prefill_prealloc_queue_reqs", "prefill_inflight_queue_reqs", "decode_prealloc_queue_reqs",
-          "decode_transfer_queue_reqs", "decode_retracted_queue_reqs", "kv_transfer_speed_gb_s",
-          "kv_transfer_latency_ms", "kv_transfers_total", "kv_transfer_bytes_total", "kv_transfer_seconds_total",
-          "num_prefill_tokens"}
+DISAGG = {
+    "mode",
+    "prefill_prealloc_queue_reqs",
+    "prefill_inflight_queue_reqs",
+    "decode_prealloc_queue_reqs",
+    "decode_transfer_queue_reqs",
+    "decode_retracted_queue_reqs",
+    "kv_transfer_speed_gb_s",
+    "kv_transfer_latency_ms",
+    "kv_transfers_total",
+    "kv_transfer_bytes_total",
+    "kv_transfer_seconds_total",
+    "num_prefill_tokens",
+}
 QUEUES = {"waiting", "paused", "retracted"}
 
 
@@ -30,11 +54,16 @@ def test_loads_schema_all_sections(server_dp2: ServerProcess) -> None:
         assert all(isinstance(load[k], (int, float)) for k in CORE - {"timestamp"})
 
 
-@pytest.mark.parametrize("query,sections", [
-    ("?include=core", CORE), ("?include=core,memory", CORE | MEMORY),
-    ("?include=memory&include=queues", MEMORY | QUEUES),
-    ("?include=disagg", DISAGG), ("?include=all", CORE | MEMORY | DISAGG | QUEUES),
-])
+@pytest.mark.parametrize(
+    "query,sections",
+    [
+        ("?include=core", CORE),
+        ("?include=core,memory", CORE | MEMORY),
+        ("?include=memory&include=queues", MEMORY | QUEUES),
+        ("?include=disagg", DISAGG),
+        ("?include=all", CORE | MEMORY | DISAGG | QUEUES),
+    ],
+)
 def test_include_filter(server_dp2: ServerProcess, query: str, sections: set[str]) -> None:
     for load in get_loads(server_dp2, query)["loads"]:
         assert sections | {"dp_rank", "timestamp"} <= set(load)
@@ -42,7 +71,9 @@ def test_include_filter(server_dp2: ServerProcess, query: str, sections: set[str
 
 
 def test_dp_rank_filter_and_bad_queries(server_dp2: ServerProcess) -> None:
-    assert [load["dp_rank"] for load in get_loads(server_dp2, "?dp_rank=1&include=core")["loads"]] == [1]
+    assert [
+        load["dp_rank"] for load in get_loads(server_dp2, "?dp_rank=1&include=core")["loads"]
+    ] == [1]
     unknown = httpx.get(f"{server_dp2.url}/v1/loads?include=core,bogus")
     assert unknown.status_code == 400 and "bogus" in unknown.json()["error"]["message"]
     assert httpx.get(f"{server_dp2.url}/v1/loads?dp_rank=7").status_code == 400
@@ -54,17 +85,26 @@ def _generate(server: ServerProcess, body: dict, results: list) -> None:
 
 
 @pytest.mark.parametrize("field,rank", [("routed_dp_rank", 1), ("data_parallel_rank", 0)])
-def test_named_rank_runs_the_requests_and_loads_return_to_zero(server_dp2: ServerProcess, field: str,
-                                                              rank: int) -> None:
+def test_named_rank_runs_the_requests_and_loads_return_to_zero(
+    server_dp2: ServerProcess, field: str, rank: int
+) -> None:
     wait_idle(server_dp2)
-    body = {"text": "count the loads", field: rank,
-            "sampling_params": {"max_new_tokens": 300, "ignore_eos": True, "temperature": 0}}
+    body = {
+        "text": "count the loads",
+        field: rank,
+        "sampling_params": {"max_new_tokens": 300, "ignore_eos": True, "temperature": 0},
+    }
     results: list = []
-    threads = [threading.Thread(target=_generate, args=(server_dp2, body, results)) for _ in range(3)]
+    threads = [
+        threading.Thread(target=_generate, args=(server_dp2, body, results)) for _ in range(3)
+    ]
     for t in threads:
         t.start()
     seen = _wait_for_busy(server_dp2, rank, expected=3)
-    assert seen[rank]["num_used_tokens"] > 0 and seen[rank]["num_total_tokens"] >= seen[rank]["num_used_tokens"]
+    assert (
+        seen[rank]["num_used_tokens"] > 0
+        and seen[rank]["num_total_tokens"] >= seen[rank]["num_used_tokens"]
+    )
     assert seen[1 - rank]["num_running_reqs"] == seen[1 - rank]["num_waiting_reqs"] == 0
     legacy = httpx.get(f"{server_dp2.url}/get_load").json()
     assert {e["dp_rank"] for e in legacy} == {0, 1}
@@ -76,7 +116,9 @@ def test_named_rank_runs_the_requests_and_loads_return_to_zero(server_dp2: Serve
     assert all(load["num_total_tokens"] == 0 for load in wait_idle(server_dp2))
 
 
-def _wait_for_busy(server: ServerProcess, rank: int, expected: int, timeout_s: float = 60.0) -> list[dict]:
+def _wait_for_busy(
+    server: ServerProcess, rank: int, expected: int, timeout_s: float = 60.0
+) -> list[dict]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         loads = get_loads(server, "?include=core")["loads"]
@@ -87,7 +129,11 @@ def _wait_for_busy(server: ServerProcess, rank: int, expected: int, timeout_s: f
 
 
 def test_metrics_has_rank_gauges_and_histograms(server_dp2: ServerProcess) -> None:
-    httpx.post(f"{server_dp2.url}/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 3}}, timeout=60)
+    httpx.post(
+        f"{server_dp2.url}/generate",
+        json={"text": "x", "sampling_params": {"max_new_tokens": 3}},
+        timeout=60,
+    )
     text = httpx.get(f"{server_dp2.url}/metrics").text
     for rank in (0, 1):
         assert f'sglang_lite_num_running_reqs{{dp_rank="{rank}"}}' in text

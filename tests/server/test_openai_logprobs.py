@@ -1,5 +1,6 @@
 """Log-probabilities, echo, max_tokens 0 and n > 1 through the OpenAI endpoints (official client) and /generate:
 the shapes clients read, streaming equal to non-streaming, and the same numbers on every route."""
+
 from __future__ import annotations
 
 import json
@@ -26,18 +27,32 @@ def native_logprobs(server: ServerProcess, **fields) -> dict:
 
 def test_completion_echo_scores_the_prompt_like_generate(server_dp1: ServerProcess):
     """lm-evaluation-harness's log-likelihood request: echo, logprobs and max_tokens 0 (or 1)."""
-    meta = native_logprobs(server_dp1, logprob_start_len=0, top_logprobs_num=3,
-                           sampling_params={"max_new_tokens": 0})
+    meta = native_logprobs(
+        server_dp1, logprob_start_len=0, top_logprobs_num=3, sampling_params={"max_new_tokens": 0}
+    )
     for max_tokens in (0, 1):
-        choice = client(server_dp1).completions.create(model="m", prompt=PROMPT_IDS, echo=True, logprobs=3,
-                                                       max_tokens=max_tokens, temperature=0).choices[0]
+        choice = (
+            client(server_dp1)
+            .completions.create(
+                model="m",
+                prompt=PROMPT_IDS,
+                echo=True,
+                logprobs=3,
+                max_tokens=max_tokens,
+                temperature=0,
+            )
+            .choices[0]
+        )
         logprobs = choice.logprobs
         assert len(logprobs.tokens) == len(PROMPT_IDS) + max_tokens == len(logprobs.text_offset)
         assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
-        assert logprobs.token_logprobs[1 : len(PROMPT_IDS)] == [e[0] for e in meta["input_token_logprobs"][1:]]
+        assert logprobs.token_logprobs[1 : len(PROMPT_IDS)] == [
+            e[0] for e in meta["input_token_logprobs"][1:]
+        ]
         assert choice.text.startswith("".join(logprobs.tokens[: len(PROMPT_IDS)]))
-        for chosen, top, entries in zip(logprobs.token_logprobs[1:], logprobs.top_logprobs[1:],
-                                        meta["input_top_logprobs"][1:]):
+        for chosen, top, entries in zip(
+            logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], meta["input_top_logprobs"][1:]
+        ):
             assert max(top.values()) == entries[0][0] and chosen in top.values()
         if max_tokens:  # greedy: the generated token is the top one, exactly
             assert logprobs.token_logprobs[-1] == max(logprobs.top_logprobs[-1].values())
@@ -46,38 +61,62 @@ def test_completion_echo_scores_the_prompt_like_generate(server_dp1: ServerProce
 
 def test_chat_logprobs_and_top_logprobs_stream_as_they_return(server_dp1: ServerProcess):
     messages = [{"role": "user", "content": "Name a colour."}]
-    args = dict(model="m", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    args = dict(
+        model="m", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
     whole = client(server_dp1).chat.completions.create(**args).choices[0]
     content = whole.logprobs.content
     assert len(content) == 6 and all(len(entry.top_logprobs) == 2 for entry in content)
     assert all(entry.logprob == entry.top_logprobs[0].logprob for entry in content)  # greedy
     assert all(entry.bytes == list(entry.token.encode()) for entry in content)
-    streamed = [entry for chunk in client(server_dp1).chat.completions.create(**args, stream=True)
-                for choice in chunk.choices if choice.logprobs for entry in choice.logprobs.content]
+    streamed = [
+        entry
+        for chunk in client(server_dp1).chat.completions.create(**args, stream=True)
+        for choice in chunk.choices
+        if choice.logprobs
+        for entry in choice.logprobs.content
+    ]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
 
 
 def test_completion_stream_carries_logprobs_per_chunk(server_dp1: ServerProcess):
     args = dict(model="m", prompt=PROMPT_IDS, max_tokens=5, temperature=0, logprobs=1)
     whole = client(server_dp1).completions.create(**args).choices[0].logprobs
-    chunks = [c.choices[0].logprobs for c in client(server_dp1).completions.create(**args, stream=True)
-              if c.choices and c.choices[0].logprobs]
+    chunks = [
+        c.choices[0].logprobs
+        for c in client(server_dp1).completions.create(**args, stream=True)
+        if c.choices and c.choices[0].logprobs
+    ]
     assert [t for c in chunks for t in c.token_logprobs] == whole.token_logprobs
     assert [o for c in chunks for o in c.text_offset] == whole.text_offset
 
 
 def test_native_logprobs_with_texts_and_chosen_ids(server_dp1: ServerProcess):
-    meta = native_logprobs(server_dp1, logprob_start_len=2, token_ids_logprob=[5, 6], return_text_in_logprobs=True,
-                           sampling_params={"max_new_tokens": 3, "temperature": 0})
+    meta = native_logprobs(
+        server_dp1,
+        logprob_start_len=2,
+        token_ids_logprob=[5, 6],
+        return_text_in_logprobs=True,
+        sampling_params={"max_new_tokens": 3, "temperature": 0},
+    )
     assert len(meta["input_token_logprobs"]) == len(PROMPT_IDS) - 2
     assert [len(e) for e in meta["output_token_ids_logprobs"]] == [2, 2, 2]
-    assert all(isinstance(e[2], str) for e in meta["output_token_logprobs"] + meta["input_token_logprobs"])
+    assert all(
+        isinstance(e[2], str) for e in meta["output_token_logprobs"] + meta["input_token_logprobs"]
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_n_choices_share_one_prompt(server_dp1: ServerProcess, stream: bool):
-    args = dict(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=1.0, seed=3, n=3,
-                stream=stream)
+    args = dict(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        temperature=1.0,
+        seed=3,
+        n=3,
+        stream=stream,
+    )
     if not stream:
         response = client(server_dp1).chat.completions.create(**args)
         texts = {c.index: c.message.content for c in response.choices}
@@ -86,7 +125,9 @@ def test_n_choices_share_one_prompt(server_dp1: ServerProcess, stream: bool):
         assert texts[0] == single.choices[0].message.content  # sample 0 uses the request's seed
     else:
         texts, finished = {}, set()
-        for chunk in client(server_dp1).chat.completions.create(**args, stream_options={"include_usage": True}):
+        for chunk in client(server_dp1).chat.completions.create(
+            **args, stream_options={"include_usage": True}
+        ):
             for choice in chunk.choices:
                 texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
                 if choice.finish_reason:
@@ -96,8 +137,17 @@ def test_n_choices_share_one_prompt(server_dp1: ServerProcess, stream: bool):
 
 
 def test_native_stream_interleaves_parallel_samples_by_index(server_dp1: ServerProcess):
-    body = {"input_ids": PROMPT_IDS, "stream": True, "sampling_params": {"max_new_tokens": 5, "temperature": 1.0,
-                                                                         "seed": 4, "n": 2, "ignore_eos": True}}
+    body = {
+        "input_ids": PROMPT_IDS,
+        "stream": True,
+        "sampling_params": {
+            "max_new_tokens": 5,
+            "temperature": 1.0,
+            "seed": 4,
+            "n": 2,
+            "ignore_eos": True,
+        },
+    }
     last: dict[int, dict] = {}
     with httpx.stream("POST", f"{server_dp1.url}/generate", json=body, timeout=60) as response:
         assert response.status_code == 200
@@ -106,5 +156,7 @@ def test_native_stream_interleaves_parallel_samples_by_index(server_dp1: ServerP
     for event in map(json.loads, lines[:-1]):
         last[event["index"]] = event  # cumulative: the last event of a sample holds all of it
     assert sorted(last) == [0, 1] and all(len(e["output_ids"]) == 5 for e in last.values())
-    whole = httpx.post(f"{server_dp1.url}/generate", json={**body, "stream": False}, timeout=60).json()
+    whole = httpx.post(
+        f"{server_dp1.url}/generate", json={**body, "stream": False}, timeout=60
+    ).json()
     assert [r["output_ids"] for r in whole] == [last[0]["output_ids"], last[1]["output_ids"]]

@@ -1,6 +1,7 @@
 """The prefix cache through the HTTP server: a follow-up that extends a prompt reports its cached tokens (native
 meta_info, OpenAI usage, /v1/loads, /metrics), gives the same tokens as a server with --disable-radix-cache, and
 /flush_cache empties it."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,19 +21,26 @@ def generate(server: ServerProcess, ids: list[int]) -> dict:
     return response.json()
 
 
-def test_follow_ups_hit_the_cache_and_match_a_server_without_it(server_dp1: ServerProcess, tmp_path_factory):
+def test_follow_ups_hit_the_cache_and_match_a_server_without_it(
+    server_dp1: ServerProcess, tmp_path_factory
+):
     rng = random.Random(11)
     base = [rng.randrange(10, 4000) for _ in range(300)]
     follow = base + [rng.randrange(10, 4000) for _ in range(20)]
     generate(server_dp1, base)
     hit = generate(server_dp1, follow)
     assert hit["meta_info"]["cached_tokens"] >= 300
-    chat = httpx.post(f"{server_dp1.url}/v1/completions", timeout=60, json={
-        "prompt": follow, "max_tokens": 2, "temperature": 0})
+    chat = httpx.post(
+        f"{server_dp1.url}/v1/completions",
+        timeout=60,
+        json={"prompt": follow, "max_tokens": 2, "temperature": 0},
+    )
     assert chat.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 300
     wait_idle(server_dp1)
     (load,) = get_loads(server_dp1)["loads"]
-    assert load["cached_tokens"] >= 320 and load["cache_hit_rate"] > 0 and load["num_used_tokens"] == 0
+    assert (
+        load["cached_tokens"] >= 320 and load["cache_hit_rate"] > 0 and load["num_used_tokens"] == 0
+    )
     metrics = httpx.get(f"{server_dp1.url}/metrics", timeout=10).text
     assert 'sglang_lite_cached_prompt_tokens_total{dp_rank="0"}' in metrics
 

@@ -1,5 +1,6 @@
 """The tokenizer manager's rank supervisor on a fake client (no processes): deaths, hangs, backoff, the restart
 limit, and requests that failed inside a rank."""
+
 from __future__ import annotations
 
 import asyncio
@@ -51,7 +52,9 @@ class FakeClient:
 
 
 def manager(max_restarts: int = 2, hang_timeout_s: float = 5.0) -> TokenizerManager:
-    m = TokenizerManager(ServerArgs(dp_size=2, rank_hang_timeout_s=hang_timeout_s, rank_max_restarts=max_restarts))
+    m = TokenizerManager(
+        ServerArgs(dp_size=2, rank_hang_timeout_s=hang_timeout_s, rank_max_restarts=max_restarts)
+    )
     m.client = FakeClient(2)
     for health in m.ranks:
         health.set(UP, 0.0)
@@ -72,7 +75,11 @@ def test_a_dead_rank_fails_its_requests_at_once_and_restarts_with_backoff_up_to_
         m._check_ranks(now=t0)
         assert states(m) == [UP, DOWN] and m.live == [True, False]
         error = stream.queue.get_nowait()
-        assert isinstance(error, RequestError) and error.status == 503 and "exit code -9" in error.message
+        assert (
+            isinstance(error, RequestError)
+            and error.status == 503
+            and "exit code -9" in error.message
+        )
         m._check_ranks(now=t0 + 0.5)  # backoff: 1 s
         assert m.client.respawned == []
         m._check_ranks(now=t0 + 1.5)
@@ -113,7 +120,11 @@ def test_a_request_that_failed_inside_its_rank_ends_with_a_500_and_the_rank_stay
         m = manager()
         stream = RequestStream(m, "r0", 0, 3)
         m.streams["r0"] = stream
-        reason = {"type": "abort", "message": "internal error: RuntimeError: boom", "status_code": 500}
+        reason = {
+            "type": "abort",
+            "message": "internal error: RuntimeError: boom",
+            "status_code": 500,
+        }
         m.on_outputs(0, [ReqOutput("r0", [7], "", True, {"finish_reason": reason})])
         with pytest.raises(RequestError) as error:
             [output async for output in stream]

@@ -49,9 +49,19 @@ def test_deterministic_for_a_seed():
 def test_every_request_finishes_once_within_memory():
     cost, cluster = load_cluster_file()
     # A tight KV pool so that prealloc queues fill and admission has to hold requests back.
-    cluster = dataclasses.replace(cluster, decode_dp_size=4, rank_kv_tokens=120_000, rank_max_running=8)
-    cfg = SimConfig(policy="least_requests", cost=cost, cluster=cluster, concurrency=64, duration_s=None,
-                    warmup_s=0.0, max_sessions=40, check_invariants=True)
+    cluster = dataclasses.replace(
+        cluster, decode_dp_size=4, rank_kv_tokens=120_000, rank_max_running=8
+    )
+    cfg = SimConfig(
+        policy="least_requests",
+        cost=cost,
+        cluster=cluster,
+        concurrency=64,
+        duration_s=None,
+        warmup_s=0.0,
+        max_sessions=40,
+        check_invariants=True,
+    )
     result = simulate(cfg)
     assert result.admitted > 200
     assert sorted(result.finish_counts) == list(range(result.admitted))
@@ -62,7 +72,9 @@ def test_every_request_finishes_once_within_memory():
 
 
 def test_one_rank_makes_policies_indistinguishable():
-    rows = {p: simulate(small(p, dp_size=1)).row() for p in ("round_robin", "tokens", "least_requests")}
+    rows = {
+        p: simulate(small(p, dp_size=1)).row() for p in ("round_robin", "tokens", "least_requests")
+    }
     assert rows["round_robin"] == rows["tokens"] == rows["least_requests"]
 
 
@@ -105,8 +117,23 @@ def test_fit_recovers_a_known_decode_cost(tmp_path):
 
 
 def test_compare_cli_prints_one_table(tmp_path, capsys):
-    main(["compare", "--policies", "round_robin,least_requests", "--concurrency", "16,32", "--duration", "60",
-          "--dp-size", "2", "--processes", "1", "--out", str(tmp_path)])
+    main(
+        [
+            "compare",
+            "--policies",
+            "round_robin,least_requests",
+            "--concurrency",
+            "16,32",
+            "--duration",
+            "60",
+            "--dp-size",
+            "2",
+            "--processes",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert out.count("| round_robin |") == 2 and out.count("| least_requests |") == 2
     assert "%)" in out  # least_requests rows carry their change against round_robin
@@ -114,8 +141,21 @@ def test_compare_cli_prints_one_table(tmp_path, capsys):
 
 
 def test_table_reports_ttft_kv_waiting_and_busiest_share(capsys):
-    main(["compare", "--policies", "round_robin,least_requests", "--concurrency", "16", "--duration", "60",
-          "--dp-size", "2", "--processes", "1"])
+    main(
+        [
+            "compare",
+            "--policies",
+            "round_robin,least_requests",
+            "--concurrency",
+            "16",
+            "--duration",
+            "60",
+            "--dp-size",
+            "2",
+            "--processes",
+            "1",
+        ]
+    )
     header = capsys.readouterr().out.splitlines()[0]
     for title in ("TTFT p50 s", "TTFT p90 s", "waiting on KV", "busiest-rank share"):
         assert title in header
@@ -123,9 +163,15 @@ def test_table_reports_ttft_kv_waiting_and_busiest_share(capsys):
 
 def test_a_slow_kv_link_leaves_requests_waiting_on_transfer():
     cfg = small("least_requests")
-    fast_cost = dataclasses.replace(cfg.cost, transfer_bandwidth_bytes_s=1e12, transfer_request_bytes_s=0.0)
+    fast_cost = dataclasses.replace(
+        cfg.cost, transfer_bandwidth_bytes_s=1e12, transfer_request_bytes_s=0.0
+    )
     fast = simulate(dataclasses.replace(cfg, cost=fast_cost))
-    slow = simulate(dataclasses.replace(cfg, cost=dataclasses.replace(fast_cost, transfer_request_bytes_s=0.2e9)))
+    slow = simulate(
+        dataclasses.replace(
+            cfg, cost=dataclasses.replace(fast_cost, transfer_request_bytes_s=0.2e9)
+        )
+    )
     assert slow.row()["transfer_share"] > 0.5 > fast.row()["transfer_share"]
     assert slow.ttft_p50 > fast.ttft_p50 and slow.ttft_p90 >= slow.ttft_p50
     assert len(slow.transfer_share) == 4  # one share per rank
@@ -155,7 +201,9 @@ def test_steps_ahead_counts_every_decode_step_still_to_run():
         rank.on_transferred(req)
     server.start_step()
     server.end_step()
-    assert rank.steps_ahead(server.step) == 3 + 1  # one step done for each of the two decoding requests
+    assert (
+        rank.steps_ahead(server.step) == 3 + 1
+    )  # one step done for each of the two decoding requests
     for _ in range(3):
         server.start_step()
         server.end_step()

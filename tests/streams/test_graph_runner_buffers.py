@@ -1,4 +1,5 @@
 """The CUDA-graph runner's static-buffer path, run eagerly on the CPU: padded decode equals plain decode."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,9 @@ def test_capture_sizes():
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return load_model(save_checkpoint(make_hf_model(moe=True, seed=4), str(tmp_path_factory.mktemp("m"))))
+    return load_model(
+        save_checkpoint(make_hf_model(moe=True, seed=4), str(tmp_path_factory.mktemp("m")))
+    )
 
 
 def run_session(model, step):
@@ -31,7 +34,14 @@ def run_session(model, step):
     prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in (3, 17, 8, 30, 1)]
     cached = [0] * 5
     build = lambda mode, which, toks: build_forward_batch(  # noqa: E731
-        pools, mode, toks, [cached[i] for i in which], [rows[i] for i in which], [slots[i] for i in which], "cpu")
+        pools,
+        mode,
+        toks,
+        [cached[i] for i in which],
+        [rows[i] for i in which],
+        [slots[i] for i in which],
+        "cpu",
+    )
     model.forward_batch(build(ForwardMode.EXTEND, range(5), prompts))
     cached = [len(p) for p in prompts]
     outputs = []
@@ -48,7 +58,9 @@ def test_padded_static_decode_equals_eager_decode(model):
     runners = {}
 
     def replay(batch, pools):
-        runner = runners.setdefault(id(pools), CudaGraphRunner(model, pools, max_bs=8, use_graphs=False))
+        runner = runners.setdefault(
+            id(pools), CudaGraphRunner(model, pools, max_bs=8, use_graphs=False)
+        )
         assert runner.can_run(batch)
         return runner.replay(batch)
 

@@ -1,4 +1,5 @@
 """Per-run toggles, shared-expert fusion equality, and overlap as a no-op on the CPU."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,9 +42,15 @@ def test_fused_and_unfused_moe_give_equal_logits(fusable_checkpoint):
     fused = load_model(path, server_args=ServerArgs(disable_shared_experts_fusion=False))
     plain = load_model(path, server_args=ServerArgs(disable_shared_experts_fusion=True))
     block = fused.model.layers[0].mlp
-    assert block.fuse_shared_expert and block.experts.w13.shape[0] == 9 and not hasattr(block, "shared_expert")
+    assert (
+        block.fuse_shared_expert
+        and block.experts.w13.shape[0] == 9
+        and not hasattr(block, "shared_expert")
+    )
     assert not plain.model.layers[0].mlp.fuse_shared_expert
-    ids = torch.randint(0, hf.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, hf.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         expected = hf(ids).logits
     for model in (fused, plain):
@@ -51,11 +58,16 @@ def test_fused_and_unfused_moe_give_equal_logits(fusable_checkpoint):
 
 
 def test_fusion_falls_back_when_shapes_differ(tmp_path, caplog):
-    path = save_checkpoint(make_hf_model(moe=True, seed=2), str(tmp_path))  # shared 16 != experts 24
+    path = save_checkpoint(
+        make_hf_model(moe=True, seed=2), str(tmp_path)
+    )  # shared 16 != experts 24
     with caplog.at_level("WARNING"):
         model = load_model(path)
     assert not model.model.layers[0].mlp.fuse_shared_expert
-    assert "shared-expert fusion off: shared_expert_intermediate_size (16) != moe_intermediate_size (24)" in caplog.text
+    assert (
+        "shared-expert fusion off: shared_expert_intermediate_size (16) != moe_intermediate_size (24)"
+        in caplog.text
+    )
 
 
 def test_two_models_in_one_process_follow_their_own_flags_and_args(monkeypatch, fusable_checkpoint):
@@ -73,7 +85,10 @@ def test_two_models_in_one_process_follow_their_own_flags_and_args(monkeypatch, 
         set_global_server_args(None)
     assert first.streams.flags.gdn_qkvz_ba and first.streams.flags.qk_norm is False
     assert not second.streams.flags.gdn_qkvz_ba and second.streams.flags.qk_norm is None
-    assert not first.model.layers[0].mlp.fuse_shared_expert and second.model.layers[0].mlp.fuse_shared_expert
+    assert (
+        not first.model.layers[0].mlp.fuse_shared_expert
+        and second.model.layers[0].mlp.fuse_shared_expert
+    )
     # as the same decisions would come out on ROCm with its alternate stream (on CUDA both overlaps are always on):
     for model in (first, second):
         model.streams.platform = "rocm"
@@ -92,9 +107,12 @@ def test_bad_flag_fails_model_construction_naming_it(monkeypatch, fusable_checkp
 def test_overlap_is_plain_execution_on_the_cpu():
     x = torch.randn(4, 8)
     calls = []
-    main_out, side_out = overlap(lambda: calls.append("main") or x * 2, lambda: calls.append("side") or x + 1,
-                                 None, True, x)
-    assert calls == ["main", "side"] and torch.equal(main_out, x * 2) and torch.equal(side_out, x + 1)
+    main_out, side_out = overlap(
+        lambda: calls.append("main") or x * 2, lambda: calls.append("side") or x + 1, None, True, x
+    )
+    assert (
+        calls == ["main", "side"] and torch.equal(main_out, x * 2) and torch.equal(side_out, x + 1)
+    )
 
 
 def test_overlapped_plan_on_cpu_gives_identical_logits(monkeypatch, fusable_checkpoint):
@@ -104,7 +122,9 @@ def test_overlapped_plan_on_cpu_gives_identical_logits(monkeypatch, fusable_chec
     monkeypatch.setenv("SGLANG_ALT_STREAM_EAGER", "1")
     monkeypatch.setenv("SGLANG_GDN_QKVZ_BA_ALT_STREAM", "1")
     overlapped = load_model(path, server_args=args)
-    overlapped.streams.platform = "cuda"  # every site takes its overlap branch; with no CUDA stream it runs in order
+    overlapped.streams.platform = (
+        "cuda"  # every site takes its overlap branch; with no CUDA stream it runs in order
+    )
     assert overlapped.streams.plan(False, 16).any_overlap
     ids = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(3))
     assert torch.equal(plain(ids), overlapped(ids))

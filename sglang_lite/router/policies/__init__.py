@@ -1,4 +1,5 @@
 """Routing policies: pure objects that pick a worker from `WorkerState` snapshots."""
+
 from __future__ import annotations
 
 import inspect
@@ -29,7 +30,18 @@ def create_policy(name: str, **opts) -> Policy:
 
 
 __all__ = [
-    "Policy", "RequestInfo", "WorkerState", "healthy_workers", "create_policy", "POLICIES", "LOAD_METRICS",
-    "RoundRobinPolicy", "RandomPolicy", "PowerOfTwoPolicy", "ConsistentHashingPolicy", "CacheAwarePolicy",
-    "RadixTree", "resolve_load_metric",
+    "Policy",
+    "RequestInfo",
+    "WorkerState",
+    "healthy_workers",
+    "create_policy",
+    "POLICIES",
+    "LOAD_METRICS",
+    "RoundRobinPolicy",
+    "RandomPolicy",
+    "PowerOfTwoPolicy",
+    "ConsistentHashingPolicy",
+    "CacheAwarePolicy",
+    "RadixTree",
+    "resolve_load_metric",
 ]

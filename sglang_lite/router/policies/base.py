@@ -3,6 +3,7 @@
 Policies are pure: no HTTP, no clocks, no global state. The HTTP router and the simulator hand them the same
 `WorkerState` snapshots, so what the simulator shows is what the router does.
 """
+
 from __future__ import annotations
 
 import random
@@ -19,7 +20,9 @@ class WorkerState:
     dp_rank: int | None = None
     healthy: bool = True
     in_flight: int = 0
-    polled_tokens: int | None = None  # num_total_tokens from /v1/loads; None when not polled or missing
+    polled_tokens: int | None = (
+        None  # num_total_tokens from /v1/loads; None when not polled or missing
+    )
 
     def __post_init__(self) -> None:
         assert self.in_flight >= 0, f"negative in-flight count for {self.url}"
@@ -43,8 +46,7 @@ class Policy(ABC):
     @abstractmethod
     def select(
         self, workers: Sequence[WorkerState], request: RequestInfo, rng: random.Random
-    ) -> WorkerState | None:
-        ...
+    ) -> WorkerState | None: ...
 
 
 def healthy_workers(workers: Sequence[WorkerState]) -> list[WorkerState]:

@@ -3,6 +3,7 @@
 Approximate because the router never learns what a server evicted; the tree only remembers what it sent,
 bounded by `max_tree_size` characters per worker with least-recently-used leaves evicted first.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -124,7 +125,11 @@ class CacheAwarePolicy(Policy):
         if not healthy:
             return None
         self._sync_trees(workers)
-        chosen = self._least_loaded(healthy) if self.is_imbalanced(healthy) else self._by_cache(healthy, request.text)
+        chosen = (
+            self._least_loaded(healthy)
+            if self.is_imbalanced(healthy)
+            else self._by_cache(healthy, request.text)
+        )
         self._record(chosen.url, request.text)
         return chosen
 

@@ -1,4 +1,5 @@
 """A hash ring with 150 virtual nodes per worker; the key comes from request headers."""
+
 from __future__ import annotations
 
 import bisect
@@ -32,7 +33,9 @@ class HashRing:
 
     def __init__(self, urls: Sequence[str], virtual_nodes: int = VIRTUAL_NODES) -> None:
         self.urls = tuple(sorted(urls))
-        nodes = sorted((ring_hash(f"{url}#{i}"), url) for url in self.urls for i in range(virtual_nodes))
+        nodes = sorted(
+            (ring_hash(f"{url}#{i}"), url) for url in self.urls for i in range(virtual_nodes)
+        )
         self._hashes = [h for h, _ in nodes]
         self._owners = [u for _, u in nodes]
 
@@ -55,8 +58,12 @@ class ConsistentHashingPolicy(Policy):
 
     name = "consistent_hashing"
 
-    def __init__(self, bounded_load: float | None = None, virtual_nodes: int = VIRTUAL_NODES) -> None:
-        assert bounded_load is None or bounded_load >= 1.0, "a load bound below 1.0 would reject every worker"
+    def __init__(
+        self, bounded_load: float | None = None, virtual_nodes: int = VIRTUAL_NODES
+    ) -> None:
+        assert bounded_load is None or bounded_load >= 1.0, (
+            "a load bound below 1.0 would reject every worker"
+        )
         self.bounded_load = bounded_load
         self.virtual_nodes = virtual_nodes
         self._ring = HashRing((), virtual_nodes)
@@ -75,7 +82,9 @@ class ConsistentHashingPolicy(Policy):
             return rng.choice(healthy)
         return self._walk(workers, healthy, key)
 
-    def _walk(self, workers: Sequence[WorkerState], healthy: list[WorkerState], key: str) -> WorkerState:
+    def _walk(
+        self, workers: Sequence[WorkerState], healthy: list[WorkerState], key: str
+    ) -> WorkerState:
         self._ensure_ring(workers)
         by_url = {w.url: w for w in healthy}
         limit = self._load_limit(healthy)
@@ -87,7 +96,9 @@ class ConsistentHashingPolicy(Policy):
             first_healthy = first_healthy or w
             if limit is None or w.in_flight <= limit:
                 return w
-        return first_healthy or healthy[0]  # every healthy worker is over the bound: keep the key's home
+        return (
+            first_healthy or healthy[0]
+        )  # every healthy worker is over the bound: keep the key's home
 
     def _load_limit(self, healthy: list[WorkerState]) -> float | None:
         if self.bounded_load is None:

@@ -1,4 +1,5 @@
 """Power of two choices, with the load metric of SGLANG_ROUTER_P2C_LOAD_METRIC (or --p2c-load-metric)."""
+
 from __future__ import annotations
 
 import random
@@ -20,7 +21,11 @@ def resolve_load_metric(explicit: str | None) -> str:
 
 def _by_tokens(a: WorkerState, b: WorkerState) -> WorkerState:
     # Polled tokens decide only when both are known and differ; otherwise the live request count decides.
-    if a.polled_tokens is not None and b.polled_tokens is not None and a.polled_tokens != b.polled_tokens:
+    if (
+        a.polled_tokens is not None
+        and b.polled_tokens is not None
+        and a.polled_tokens != b.polled_tokens
+    ):
         return a if a.polled_tokens < b.polled_tokens else b
     return b if b.in_flight < a.in_flight else a
 

@@ -1,5 +1,6 @@
 """Output parsers of chat completions: reasoning (``--reasoning-parser``) and tool calls (``--tool-call-parser``),
 SGLang's flags and parser names. ``OutputParser`` chains them: reasoning first, tool calls in the answer."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,12 +8,25 @@ from typing import Any
 
 from sglang_lite.server.parsers.base import ParsedText, ToolCall, ToolCallDelta, join_tool_calls
 from sglang_lite.server.parsers.reasoning import ReasoningParser, prompt_opens_reasoning
-from sglang_lite.server.parsers.tool_calls import TOOL_CALL_PARSERS, ToolCallParser, create_tool_call_parser
+from sglang_lite.server.parsers.tool_calls import (
+    TOOL_CALL_PARSERS,
+    ToolCallParser,
+    create_tool_call_parser,
+)
 
 REASONING_PARSERS = ("qwen3",)
 
-__all__ = ["REASONING_PARSERS", "TOOL_CALL_PARSERS", "OutputParser", "ParsedText", "ParsingPlan", "ToolCall",
-           "ToolCallDelta", "join_tool_calls", "prompt_opens_reasoning"]
+__all__ = [
+    "REASONING_PARSERS",
+    "TOOL_CALL_PARSERS",
+    "OutputParser",
+    "ParsedText",
+    "ParsingPlan",
+    "ToolCall",
+    "ToolCallDelta",
+    "join_tool_calls",
+    "prompt_opens_reasoning",
+]
 
 
 @dataclass(frozen=True)
@@ -31,7 +45,11 @@ class ParsingPlan:
 
     def new(self) -> OutputParser:
         reasoning = ReasoningParser(self.starts_in_reasoning) if self.reasoning else None
-        tools = create_tool_call_parser(self.tool_parser, list(self.tools)) if self.tool_parser else None
+        tools = (
+            create_tool_call_parser(self.tool_parser, list(self.tools))
+            if self.tool_parser
+            else None
+        )
         return OutputParser(reasoning, tools)
 
 

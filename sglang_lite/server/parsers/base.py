@@ -4,6 +4,7 @@ A parser's ``feed`` returns what it can decide so far and holds back text that m
 (``<think`` at the end of a delta); ``finish`` releases the rest. Feeding a text whole or in any split gives the
 same result, so the non-streaming response is the streaming parser fed once.
 """
+
 from __future__ import annotations
 
 import uuid

@@ -6,6 +6,7 @@ false) starts in the answer, where a leading ``<think>`` still opens reasoning. 
 whitespace around it, as is the start of the answer after ``</think>``; output that never closes its reasoning
 (cut by ``max_tokens``) is all reasoning. SGLang's ``qwen3`` parser with ``force_reasoning`` behaves the same.
 """
+
 from __future__ import annotations
 
 from sglang_lite.server.parsers.base import ParsedText, partial_suffix
@@ -27,7 +28,9 @@ class ReasoningParser:
         self._buffer = ""
         self._pending_space = ""  # the reasoning's trailing whitespace, dropped if </think> follows
         self._reasoning_started = False
-        self._strip_answer = False  # right after </think>: the answer's leading whitespace is dropped
+        self._strip_answer = (
+            False  # right after </think>: the answer's leading whitespace is dropped
+        )
 
     def feed(self, text: str) -> ParsedText:
         self._buffer += text
@@ -49,19 +52,22 @@ class ReasoningParser:
     def _start(self, final: bool) -> None:
         head = self._buffer.lstrip()
         if head.startswith(THINK_START):
-            self._buffer, self._state = head[len(THINK_START):], _REASONING
+            self._buffer, self._state = head[len(THINK_START) :], _REASONING
         elif final or not THINK_START.startswith(head):
             self._state = _ANSWER
 
     def _reasoning(self, final: bool) -> str:
         end = self._buffer.find(THINK_END)
         if end != -1:
-            text, self._buffer = self._buffer[:end], self._buffer[end + len(THINK_END):]
+            text, self._buffer = self._buffer[:end], self._buffer[end + len(THINK_END) :]
             reasoning = self._trimmed(text, final=True)
             self._state, self._strip_answer = _ANSWER, True
             return reasoning
         keep = 0 if final else partial_suffix(self._buffer, THINK_END)
-        text, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+        text, self._buffer = (
+            self._buffer[: len(self._buffer) - keep],
+            self._buffer[len(self._buffer) - keep :],
+        )
         return self._trimmed(text, final)
 
     def _trimmed(self, text: str, final: bool) -> str:
@@ -73,7 +79,7 @@ class ReasoningParser:
         if not body:
             self._pending_space = "" if final else self._pending_space + text
             return ""
-        out, self._pending_space = self._pending_space + body, "" if final else text[len(body):]
+        out, self._pending_space = self._pending_space + body, "" if final else text[len(body) :]
         return out
 
     def _answer(self, text: str) -> str:

@@ -20,6 +20,7 @@ Anything else stays answer text: a block that names no tool of the request, JSON
 calls is dropped (the template puts a blank line before a call); the rest of the answer passes through as it
 comes, except a possible start of ``<tool_call>`` at the end of a delta, held until it is decided.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 MAX_LEADING_SPACE = 64  # whitespace allowed between <tool_call> and the call itself
 _WAIT, _REJECT = object(), object()  # what _open may answer besides a header
 # a value ends at </parameter>, or where the model went on without it; one still open at the end is dropped
-_PARAMETER = re.compile(r"<parameter=([^>\n]{1,256})>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>))",
-                        re.DOTALL)
+_PARAMETER = re.compile(
+    r"<parameter=([^>\n]{1,256})>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>))", re.DOTALL
+)
 
 
 class ToolCallParser:
@@ -87,12 +89,12 @@ class ToolCallParser:
         start = self._buffer.find(CALL_START)
         if start == -1:
             keep = 0 if final else partial_suffix(self._buffer, CALL_START)
-            self._answer(out, self._buffer[:len(self._buffer) - keep])
-            self._buffer = self._buffer[len(self._buffer) - keep:]
+            self._answer(out, self._buffer[: len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep :]
             return False
         self._answer(out, self._buffer[:start])
         self._buffer = self._buffer[start:]
-        header = self._open(self._buffer[len(CALL_START):], final)
+        header = self._open(self._buffer[len(CALL_START) :], final)
         if header is _WAIT:
             return False
         if header is _REJECT:
@@ -110,7 +112,7 @@ class ToolCallParser:
             self._searched = len(self._buffer)
             return False
         stop = end if end != -1 else len(self._buffer)
-        call = self._close(self._block, self._buffer[len(CALL_START):stop])
+        call = self._close(self._block, self._buffer[len(CALL_START) : stop])
         if call is None:
             self._block = None
             self._reject(out)
@@ -121,13 +123,13 @@ class ToolCallParser:
             deltas.insert(0, ToolCallDelta(self.calls, name=name, id=new_call_id()))
         self._commit(out, deltas)
         self.calls += 1
-        self._block, self._buffer = None, self._buffer[stop + len(CALL_END):]
+        self._block, self._buffer = None, self._buffer[stop + len(CALL_END) :]
         return True
 
     def _reject(self, out: ParsedText) -> None:
         """<tool_call> that opens no call is answer text; what follows it is scanned again."""
         self._answer(out, CALL_START)
-        self._buffer = self._buffer[len(CALL_START):]
+        self._buffer = self._buffer[len(CALL_START) :]
 
     def _commit(self, out: ParsedText, deltas: list[ToolCallDelta]) -> None:
         self._pending_space, self._after_call = "", True
@@ -140,7 +142,7 @@ class ToolCallParser:
         body = text.rstrip()
         if body:
             out.content += self._pending_space + body
-            self._pending_space = text[len(body):]
+            self._pending_space = text[len(body) :]
         else:
             self._pending_space += text
 
@@ -154,7 +156,7 @@ class Qwen3CoderParser(ToolCallParser):
             return _REJECT
         closing = body.find(">")
         if closing != -1:
-            name = body[len("<function="):closing]
+            name = body[len("<function=") : closing]
             return name if body.startswith("<function=") and name in self.tools else _REJECT
         could_be = any(f"<function={name}>".startswith(body) for name in self.tools)
         return _WAIT if could_be and not final else _REJECT
@@ -163,8 +165,10 @@ class Qwen3CoderParser(ToolCallParser):
         return [ToolCallDelta(self.calls, name=header, id=new_call_id())]
 
     def _close(self, header: Any, body: str) -> tuple[str | None, dict[str, Any]]:
-        body = body[body.find(">") + 1:]
-        end = body.find("</function>")  # a call cut before </function> keeps its complete parameters
+        body = body[body.find(">") + 1 :]
+        end = body.find(
+            "</function>"
+        )  # a call cut before </function> keeps its complete parameters
         schema = self.tools[header].get("properties")
         schema = schema if isinstance(schema, dict) else {}
         arguments = {}
@@ -241,7 +245,10 @@ def _json_or_none(text: str) -> Any:
         return None
 
 
-TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {"qwen3_coder": Qwen3CoderParser, "qwen25": Qwen25Parser}
+TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
+    "qwen3_coder": Qwen3CoderParser,
+    "qwen25": Qwen25Parser,
+}
 
 
 def create_tool_call_parser(name: str, tools: list[dict[str, Any]]) -> ToolCallParser:
