@@ -15,14 +15,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from sglang_lite.engine.sync_client import SyncClient
+from sglang_lite.protocol.loads import LOAD_SECTIONS
+from sglang_lite.protocol.outputs import ReqOutput, join_outputs
+from sglang_lite.protocol.requests import fork_rids, validate_request
 from sglang_lite.runtime.inputs import prompt_token_ids
 from sglang_lite.runtime.messages import CheckQuery, FlushCache, LoadsQuery
 from sglang_lite.sampling.grammar import GrammarCache, grammar_key
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
-from sglang_lite.scheduler.loads import LOAD_SECTIONS
-from sglang_lite.scheduler.request import ReqOutput, fork_rids, join_outputs
-from sglang_lite.scheduler.scheduler import validate_request
 from sglang_lite.server_args import ServerArgs
 from sglang_lite.tokenizer.loader import load_server_tokenizer
 

@@ -18,6 +18,9 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
+from sglang_lite.protocol.config import SchedulerConfig
+from sglang_lite.protocol.outputs import ReqOutput, internal_error
+from sglang_lite.protocol.requests import fork_rids
 from sglang_lite.runtime.client import POLL_MS, SchedulerClient
 from sglang_lite.runtime.messages import (
     REFUSED,
@@ -30,8 +33,6 @@ from sglang_lite.runtime.messages import (
 )
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
-from sglang_lite.scheduler.config import SchedulerConfig
-from sglang_lite.scheduler.request import ReqOutput, fork_rids, internal_error
 from sglang_lite.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -25,6 +25,8 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
+from sglang_lite.protocol.config import SchedulerConfig
+from sglang_lite.protocol.outputs import ReqOutput
 from sglang_lite.runtime.messages import (
     UNAVAILABLE,
     Ack,
@@ -56,8 +58,6 @@ from sglang_lite.runtime.transport import (
     remove_ipc_files,
     send,
 )
-from sglang_lite.scheduler.config import SchedulerConfig
-from sglang_lite.scheduler.request import ReqOutput
 from sglang_lite.server_args import ServerArgs
 from sglang_lite.utils.process import stop_processes
 

@@ -10,8 +10,8 @@ from sglang_lite.disaggregation.transfer import MooncakeTransfer, local_hostname
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.model_executor import ModelRunner
 from sglang_lite.models.loader import load_model
+from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.runtime.memory import resolve_dtype, resolve_max_total_tokens
-from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.disagg import DecodeSide, PrefillSide, create_side
 from sglang_lite.scheduler.scheduler import Scheduler
 from sglang_lite.server_args import ServerArgs

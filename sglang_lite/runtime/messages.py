@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from sglang_lite.protocol.config import SchedulerConfig
+from sglang_lite.protocol.outputs import ReqOutput
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
-from sglang_lite.scheduler.config import SchedulerConfig
-from sglang_lite.scheduler.request import ReqOutput
 
 # Ack statuses, as HTTP status codes: the server answers with the same code.
 # unavailable: the waiting queue or the command queue is full, or the rank died; failed: adding it raised in the rank

@@ -38,6 +38,7 @@ from sglang_lite.distributed import (
     gather_objects,
     init_distributed,
 )
+from sglang_lite.protocol.outputs import ReqOutput
 from sglang_lite.runtime.messages import (
     FAILED,
     QUEUED,
@@ -63,7 +64,6 @@ from sglang_lite.runtime.messages import (
 )
 from sglang_lite.runtime.transport import pull_socket, push_socket, send
 from sglang_lite.scheduler.faults import breaks_the_device, describe
-from sglang_lite.scheduler.request import ReqOutput
 from sglang_lite.server_args import ServerArgs, set_global_server_args
 from sglang_lite.utils.process import keep_freed_heap_memory
 

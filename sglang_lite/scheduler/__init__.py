@@ -1,17 +1,4 @@
-"""The continuous-batching scheduler: request state, admission policy, batches and load figures."""
+"""The rank's continuous-batching scheduler and the owners it hands work to (see ``scheduler.py``).
 
-from sglang_lite.scheduler.config import SchedulerConfig
-from sglang_lite.scheduler.loads import SchedulerLoads
-from sglang_lite.scheduler.request import FinishReason, Req, ReqOutput, ReqStatus
-from sglang_lite.scheduler.scheduler import Scheduler, validate_request
-
-__all__ = [
-    "FinishReason",
-    "Req",
-    "ReqOutput",
-    "ReqStatus",
-    "Scheduler",
-    "SchedulerConfig",
-    "SchedulerLoads",
-    "validate_request",
-]
+Imports nothing itself: the simulator reads the pure ``policy`` module without pulling in torch.
+"""

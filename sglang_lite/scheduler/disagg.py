@@ -26,7 +26,8 @@ import torch
 from sglang_lite.disaggregation.layout import PoolLayout, request_blocks
 from sglang_lite.disaggregation.transfer import MooncakeTransfer
 from sglang_lite.mem_cache.pools import ModelPools
-from sglang_lite.scheduler.request import INTERNAL_ERROR, FinishReason, Req, ReqStatus
+from sglang_lite.protocol.outputs import INTERNAL_ERROR
+from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
 
 if TYPE_CHECKING:
     from sglang_lite.scheduler.scheduler import Scheduler

@@ -9,8 +9,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
-from sglang_lite.scheduler.request import Req
+
+class PolicyRequest(Protocol):
+    """What admission reads of a request: the scheduler's ``Req`` and the simulator's requests both have it."""
+
+    @property
+    def arrival_time(self) -> float: ...
+
+    @property
+    def num_uncached(self) -> int: ...
+
+    @property
+    def remaining_new_tokens(self) -> int: ...
+
+
+Req = TypeVar("Req", bound=PolicyRequest)
 
 
 def order_waiting(waiting: list[Req], policy: str) -> list[Req]:
@@ -22,7 +37,7 @@ def order_waiting(waiting: list[Req], policy: str) -> list[Req]:
     raise ValueError(f"unknown schedule policy {policy!r}")
 
 
-def reserved_decode_tokens(req: Req, ratio: float) -> int:
+def reserved_decode_tokens(req: PolicyRequest, ratio: float) -> int:
     return math.ceil(req.remaining_new_tokens * ratio)
 
 
@@ -60,14 +75,17 @@ def _admit_waiting(
 ) -> list[tuple[Req, int]]:
     # admit_free already excludes what the chunked request still needs, so its chunk is not subtracted again
     admitted: list[tuple[Req, int]] = []
-    admit_free, rows = budget.admit_free, budget.free_rows
+    admit_free = budget.admit_free
+    rows = budget.free_rows
     for req in waiting:
         cost = req.num_uncached + reserved_decode_tokens(req, budget.new_token_ratio)
         if rows == 0 or tokens_left == 0 or cost > admit_free:
             break
         n = min(req.num_uncached, budget.chunk_size, tokens_left)
         admitted.append((req, n))
-        rows, tokens_left, admit_free = rows - 1, tokens_left - n, admit_free - cost
+        rows -= 1
+        tokens_left -= n
+        admit_free -= cost
         if n < req.num_uncached:
             break
     return admitted

@@ -9,12 +9,11 @@ from typing import Any
 
 import torch
 
+from sglang_lite.protocol.outputs import INTERNAL_ERROR
 from sglang_lite.sampling.grammar import RequestGrammar
-from sglang_lite.sampling.logprobs import INPUT_KEYS, OUTPUT_KEYS, LogprobParams, LogprobRecord
+from sglang_lite.sampling.logprobs import LogprobParams, LogprobRecord
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
-
-INTERNAL_ERROR = 500  # the status of a request that failed inside its rank
 
 
 @dataclass(frozen=True)
@@ -147,43 +146,3 @@ class Req:
         assert self.status is not ReqStatus.DECODING or self.num_cached == self.seq_len - 1, (
             f"{self.rid}: decode lag"
         )
-
-
-def fork_rids(rid: str, n: int) -> list[str]:
-    """The rids of a request's ``n`` parallel samples: its own, then ``rid.n1`` and so on."""
-    return [rid] + [f"{rid}.n{i}" for i in range(1, n)]
-
-
-@dataclass
-class ReqOutput:
-    """What one step produced for one request: new tokens and text since the last output, and whether it ended."""
-
-    rid: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    meta_info: dict[str, Any]
-
-
-def internal_error(output: ReqOutput) -> str | None:
-    """The error message of an output whose request failed inside its rank, else None."""
-    reason = output.meta_info.get("finish_reason") or {}
-    failed = (
-        output.finished
-        and reason.get("type") == "abort"
-        and reason.get("status_code") == INTERNAL_ERROR
-    )
-    return (reason.get("message") or "internal error") if failed else None
-
-
-def join_outputs(outputs: list[ReqOutput]) -> ReqOutput:
-    """A request's outputs as one: every token, all text and every log-probability in order, the last
-    ``meta_info`` otherwise."""
-    assert outputs, "a finished request has at least one output"
-    ids = [token for output in outputs for token in output.new_token_ids]
-    text = "".join(output.new_text for output in outputs)
-    last = outputs[-1]
-    meta = dict(last.meta_info)
-    for key in [k for k in OUTPUT_KEYS + INPUT_KEYS if k in meta]:
-        meta[key] = [entry for output in outputs for entry in output.meta_info.get(key, [])]
-    return ReqOutput(last.rid, ids, text, last.finished, meta)

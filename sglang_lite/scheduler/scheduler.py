@@ -24,12 +24,15 @@ from sglang_lite.distributed import get_parallel_state
 from sglang_lite.forward_batch import ForwardMode, build_forward_batch
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.radix_cache import RadixCache
+from sglang_lite.protocol.config import SchedulerConfig
+from sglang_lite.protocol.loads import SchedulerLoads, utc_timestamp
+from sglang_lite.protocol.outputs import INTERNAL_ERROR, ReqOutput
+from sglang_lite.protocol.requests import fork_rids, validate_request
 from sglang_lite.sampling.grammar import GrammarCache, GrammarQueue, RequestGrammar, grammar_key
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.sampling.sampler import make_generator
 from sglang_lite.scheduler.batch import ScheduleBatch
-from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.scheduler.disagg import DecodeSide, PrefillSide
 from sglang_lite.scheduler.faults import (
     MemoryFailures,
@@ -38,7 +41,7 @@ from sglang_lite.scheduler.faults import (
     describe,
     is_out_of_memory,
 )
-from sglang_lite.scheduler.loads import SchedulerLoads, ThroughputMeter, utc_timestamp
+from sglang_lite.scheduler.loads import ThroughputMeter
 from sglang_lite.scheduler.policy import (
     NewTokenRatio,
     PrefillBudget,
@@ -47,57 +50,12 @@ from sglang_lite.scheduler.policy import (
     reserved_decode_tokens,
     snapshot_aligned_chunk,
 )
-from sglang_lite.scheduler.request import (
-    INTERNAL_ERROR,
-    FinishReason,
-    Req,
-    ReqOutput,
-    ReqStatus,
-    fork_rids,
-)
+from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
 from sglang_lite.scheduler.sampling import StepSampler
 from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 GB = 1024**3
 logger = logging.getLogger(__name__)
-
-
-def validate_request(
-    input_ids: list[int],
-    params: SamplingParams,
-    config: SchedulerConfig,
-    has_tokenizer: bool,
-    logprob: LogprobParams | None = None,
-) -> None:
-    """Raises ValueError naming the bad field; cheap, so a front end can call it before queueing."""
-    if not input_ids or not all(
-        isinstance(t, int) and 0 <= t < config.vocab_size for t in input_ids
-    ):
-        raise ValueError(
-            f"input_ids must be a non-empty list of token ids in [0, {config.vocab_size})"
-        )
-    if len(input_ids) >= config.max_request_tokens:
-        limit = (
-            "context length"
-            if config.max_request_tokens == config.context_length
-            else "KV pool size"
-        )
-        raise ValueError(
-            f"input_ids: the prompt has {len(input_ids)} tokens, not shorter than the {limit} "
-            f"({config.max_request_tokens} tokens)"
-        )
-    params.validate(config.vocab_size)
-    if logprob is not None:
-        logprob.validate(config.vocab_size, len(input_ids))
-    if params.stop and not has_tokenizer:
-        raise ValueError(
-            "sampling parameter stop needs a tokenizer (the server skipped tokenizer init)"
-        )
-    key = grammar_key(params)
-    if key is not None and not has_tokenizer:
-        raise ValueError(
-            f"sampling parameter {key.kind} needs a tokenizer (the server skipped tokenizer init)"
-        )
 
 
 def _weight_bytes(model: Any) -> int:

@@ -18,9 +18,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sglang_lite.protocol.loads import LOAD_SECTIONS
 from sglang_lite.runtime.inputs import split_prompts
 from sglang_lite.sampling.logprobs import INPUT_KEYS, OUTPUT_KEYS, LogprobParams
-from sglang_lite.scheduler.loads import LOAD_SECTIONS
 from sglang_lite.server import openai_serving
 from sglang_lite.server.disagg import bootstrap_of
 from sglang_lite.server.dp_controller import requested_rank

@@ -11,9 +11,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from sglang_lite.protocol.outputs import ReqOutput
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
-from sglang_lite.scheduler.request import ReqOutput
 from sglang_lite.server.disagg import bootstrap_of
 from sglang_lite.server.dp_controller import requested_rank
 from sglang_lite.server.model_info import served_model_name

@@ -21,6 +21,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_lite.protocol.config import SchedulerConfig
+from sglang_lite.protocol.loads import LOAD_SECTIONS
+from sglang_lite.protocol.outputs import ReqOutput, internal_error, join_outputs
+from sglang_lite.protocol.requests import fork_rids, validate_request
 from sglang_lite.runtime.client import SchedulerClient
 from sglang_lite.runtime.inputs import max_prompt_chars
 from sglang_lite.runtime.messages import (
@@ -37,10 +41,6 @@ from sglang_lite.runtime.messages import (
 from sglang_lite.sampling.grammar import GrammarCache, grammar_key
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams, is_utf8
-from sglang_lite.scheduler.config import SchedulerConfig
-from sglang_lite.scheduler.loads import LOAD_SECTIONS
-from sglang_lite.scheduler.request import ReqOutput, fork_rids, internal_error, join_outputs
-from sglang_lite.scheduler.scheduler import validate_request
 from sglang_lite.server.disagg import Bootstrap, PDFrontEnd
 from sglang_lite.server.dp_controller import DPController, InvalidRank
 from sglang_lite.server.metrics import ServerMetrics

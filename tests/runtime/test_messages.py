@@ -6,11 +6,11 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from sglang_lite.protocol.config import SchedulerConfig
+from sglang_lite.protocol.outputs import ReqOutput, join_outputs
 from sglang_lite.runtime import messages as m
 from sglang_lite.runtime.inputs import prompt_token_ids
 from sglang_lite.sampling.params import SamplingParams
-from sglang_lite.scheduler.config import SchedulerConfig
-from sglang_lite.scheduler.request import ReqOutput, join_outputs
 
 CONFIG = SchedulerConfig(
     max_total_tokens=64,

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.sampling import SamplingParams
-from sglang_lite.scheduler.config import SchedulerConfig
 from sglang_lite.server.middleware import ConcurrencyLimitMiddleware
 from sglang_lite.server.tokenizer_manager import GenerateInput, RequestError, TokenizerManager
 from sglang_lite.server_args import ServerArgs

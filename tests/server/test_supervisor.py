@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang_lite.protocol.outputs import ReqOutput
 from sglang_lite.runtime.messages import LoadsQuery, LoadsReply, Ready
-from sglang_lite.scheduler.request import ReqOutput
 from sglang_lite.server.tokenizer_manager import (
     DOWN,
     FAILED,

@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from sglang_lite.assets import TINY_MODEL_DIR
-from sglang_lite.scheduler.request import ReqOutput
+from sglang_lite.protocol.outputs import ReqOutput
 from sglang_lite.server.openai_protocol import ChatCompletionRequest
 from sglang_lite.server.openai_serving import Shape
 from sglang_lite.server.openai_tools import parsing_plan, rendered_tools

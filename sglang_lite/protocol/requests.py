@@ -1,0 +1,51 @@
+"""Checks and names a request gets before it is queued: the same for the Engine, the HTTP server and the rank."""
+
+from __future__ import annotations
+
+from sglang_lite.protocol.config import SchedulerConfig
+from sglang_lite.sampling.grammar import grammar_key
+from sglang_lite.sampling.logprobs import LogprobParams
+from sglang_lite.sampling.params import SamplingParams
+
+
+def fork_rids(rid: str, n: int) -> list[str]:
+    """The rids of a request's ``n`` parallel samples: its own, then ``rid.n1`` and so on."""
+    return [rid] + [f"{rid}.n{i}" for i in range(1, n)]
+
+
+def validate_request(
+    input_ids: list[int],
+    params: SamplingParams,
+    config: SchedulerConfig,
+    has_tokenizer: bool,
+    logprob: LogprobParams | None = None,
+) -> None:
+    """Raises ValueError naming the bad field; cheap, so a front end can call it before queueing."""
+    if not input_ids or not all(
+        isinstance(t, int) and 0 <= t < config.vocab_size for t in input_ids
+    ):
+        raise ValueError(
+            f"input_ids must be a non-empty list of token ids in [0, {config.vocab_size})"
+        )
+    if len(input_ids) >= config.max_request_tokens:
+        limit = (
+            "context length"
+            if config.max_request_tokens == config.context_length
+            else "KV pool size"
+        )
+        raise ValueError(
+            f"input_ids: the prompt has {len(input_ids)} tokens, not shorter than the {limit} "
+            f"({config.max_request_tokens} tokens)"
+        )
+    params.validate(config.vocab_size)
+    if logprob is not None:
+        logprob.validate(config.vocab_size, len(input_ids))
+    if params.stop and not has_tokenizer:
+        raise ValueError(
+            "sampling parameter stop needs a tokenizer (the server skipped tokenizer init)"
+        )
+    key = grammar_key(params)
+    if key is not None and not has_tokenizer:
+        raise ValueError(
+            f"sampling parameter {key.kind} needs a tokenizer (the server skipped tokenizer init)"
+        )
