@@ -77,9 +77,8 @@ class Cluster:
 
     worker_args: list[str]
     sampled_urls: list[str]
-    prefill_urls: list[str] = field(
-        default_factory=list
-    )  # polled for the calibration only (under --pd)
+    # polled for the calibration only (under --pd)
+    prefill_urls: list[str] = field(default_factory=list)
     procs: list[subprocess.Popen] = field(default_factory=list)
 
 
@@ -197,9 +196,8 @@ class InFlightSeries(LoadSeries):
 
     prealloc: list[int] = field(default_factory=list)
     transfer: list[int] = field(default_factory=list)
-    transfer_totals: list[list[float]] = field(
-        default_factory=list
-    )  # per sample, TRANSFER_TOTALS over ranks
+    # per sample, TRANSFER_TOTALS over ranks
+    transfer_totals: list[list[float]] = field(default_factory=list)
 
     def add(self, t: float, per_rank: dict[str, dict]) -> None:
         kept = len(self.times)
@@ -370,9 +368,8 @@ def fit_cost(args: argparse.Namespace, policies: list[str], out: Path):
         )
     if args.pd:
         pre = [r["prefill"] for r in records]
-        times = np.concatenate(
-            [np.array(x["times"]) + 1e6 * i for i, x in enumerate(pre)]
-        )  # runs never join
+        # runs never join
+        times = np.concatenate([np.array(x["times"]) + 1e6 * i for i, x in enumerate(pre)])
         toks = np.concatenate([np.array(x["prefill_tokens"], dtype=float) for x in pre])
         busy = np.concatenate([np.array(x["busy"], dtype=bool) for x in pre])
         busy_joint = busy.copy()

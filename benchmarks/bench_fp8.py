@@ -23,11 +23,12 @@ from kernel_cases._timing import time_ms  # noqa: E402
 from sglang_lite.kernels.quant import dequantize_blocks, naive, quantize_blocks  # noqa: E402
 
 BLOCK = (128, 128)
+# (N, K): attention / GDN projections, an expert's down_proj
 SHAPES = [
     (2048, 2048),
     (4096, 2048),
     (2048, 512),
-]  # (N, K): attention / GDN projections, an expert's down_proj
+]
 TOKENS = [1, 16, 256]
 CPU = torch.device("cpu")
 

@@ -103,9 +103,8 @@ def cpu_seconds() -> float:
     total = 0
     for pid in pids:
         with open(f"/proc/{pid}/stat") as f:
-            fields = (
-                f.read().rsplit(")", 1)[1].split()
-            )  # fields from the third on; utime and stime are 14 and 15
+            # fields from the third on; utime and stime are 14 and 15
+            fields = f.read().rsplit(")", 1)[1].split()
         total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
 
@@ -123,9 +122,8 @@ def best(speeds: list[Speed]) -> Speed:
 
 def random_prompts(batch_size: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(
-        0, vocab - 8, (batch_size, input_len), generator=gen
-    ).tolist()  # no special tokens
+    # no special tokens
+    return torch.randint(0, vocab - 8, (batch_size, input_len), generator=gen).tolist()
 
 
 # The mid-size model and a large one; the tiny one is the built-in model.
@@ -247,9 +245,8 @@ def run(args: argparse.Namespace, model_dir: str, dummy: bool) -> list[Row]:
         engine_generate(engine, warm, 4)
         for batch_size in tqdm(args.batch_sizes, desc=f"{args.model_shape}: batch sizes"):
             prompts = random_prompts(batch_size, args.input_len, vocab, seed=batch_size)
-            engine_generate(
-                engine, random_prompts(batch_size, 16, vocab, seed=7), 4
-            )  # compiles, when compiling
+            # compiles, when compiling
+            engine_generate(engine, random_prompts(batch_size, 16, vocab, seed=7), 4)
             sides = {}
             for _ in range(args.repeats):  # alternating, so that both sides share the host's noise
                 for name, generate in (
@@ -378,9 +375,8 @@ def measure_tp(
         chunked_prefill_size=input_len,
         max_prefill_tokens=batch * input_len,
     ) as engine:
-        short = [
-            p[:16] for p in prompts
-        ]  # decode from short prompts, so that their prefill is a small part
+        # decode from short prompts, so that their prefill is a small part
+        short = [p[:16] for p in prompts]
         engine_generate(engine, short, 2)  # warm-up
         prefill_s = _seconds(partial(engine_generate, engine, prompts, 1))
         first_token_s = _seconds(partial(engine_generate, engine, short, 1))
@@ -404,9 +400,8 @@ def run_scaling(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(config, f)
-        rounds = [
-            (r, tp) for r in range(args.repeats) for tp in (1, args.tp_size)
-        ]  # alternating: shared noise
+        # alternating: shared noise
+        rounds = [(r, tp) for r in range(args.repeats) for tp in (1, args.tp_size)]
         for _, tp in tqdm(rounds, desc="TP scaling"):
             row = measure_tp(model_dir, tp, prompts, args.output_len)
             old = best_rows.get(tp)

@@ -27,9 +27,8 @@ def run_setting(
 
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     with Engine(None, disable_radix_cache=not cache, cpu_threads_per_rank=threads) as engine:
-        engine.generate(
-            input_ids=base, sampling_params=params
-        )  # the first turn (cached when the cache is on)
+        # the first turn (cached when the cache is on)
+        engine.generate(input_ids=base, sampling_params=params)
         seconds, cached, outputs = [], [], []
         for prompt in follow_ups:
             start = time.perf_counter()
@@ -58,9 +57,8 @@ def main() -> None:
     keep_freed_heap_memory()
     rng = random.Random(0)
     base = [rng.randrange(10, 4000) for _ in range(args.prompt_len)]
-    follow_ups = [
-        base + [rng.randrange(10, 4000) for _ in range(args.extend)]
-    ]  # each turn extends the last
+    # each turn extends the last
+    follow_ups = [base + [rng.randrange(10, 4000) for _ in range(args.extend)]]
     for _ in range(args.turns - 1):
         follow_ups.append(follow_ups[-1] + [rng.randrange(10, 4000) for _ in range(args.extend)])
     times: dict[bool, list[float]] = {True: [], False: []}

@@ -235,9 +235,8 @@ async def run_level(
 
         cached_before = await cached_prompt_tokens(session, args.base_url)
         started = time.perf_counter()
-        if any(
-            p.session for p in prompts
-        ):  # sessions: each client runs one session's turns in order
+        # sessions: each client runs one session's turns in order
+        if any(p.session for p in prompts):
             sessions: dict[str, list[Prompt]] = {}
             for p in prompts:
                 sessions.setdefault(p.session, []).append(p)

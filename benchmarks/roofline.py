@@ -115,9 +115,10 @@ def prefill_work(c: ModelConfig, batch: int, length: int) -> Work:
         tokens * (_mixer_weights(c) + c.num_layers * _mlp_active(c))
         + batch * c.vocab_size * c.hidden_size
     )
+    # causal
     attention = (
         len(c.full_attention_layers) * batch * length**2 * c.num_attention_heads * c.head_dim
-    )  # causal
+    )
     chunk = 32  # the CPU path's chunk: per token and value head, the state reads and writes plus the chunk's pairs
     dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
     gdn = (

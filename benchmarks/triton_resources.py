@@ -45,9 +45,8 @@ class Launch:
     kernel: JITFunction
     signature: tuple[tuple[str, str], ...]  # every parameter: its type, or "constexpr"
     constexprs: tuple[tuple[str, object], ...]
-    aligned: tuple[
-        int, ...
-    ]  # parameters the launcher would mark 16-divisible (enables vector and async copies)
+    # parameters the launcher would mark 16-divisible (enables vector and async copies)
+    aligned: tuple[int, ...]
     options: tuple[tuple[str, int], ...]
 
     @property
@@ -89,10 +88,8 @@ def record_launches(hip_version: str | None, arch: str) -> list[Launch]:
         launches[Launch(self, tuple(signature), tuple(constexprs), tuple(aligned), options)] = None
 
     real = JITFunction.run, dispatch.triton_interpreting, dispatch._hip_arch, torch.version.hip
-    JITFunction.run, dispatch.triton_interpreting = (
-        record,
-        lambda: True,
-    )  # CPU tensors may take the Triton side
+    # CPU tensors may take the Triton side
+    JITFunction.run, dispatch.triton_interpreting = record, lambda: True
     dispatch._hip_arch, torch.version.hip = (lambda: arch), hip_version
     try:
         for module in load_cases():

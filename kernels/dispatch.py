@@ -1,11 +1,16 @@
 """Choose between the Triton kernel, the fused C++ CPU kernel and the plain-PyTorch reference for one call.
 
 Triton runs on a GPU (CUDA or ROCm). On the CPU, float32 data take the fused C++ kernels of ``kernels/cpu`` where a
-family has one (decode-step ops) and they build, and the PyTorch reference otherwise; Triton runs there only when
-asked for explicitly, which together with ``TRITON_INTERPRET=1`` is how the tests run the Triton kernels without a
-GPU. The environment variable ``SGLANG_KERNEL_BACKEND`` (``auto`` | ``triton`` | ``torch`` | ``native``) forces one
-side for a run (``torch``: the references only; ``native``: the C++ kernels, an error when they cannot be built);
-the ``backend`` argument of each public kernel function forces it for a call and wins over the variable.
+family has one and they build, and the PyTorch reference otherwise. The C++ kernels serve prefill as well as
+decode: the norms, the GDN gating, the MoE routing, linear layers of up to ``cpu.LINEAR_MAX_ROWS`` rows and the
+fused MoE (a prefill's tokens in chunks of ``cpu.MOE_CHUNK_TOKENS``) in both; the gated delta rule of prefill
+(``chunk_gated_delta_rule``) and the packed causal conv1d; the conv update, the recurrent gated delta rule and
+paged attention in decode. Extend attention, the KV store, rotary, the plain top-k softmax and the FP8 ops have
+none. Triton runs on the CPU only when asked for explicitly, which together with ``TRITON_INTERPRET=1`` is how the
+tests run the Triton kernels without a GPU. The environment variable ``SGLANG_KERNEL_BACKEND`` (``auto`` |
+``triton`` | ``torch`` | ``native``) forces one side for a run (``torch``: the references only; ``native``: the C++
+kernels, an error when they cannot be built); the ``backend`` argument of each public kernel function forces it
+for a call and wins over the variable.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ BACKENDS = envs.SGLANG_KERNEL_BACKEND.choices
 
 
 def _requested(backend: str | None) -> str:
-    if backend is None:  # every op of a decode step asks: the unset variable is the quick case
+    if backend is None:  # every kernel call of a forward asks: the unset variable is the quick case
         return (
             envs.SGLANG_KERNEL_BACKEND.get()
             if envs.SGLANG_KERNEL_BACKEND.name in os.environ
@@ -75,7 +80,7 @@ def use_triton(tensor: torch.Tensor, backend: str | None = None) -> bool:
 def use_native(*tensors: torch.Tensor, backend: str | None = None) -> bool:
     """True when this call should run the fused C++ CPU kernel: every tensor float32 on the CPU, outside
     torch.compile's tracing (it fuses the references itself), the kernels built, and no other backend forced."""
-    for t in tensors:  # the cheap checks first: this runs for every op of a decode step
+    for t in tensors:  # the cheap checks first: this runs for every kernel call of a forward
         if not t.is_cpu or t.dtype is not torch.float32:
             return False
     choice = _requested(backend)

@@ -217,7 +217,7 @@ class ServerArgs:
                 f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}"
             )
         if self.dist_init_addr is not None:
-            host, _, port = self.dist_init_addr.rpartition(":")
+            host, port = self.dist_init_addr.rpartition(":")[::2]
             if not host or not port.isdigit():
                 raise ValueError(f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
         if self.nnodes > 1 and self.dist_init_addr is None:
@@ -249,9 +249,8 @@ class ServerArgs:
     @property
     def parallel_config(self) -> ParallelConfig:
         """The layout of one world."""
-        from sglang_lite.distributed.parallel_state import (
-            ParallelConfig,
-        )  # torch: only processes that join a world
+        # torch: only processes that join a world
+        from sglang_lite.distributed.parallel_state import ParallelConfig
 
         return ParallelConfig(self.tp_size, self.ep_size, self.dp_size, self.enable_dp_attention)
 

@@ -24,9 +24,8 @@ def _logits(model: torch.nn.Module, concurrency: int, graphs: bool) -> list[torc
 
 
 def check(device: torch.device) -> list[dict]:
-    os.environ["SGLANG_ALT_STREAM_EAGER"] = (
-        "1"  # eager forwards overlap too, so the eager check exercises them
-    )
+    # eager forwards overlap too, so the eager check exercises them
+    os.environ["SGLANG_ALT_STREAM_EAGER"] = "1"
     try:
         plain, overlapped = _pair()
     finally:

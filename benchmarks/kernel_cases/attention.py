@@ -202,9 +202,8 @@ def _bench_rotary(device, dtype, tokens, heads, kv_heads, head_dim, rotary_dim, 
 def bench(device: torch.device, quick: bool) -> list[dict]:
     gpu = device.type == "cuda"
     dtype, iters = (torch.bfloat16, 20) if gpu else (torch.float32, 5)
-    heads, kv_heads, head_dim = (
-        (16, 2, 256) if gpu else (8, 2, 128)
-    )  # GPU: Qwen3.5 full attention, GQA 8, hd 256
+    # GPU: Qwen3.5 full attention, GQA 8, hd 256
+    heads, kv_heads, head_dim = (16, 2, 256) if gpu else (8, 2, 128)
     if not gpu:
         extend_cases, decode_cases, rotary_tokens = [(4, 128, 128)], [(16, 512)], 1024
     elif quick:

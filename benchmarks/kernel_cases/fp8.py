@@ -45,9 +45,8 @@ def _fp8_weight(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Ten
 def _moe_inputs(
     tokens: int, hidden: int, inter: int, experts: int, top_k: int, device: torch.device
 ):
-    w13, w13_scale = _fp8_weight(
-        (experts + 1, 2 * inter, hidden), device
-    )  # + a fused shared expert
+    # + a fused shared expert
+    w13, w13_scale = _fp8_weight((experts + 1, 2 * inter, hidden), device)
     w2, w2_scale = _fp8_weight((experts + 1, hidden, inter), device)
     x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
     weights, ids = moe_naive.topk_softmax(torch.randn(tokens, experts, device=device), top_k)

@@ -112,9 +112,8 @@ def check(device: torch.device) -> list[dict]:
 
 def _sizes(device: torch.device, quick: bool) -> list[tuple[int, int, int, int, int]]:
     """(tokens, hidden, moe_intermediate, experts, top_k)."""
-    if (
-        device.type != "cuda"
-    ):  # the built-in tiny model's expert sizes, two small ones, Qwen3.5-MoE's own
+    # the built-in tiny model's expert sizes, two small ones, Qwen3.5-MoE's own
+    if device.type != "cuda":
         sizes = [(256, 128, 64, 16, 4), (256, 256, 128, 16, 4), (256, 512, 256, 16, 4)]
         return sizes if quick else sizes + [(256, 2048, 512, 16, 4)]
     if quick:

@@ -46,9 +46,8 @@ def check(device: torch.device) -> list[dict]:
             naive.gemma_rmsnorm(x, w, EPS, r),
         )
         rows.append(_row(f"gemma_rmsnorm+residual {dtype}", got[0], want[0], tol))
-        proj = torch.randn(
-            65, (16 + 2 * 2) * 256, device=device, dtype=dtype
-        )  # q, k are slices of one projection
+        # q, k are slices of one projection
+        proj = torch.randn(65, (16 + 2 * 2) * 256, device=device, dtype=dtype)
         q, k = proj[:, : 16 * 256], proj[:, 16 * 256 : 18 * 256]
         qw, kw = w[:256].contiguous(), w[256:512].contiguous()
         got = norms.fused_qk_gemma_rmsnorm(q, k, qw, kw, EPS, 256, backend="triton")

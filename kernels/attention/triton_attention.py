@@ -122,7 +122,9 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    req, head, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    m_block = tl.program_id(2)
     extend = tl.load(extend_ptr + req)
     if m_block * BLOCK_M >= extend:
         return
@@ -233,8 +235,8 @@ def extend_attention(
         return out
     q_start = torch.cumsum(extend_lens, 0) - extend_lens
     # 64 x 64 tiles up to 256 bytes of head per row (bf16 head_dim 128); wider rows take 32 x 32, which keeps fp32
-    # within MI300's 64 KB of shared memory (64 x 64 needed 80 KB at head_dim 80 -> 128) and cuts its spills on
-    # sm_90 from 592 to 32 bytes a thread (benchmarks/triton_resources.py)
+    # within MI300's 64 KB of shared memory and nearly removes its register spills on sm_90
+    # (benchmarks/triton_resources.py; the figures: docs/performance.md)
     block_d = triton.next_power_of_2(q.shape[2])
     block_m, block_n = (32, 32) if block_d * q.element_size() > 256 else (64, 64)
     max_extend = int(extend_lens.max())  # one host read to size the grid
@@ -289,7 +291,9 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    req, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     # each split takes a whole number of BLOCK_N chunks of the context
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -372,7 +376,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query per request ([B, H, hd]) over its first ``seq_lens`` (>= 1) cached tokens; split-K then merge."""
     _check_attention_args(q, k_cache, v_cache, req_to_token, out)
-    batch, num_heads, head_dim = q.shape
+    batch = q.shape[0]
+    num_heads, head_dim = q.shape[1:]
     if req_pool_indices.shape != (batch,) or seq_lens.shape != (batch,):
         raise ValueError(
             f"req_pool_indices and seq_lens must be [B={batch}], got {tuple(req_pool_indices.shape)}, "

@@ -29,9 +29,8 @@ def causal_conv1d_fn(
     out = torch.empty_like(x)
     for i, slot in enumerate(state_indices.tolist()):
         start, end = bounds[i], bounds[i + 1]
-        window = torch.cat(
-            [conv_states[slot].float(), x[start:end].t().float()], dim=1
-        )  # [D, K-1+L]
+        # [D, K-1+L]
+        window = torch.cat([conv_states[slot].float(), x[start:end].t().float()], dim=1)
         y = F.conv1d(window.unsqueeze(0), w, groups=window.shape[0])[0]  # [D, L]
         out[start:end] = _activate(y, activation).t().to(x.dtype)
         conv_states[slot] = window[:, window.shape[1] - conv_states.shape[2] :].to(
@@ -50,13 +49,11 @@ def _conv_equal_lengths(
 ) -> torch.Tensor:
     """Prefill of requests that all run ``length`` tokens: one conv1d over the batch of windows."""
     x_t = x.view(-1, length, x.shape[1]).transpose(1, 2).float()  # [B, D, L]
-    window = torch.cat(
-        [conv_states.index_select(0, state_indices).float(), x_t], dim=2
-    )  # [B, D, K-1+L]
+    # [B, D, K-1+L]
+    window = torch.cat([conv_states.index_select(0, state_indices).float(), x_t], dim=2)
     taps = w.squeeze(1).unsqueeze(-1)  # [D, K, 1]
-    y = (
-        window[..., :length] * taps[:, 0]
-    )  # a depthwise conv of a few taps: shifted multiply-adds beat conv1d here
+    # a depthwise conv of a few taps: shifted multiply-adds beat conv1d here
+    y = window[..., :length] * taps[:, 0]
     for j in range(1, taps.shape[1]):
         y.addcmul_(window[..., j : j + length], taps[:, j])
     conv_states[state_indices] = window[..., window.shape[2] - conv_states.shape[2] :].to(

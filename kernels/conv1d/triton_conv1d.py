@@ -2,8 +2,8 @@
 
 Layouts as in ``naive.py``: x [T, D] (or [B, D] for decode), weight [D, K], conv_states [S, D, K-1].
 Prefill: one program per (request, channel block, tile of BLOCK_T tokens), so a long request spreads over the GPU
-(one program walking all of a request's tiles gave 64 programs at B=1, D=8192, for 132 SMs: 0.77x of F.conv1d
-on an H200 at T=2048). The tile that starts a request reads the pooled initial state; a second launch writes the
+(one program walking all of a request's tiles gave 64 programs at B=1, D=8192, for an H200's 132 SMs, and lost to
+F.conv1d there). The tile that starts a request reads the pooled initial state; a second launch writes the
 final state, after every read of the old one.
 """
 
@@ -52,7 +52,9 @@ def _causal_conv1d_fwd_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    req, dblock, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    req = tl.program_id(0)
+    dblock = tl.program_id(1)
+    tile = tl.program_id(2)
     start = tl.load(cu_ptr + req)
     length = tl.load(cu_ptr + req + 1) - start
     if tile * BLOCK_T >= length:
@@ -64,9 +66,8 @@ def _causal_conv1d_fwd_kernel(
     pos = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     x_tile = x_req + pos[:, None] * stride_x + chans[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for tap in tl.static_range(
-        K
-    ):  # inputs from x; positions before the request start read as 0 here
+    # inputs from x; positions before the request start read as 0 here
+    for tap in tl.static_range(K):
         shift = tap - (K - 1)
         src_ok = ((pos + shift >= 0) & (pos + shift < length))[:, None] & chan_ok
         w = tl.load(w_ptr + chans * stride_w + tap, mask=chans < D, other=0.0).to(tl.float32)
@@ -116,9 +117,8 @@ def _conv_state_after_prefill_kernel(
     chans = dblock * BLOCK_D + tl.arange(0, BLOCK_D)
     tail = length - (K - 1) + tl.arange(0, BLOCK_K)
     x_req = x_ptr + start.to(tl.int64) * stride_x
-    new_state = _load_input(
-        x_req, state_ptr, tail, chans, length, stride_x, stride_sd, K, D
-    )  # [BLOCK_K, BLOCK_D]
+    # [BLOCK_K, BLOCK_D]
+    new_state = _load_input(x_req, state_ptr, tail, chans, length, stride_x, stride_sd, K, D)
     tl.debug_barrier()  # all of the old state is read before any of it is overwritten
     dst = state_ptr + chans[None, :] * stride_sd + tl.arange(0, BLOCK_K)[:, None]
     keep = (tl.arange(0, BLOCK_K) < K - 1)[:, None] & (chans < D)[None, :]
@@ -242,10 +242,8 @@ def causal_conv1d_fn_triton(
     if out.shape != x.shape or out.stride(1) != 1:
         raise ValueError(f"out must be shaped like x {tuple(x.shape)} with a contiguous last dim")
     d, k = weight.shape
-    block_t, block_d = (
-        16,
-        _block_d(d),
-    )  # 16 x 128: ~140 registers a thread on sm_90, no spills (64 x 128 spilled)
+    # 16 x 128 fits sm_90's registers without spills (64 x 128 spilled; benchmarks/triton_resources.py)
+    block_t, block_d = 16, _block_d(d)
     # as many token tiles as the whole batch has: no host read of the longest request; the surplus exits at once
     grid = (state_indices.shape[0], triton.cdiv(d, block_d), triton.cdiv(x.shape[0], block_t))
     if grid[0] and grid[2]:

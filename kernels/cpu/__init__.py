@@ -1,14 +1,17 @@
-"""Fused float32 CPU kernels in C++: the decode step's ops (``csrc/decode_ops.cpp``) and the Gated DeltaNet prefill
-(``csrc/prefill_ops.cpp``).
+"""Fused float32 CPU kernels in C++: the decode step's ops, the linear layers and the fused MoE
+(``csrc/decode_ops.cpp``; linear and MoE serve prefill too), and the Gated DeltaNet prefill, the gated delta rule
+and the packed causal conv1d (``csrc/prefill_ops.cpp``).
 
-On the CPU a decode step is made of small ops, and dispatching each one (Python, then ATen) costs more than its
-arithmetic: a GDN layer was ~107 dispatched ops at batch 1. Each kernel here computes what one reference in
-``kernels/<family>/naive.py`` computes, in one call and one pass over its operands. They are the CPU's fast path
-for float32 data (``dispatch.use_native``); the references stay the definition and the path for other dtypes.
+On the CPU a forward is made of small ops, and dispatching each one (Python, then ATen) costs more than its
+arithmetic: a GDN layer of the references is a hundred-odd dispatched ops. Each kernel here computes what one
+reference in ``kernels/<family>/naive.py`` computes, in one call and one pass over its operands. They are the
+CPU's fast path for float32 data (``dispatch.use_native``); the references stay the definition and the path for
+other dtypes.
 
-The sources are compiled with torch's ``cpp_extension`` on first use (about 30 s; g++ and ninja must be on the
-machine) into ``SGLANG_CPU_KERNEL_CACHE`` (default ``~/.cache/sglang_lite/cpu_kernels``), one build per set of sources,
-torch version and CPU (``-march=native``), and loaded from there afterwards. When it cannot be built the CPU runs
+The sources are compiled with torch's ``cpp_extension`` on first use (g++ and ninja must be on the machine; the
+build takes a while, see docs/performance.md) into ``SGLANG_CPU_KERNEL_CACHE`` (default
+``~/.cache/sglang_lite/cpu_kernels``), one build per set of sources, torch version and CPU (``-march=native``), and
+loaded from there afterwards. When it cannot be built the CPU runs
 the references and says why once. ``SGLANG_KERNEL_BACKEND=torch`` turns these kernels off for a run.
 """
 
@@ -230,7 +233,9 @@ def chunk_gated_delta_rule(
     """As ``gated_delta_rule.naive.chunk_gated_delta_rule`` (whatever its chunk size: this runs the recurrence token
     by token); the float32 pool is updated in place."""
     scale = k.shape[-1] ** -0.5 if scale is None else scale
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    q = _last_dim_contiguous(q)
+    k = _last_dim_contiguous(k)
+    v = _last_dim_contiguous(v)
     g, beta = _last_dim_contiguous(_float(g)), _last_dim_contiguous(_float(beta))
     return _ops().gated_delta_rule_prefill(
         q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, scale, use_qk_l2norm
@@ -250,7 +255,9 @@ def fused_recurrent_gated_delta_rule(
 ) -> torch.Tensor:
     """As ``gated_delta_rule.naive.fused_recurrent_gated_delta_rule``; the float32 pool is updated in place."""
     scale = k.shape[-1] ** -0.5 if scale is None else scale
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    q = _last_dim_contiguous(q)
+    k = _last_dim_contiguous(k)
+    v = _last_dim_contiguous(v)
     g, beta = _last_dim_contiguous(_float(g)), _last_dim_contiguous(_float(beta))
     return _ops().gated_delta_rule_decode(
         q, k, v, g, beta, ssm_states, state_indices, scale, use_qk_l2norm
@@ -272,10 +279,10 @@ def decode_attention(
     )
 
 
-# Where the fused linear beats MKL on 2 threads. An [in, out] weight: from 1 to a few hundred rows at every width
-# from 16 columns on, 1.0-2.9x (LM head [32, 256] x [256, 32000]: 3.6 against 6.1 ms); at 4096 rows about even,
-# and on a weight of fewer than 16 columns MKL wins (it parallelises over the rows, the kernel over the columns).
-# An [out, in] weight (a tied LM head, which is the embedding): 1.7-3x up to 16 rows, 1.1-1.8x at 32.
+# Where the fused linear beats MKL (the figures: docs/performance.md). An [in, out] weight: from 1 to a few hundred
+# rows at every width from 16 columns on; at thousands of rows the two are even, and on a weight of fewer than 16
+# columns MKL wins (it parallelises over the rows, the kernel over the columns). An [out, in] weight (a tied LM head,
+# which is the embedding): up to 16 rows.
 LINEAR_MAX_ROWS = 256
 LINEAR_MAX_ROWS_OUT_IN = 16
 LINEAR_MIN_COLUMNS = 16
@@ -311,9 +318,8 @@ def moe_route(
 
 
 # The fused MoE runs a prefill's tokens in chunks: its buffers (every (token, expert) pair's row) stay small enough
-# to be reused from the heap instead of fresh, page-faulting mappings, and each chunk's rows stay in cache. On 2
-# threads against the reference's padded batched GEMMs: H 256, 16 experts top-4 + shared: 5x at 32 tokens, 1.2x at
-# 256 and 1024, 1.07x at 4096; H 512, 32 experts top-8 + a separate shared expert: 2.7x, 1.4x, 1.1x, 1.33x.
+# to be reused from the heap instead of fresh, page-faulting mappings, and each chunk's rows stay in cache. Chunked,
+# it beats the reference's padded batched GEMMs at every prefill size measured (docs/performance.md).
 MOE_CHUNK_TOKENS = 1024
 
 
@@ -325,7 +331,9 @@ def fused_moe(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """As ``moe.naive.fused_moe`` for float32 x and experts, in either weight layout."""
-    x, topk_weights, topk_ids = _last_dim_contiguous(x), _float(topk_weights), topk_ids.contiguous()
+    x = _last_dim_contiguous(x)
+    topk_weights = _float(topk_weights)
+    topk_ids = topk_ids.contiguous()
     if x.shape[0] <= MOE_CHUNK_TOKENS:
         return _ops().fused_moe(x, w13, w2, topk_weights, topk_ids)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -69,14 +69,17 @@ def _chunk_one_sequence(q, k, v, g, beta, state, chunk_size, scale, use_qk_l2nor
     matmul. Padded positions have k = 0 and g = 0, so they leave the state untouched. The chunk-major copies are
     private, so they are scaled in place; q and k are L2-normalised (when asked) as they are copied.
     """
-    length, heads, dv = v.shape
+    length = v.shape[0]
+    heads, dv = v.shape[1:]
     n = -(-length // chunk_size)
     if use_qk_l2norm:  # normalised while copied into the chunk-major layout
         q_scale, k_scale = _l2norm_factor(q, scale, 1e-6), _l2norm_factor(k, 1.0, 1e-6)
     else:
         q_scale, k_scale = q.new_full((*q.shape[:-1], 1), scale), None
     q, k = _to_chunks(q, n, chunk_size, q_scale), _to_chunks(k, n, chunk_size, k_scale)
-    v, g, beta = (_to_chunks(t, n, chunk_size) for t in (v, g, beta))
+    v = _to_chunks(v, n, chunk_size)
+    g = _to_chunks(g, n, chunk_size)
+    beta = _to_chunks(beta, n, chunk_size)
     g_cum = g.cumsum_(-1)
     decay = _pairwise_decay(g_cum)
     to_end = _flushed_exp_(g_cum[..., -1:] - g_cum)
@@ -88,9 +91,8 @@ def _chunk_one_sequence(q, k, v, g, beta, state, chunk_size, scale, use_qk_l2nor
     inverse = _unit_lower_inverse(torch.matmul(k, k_t).mul_(decay).mul_(beta.unsqueeze(-1)))
     u = torch.matmul(inverse.mul_(beta.unsqueeze(-2)), v)
     w = torch.matmul(inverse.mul_(g_exp.unsqueeze(-2)), k)
-    k_to_end_t = k.mul_(to_end.unsqueeze(-1)).transpose(
-        -1, -2
-    )  # keys decayed to the end of their chunk
+    # keys decayed to the end of their chunk
+    k_to_end_t = k.mul_(to_end.unsqueeze(-1)).transpose(-1, -2)
     chunk_decay = g_exp[..., -1, None, None]
     state = state.clone()  # advanced in place
     out = torch.empty_like(v)
@@ -110,12 +112,11 @@ def _chunk_one_sequence(q, k, v, g, beta, state, chunk_size, scale, use_qk_l2nor
 
 
 # exp(x) below e^-60 (~1e-26) is flushed to 0: far beneath fp32 resolution of any sum it joins. On the CPU, exp is
-# ~50x slower when its result underflows into denormals (or its input is -inf), and denormal products slow every
+# far slower when its result underflows into denormals (or its input is -inf), and denormal products slow every
 # later matmul, so log-decays are clamped before exp and tiny results zeroed after.
 _LOG_FLUSH = -60.0
-_EXP_FLUSH = math.exp(_LOG_FLUSH) * (
-    1 + 1e-5
-)  # just above fp32 exp(_LOG_FLUSH), so clamped entries become 0
+# just above fp32 exp(_LOG_FLUSH), so clamped entries become 0
+_EXP_FLUSH = math.exp(_LOG_FLUSH) * (1 + 1e-5)
 
 
 def _flushed_exp_(x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +176,7 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor, row_scale: torch.Tensor | N
 
 
 # Per-token work inside a chunk grows with its size while the sequential loop gets shorter: on the CPU, 32-token
-# chunks ran 1.2-1.4x faster than 64 (T=2048, 8 heads of 64; 16 was about even with 32).
+# chunks beat 64-token ones and 16 gains nothing more (docs/performance.md).
 _CPU_CHUNK_SIZE = 32
 
 
@@ -200,9 +201,8 @@ def chunk_gated_delta_rule(
     _check_heads(k, v)
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     chunk_size = min(chunk_size, _CPU_CHUNK_SIZE)
-    qf, kf = _repeat_key_heads(
-        q.float(), k.float(), v.shape[-2]
-    )  # normalised later, on the chunk-major copies
+    # normalised later, on the chunk-major copies
+    qf, kf = _repeat_key_heads(q.float(), k.float(), v.shape[-2])
     qk_norm = (scale, use_qk_l2norm)
     bounds = cu_seqlens.tolist()
     lengths = [e - s for s, e in zip(bounds, bounds[1:])]
@@ -225,7 +225,8 @@ def chunk_gated_delta_rule(
 def _chunk_padded(pieces, ssm_states, state_indices, lengths, chunk_size, qk_norm) -> torch.Tensor:
     """All requests in one pass: each is zero-padded to the longest (padding leaves states untouched) and the heads
     of all requests sit side by side, so the per-chunk loop runs once instead of once per request."""
-    num_seqs, max_len, heads = len(lengths), max(lengths), pieces[2].shape[1]
+    num_seqs, max_len = len(lengths), max(lengths)
+    heads = pieces[2].shape[1]
     rows = _padded_rows(lengths, max_len, pieces[0].device)
     padded = [_to_head_major(_pad(t, rows, num_seqs * max_len), num_seqs) for t in pieces]
     slots = state_indices.long()
@@ -285,9 +286,8 @@ def fused_recurrent_gated_delta_rule(
     )
     flat = state.view(-1, *state.shape[2:])  # [B * HV, dk, dv]
     decay = g.float().exp().reshape(-1, 1)
-    reads = torch.bmm(
-        torch.stack([kf, qf], dim=-2).view(flat.shape[0], 2, -1), flat
-    )  # [B * HV, 2, dv]
+    # [B * HV, 2, dv]
+    reads = torch.bmm(torch.stack([kf, qf], dim=-2).view(flat.shape[0], 2, -1), flat)
     delta = (v.float().reshape(-1, v.shape[-1]) - reads[:, 0] * decay).mul_(
         beta.float().reshape(-1, 1)
     )

@@ -14,6 +14,8 @@ This is exactly the token recurrence regrouped, so chunked prefill and token-by-
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -92,7 +94,9 @@ def _recurrent_kernel(
     L2NORM: tl.constexpr,
 ):
     """One decode step for (request, value head, dv block); the pooled state block is updated in place."""
-    req, hv, vblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    req = tl.program_id(0)
+    hv = tl.program_id(1)
+    vblock = tl.program_id(2)
     hk = hv // GROUP
     ks = tl.arange(0, BK)
     vs = vblock * BV + tl.arange(0, BV)
@@ -186,11 +190,15 @@ def _chunk_kernel(
     L2NORM: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    req, hv, vblock = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    req = tl.program_id(0)
+    hv = tl.program_id(1)
+    vblock = tl.program_id(2)
     hk = hv // GROUP
     start = tl.load(cu_ptr + req)
     length = tl.load(cu_ptr + req + 1) - start
-    ks, vs, ts = tl.arange(0, BK), vblock * BV + tl.arange(0, BV), tl.arange(0, BT)
+    ks = tl.arange(0, BK)
+    vs = vblock * BV + tl.arange(0, BV)
+    ts = tl.arange(0, BT)
     s_ptrs = (
         states_ptr
         + tl.load(slots_ptr + req).to(tl.int64) * stride_ss
@@ -287,13 +295,23 @@ def fused_gdn_gating_triton(
     return g, beta
 
 
-def _check_gdn_inputs(q, k, v, g, beta, ssm_states, state_indices) -> tuple[int, int, int, int]:
-    """Validate shapes and strides; returns (HK, HV, dk, dv)."""
+class _GdnDims(NamedTuple):
+    """Key heads, value heads, key head dim and value head dim of one call."""
+
+    hk: int
+    hv: int
+    dk: int
+    dv: int
+
+
+def _check_gdn_inputs(q, k, v, g, beta, ssm_states, state_indices) -> _GdnDims:
+    """Validate shapes and strides; returns the head counts and dims."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_last_contiguous(t, name, 3)
     if q.shape != k.shape:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape")
-    tokens, hk, dk = k.shape
+    tokens = k.shape[0]
+    hk, dk = k.shape[1:]
     hv, dv = v.shape[1:]
     if v.shape[0] != tokens:
         raise ValueError(f"v has {v.shape[0]} tokens, q/k have {tokens}")
@@ -313,7 +331,7 @@ def _check_gdn_inputs(q, k, v, g, beta, ssm_states, state_indices) -> tuple[int,
             f"state_indices must be a 1-D integer tensor, "
             f"got {tuple(state_indices.shape)} {state_indices.dtype}"
         )
-    return hk, hv, dk, dv
+    return _GdnDims(hk, hv, dk, dv)
 
 
 def _strides(q, k, v, g, beta, out, ssm_states) -> dict[str, int]:
@@ -359,26 +377,25 @@ def chunk_gated_delta_rule_triton(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    hk, hv, dk, dv = _check_gdn_inputs(q, k, v, g, beta, ssm_states, state_indices)
+    dims = _check_gdn_inputs(q, k, v, g, beta, ssm_states, state_indices)
     if cu_seqlens.shape != (state_indices.shape[0] + 1,):
         raise ValueError(
             f"cu_seqlens must be [{state_indices.shape[0] + 1}], got {tuple(cu_seqlens.shape)}"
         )
+    # an upper bound: see below
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(
-            f"chunk_size must be a power of two >= 16, got {chunk_size}"
-        )  # an upper bound: see below
+        raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
     out = _output(v, out)
     # Value columns split across programs: each keeps a [dk, 64] state slice, so a 128 x 128 head fits the
     # registers and shared memory of one program; the keys' part (K K^T and its inverse) is redone per slice.
-    # The chunk tile shrinks as the key dim grows, since shared memory grows with tile x dk: on an H200 (Triton
-    # 3.6) a 64-token tile at dk = 128 in bf16 asked for 243 KB of the 227 KB there, and fp32 with three-pass tf32
-    # dots needs about twice the bf16 amount. Chunking only regroups the recurrence, so every tile gives the same
+    # The chunk tile shrinks as the key dim grows, since shared memory grows with tile x dk: a 64-token tile at
+    # dk = 128 in bf16 does not fit an H200's 227 KB, and fp32 with three-pass tf32 dots needs about twice the bf16
+    # amount (benchmarks/triton_resources.py). Chunking only regroups the recurrence, so every tile gives the same
     # result.
-    block_v = min(_pad(dv), 64)
+    block_v = min(_pad(dims.dv), 64)
     budget = 2048 if q.dtype == torch.float32 else 4096
-    chunk_size = max(16, min(chunk_size, budget // _pad(dk)))
-    grid = (state_indices.shape[0], hv, triton.cdiv(dv, block_v))
+    chunk_size = max(16, min(chunk_size, budget // _pad(dims.dk)))
+    grid = (state_indices.shape[0], dims.hv, triton.cdiv(dims.dv, block_v))
     if grid[0]:
         _chunk_kernel[grid](
             q_ptr=q,
@@ -391,18 +408,17 @@ def chunk_gated_delta_rule_triton(
             slots_ptr=state_indices,
             cu_ptr=cu_seqlens,
             **_strides(q, k, v, g, beta, out, ssm_states),
-            scale=dk**-0.5 if scale is None else scale,
-            GROUP=hv // hk,
-            DK=dk,
-            DV=dv,
-            BK=_pad(dk),
+            scale=dims.dk**-0.5 if scale is None else scale,
+            GROUP=dims.hv // dims.hk,
+            DK=dims.dk,
+            DV=dims.dv,
+            BK=_pad(dims.dk),
             BV=block_v,
             BT=chunk_size,
             LOG2_BT=chunk_size.bit_length() - 1,
             L2NORM=use_qk_l2norm,
-            PRECISION=dot_precision(
-                q.dtype
-            ),  # the tiles are widened to fp32; 16-bit data need no more than tf32
+            # the tiles are widened to fp32; 16-bit data need no more than tf32
+            PRECISION=dot_precision(q.dtype),
         )
     return out
 
@@ -420,14 +436,14 @@ def fused_recurrent_gated_delta_rule_triton(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    hk, hv, dk, dv = _check_gdn_inputs(q, k, v, g, beta, ssm_states, state_indices)
+    dims = _check_gdn_inputs(q, k, v, g, beta, ssm_states, state_indices)
     if state_indices.shape[0] != q.shape[0]:
         raise ValueError(
             f"state_indices has {state_indices.shape[0]} entries for {q.shape[0]} decode tokens"
         )
     out = _output(v, out)
-    block_v = min(_pad(dv), 64)  # more programs per head: decode batches are small
-    grid = (q.shape[0], hv, triton.cdiv(dv, block_v))
+    block_v = min(_pad(dims.dv), 64)  # more programs per head: decode batches are small
+    grid = (q.shape[0], dims.hv, triton.cdiv(dims.dv, block_v))
     if grid[0]:
         _recurrent_kernel[grid](
             q_ptr=q,
@@ -439,11 +455,11 @@ def fused_recurrent_gated_delta_rule_triton(
             states_ptr=ssm_states,
             slots_ptr=state_indices,
             **_strides(q, k, v, g, beta, out, ssm_states),
-            scale=dk**-0.5 if scale is None else scale,
-            GROUP=hv // hk,
-            DK=dk,
-            DV=dv,
-            BK=_pad(dk),
+            scale=dims.dk**-0.5 if scale is None else scale,
+            GROUP=dims.hv // dims.hk,
+            DK=dims.dk,
+            DV=dims.dv,
+            BK=_pad(dims.dk),
             BV=block_v,
             L2NORM=use_qk_l2norm,
         )

@@ -1,8 +1,9 @@
 """Bias-free linear layers: ``x @ weight^T``.
 
 On the CPU, float32 inputs of a few rows (decode batches, short prompts) take the fused C++ kernel
-(``kernels.cpu.takes_linear`` says which): MKL packs the whole weight for each call, which at a decode batch's LM
-head ran at a third of the GEMM peak, and reads an [out, in] weight at a quarter of the memory bandwidth at batch 1.
+(``kernels.cpu.takes_linear`` says which): MKL packs the whole weight for each call, which at a few rows keeps it
+far below the GEMM peak, and reads an [out, in] weight far below the memory bandwidth at batch 1
+(docs/performance.md).
 ``model_executor/weight_layout.py`` stores every projection [in, out] for it. Everything else, GPUs included, is
 ``F.linear``; ``backend`` forces one (see ``kernels/dispatch.py``).
 """

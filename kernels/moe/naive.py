@@ -54,20 +54,20 @@ def append_shared_expert(
     return torch.cat([weights, shared_weight], dim=1), torch.cat([ids, shared], dim=1)
 
 
-# What one more GEMM call costs, in multiply-adds one CPU core would do meanwhile (~15 us at ~33 GMAC/s).
+# What one more GEMM call costs, in multiply-adds one CPU core would do meanwhile (measured: docs/performance.md).
 _GEMM_CALL_MACS = 500_000
 
 
-# Reading one expert's weights costs about as much as running this many rows through it (the weights come from
-# memory at a few GB/s per core; 0.4 MB per expert at H 256 took ~90 us against ~2 us per row).
+# Reading one expert's weights costs about as much as running this many rows through it: the weights come from
+# memory, a row's work from cache (measured: docs/performance.md).
 _WEIGHT_READ_ROWS = 32
 
 
 def _dense_pays(num_tokens: int, unselected: int, row_macs: int) -> bool:
     """Whether every expert running every token beats grouping: the work the ``unselected`` experts per token
     waste, weight reads included, stays below the ~20 op calls grouping adds. Only for small experts and few
-    tokens: at the tiny model's shape (H 128, I 64, 8 experts top-2) up to ~64 tokens; at H 256 with 16 experts
-    top-4 grouping won 1.2-2.2x from 2 tokens on."""
+    tokens: at the tiny model's shape (H 128, I 64, 8 experts top-2) up to a few dozen tokens; at H 256 with 16
+    experts top-4 grouping won from 2 tokens on (docs/performance.md)."""
     return unselected * (num_tokens + _WEIGHT_READ_ROWS) * row_macs <= 24 * _GEMM_CALL_MACS
 
 
@@ -79,7 +79,7 @@ def _capacity(counts: list[int], row_macs: int) -> int:
     as with a few tokens spread over many experts, or, on one thread, when the padding rows (``row_macs``
     multiply-adds each) cost more than the two GEMM calls per expert they save. With more threads the batched GEMM
     spreads experts over threads, which per-expert GEMMs of a few dozen rows do not: there it won at every size
-    measured (H 128-2048, 256 tokens, 16 experts, top-4), while on one thread exact GEMMs won by 10-15% from H=512.
+    measured, while on one thread exact GEMMs won from H=512 (docs/performance.md).
     """
     hit = [c for c in counts if c]
     if not hit:
@@ -136,9 +136,8 @@ def fused_moe(
     """``sum_i w_i * down_e(silu(gate_e(x)) * up_e(x))`` over each token's selected experts."""
     num_tokens, top_k = topk_ids.shape
     inter = w2.shape[2]
-    if (
-        torch.compiler.is_compiling() and num_tokens <= 64
-    ):  # no host read: one graph for the whole step
+    # no host read: one graph for the whole step
+    if torch.compiler.is_compiling() and num_tokens <= 64:
         return _fused_moe_dense(x, w13, w2, topk_weights, topk_ids)
     if num_tokens == 1:
         return _fused_moe_one_token(x, w13, w2, topk_weights, topk_ids)
@@ -147,9 +146,8 @@ def fused_moe(
     flat_ids = topk_ids.reshape(-1)
     sorted_ids, order = torch.sort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # the one host read
-    capacity = _capacity(
-        counts, 3 * x.shape[1] * inter
-    )  # gate_up and down multiply-adds of one row
+    # gate_up and down multiply-adds of one row
+    capacity = _capacity(counts, 3 * x.shape[1] * inter)
     pos, ranges = _layout(sorted_ids, counts, capacity)
     num_buffer_rows = w13.shape[0] * capacity + sum(end - begin for _, begin, end in ranges)
     # token of every buffer row; padding rows compute token 0 and are never read back
@@ -169,7 +167,7 @@ def fused_moe(
 
 def _weighted_sum(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``sum_j weights[:, j] * rows[:, j]`` in fp32 for rows [T, k, H]: k multiply-adds over [T, H]. The same sum
-    as a [T, 1, k] x [T, k, H] bmm took 8x longer on the CPU at 4096 tokens (2.4 ms against 0.3 ms, H = 128)."""
+    as a [T, 1, k] x [T, k, H] bmm was several times slower on the CPU (docs/performance.md)."""
     weights = weights.float()
     out = rows[:, 0] * weights[:, :1]
     for j in range(1, rows.shape[1]):
@@ -185,8 +183,8 @@ def _fused_moe_one_token(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """One token (decode at batch 1): its k experts one after the other, straight from the weights. It reads k of
-    the E experts' weights, which is what a step at batch 1 waits on (2.7-3.4x faster than every expert in one bmm
-    at H 256, 16 experts, top-4 plus a shared expert; 1.2x at the tiny model's shape)."""
+    the E experts' weights, which is what a step at batch 1 waits on (faster than every expert in one bmm;
+    docs/performance.md)."""
     inter = w2.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert, weight in zip(topk_ids[0].tolist(), topk_weights[0].tolist()):
@@ -212,9 +210,8 @@ def _fused_moe_dense(
     act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
     expert_out = torch.bmm(act, w2.transpose(1, 2)).float()  # [E, T, H]
     dense = topk_weights.new_zeros(x.shape[0], 1, num_experts, dtype=torch.float32)
-    dense.scatter_add_(
-        2, topk_ids.long().unsqueeze(1), topk_weights.float().unsqueeze(1)
-    )  # [T, 1, E]
+    # [T, 1, E]
+    dense.scatter_add_(2, topk_ids.long().unsqueeze(1), topk_weights.float().unsqueeze(1))
     return torch.bmm(dense, expert_out.transpose(0, 1)).squeeze(1).to(x.dtype)
 
 

@@ -10,6 +10,8 @@ token in fp32. topk_ids may hold any expert id below w13.shape[0], so a shared e
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -99,9 +101,15 @@ def topk_softmax(
     return weights, ids
 
 
-def align_by_expert(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+class ExpertBlocks(NamedTuple):
+    """The flat (token, slot) rows grouped by expert into blocks of ``block_m`` rows (see ``align_by_expert``)."""
+
+    sorted_rows: torch.Tensor
+    block_expert: torch.Tensor
+    num_padded: torch.Tensor
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """Sort the flat (token, slot) rows by expert, padding each expert's list to a multiple of ``block_m``.
 
     Returns ``sorted_rows`` (flat row ids, ``topk_ids.numel()`` marks padding), ``block_expert`` (expert id per
@@ -124,7 +132,7 @@ def align_by_expert(
     block_starts = torch.arange(0, capacity, block_m, device=flat.device)
     block_expert = torch.bucketize(block_starts, padded_end, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return sorted_rows, block_expert, padded_end[-1:].to(torch.int32)
+    return ExpertBlocks(sorted_rows, block_expert, padded_end[-1:].to(torch.int32))
 
 
 @triton.jit
@@ -243,7 +251,8 @@ def _check_moe_args(
 ):
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, H] with contiguous rows, got shape {tuple(x.shape)}")
-    num_experts, two_inter, hidden = w13.shape
+    num_experts = w13.shape[0]
+    two_inter, hidden = w13.shape[1:]
     if hidden != x.shape[1] or two_inter % 2 or w13.stride(2) != 1:
         raise ValueError(
             f"w13 must be [E, 2I, H={x.shape[1]}] with contiguous rows, got {tuple(w13.shape)}"
@@ -276,20 +285,21 @@ def fused_moe(
     """``sum_i w_i * down_e(silu(gate_e(x)) * up_e(x))``; x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk [T, k']."""
     _check_moe_args(x, w13, w2, topk_weights, topk_ids)
     num_tokens, top_k = topk_ids.shape
-    num_experts, hidden, inter = w2.shape
+    num_experts = w2.shape[0]
+    hidden, inter = w2.shape[1:]
     num_rows = num_tokens * top_k
-    sorted_rows, block_expert, num_padded = align_by_expert(topk_ids, num_experts, BLOCK_M)
+    blocks = align_by_expert(topk_ids, num_experts, BLOCK_M)
     act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
     rows_out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     block_n, block_k = 64, 64
-    _gate_up_silu_kernel[(block_expert.numel(), triton.cdiv(inter, block_n))](
+    _gate_up_silu_kernel[(blocks.block_expert.numel(), triton.cdiv(inter, block_n))](
         x_ptr=x,
         w13_ptr=w13,
         act_ptr=act,
-        sorted_rows_ptr=sorted_rows,
-        block_expert_ptr=block_expert,
-        num_padded_ptr=num_padded,
+        sorted_rows_ptr=blocks.sorted_rows,
+        block_expert_ptr=blocks.block_expert,
+        num_padded_ptr=blocks.num_padded,
         num_rows=num_rows,
         hidden=hidden,
         inter=inter,
@@ -304,14 +314,14 @@ def fused_moe(
         UPCAST=triton_interpreting(),
         PRECISION=dot_precision(x.dtype),
     )
-    _down_weighted_kernel[(block_expert.numel(), triton.cdiv(hidden, block_n))](
+    _down_weighted_kernel[(blocks.block_expert.numel(), triton.cdiv(hidden, block_n))](
         act_ptr=act,
         w2_ptr=w2,
         weights_ptr=weights,
         out_ptr=rows_out,
-        sorted_rows_ptr=sorted_rows,
-        block_expert_ptr=block_expert,
-        num_padded_ptr=num_padded,
+        sorted_rows_ptr=blocks.sorted_rows,
+        block_expert_ptr=blocks.block_expert,
+        num_padded_ptr=blocks.num_padded,
         num_rows=num_rows,
         hidden=hidden,
         inter=inter,

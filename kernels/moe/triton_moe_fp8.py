@@ -191,23 +191,24 @@ def fused_moe(
     _check_scales("w13_scale", w13, w13_scale, block)
     _check_scales("w2_scale", w2, w2_scale, block)
     num_tokens, top_k = topk_ids.shape
-    num_experts, hidden, inter = w2.shape
+    num_experts = w2.shape[0]
+    hidden, inter = w2.shape[1:]
     num_rows = num_tokens * top_k
-    sorted_rows, block_expert, num_padded = align_by_expert(topk_ids, num_experts, BLOCK_M)
+    blocks = align_by_expert(topk_ids, num_experts, BLOCK_M)
     x_q, x_s = per_token_group_quant(x, block[1], w13.dtype)
     act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
     rows_out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     block_n, block_k = 64, block[1]
-    _gate_up_silu_fp8_kernel[(block_expert.numel(), triton.cdiv(inter, block_n))](
+    _gate_up_silu_fp8_kernel[(blocks.block_expert.numel(), triton.cdiv(inter, block_n))](
         x_ptr=x_q,
         x_s_ptr=x_s,
         w13_ptr=w13,
         w13_s_ptr=w13_scale,
         act_ptr=act,
-        sorted_rows_ptr=sorted_rows,
-        block_expert_ptr=block_expert,
-        num_padded_ptr=num_padded,
+        sorted_rows_ptr=blocks.sorted_rows,
+        block_expert_ptr=blocks.block_expert,
+        num_padded_ptr=blocks.num_padded,
         num_rows=num_rows,
         hidden=hidden,
         inter=inter,
@@ -226,16 +227,16 @@ def fused_moe(
         UPCAST=triton_interpreting(),
     )
     act_q, act_s = per_token_group_quant(act, block[1], w2.dtype)
-    _down_weighted_fp8_kernel[(block_expert.numel(), triton.cdiv(hidden, block_n))](
+    _down_weighted_fp8_kernel[(blocks.block_expert.numel(), triton.cdiv(hidden, block_n))](
         act_ptr=act_q,
         act_s_ptr=act_s,
         w2_ptr=w2,
         w2_s_ptr=w2_scale,
         weights_ptr=weights,
         out_ptr=rows_out,
-        sorted_rows_ptr=sorted_rows,
-        block_expert_ptr=block_expert,
-        num_padded_ptr=num_padded,
+        sorted_rows_ptr=blocks.sorted_rows,
+        block_expert_ptr=blocks.block_expert,
+        num_padded_ptr=blocks.num_padded,
         num_rows=num_rows,
         hidden=hidden,
         inter=inter,

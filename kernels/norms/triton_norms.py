@@ -12,9 +12,8 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16  # rows per program for short rows (head_dim 128): enough work per program
-TILE = (
-    8192  # at most this many elements per tile: 16 x 2048 spilled up to 768 bytes a thread on sm_90
-)
+# at most this many elements per tile: 16 x 2048 spilled on sm_90 (benchmarks/triton_resources.py)
+TILE = 8192
 
 
 @triton.jit

@@ -51,9 +51,8 @@ def quantize_blocks(
     nb_rows, nb_cols = -(-rows // block[0]), -(-cols // block[1])
     padded = w.float().new_zeros(*w.shape[:-2], nb_rows * block[0], nb_cols * block[1])
     padded[..., :rows, :cols] = w.float()
-    blocks = padded.unflatten(-1, (nb_cols, block[1])).unflatten(
-        -3, (nb_rows, block[0])
-    )  # [.., R, bn, C, bk]
+    # [.., R, bn, C, bk]
+    blocks = padded.unflatten(-1, (nb_cols, block[1])).unflatten(-3, (nb_rows, block[0]))
     amax = blocks.abs().amax(dim=(-3, -1)).clamp_min(MIN_AMAX)
     scale = amax / fp8_max(dtype)
     q = (

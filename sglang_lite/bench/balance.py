@@ -32,10 +32,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 LOG_EVERY_SECS = 30.0
-QUEUE_FIELDS = (
-    "num_waiting_reqs",
-    "prefill_inflight_queue_reqs",
-)  # num_waiting_reqs counts the PD queues
+# num_waiting_reqs counts the PD queues
+QUEUE_FIELDS = ("num_waiting_reqs", "prefill_inflight_queue_reqs")
 
 
 @dataclass(frozen=True)
@@ -263,9 +261,8 @@ class BalanceSampler:
                 f"{url}@{e['dp_rank']}": e for e in resp.json().get("loads", []) if "dp_rank" in e
             }
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            self._record_failure(
-                url, exc
-            )  # a gap in the series, as in the router's load monitor, but counted
+            # a gap in the series, as in the router's load monitor, but counted
+            self._record_failure(url, exc)
             return {}
 
     def _record_failure(self, url: str, exc: Exception) -> None:

@@ -55,7 +55,9 @@ def _lognormal(rng: random.Random, mean: float, sigma: float) -> int:
 
 def agentic_session(rng: random.Random, name: str, cfg: AgenticTraceConfig) -> list[TraceRequest]:
     turns = rng.randint(cfg.min_turns, cfg.max_turns)
-    context, shared, requests = _lognormal(rng, cfg.first_input_mean, cfg.sigma), 0, []
+    context = _lognormal(rng, cfg.first_input_mean, cfg.sigma)
+    shared = 0
+    requests = []
     for turn in range(turns):
         output = min(_lognormal(rng, cfg.output_mean, cfg.sigma), cfg.output_max)
         if context + output > cfg.max_context:

@@ -8,7 +8,7 @@ the list of byte ranges to write (``request_blocks``), runs of consecutive slots
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,12 +25,10 @@ def _row(buffer: torch.Tensor) -> tuple[int, int]:
 class PoolLayout:
     session: str  # the rank's transfer-engine session, host:port
     kv: list[tuple[int, int, int]]  # per full-attention layer: K base, V base, bytes per token slot
-    states: list[
-        tuple[int, int, int, int]
-    ]  # per Gated DeltaNet layer: conv base, conv row, ssm base, ssm row
-    meta: tuple[
-        int, int
-    ]  # the metadata rows (status, first token) of each state slot: base, row bytes
+    # per Gated DeltaNet layer: conv base, conv row, ssm base, ssm row
+    states: list[tuple[int, int, int, int]]
+    # the metadata rows (status, first token) of each state slot: base, row bytes
+    meta: tuple[int, int]
 
     @classmethod
     def of(cls, session: str, pools: ModelPools, meta: torch.Tensor) -> PoolLayout:
@@ -76,7 +74,9 @@ def request_blocks(
     """Byte ranges that copy a request's KV (``src_slots`` -> ``dst_slots``, token by token) and its conv and
     recurrent states (one slot each) from ``src`` to ``dst``."""
     assert len(src_slots) == len(dst_slots), "KV slots of the two sides disagree"
-    sources, targets, lengths = [], [], []
+    sources: list[int] = []
+    targets: list[int] = []
+    lengths: list[int] = []
     runs = _runs(src_slots, dst_slots)
     for (src_k, src_v, row), (dst_k, dst_v, _) in zip(src.kv, dst.kv):
         for s, d, n in runs:
@@ -90,13 +90,21 @@ def request_blocks(
     return sources, targets, lengths
 
 
-def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """(source start, target start, length) of the maximal runs where both sides' slots are consecutive."""
-    runs: list[tuple[int, int, int]] = []
+class _Run(NamedTuple):
+    """Slots ``src .. src + length`` on one side map to ``dst .. dst + length`` on the other."""
+
+    src: int
+    dst: int
+    length: int
+
+
+def _runs(src: list[int], dst: list[int]) -> list[_Run]:
+    """The maximal runs where both sides' slots are consecutive."""
+    runs: list[_Run] = []
     for s, d in zip(src, dst):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            start_s, start_d, n = runs[-1]
-            runs[-1] = (start_s, start_d, n + 1)
+        last = runs[-1] if runs else None
+        if last and last.src + last.length == s and last.dst + last.length == d:
+            runs[-1] = last._replace(length=last.length + 1)
         else:
-            runs.append((s, d, 1))
+            runs.append(_Run(s, d, 1))
     return runs

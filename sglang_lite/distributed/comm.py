@@ -69,9 +69,8 @@ def attn_all_gather(x: torch.Tensor) -> torch.Tensor:
     if n == 1:
         return x
     x = x.contiguous()
-    out = torch.empty(
-        (n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device
-    )  # gloo: concatenated only
+    # gloo: concatenated only
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, x, group=state.attn)
     return torch.movedim(out.view(n, *x.shape), 0, -2).reshape(*x.shape[:-1], n * x.shape[-1])
 

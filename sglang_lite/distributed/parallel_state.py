@@ -30,9 +30,8 @@ import torch.distributed as dist
 class ParallelConfig:
     tp_size: int = 1
     ep_size: int = 1
-    dp_size: int = (
-        1  # DP-attention groups inside the world; without DP attention, replicas outside it
-    )
+    # DP-attention groups inside the world; without DP attention, replicas outside it
+    dp_size: int = 1
     dp_attention: bool = False
 
     def __post_init__(self) -> None:
@@ -132,9 +131,8 @@ def init_distributed(
     on_gpu = torch.device(device).type == "cuda"
     backend = "nccl" if on_gpu else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    if (
-        on_gpu
-    ):  # one GPU per rank: "cuda" means this node's rank-th device ("cuda" tensors then land there)
+    # one GPU per rank: "cuda" means this node's rank-th device ("cuda" tensors then land there)
+    if on_gpu:
         index = torch.device(device).index
         torch.cuda.set_device(rank % torch.cuda.device_count() if index is None else index)
     dist.init_process_group(
@@ -148,9 +146,8 @@ def init_distributed(
     cpu_world = dist.new_group(backend="gloo", timeout=timeout) if on_gpu else world
     attn = cpu_attn = None
     size = config.attn_tp_size
-    for first in range(
-        0, config.world_size, size
-    ):  # every rank creates every group, in the same order
+    # every rank creates every group, in the same order
+    for first in range(0, config.world_size, size):
         ranks = list(range(first, first + size))
         group = dist.new_group(ranks, backend=backend, timeout=timeout)
         cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if on_gpu else group

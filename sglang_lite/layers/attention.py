@@ -45,18 +45,16 @@ class Qwen3_5Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * hd, config.hidden_size)
         self.q_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(hd, config.rms_norm_eps)
-        self._rotary = (
-            rotary,
-        )  # shared table, owned by the model (a tuple keeps it out of this module's children)
+        # shared table, owned by the model (a tuple keeps it out of this module's children)
+        self._rotary = (rotary,)
 
     def packed_shards(self) -> ShardMap:
         names = ["q_proj.weight", "k_proj.weight", "v_proj.weight"]
         if self.split.parts == 1:
             return packed_rows("qkv_proj.weight", self.qkv_proj, names)
         hd, rank = self.head_dim, self.split.rank
-        q_rows = slice(
-            rank * 2 * self.num_heads * hd, (rank + 1) * 2 * self.num_heads * hd
-        )  # [q_h | gate_h] rows
+        # [q_h | gate_h] rows
+        q_rows = slice(rank * 2 * self.num_heads * hd, (rank + 1) * 2 * self.num_heads * hd)
         if self.total_kv_heads >= self.split.parts:
             first_kv = rank * self.num_kv_heads
         else:  # replicated: the KV head this rank's query heads use
@@ -69,13 +67,14 @@ class Qwen3_5Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q_gate, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
-        q_gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim)
+        pieces = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
+        q_gate = pieces[0].view(num_tokens, self.num_heads, 2 * self.head_dim)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k = pieces[1].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = pieces[2].view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self._qk_norm(q, k, batch.overlap)
         q, k = self._rotary[0](batch.positions, q, k)
-        out = self._attend(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), batch)
+        out = self._attend(q, k, v, batch)
         # gated per head, then heads merged: gate is a strided view, which a merge first would have copied
         return attn_all_reduce(self.o_proj((out * torch.sigmoid(gate)).flatten(1)))
 

@@ -43,16 +43,13 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         state = get_parallel_state()
         self.split = Split(state.attn_tp_rank, state.attn_tp_size)
         local = config.attention_shard(state.attn_tp_size)
-        self.num_k_heads, self.num_v_heads = (
-            local.linear_num_key_heads,
-            local.linear_num_value_heads,
-        )
-        self.head_k_dim, self.head_v_dim = local.linear_key_head_dim, local.linear_value_head_dim
-        self.key_dim, self.value_dim, self.conv_dim = (
-            local.linear_key_dim,
-            local.linear_value_dim,
-            local.conv_dim,
-        )
+        self.num_k_heads = local.linear_num_key_heads
+        self.num_v_heads = local.linear_num_value_heads
+        self.head_k_dim = local.linear_key_head_dim
+        self.head_v_dim = local.linear_value_head_dim
+        self.key_dim = local.linear_key_dim
+        self.value_dim = local.linear_value_dim
+        self.conv_dim = local.conv_dim
         hidden = config.hidden_size
         self.in_proj_qkvz = PackedLinear(hidden, [self.conv_dim, self.value_dim])
         self.in_proj_ba = PackedLinear(hidden, [self.num_v_heads, self.num_v_heads])
@@ -66,15 +63,14 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, hidden)
 
     def packed_shards(self) -> ShardMap:
-        qkvz_names, ba_names = (
-            ["in_proj_qkv.weight", "in_proj_z.weight"],
-            ["in_proj_b.weight", "in_proj_a.weight"],
-        )
+        qkvz_names = ["in_proj_qkv.weight", "in_proj_z.weight"]
+        ba_names = ["in_proj_b.weight", "in_proj_a.weight"]
         if self.split.parts == 1:
             return packed_rows("in_proj_qkvz.weight", self.in_proj_qkvz, qkvz_names) | packed_rows(
                 "in_proj_ba.weight", self.in_proj_ba, ba_names
             )
-        rank, parts, kd, vd = self.split.rank, self.split.parts, self.key_dim, self.value_dim
+        rank, parts = self.split.rank, self.split.parts
+        kd, vd = self.key_dim, self.value_dim
         # this rank's q, k and v channels: where they sit in the checkpoint's [q | k | v] and in the local packing
         channels = [
             (slice(rank * kd, (rank + 1) * kd), slice(0, kd)),
@@ -117,10 +113,10 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         b, a = ba.split(self.in_proj_ba.output_sizes, dim=-1)
         conv_states, ssm_states = batch.pools.state_buffers(self.layer_id)
         qkv = self._conv(qkv, conv_states, batch)
-        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.view(num_tokens, self.num_k_heads, self.head_k_dim)
-        k = k.view(num_tokens, self.num_k_heads, self.head_k_dim)
-        v = v.view(num_tokens, self.num_v_heads, self.head_v_dim)
+        pieces = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = pieces[0].view(num_tokens, self.num_k_heads, self.head_k_dim)
+        k = pieces[1].view(num_tokens, self.num_k_heads, self.head_k_dim)
+        v = pieces[2].view(num_tokens, self.num_v_heads, self.head_v_dim)
         g, beta = fused_gdn_gating(self.A_log, a, self.dt_bias, b)
         if batch.is_decode:
             o = fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_states, batch.state_slots)

@@ -24,9 +24,8 @@ class Shard:
     source: tuple = ()  # the part of the checkpoint tensor it reads (() = all of it)
 
 
-ShardMap = dict[
-    str, list[Shard]
-]  # checkpoint name -> the shards it fills ([] = a tensor this rank does not read)
+# checkpoint name -> the shards it fills ([] = a tensor this rank does not read)
+ShardMap = dict[str, list[Shard]]
 
 
 @dataclass(frozen=True)

@@ -83,9 +83,8 @@ class Qwen3_5SparseMoeBlock(nn.Module):
         self.ep_size = state.moe_ep_size
         self.num_local = shard_size(self.num_experts, self.ep_size, "num_experts", "ep size")
         self.first_expert = state.moe_ep_rank * self.num_local
-        self.expert_split = Split(
-            state.moe_tp_rank, state.moe_tp_size
-        )  # of each routed expert's intermediate dim
+        # of each routed expert's intermediate dim
+        self.expert_split = Split(state.moe_tp_rank, state.moe_tp_size)
         self.shared_split = Split(state.rank, state.world_size)  # of the shared expert's
         hidden, self.inter = config.hidden_size, config.moe_intermediate_size
         inter = shard_size(self.inter, self.expert_split.parts, "moe_intermediate_size")

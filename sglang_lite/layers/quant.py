@@ -22,8 +22,8 @@ SCALE_SUFFIX = "_scale_inv"
 
 def scale_shape(shape: torch.Size | tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     """The scales of a [..., rows, cols] weight in ``block`` blocks: [..., ceil(rows / bn), ceil(cols / bk)]."""
-    *lead, rows, cols = shape
-    return (*lead, -(-rows // block[0]), -(-cols // block[1]))
+    rows, cols = shape[-2:]
+    return (*shape[:-2], -(-rows // block[0]), -(-cols // block[1]))
 
 
 def _fp8_parameter(
@@ -67,9 +67,8 @@ class Fp8SparseMoeBlock(Qwen3_5SparseMoeBlock):
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         experts = self.experts
-        if (
-            self.ep_size > 1
-        ):  # as the plain block on a GPU: other ranks' pairs run on row 0 with weight 0
+        # as the plain block on a GPU: other ranks' pairs run on row 0 with weight 0
+        if self.ep_size > 1:
             shared, local = ids == self.num_experts, ids - self.first_expert
             mine = shared | ((local >= 0) & (local < self.num_local))
             weights, ids = (

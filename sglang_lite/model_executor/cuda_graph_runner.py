@@ -111,9 +111,8 @@ class CudaGraphRunner:
         if use_graphs:
             model.streams.runtime.get()  # streams must exist before capture starts
             self._pool = torch.cuda.graph_pool_handle()
-            for bs in reversed(
-                self.batch_sizes
-            ):  # largest first, so smaller graphs reuse its memory
+            # largest first, so smaller graphs reuse its memory
+            for bs in reversed(self.batch_sizes):
                 self._capture_size(bs, auto, timing_replays)
             if auto:
                 logger.info(

@@ -2,16 +2,15 @@
 
 A decode step multiplies a few rows by every weight. The fused linear kernel of ``kernels/cpu`` (``kernels.linear``,
 which every projection and the LM head call) runs those rows through blocks of output columns, vectorised along
-the contiguous output dimension of an [in, out] weight: 1.0-2.9x MKL from 1 to 256 rows at every projection of
-Qwen3.5 from 16 columns on (LM head at 32 rows: 3.6 against 6.1 ms; 2 threads). MKL itself read the wide [in, out]
-weights 2-3x faster than [out, in] ones at batch 1, and a prefill's large GEMMs do not mind either layout. So each
+the contiguous output dimension of an [in, out] weight, and beats MKL from 1 to 256 rows at every projection of
+Qwen3.5 from 16 columns on. MKL itself reads the wide [in, out] weights faster than [out, in] ones at batch 1, and a
+prefill's large GEMMs do not mind either layout (the figures: docs/performance.md). So each
 weight is stored transposed: the parameter keeps its [out, in] shape as a view of [in, out] memory, and
 ``F.linear`` hands MKL the contiguous [in, out] matrix where the fused kernel does not run. Nothing else changes:
 loading is done by then, and every shape stays.
 
-The experts' ``w13`` and ``w2`` are stored [in, out] too: the fused C++ MoE vectorises the same way (at H 256, 16
-experts top-4 + shared, 32 tokens: 0.47 ms with both [in, out], 0.79 ms with both [out, in]), and MKL's batched
-GEMMs of the reference do not mind.
+The experts' ``w13`` and ``w2`` are stored [in, out] too: the fused C++ MoE vectorises the same way and runs faster
+on them than on [out, in] ones, and MKL's batched GEMMs of the reference do not mind.
 """
 
 from __future__ import annotations

@@ -17,9 +17,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     if config.pd_disaggregation and not (config.prefill and config.decode):
         sys.exit("--pd-disaggregation needs at least one --prefill and one --decode worker")
-    from .app import (
-        serve,
-    )  # after argument parsing, so --help stays instant (aiohttp is imported here)
+    # after argument parsing, so --help stays instant (aiohttp is imported here)
+    from .app import serve
 
     with contextlib.suppress(KeyboardInterrupt):
         _run(serve(config))

@@ -9,7 +9,9 @@ from contextlib import asynccontextmanager
 class Shed(Exception):
     def __init__(self, status: int, reason: str, retry_after: int) -> None:
         super().__init__(reason)
-        self.status, self.reason, self.retry_after = status, reason, retry_after
+        self.status = status
+        self.reason = reason
+        self.retry_after = retry_after
 
 
 class Admission:

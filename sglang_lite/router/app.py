@@ -1,4 +1,4 @@
-"""The router: worker registries and policies behind an aiohttp server, forwarding with an aiohttp client."""
+"""The router: policies over the worker fleet behind an aiohttp server, forwarding with an aiohttp client."""
 
 from __future__ import annotations
 
@@ -16,26 +16,30 @@ from aiohttp import web
 from .admission import Admission, Shed
 from .config import RouterConfig
 from .dispatch import Dispatcher, rank_fields, record_outcome
-from .health import HealthChecker, probe
+from .fleet import WorkerAuthError, WorkerFleet, fetch_dp_size
+from .health import HealthChecker
 from .load_monitor import LoadMonitor
 from .metrics import RouterMetrics
 from .pd import PDForwarder
 from .policies import Policy, RequestInfo, create_policy
 from .proxy import UpstreamUnreachable, WorkerShed, backoff_secs, bearer, json_error, with_fields
 from .request_info import parse_body, request_info
-from .workers import CircuitBreaker, Server, Worker, WorkerRegistry, normalize_url
+from .workers import Server, Worker
 
 logger = logging.getLogger("sglang_lite.router")
+
+__all__ = ["Router", "WorkerAuthError", "fetch_dp_size", "key_matches", "serve"]
 
 INFERENCE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 OPEN_ROUTES = frozenset({"/health", "/liveness", "/readiness"})  # no API key needed
 
 
-class WorkerAuthError(ValueError):
-    """A worker refused the router's key (401/403): a configuration error, not worth waiting for."""
-
-
 class Router:
+    """Admission, policy choice and forwarding for inference requests, and the router's own endpoints.
+
+    Which servers exist, and the admin endpoints that add and remove them, belong to `self.fleet`.
+    """
+
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.rng = random.Random(config.seed)
@@ -43,7 +47,8 @@ class Router:
         self.admission = Admission(
             config.max_concurrent_requests, config.queue_size, config.queue_timeout_secs
         )
-        self.registries = {role: WorkerRegistry() for role in ("regular", "prefill", "decode")}
+        self.fleet = WorkerFleet(config)
+        self.registries = self.fleet.registries
         opts = config.policy_options()
         self.policies: dict[str, Policy] = {
             "regular": create_policy(config.policy, **opts),
@@ -60,7 +65,8 @@ class Router:
     # ---- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        # The worker key rides on every call to workers: probes, dp_size, load polls (forwarded requests set it too).
+        # The worker key rides on every call to workers: probes, dp_size, load polls (forwarded
+        # requests set it too).
         key = self.config.worker_key
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, headers=bearer(key)
@@ -68,7 +74,7 @@ class Router:
         self.dispatcher = Dispatcher(self.session, self.config.request_timeout_secs, key)
         if self.config.pd_disaggregation:
             self.pd = PDForwarder(self.pick, self.dispatcher, self.rng)
-        await self._add_initial_workers()
+        await self.fleet.start(self.session)
         self._start_monitors()
 
     async def close(self) -> None:
@@ -80,20 +86,6 @@ class Router:
         if self.session is not None:
             await self.session.close()
 
-    async def _add_initial_workers(self) -> None:
-        cfg = self.config
-        ready = (
-            [self._ready_server(u, "regular") for u in cfg.worker_urls]
-            if not cfg.pd_disaggregation
-            else []
-        )
-        ready += [self._ready_server(p.url, "prefill", p.bootstrap_port) for p in cfg.prefill]
-        ready += [self._ready_server(u, "decode") for u in cfg.decode]
-        for server in await asyncio.gather(
-            *ready
-        ):  # registered in command-line order, whichever answered first
-            self._register(server)
-
     def _start_monitors(self) -> None:
         cfg = self.config
         polled = [self.registries[r] for r in self.active_roles() if self.policies[r].needs_loads]
@@ -101,67 +93,30 @@ class Router:
             self.load_monitor = LoadMonitor(self.session, polled, cfg.worker_startup_check_interval)
             self._tasks.append(asyncio.create_task(self.load_monitor.run()))
         if not cfg.disable_health_check:
-            checker = HealthChecker(
-                self.session, self.all_servers, cfg
-            )  # per-rank probes for degraded servers
+            # per-rank probes for degraded servers
+            checker = HealthChecker(self.session, self.all_servers, cfg)
             self._tasks.append(asyncio.create_task(checker.run()))
 
+    # ---- workers (owned by the fleet) ------------------------------------------------------------------
     def active_roles(self) -> tuple[str, ...]:
-        return ("prefill", "decode") if self.config.pd_disaggregation else ("regular",)
+        return self.fleet.active_roles()
 
     def all_servers(self) -> list[Server]:
-        return [s for r in self.active_roles() for s in self.registries[r].servers.values()]
+        return self.fleet.all_servers()
 
     def all_workers(self) -> list[Worker]:
-        return [w for r in self.active_roles() for w in self.registries[r].workers]
+        return self.fleet.all_workers()
 
-    # ---- workers ---------------------------------------------------------------------------------------
     async def add_server(self, url: str, role: str, bootstrap_port: int | None = None) -> Server:
-        server = await self._ready_server(url, role, bootstrap_port)
-        self._register(server)
-        return server
-
-    async def _ready_server(self, url: str, role: str, bootstrap_port: int | None = None) -> Server:
-        cfg = self.config
-        url = normalize_url(url)
-        dp_size = await self.wait_ready(url)
-        breaker = CircuitBreaker(
-            cfg.cb_failure_threshold,
-            cfg.cb_success_threshold,
-            cfg.cb_timeout_duration_secs,
-            enabled=not cfg.disable_circuit_breaker,
-        )
-        return Server(url, dp_size, breaker, role, bootstrap_port)
-
-    def _register(self, server: Server) -> None:
-        self.registries[server.role].add(server)
-        logger.info("added %s worker %s (dp_size=%s)", server.role, server.url, server.dp_size)
-
-    async def wait_ready(self, url: str) -> int | None:
-        """Wait until the server answers its health check (and, under --dp-aware, reports dp_size)."""
-        cfg = self.config
-        deadline = time.monotonic() + cfg.worker_startup_timeout_secs
-        while True:
-            if await probe(
-                self.session, url, cfg.health_check_endpoint, cfg.health_check_timeout_secs
-            ):
-                dp_size = await fetch_dp_size(self.session, url) if cfg.dp_aware else None
-                if not cfg.dp_aware or dp_size is not None:
-                    return dp_size
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"worker {url} did not become ready in {cfg.worker_startup_timeout_secs}s"
-                )
-            await asyncio.sleep(cfg.worker_startup_check_interval)
+        return await self.fleet.add_server(url, role, bootstrap_port)
 
     def pick(
         self, role: str, info: RequestInfo, exclude: frozenset[str] = frozenset()
     ) -> Worker | None:
         registry = self.registries[role]
         views = registry.views(time.monotonic())
-        if (
-            exclude
-        ):  # servers that refused this request already: shown as unhealthy, so rings stay stable
+        # servers that refused this request already: shown as unhealthy, so rings stay stable
+        if exclude:
             views = [
                 dataclasses.replace(v, healthy=False) if v.url in exclude else v for v in views
             ]
@@ -191,10 +146,8 @@ class Router:
                 record_outcome(worker, failed=True)
                 refused |= {w.url for w in worker.server.workers}
             except WorkerShed as exc:
-                shed, refused = (
-                    exc,
-                    refused | {worker.url},
-                )  # that rank is full (or dead); its siblings may not be
+                # that rank is full (or dead); its siblings may not be
+                shed, refused = exc, refused | {worker.url}
             if attempt < retries:
                 self.metrics.retries += 1
                 await asyncio.sleep(backoff_secs(attempt, cfg, self.rng))
@@ -263,29 +216,6 @@ class Router:
             out[role] = p.name + (f":{p.load_metric}" if hasattr(p, "load_metric") else "")
         return out
 
-    async def handle_list_workers(self, request: web.Request) -> web.Response:
-        return web.json_response({"urls": [s.url for s in self.all_servers()]})
-
-    async def handle_add_worker(self, request: web.Request) -> web.Response:
-        url = request.query.get("url")
-        role = request.query.get("role", "decode" if self.config.pd_disaggregation else "regular")
-        if not url or role not in self.active_roles():
-            return json_error(400, f"need ?url=... and a role in {self.active_roles()}")
-        port = request.query.get("bootstrap_port")
-        try:
-            server = await self.add_server(url, role, int(port) if port else None)
-        except (ValueError, TimeoutError) as exc:  # WorkerAuthError is a ValueError
-            return json_error(400, str(exc))
-        return web.json_response({"added": server.url, "dp_size": server.dp_size, "role": role})
-
-    async def handle_remove_worker(self, request: web.Request) -> web.Response:
-        url = request.query.get("url", "")
-        for role in self.active_roles():
-            if normalize_url(url) in self.registries[role].servers:
-                self.registries[role].remove(url)
-                return web.json_response({"removed": normalize_url(url)})
-        return json_error(404, f"no worker {url!r}")
-
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -306,9 +236,9 @@ class Router:
             app.router.add_post(path, self.handle_inference)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/workers", self.handle_workers)
-        app.router.add_get("/list_workers", self.handle_list_workers)
-        app.router.add_post("/add_worker", self.handle_add_worker)
-        app.router.add_post("/remove_worker", self.handle_remove_worker)
+        app.router.add_get("/list_workers", self.fleet.handle_list_workers)
+        app.router.add_post("/add_worker", self.fleet.handle_add_worker)
+        app.router.add_post("/remove_worker", self.fleet.handle_remove_worker)
         for path, handler in (
             ("/health", self.handle_health),
             ("/liveness", self.handle_health),
@@ -335,28 +265,6 @@ def key_matches(header: str | None, key: str) -> bool:
     return hmac.compare_digest(given, f"Bearer {key}".encode())
 
 
-async def fetch_dp_size(session: aiohttp.ClientSession, url: str) -> int | None:
-    """dp_size from /server_info, falling back to /get_server_info (older servers); None when neither answers.
-
-    Raises WorkerAuthError when the worker refuses the router's key, which waiting would not fix."""
-    for path in ("/server_info", "/get_server_info"):
-        try:
-            async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                if resp.status in (401, 403):
-                    raise WorkerAuthError(
-                        f"worker {url} answered {resp.status} to {path}: the router's worker key "
-                        "is missing or wrong (set --worker-api-key, default --api-key)"
-                    )
-                if resp.status == 200:
-                    info = await resp.json(content_type=None)
-                    return int(info.get("dp_size") or 1)
-        except WorkerAuthError:
-            raise
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
-            continue
-    return None
-
-
 async def serve(config: RouterConfig) -> None:
     """Run until cancelled."""
     router = Router(config)
@@ -366,12 +274,10 @@ async def serve(config: RouterConfig) -> None:
     try:
         site = web.TCPSite(runner, config.host, config.port, backlog=2048, reuse_address=True)
         await site.start()
-        host, port = runner.addresses[0][
-            :2
-        ]  # the bound port, which differs from config.port when that is 0
-        print(
-            f"router listening on http://{host}:{port}", file=sys.stderr, flush=True
-        )  # tests wait for this
+        # the bound port, which differs from config.port when that is 0
+        host, port = runner.addresses[0][:2]
+        # tests wait for this line
+        print(f"router listening on http://{host}:{port}", file=sys.stderr, flush=True)
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()

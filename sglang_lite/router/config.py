@@ -25,12 +25,10 @@ class RouterConfig:
     worker_urls: tuple[str, ...] = ()
     policy: str = "cache_aware"
     dp_aware: bool = False
-    p2c_load_metric: str | None = (
-        None  # None: read SGLANG_ROUTER_P2C_LOAD_METRIC when the policy is created
-    )
-    bounded_load_factor: float | None = (
-        None  # consistent_hashing load bound (e.g. 1.5); None: unbounded
-    )
+    # None: read SGLANG_ROUTER_P2C_LOAD_METRIC when the policy is created
+    p2c_load_metric: str | None = None
+    # consistent_hashing load bound (e.g. 1.5); None: unbounded
+    bounded_load_factor: float | None = None
     # cache_aware
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
@@ -45,9 +43,8 @@ class RouterConfig:
     queue_timeout_secs: float = 60.0
     request_timeout_secs: float = 1800.0
     max_payload_size: int = 512 * 1024 * 1024
-    api_key: str | None = (
-        None  # clients must send it (Bearer) on every route but /health, /liveness, /readiness
-    )
+    # clients must send it (Bearer) on every route but /health, /liveness, /readiness
+    api_key: str | None = None
     # The key the router sends to workers (its own calls and forwarded requests). None: --api-key; "": none.
     worker_api_key: str | None = None
     # health checks

@@ -24,9 +24,8 @@ from .proxy import (
 from .workers import Worker
 
 logger = logging.getLogger("sglang_lite.router")
-DEAD_RANK_SECS = (
-    5.0  # how long a rank named dead by a response is skipped when the server gives no Retry-After
-)
+# how long a rank named dead by a response is skipped when the server gives no Retry-After
+DEAD_RANK_SECS = 5.0
 
 
 def rank_fields(worker: Worker) -> dict:

@@ -55,9 +55,8 @@ class Histogram:
 @dataclass
 class RouterMetrics:
     requests: Counter = field(default_factory=Counter)  # (route, status) -> count
-    latency: dict[str, Histogram] = field(
-        default_factory=dict
-    )  # route -> seconds to the end of the body
+    # route -> seconds to the end of the body
+    latency: dict[str, Histogram] = field(default_factory=dict)
     retries: int = 0
     shed: Counter = field(default_factory=Counter)  # status (429/503) -> count
 

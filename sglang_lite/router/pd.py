@@ -22,9 +22,8 @@ from .workers import Worker
 
 logger = logging.getLogger("sglang_lite.router")
 
-PickWorker = Callable[
-    [str, RequestInfo], Worker | None
-]  # (role, request) -> a worker of that role, or None
+# (role, request) -> a worker of that role, or None
+PickWorker = Callable[[str, RequestInfo], Worker | None]
 
 
 def bootstrap_fields(body: dict, prefill: Worker, room_of: Callable[[], int]) -> dict:
@@ -72,9 +71,8 @@ class PDForwarder:
         leg = self._start_prefill_leg(request, prefill, leg_payload(raw, fields, prefill))
         try:
             return await self.dispatcher.send(request, decode, leg_payload(raw, fields, decode))
-        except (
-            WorkerShed
-        ) as shed:  # no retries in PD mode: the decode worker's answer goes back, Retry-After too
+        # no retries in PD mode: the decode worker's answer goes back, Retry-After too
+        except WorkerShed as shed:
             leg.cancel()
             return shed.response
         except UpstreamUnreachable as exc:

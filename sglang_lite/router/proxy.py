@@ -34,9 +34,8 @@ _HOP = frozenset(
 
 SHED_STATUSES = (429, 503)
 MAX_SHED_BODY = 64 * 1024  # a shedding answer is a small, complete JSON error
-DEAD_RANK = re.compile(
-    r"\bDP rank (\d+) (?:is not alive|died)"
-)  # the server's words for a dead rank
+# the server's words for a dead rank
+DEAD_RANK = re.compile(r"\bDP rank (\d+) (?:is not alive|died)")
 
 
 class UpstreamUnreachable(Exception):
@@ -157,9 +156,8 @@ async def relay(
     chunk is not held back by Nagle's algorithm). A failure after the head was sent becomes a final SSE error
     event, so the client sees an error instead of a silently truncated stream.
     """
-    if (
-        not is_event_stream(upstream) and upstream.content_length is not None
-    ):  # a sized body: one read
+    # a sized body: one read
+    if not is_event_stream(upstream) and upstream.content_length is not None:
         try:
             data = await upstream.read()
         except asyncio.TimeoutError:

@@ -12,7 +12,9 @@ from urllib.parse import urlsplit
 
 from .policies import WorkerState
 
-CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+CLOSED = "closed"
+OPEN = "open"
+HALF_OPEN = "half_open"
 
 
 @dataclass
@@ -46,10 +48,14 @@ class CircuitBreaker:
     def record_failure(self, now: float) -> None:
         self.failures += 1
         if self.state == HALF_OPEN or self.failures >= self.failure_threshold:
-            self.state, self.opened_at, self.failures = OPEN, now, 0
+            self.state = OPEN
+            self.opened_at = now
+            self.failures = 0
 
     def reset(self) -> None:
-        self.state, self.failures, self.successes = CLOSED, 0, 0
+        self.state = CLOSED
+        self.failures = 0
+        self.successes = 0
 
 
 @dataclass
@@ -65,9 +71,8 @@ class Server:
     health_failures: int = 0
     health_successes: int = 0
     load_poll_failures: int = 0
-    workers: list[Worker] = field(
-        default_factory=list, repr=False
-    )  # its routing targets (one per DP rank)
+    # its routing targets (one per DP rank)
+    workers: list[Worker] = field(default_factory=list, repr=False)
 
     @property
     def host(self) -> str:

@@ -26,9 +26,8 @@ import torch
 from sglang_lite.sampling.params import GRAMMAR_FIELDS, SamplingParams
 
 COMPILE_THREADS = 2
-MAX_CACHED_GRAMMARS = (
-    256  # compiled grammars hold per-token tables: the cache forgets the least recently used
-)
+# compiled grammars hold per-token tables: the cache forgets the least recently used
+MAX_CACHED_GRAMMARS = 256
 # xgrammar's C++ errors start with a time and a source location ("[12:00:00] /project/cpp/x.cc:94: "): not the
 # client's business
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -58,12 +57,13 @@ class GrammarCache:
     def __init__(
         self, tokenizer: Any, vocab_size: int, max_entries: int = MAX_CACHED_GRAMMARS
     ) -> None:
-        self.tokenizer, self.vocab_size, self.max_entries = tokenizer, vocab_size, max_entries
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_entries = max_entries
         self._compiler: Any = None
         self._entries: OrderedDict[GrammarKey, Future] = OrderedDict()
-        self._lock = (
-            threading.Lock()
-        )  # of the entries: held only for moments, so ``submit`` never waits long
+        # of the entries: held only for moments, so ``submit`` never waits long
+        self._lock = threading.Lock()
         self._compiler_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
 
@@ -182,9 +182,8 @@ def mask_logits(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> 
     import xgrammar
 
     vocab = grammars[rows[0]].vocab_size
-    bitmask = xgrammar.allocate_token_bitmask(
-        len(grammars), vocab
-    )  # on the CPU, where matchers write
+    # on the CPU, where matchers write
+    bitmask = xgrammar.allocate_token_bitmask(len(grammars), vocab)
     for i in rows:
         grammars[i].fill_bitmask(bitmask, i)
     logits = logits.clone()

@@ -23,9 +23,8 @@ Entry = list  # [logprob | None, token_id, text | None]
 @dataclass
 class LogprobParams:
     return_logprob: bool = False
-    logprob_start_len: int = (
-        -1
-    )  # -1: output tokens only; k >= 0: also every prompt token from position k
+    # -1: output tokens only; k >= 0: also every prompt token from position k
+    logprob_start_len: int = -1
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
 
@@ -72,9 +71,8 @@ class LogprobRecord:
     """What a request has computed and not yet reported, by ``meta_info`` key."""
 
     entries: dict[str, list] = field(default_factory=dict)
-    input_upto: int = (
-        0  # prompt positions below this are reported (a re-prefill after retraction skips them)
-    )
+    # prompt positions below this are reported (a re-prefill after retraction skips them)
+    input_upto: int = 0
 
     def add(self, key: str, values: list) -> None:
         self.entries.setdefault(key, []).extend(values)

@@ -55,12 +55,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = (
-        None  # token id (a decimal string, as in JSON) -> bias added to its logit
-    )
-    json_schema: str | None = (
-        None  # structured output (at most one of the three): a JSON schema, as text
-    )
+    # token id (a decimal string, as in JSON) -> bias added to its logit
+    logit_bias: dict[str, float] | None = None
+    # structured output (at most one of the three): a JSON schema, as text
+    json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None  # xgrammar's EBNF (GBNF), root rule `root`
 
@@ -89,9 +87,8 @@ class SamplingParams:
                 )
         if params.get("logit_bias") is None:
             params.pop("logit_bias", None)
-        elif isinstance(
-            params["logit_bias"], dict
-        ):  # int keys (Python callers) as JSON's strings: one key type
+        # int keys (Python callers) as JSON's strings: one key type
+        elif isinstance(params["logit_bias"], dict):
             params["logit_bias"] = {
                 str(k) if _is_int(k) else k: v for k, v in params["logit_bias"].items()
             }

@@ -33,13 +33,13 @@ def has_count_penalty(params: SamplingParams) -> bool:
 
 class PenaltyBook:
     def __init__(self, num_rows: int, vocab_size: int, device: torch.device | str) -> None:
-        self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, torch.device(device)
-        self.counts: torch.Tensor | None = (
-            None  # int32 [num_rows, vocab]: output tokens so far, per row
-        )
-        self._factors: torch.Tensor | None = (
-            None  # float32 [num_rows, 3]: frequency, presence, repetition
-        )
+        self.num_rows = num_rows
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        # int32 [num_rows, vocab]: output tokens so far, per row
+        self.counts: torch.Tensor | None = None
+        # float32 [num_rows, 3]: frequency, presence, repetition
+        self._factors: torch.Tensor | None = None
         self._counted: set[int] = set()  # rows whose request has a count penalty
         self._biases: dict[int, dict[int, float]] = {}  # row -> {token: bias}
         self._bias_index = _BiasIndex.empty(self.device)
@@ -116,7 +116,9 @@ class PenaltyBook:
         index = torch.tensor(batch_rows, device=out.device)
         rows = torch.tensor(book_rows, device=self.device)
         counts, factors = self.counts[rows].to(out.device), self._factors[rows].to(out.device)
-        frequency, presence, repetition = (factors[:, i : i + 1] for i in range(3))
+        frequency = factors[:, 0:1]
+        presence = factors[:, 1:2]
+        repetition = factors[:, 2:3]
         seen = counts > 0
         penalised = out[index] - frequency * counts - presence * seen
         scale = torch.where(seen, repetition, 1.0)
@@ -127,7 +129,9 @@ class _BiasIndex:
     """Every admitted request's logit biases as three flat tensors: book row, token id, bias."""
 
     def __init__(self, rows: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor) -> None:
-        self.rows, self.tokens, self.values = rows, tokens, values
+        self.rows = rows
+        self.tokens = tokens
+        self.values = values
 
     @classmethod
     def empty(cls, device: torch.device) -> _BiasIndex:
@@ -138,11 +142,10 @@ class _BiasIndex:
         entries = [
             (row, token, bias) for row, pairs in biases.items() for token, bias in pairs.items()
         ]
-        rows, tokens, values = zip(*entries) if entries else ((), (), ())
         return cls(
-            torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(tokens, dtype=torch.int64, device=device),
-            torch.tensor(values, dtype=torch.float32, device=device),
+            torch.tensor([row for row, _, _ in entries], dtype=torch.int64, device=device),
+            torch.tensor([token for _, token, _ in entries], dtype=torch.int64, device=device),
+            torch.tensor([bias for _, _, bias in entries], dtype=torch.float32, device=device),
         )
 
     def add_to(self, out: torch.Tensor, rows: Sequence[int], num_rows: int) -> None:

@@ -46,10 +46,10 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of [B, V] logits: the first index of each row's maximum, NaN counting as the
     maximum, as torch's.
 
-    On the CPU torch's argmax over a long last dimension is not vectorised (0.9 ms for [32, 32000] against 0.06 ms
-    for ``amax``), so there each row's maximum is found by blocks with ``amax``, and the argmax runs only within
-    the first block that holds it: 4.8-7.6x faster at Qwen3.5's vocabulary (248320) from batch 1 to 128, 7x at
-    [32, 32000], even at [1, 32000] (``benchmarks/bench_greedy_argmax.py``, 2 threads)."""
+    On the CPU torch's argmax over a long last dimension is not vectorised (``amax`` is), so there each row's
+    maximum is found by blocks with ``amax``, and the argmax runs only within the first block that holds it:
+    faster from a few rows on, and even with torch's at one row of a small vocabulary
+    (``benchmarks/bench_greedy_argmax.py``; the figures: docs/performance.md)."""
     rows, vocab = logits.shape
     block = _ARGMAX_BLOCK
     if logits.device.type != "cpu" or vocab < 4 * block or logits.stride(-1) != 1:
@@ -97,9 +97,8 @@ def _filter_mask(
     min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    beyond_top_p = (mass_before >= top_p) & (
-        top_p < 1.0
-    )  # float error must not trim the tail when top_p is 1
+    # float error must not trim the tail when top_p is 1
+    beyond_top_p = (mass_before >= top_p) & (top_p < 1.0)
     mask = (ranks >= top_k) | beyond_top_p | (sorted_probs < sorted_probs[:, :1] * min_p)
     mask[:, 0] = False
     return mask

@@ -14,8 +14,8 @@ REPLACEMENT_CHAR = "\ufffd"
 
 def _fast_decoder(tokenizer: Any) -> Any:
     """The Rust tokenizer behind a transformers fast tokenizer when decoding through it gives the same text (no
-    ``_decode`` override, no space clean-up), else None. A call costs a third of the wrapper's (1.8 vs 5.3 us on the
-    tiny tokenizer); two calls per token per request were ~0.3 ms of each batch-32 step."""
+    ``_decode`` override, no space clean-up), else None. A call costs a fraction of the wrapper's, and with two calls
+    per token per request the wrapper was a visible part of each decode step (docs/performance.md)."""
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:

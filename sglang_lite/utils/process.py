@@ -53,14 +53,16 @@ def _wait(process: subprocess.Popen, timeout_s: float) -> None:
 def keep_freed_heap_memory() -> None:
     """glibc only: serve large blocks from the heap and keep what is freed there. By default each block over 128 KiB
     (the threshold adapts up to 32 MiB) is a fresh mmap whose pages fault in on first touch, and the heap top is
-    trimmed back to the OS, so every step of a CPU forward page-faults on its temporaries: this halves the faults
-    of the offline benchmark and cut its batch-32 prefill by ~25%. The process keeps its peak heap in return.
+    trimmed back to the OS, so every step of a CPU forward page-faults on its temporaries; this removes most of those
+    faults (the effect on the offline benchmark: docs/performance.md). The process keeps its peak heap in return.
     Scheduler processes call it at start; the CPU benchmarks call it so both sides of a comparison run alike."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    m_trim_threshold = -1
+    m_top_pad = -2
+    m_mmap_threshold = -3
     libc.mallopt(m_mmap_threshold, 32 * 2**20)  # the largest glibc accepts
     libc.mallopt(m_trim_threshold, 2**30)
     libc.mallopt(m_top_pad, 64 * 2**20)

@@ -1,4 +1,5 @@
-// Fused float32 CPU kernels for the decode step of Qwen3.5 (kernels/cpu/__init__.py builds and loads this file).
+// Fused float32 CPU kernels for the decode step of Qwen3.5, and the linear layers and fused MoE that its prefill
+// takes too (kernels/cpu/__init__.py builds and loads this file).
 //
 // Each op computes what its plain-PyTorch reference in kernels/<family>/naive.py computes, in one pass over its
 // operands instead of the reference's 5-15 dispatched ops: on the CPU a decode step is made of small ops, and the
@@ -242,8 +243,8 @@ at::Tensor gated_rmsnorm(const at::Tensor& o_in, const at::Tensor& z_in, const a
 // ---- linear layers of a few rows ----------------------------------------------------------------------------------
 
 // y = x W^T for x [M, K] and W an [N, K] view of [K, N] row-major memory (weight_layout's [in, out] storage), M
-// small: MKL packs the whole weight for every call, which at the LM head ([32, 256] x [256, 32000]) ran at a third
-// of the GEMM peak. Here each thread takes blocks of 32 output columns and runs every row through them while the
+// small: MKL packs the whole weight for every call, which at a few rows (the LM head of a decode batch) keeps it far
+// below the GEMM peak. Here each thread takes blocks of 32 output columns and runs every row through them while the
 // block's K x 32 weights stay in cache; a last block of 16 and single columns finish N.
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
   check_float(x, "x", 2);
@@ -269,9 +270,9 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t lda = x.stride(0), ldw = weight.stride(1);
   int64_t n = 0;
   // One row reads each weight once, from memory: blocks of 512 columns (128 where that leaves too few blocks for the
-  // threads) stream runs of 4 weight rows at a time (the LM head at batch 1, weights out of cache: 30 GB/s, the
-  // machine's read bandwidth, against MKL's 20-25; register-blocked 32-column blocks, reading short runs far apart,
-  // reached 18).
+  // threads) stream runs of 4 weight rows at a time: the LM head at batch 1, weights out of cache, reads at the
+  // machine's read bandwidth, above MKL; register-blocked 32-column blocks, reading short runs far apart, fell below
+  // MKL (docs/performance.md).
   if (M == 1) {
     const bool wide = N >= 512 * 2 * at::get_num_threads();
     const int64_t width = wide ? 512 : 128, blocks = N / width;
@@ -488,8 +489,8 @@ void experts_input_major(const float* xs, int64_t x_row, const float* w13, int64
       std::copy(src, src + hidden, gathered.data() + i * hidden);
     }
   });
-  // Experts of many rows (a prefill's) go to MKL's GEMM, one expert at a time (mid shape, 1024 tokens: 8.8 against
-  // 9.9 ms with every expert in the work items below; even at H 512); the rest are shared out as work items.
+  // Experts of many rows (a prefill's) go to MKL's GEMM, one expert at a time (faster at the mid shape than every
+  // expert in the work items below, and no slower at H 512); the rest are shared out as work items.
   std::vector<int64_t> hit, big;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t count = starts[e + 1] - starts[e];
@@ -515,7 +516,7 @@ void experts_input_major(const float* xs, int64_t x_row, const float* w13, int64
   };
   // Items (expert hit, column block); the last block of each expert takes the columns left over. Experts of one or
   // two rows (decode at small batches) read each weight once: 128-column blocks read 512 B runs of each weight row
-  // (32-column ones ran the batch-1 MoE ~1.2x slower); more rows reuse each block's weights from cache.
+  // (32-column ones ran the batch-1 MoE slower); more rows reuse each block's weights from cache.
   const bool wide = most_rows <= 2;
   const int64_t block = wide ? 128 : 64;
   auto project = [&](const float* in, int64_t lda, int64_t depth, const float* w, int64_t w_expert, int64_t w_row,

@@ -20,9 +20,8 @@ class WorkerState:
     dp_rank: int | None = None
     healthy: bool = True
     in_flight: int = 0
-    polled_tokens: int | None = (
-        None  # num_total_tokens from /v1/loads; None when not polled or missing
-    )
+    # num_total_tokens from /v1/loads; None when not polled or missing
+    polled_tokens: int | None = None
 
     def __post_init__(self) -> None:
         assert self.in_flight >= 0, f"negative in-flight count for {self.url}"

@@ -85,7 +85,7 @@ class RadixTree:
         leaves = [(n.last_used, id(n), n) for n in self._nodes() if not n.children]
         heapq.heapify(leaves)
         while self.size > max_size and leaves:
-            _, _, leaf = heapq.heappop(leaves)
+            leaf = heapq.heappop(leaves)[2]
             parent = leaf.parent
             assert parent is not None
             del parent.children[leaf.label[0]]

@@ -96,9 +96,8 @@ class ConsistentHashingPolicy(Policy):
             first_healthy = first_healthy or w
             if limit is None or w.in_flight <= limit:
                 return w
-        return (
-            first_healthy or healthy[0]
-        )  # every healthy worker is over the bound: keep the key's home
+        # every healthy worker is over the bound: keep the key's home
+        return first_healthy or healthy[0]
 
     def _load_limit(self, healthy: list[WorkerState]) -> float | None:
         if self.bounded_load is None:
