@@ -111,9 +111,8 @@ class DecodeSession:
             cuda_graph_max_bs=concurrency,
             disable_cuda_graph=not graphs,
         )
-        self.runner = ModelRunner(
-            model, self.pools, args
-        )  # captures the decode graphs with the model's plan
+        # captures the decode graphs with the model's plan
+        self.runner = ModelRunner(model, self.pools, args)
         self.rows = self.pools.req_to_token.allocator.alloc(concurrency)
         self.slots = self.pools.states.alloc(concurrency)
         gen = torch.Generator().manual_seed(concurrency)
@@ -127,8 +126,9 @@ class DecodeSession:
     def _forward(
         self, mode: ForwardMode, tokens: list[list[int]], prefix_lens: list[int]
     ) -> torch.Tensor:
+        kv_slots = self.pools.alloc_kv(self.rows, prefix_lens, [len(t) for t in tokens])
         batch = build_forward_batch(
-            self.pools, mode, tokens, prefix_lens, self.rows, self.slots, "cuda"
+            self.pools, mode, tokens, prefix_lens, self.rows, self.slots, "cuda", kv_slots
         )
         return self.runner.forward_batch(batch)
 

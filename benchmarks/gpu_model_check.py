@@ -37,9 +37,8 @@ from tests.hf_checkpoints import make_hf_model, save_checkpoint  # noqa: E402
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 results: list[bool] = []
 _last = [time.perf_counter()]
-DEVICE = os.environ.get(
-    "GPU_CHECK_DEVICE", "cuda"
-)  # "cpu" runs the same checks here, without graphs
+# "cpu" runs the same checks here, without graphs
+DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 
 
 def report(name: str, ok: bool, detail: str) -> None:
@@ -93,7 +92,8 @@ def check_graph_decode(path: str, kind: str, alt: bool) -> None:
     def run(
         mode: ForwardMode, tokens: list[list[int]], cached: list[int], all_logits: bool
     ) -> torch.Tensor:
-        batch = build_forward_batch(pools, mode, tokens, cached, rows, slots, DEVICE)
+        kv_slots = pools.alloc_kv(rows, cached, [len(t) for t in tokens])
+        batch = build_forward_batch(pools, mode, tokens, cached, rows, slots, DEVICE, kv_slots)
         return runner.forward_batch(batch, all_logits=all_logits)
 
     packed = run(
@@ -151,9 +151,8 @@ def main() -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
         for kind in ("moe", "dense"):
-            hf = make_hf_model(
-                moe=kind == "moe", seed=7, shared_expert_intermediate_size=24
-            )  # = experts': fusable
+            # = experts': fusable
+            hf = make_hf_model(moe=kind == "moe", seed=7, shared_expert_intermediate_size=24)
             path = save_checkpoint(hf, os.path.join(root, kind))
             checks = [
                 (check_logits, hf, path, kind),

@@ -107,34 +107,27 @@ def build_forward_batch(
     req_rows: list[int],
     state_slots: list[int],
     device: torch.device | str,
+    out_cache_loc: list[int],
 ) -> ForwardBatch:
-    """Allocates KV slots for the new tokens, records them in req_to_token, and builds the batch.
+    """The batch of ``token_ids[i]``, the new tokens of request i, which already holds ``prefix_lens[i]``
+    computed tokens in request row ``req_rows[i]`` and linear-attention state slot ``state_slots[i]``.
 
-    ``token_ids[i]`` are the new tokens of request i, which already holds ``prefix_lens[i]`` cached tokens in
-    request row ``req_rows[i]`` and linear-attention state slot ``state_slots[i]``. Raises when the KV pool
-    cannot hold the new tokens (the caller decides what to retract).
+    ``out_cache_loc``: the KV slots of the new tokens, in order, allocated (and recorded in req_to_token) before
+    the batch is built, by ``RequestMemory.alloc_kv`` or ``ModelPools.alloc_kv``.
     """
     extend_lens = [len(t) for t in token_ids]
-    slots = pools.kv.allocator.alloc(sum(extend_lens))
-    if slots is None:
-        raise MemoryError(
-            f"KV pool has {pools.kv.allocator.num_free} free slots, {sum(extend_lens)} needed"
-        )
-    loc = torch.tensor(slots, dtype=torch.int64, device=device)
-    rows = torch.tensor(req_rows, dtype=torch.int64, device=device)
+    assert len(out_cache_loc) == sum(extend_lens), "one KV slot per new token"
     positions = _token_positions(prefix_lens, extend_lens, device)
-    table = pools.req_to_token.req_to_token
-    table[_per_token(rows, extend_lens), positions] = loc.to(table.dtype)
     flat = [t for ids in token_ids for t in ids]
     return ForwardBatch(
         mode=mode,
         input_ids=torch.tensor(flat, dtype=torch.int64, device=device),
         positions=positions,
-        req_pool_indices=rows,
+        req_pool_indices=torch.tensor(req_rows, dtype=torch.int64, device=device),
         prefix_lens=list(prefix_lens),
         extend_lens=extend_lens,
         max_seq_len=max(p + e for p, e in zip(prefix_lens, extend_lens)) if extend_lens else 0,
-        out_cache_loc=loc,
+        out_cache_loc=torch.tensor(out_cache_loc, dtype=torch.int64, device=device),
         state_slots=torch.tensor(state_slots, dtype=torch.int64, device=device),
         pools=pools,
     )

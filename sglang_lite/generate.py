@@ -11,6 +11,7 @@ import torch
 
 from sglang_lite.forward_batch import ForwardMode, build_forward_batch
 from sglang_lite.mem_cache.pools import ModelPools
+from sglang_lite.mem_cache.request_memory import Holding, RequestMemory
 from sglang_lite.models.loader import load_model
 from sglang_lite.tokenizer.loader import load_tokenizer
 
@@ -23,24 +24,33 @@ def greedy_generate(
     device = model.lm_head.weight.device
     total = len(prompt_ids) + max_new_tokens
     pools = ModelPools.create(model.config, total, 1, total, model.lm_head.weight.dtype, device)
-    row, slot = pools.req_to_token.allocator.alloc(1), pools.states.alloc(1)
+    memory = RequestMemory(pools)
+    holding = Holding(list(prompt_ids))
+    memory.admit(holding)
     output: list[int] = []
-    new_tokens, mode = list(prompt_ids), ForwardMode.EXTEND
+    new_tokens = list(prompt_ids)
+    mode = ForwardMode.EXTEND
     for _ in range(max_new_tokens):
+        slots = memory.alloc_kv([holding], [len(new_tokens)])
         batch = build_forward_batch(
             pools,
             mode,
             [new_tokens],
-            [len(prompt_ids) + len(output) - len(new_tokens)],
-            row,
-            slot,
+            [holding.num_computed],
+            [holding.req_row],
+            [holding.state_slot],
             device,
+            slots,
         )
+        holding.num_computed += len(new_tokens)
         token = int(model.forward_batch(batch)[0].argmax())
         output.append(token)
+        holding.tokens.append(token)
         if token in model.config.eos_token_ids:
             break
-        new_tokens, mode = [token], ForwardMode.DECODE
+        new_tokens = [token]
+        mode = ForwardMode.DECODE
+    memory.release(holding)
     return output
 
 

@@ -152,13 +152,37 @@ class ModelPools:
             linear_index={layer: i for i, layer in enumerate(config.linear_attention_layers)},
         )
 
-    def free_request(self, row: int, num_tokens: int, state_slot: int, first: int = 0) -> None:
-        """Frees all a request holds: the KV slots of its positions ``first`` to ``num_tokens`` (those before
-        ``first`` belong to the prefix cache), its state slot, its row."""
-        if num_tokens > first:
-            self.kv.allocator.free(self.req_to_token.req_to_token[row, first:num_tokens].tolist())
-        self.states.allocator.free([state_slot])
-        self.req_to_token.allocator.free([row])
+    def alloc_kv(self, rows: list[int], starts: list[int], counts: list[int]) -> list[int]:
+        """KV slots for positions ``starts[i]`` to ``starts[i] + counts[i]`` of each request row, recorded in
+        req_to_token; raises MemoryError when the pool cannot hold them. Requests get theirs through
+        ``RequestMemory``; this is the one place slots enter a row."""
+        total = sum(counts)
+        slots = self.kv.allocator.alloc(total)
+        if slots is None:
+            raise MemoryError(
+                f"KV pool has {self.kv.allocator.num_free} free slots, {total} needed"
+            )
+        if total == 0:
+            return slots
+        table = self.req_to_token.req_to_token
+        device = table.device
+        if all(n == 1 for n in counts):  # a decode step: one position per row
+            per_token_rows = torch.tensor(rows, device=device)
+            positions = torch.tensor(starts, device=device)
+        else:
+            lengths = torch.tensor(counts, device=device)
+            per_token_rows = torch.tensor(rows, device=device).repeat_interleave(lengths)
+            firsts = torch.tensor(starts, device=device).repeat_interleave(lengths)
+            offsets = torch.arange(total, device=device) - torch.cumsum(lengths, 0).sub(
+                lengths
+            ).repeat_interleave(lengths)
+            positions = firsts + offsets
+        try:
+            table[per_token_rows, positions] = torch.tensor(slots, dtype=table.dtype, device=device)
+        except Exception:  # a position past the row (a caller's bug): the slots are not lost
+            self.kv.allocator.free(slots)
+            raise
+        return slots
 
     def copy_kv(self, src: list[int], dst: list[int]) -> None:
         """Copies the keys and values of slots ``src`` into slots ``dst``, in every full-attention layer."""

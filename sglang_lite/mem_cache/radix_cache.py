@@ -47,7 +47,9 @@ class RadixCache:
         snapshots: SlotAllocator,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.pools, self.snapshots, self.clock = pools, snapshots, clock
+        self.pools = pools
+        self.snapshots = snapshots
+        self.clock = clock
         self.root = Node()
         self.num_tokens = 0  # KV slots the tree owns
         self.num_locked_tokens = 0  # of which in use by requests (not evictable)
@@ -57,7 +59,9 @@ class RadixCache:
     def match(self, tokens: list[int], max_len: int) -> tuple[int, Node, list[int]]:
         """(length, node, KV slots) of the longest cached prefix of ``tokens`` of at most ``max_len`` tokens that
         ends at a snapshot; (0, root, []) when none."""
-        node, depth, slots = self.root, 0, []
+        node = self.root
+        depth = 0
+        slots = []
         best = (0, self.root, 0)  # length, node, number of slots
         now = self.clock()
         while depth < len(tokens):
@@ -106,7 +110,11 @@ class RadixCache:
         snapshot = self._snapshot_slot()
         if snapshot is None:
             return None
-        node, depth, now, duplicates, path = self.root, 0, self.clock(), [], []
+        node = self.root
+        depth = 0
+        now = self.clock()
+        duplicates = []
+        path = []
         while depth < len(tokens):
             child = node.children.get(tokens[depth])
             if child is None:
@@ -143,7 +151,9 @@ class RadixCache:
             last_access=child.last_access,
         )
         child.parent.children[child.tokens[0]] = upper
-        child.tokens, child.kv, child.parent = child.tokens[n:], child.kv[n:], upper
+        child.tokens = child.tokens[n:]
+        child.kv = child.kv[n:]
+        child.parent = upper
         upper.children[child.tokens[0]] = child
         return upper
 

@@ -18,6 +18,13 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
+    """Runs forwards for the scheduler and prepares the device for them.
+
+    On a GPU it captures CUDA graphs of decode batches. On the CPU it stores the weights [in, out] and builds the
+    fused C++ kernels before the first request; the kernel dispatch then takes them for float32 calls in decode
+    and prefill alike (GDN prefill, conv1d, linear layers, the fused MoE in chunks; see ``kernels/dispatch.py``).
+    """
+
     def __init__(self, model: torch.nn.Module, pools: ModelPools, args: ServerArgs) -> None:
         self.model = model
         self.config = model.config
@@ -31,16 +38,16 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(
                 model, pools, max_bs, auto=args.alt_stream_overlap == "auto"
             )
-        # Decode steps only: prefill walks variable-length requests with host-side loops, which would keep
-        # recompiling. dynamic=True lets one graph serve every batch size after the first few.
         if not on_gpu:
             logger.info(
                 "weights stored [in, out] for the CPU's GEMMs: %d", store_input_major(model)
             )
             logger.info(
-                "fused C++ CPU kernels (float32 decode ops, small MoE batches): %s",
+                "fused C++ CPU kernels (float32 decode and prefill ops): %s",
                 cpu_kernels.prepare(),
             )
+        # Decode steps only: prefill walks variable-length requests with host-side loops, which would keep
+        # recompiling. dynamic=True lets one graph serve every batch size after the first few.
         self.compiled_body = None
         if args.enable_torch_compile and not on_gpu:
             self.compiled_body = torch.compile(model.model, dynamic=True)
@@ -59,6 +66,6 @@ class ModelRunner:
     def forward_idle(self) -> None:
         """An empty forward: under DP attention, a DP rank with nothing to run joins the other ranks' MLPs."""
         device = self.model.lm_head.weight.device
-        batch = build_forward_batch(self.pools, ForwardMode.DECODE, [], [], [], [], device)
+        batch = build_forward_batch(self.pools, ForwardMode.DECODE, [], [], [], [], device, [])
         with torch.inference_mode():
             self.model.forward_batch(batch)

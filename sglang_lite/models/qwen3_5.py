@@ -93,9 +93,8 @@ class Qwen3_5Model(nn.Module):
         if get_parallel_state().config.dp_attention:
             batch.dp_tokens = DPTokens(batch.num_tokens, batch.input_ids.device)
         hidden, residual = self.embed_tokens(batch.input_ids), None
-        if (
-            batch.num_tokens == 0
-        ):  # DP attention, a DP rank with nothing to run: it joins every layer's MLP
+        # DP attention, a DP rank with nothing to run: it joins every layer's MLP
+        if batch.num_tokens == 0:
             for layer in self.layers:
                 hidden = layer.run_mlp(hidden, batch)
             return hidden
@@ -137,9 +136,8 @@ class Qwen3_5ForCausalLM(nn.Module):
 
         ``body`` replaces ``self.model`` for this forward (a compiled copy of it, for instance).
         """
-        captured_size = (
-            batch.batch_size if batch.is_decode else None
-        )  # the ``auto`` choice is per decode size
+        # the ``auto`` choice is per decode size
+        captured_size = batch.batch_size if batch.is_decode else None
         batch.overlap = self.streams.context(batch.capturing, batch.num_tokens, captured_size)
         hidden = (self.model if body is None else body)(batch)
         if batch.num_tokens == 0:
@@ -166,6 +164,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             rows,
             slots,
             input_ids.device,
+            pools.alloc_kv(rows, [0] * num_seqs, [seq_len] * num_seqs),
         )
         return self.forward_batch(batch, all_logits=True).view(num_seqs, seq_len, -1)
 

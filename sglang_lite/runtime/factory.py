@@ -8,12 +8,13 @@ import os
 
 from sglang_lite.disaggregation.transfer import MooncakeTransfer, local_hostname
 from sglang_lite.mem_cache.pools import ModelPools
+from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.model_executor import ModelRunner
 from sglang_lite.models.loader import load_model
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.runtime.memory import resolve_dtype, resolve_max_total_tokens
-from sglang_lite.scheduler.disagg import DecodeSide, PrefillSide, create_side
-from sglang_lite.scheduler.scheduler import Scheduler
+from sglang_lite.scheduler.disagg import DisaggSide, NullSide, create_side
+from sglang_lite.scheduler.scheduler import Scheduler, create_request_memory
 from sglang_lite.server_args import ServerArgs
 from sglang_lite.tokenizer.loader import load_server_tokenizer
 
@@ -54,20 +55,23 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
         args.device,
         args.cache_state_snapshots,
     )
+    memory = create_request_memory(pools)
     return Scheduler(
         config,
         ModelRunner(model, pools, args),
         pools,
         load_server_tokenizer(args),
-        _pd_side(args, pools),
+        _pd_side(args, memory),
+        memory,
     )
 
 
-def _pd_side(args: ServerArgs, pools: ModelPools) -> PrefillSide | DecodeSide | None:
-    """This rank's side of PD disaggregation, with its transfer engine (None when it serves whole requests)."""
+def _pd_side(args: ServerArgs, memory: RequestMemory) -> DisaggSide:
+    """This rank's side of PD disaggregation, with its transfer engine (a null side when it serves whole
+    requests)."""
     if args.disaggregation_mode == "null":
-        return None
+        return NullSide()
     transfer = MooncakeTransfer(local_hostname(args.host), args.disaggregation_ib_device)
     return create_side(
-        args.disaggregation_mode, transfer, pools, args.disaggregation_transfer_timeout
+        args.disaggregation_mode, transfer, memory, args.disaggregation_transfer_timeout
     )

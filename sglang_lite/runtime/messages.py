@@ -22,7 +22,10 @@ from sglang_lite.sampling.params import SamplingParams
 
 # Ack statuses, as HTTP status codes: the server answers with the same code.
 # unavailable: the waiting queue or the command queue is full, or the rank died; failed: adding it raised in the rank
-QUEUED, REFUSED, FAILED, UNAVAILABLE = 200, 400, 500, 503
+QUEUED = 200
+REFUSED = 400
+FAILED = 500
+UNAVAILABLE = 503
 
 
 class Message:

@@ -228,7 +228,9 @@ class WorldLoop:
         self, args: ServerArgs, spec: RankSpec, front_end: FrontEnd | None, parent_pid: int
     ) -> None:
         args = _rank_args(args, spec)
-        self.args, self.front_end, self.parent_pid = args, front_end, parent_pid
+        self.args = args
+        self.front_end = front_end
+        self.parent_pid = parent_pid
         self.state = _join_world(args, spec)
         self.dp_rank = spec.world * args.dp_ranks_per_world + self.state.attn_dp_rank
         self.leader = self.state.attn_tp_rank == 0  # the one rank of its DP rank that replies
@@ -260,9 +262,7 @@ class WorldLoop:
             outputs = self.step()
             if outputs:
                 self.reply(StepOutputs(self.dp_rank, outputs))
-            for notice in (
-                self.scheduler.disagg.take_notices() if self.scheduler.disagg is not None else []
-            ):
+            for notice in self.scheduler.disagg.take_notices():
                 self.reply(Reserved(self.dp_rank, notice["rid"], notice["room"], notice["target"]))
             self.send_replies(gather=self.args.dp_ranks_per_world > 1)
 
@@ -331,8 +331,6 @@ class WorldLoop:
             else:
                 self.scheduler.abort(command.rid, message=command.error, failed=True)
         elif isinstance(command, TransferTarget):
-            if self.scheduler.disagg is None or self.scheduler.disagg.mode != "prefill":
-                raise TypeError("a transfer target reached a rank that is not a PD prefill rank")
             self.scheduler.disagg.on_target(command.room, command.target)
         elif isinstance(command, LoadsQuery):
             loads = self.scheduler.get_loads().to_dict(command.sections)
@@ -347,7 +345,7 @@ class WorldLoop:
     def add(self, request: AddRequest) -> Ack:
         """Queues the request unless the waiting queue is full."""
         if (
-            len(self.scheduler.waiting) + len(self.scheduler.grammar_queue)
+            len(self.scheduler.queues.waiting) + len(self.scheduler.grammar_queue)
             >= self.args.max_queued_requests
         ):
             message = f"rank {self.dp_rank}: the waiting queue is full ({self.args.max_queued_requests} requests)"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sglang_lite.forward_batch import ForwardMode
 from sglang_lite.scheduler.request import Req
@@ -13,6 +13,8 @@ class ScheduleBatch:
     mode: ForwardMode
     reqs: list[Req]
     extend_lens: list[int]
+    # which requests run their last uncomputed token, so sample a next token (fixed when it is scheduled)
+    completes: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
         assert self.reqs and len(self.reqs) == len(self.extend_lens), (
@@ -21,12 +23,13 @@ class ScheduleBatch:
         assert all(r.holds_memory for r in self.reqs), (
             "scheduled requests hold a row and a state slot"
         )
-        assert all(0 < n <= r.num_uncached for r, n in zip(self.reqs, self.extend_lens)), (
-            "runs only uncached tokens"
+        assert all(0 < n <= r.num_to_compute for r, n in zip(self.reqs, self.extend_lens)), (
+            "runs only uncomputed tokens"
         )
         assert self.mode is ForwardMode.EXTEND or all(n == 1 for n in self.extend_lens), (
             "decode runs 1 token each"
         )
+        self.completes = [n == r.num_to_compute for r, n in zip(self.reqs, self.extend_lens)]
 
     @classmethod
     def decode(cls, reqs: list[Req]) -> ScheduleBatch:
@@ -38,7 +41,7 @@ class ScheduleBatch:
 
     @property
     def prefix_lens(self) -> list[int]:
-        return [r.num_cached for r in self.reqs]
+        return [r.num_computed for r in self.reqs]
 
     @property
     def num_tokens(self) -> int:
@@ -48,9 +51,11 @@ class ScheduleBatch:
         if self.is_decode:
             return [[r.output_ids[-1]] for r in self.reqs]
         return [
-            r.fill_ids[r.num_cached : r.num_cached + n] for r, n in zip(self.reqs, self.extend_lens)
+            r.fill_ids[r.num_computed : r.num_computed + n]
+            for r, n in zip(self.reqs, self.extend_lens)
         ]
 
-    def completes(self) -> list[bool]:
-        """Which requests run their last uncached token now, so sample a next token."""
-        return [n == r.num_uncached for r, n in zip(self.reqs, self.extend_lens)]
+    def advance(self) -> None:
+        """The forward ran: its new tokens are computed (their KV slots are in the requests' rows)."""
+        for req, n in zip(self.reqs, self.extend_lens):
+            req.num_computed += n

@@ -19,7 +19,7 @@ class PolicyRequest(Protocol):
     def arrival_time(self) -> float: ...
 
     @property
-    def num_uncached(self) -> int: ...
+    def num_to_compute(self) -> int: ...
 
     @property
     def remaining_new_tokens(self) -> int: ...
@@ -33,7 +33,7 @@ def order_waiting(waiting: list[Req], policy: str) -> list[Req]:
     if policy == "fcfs":
         return sorted(waiting, key=lambda r: r.arrival_time)
     if policy == "sjf":
-        return sorted(waiting, key=lambda r: (r.num_uncached, r.arrival_time))
+        return sorted(waiting, key=lambda r: (r.num_to_compute, r.arrival_time))
     raise ValueError(f"unknown schedule policy {policy!r}")
 
 
@@ -61,8 +61,8 @@ def plan_prefill(
     plan: list[tuple[Req, int]] = []
     tokens_left = budget.batch_tokens
     if chunked is not None:
-        n = min(chunked.num_uncached, budget.chunk_size, tokens_left, budget.kv_free)
-        if n <= 0 or n < chunked.num_uncached:
+        n = min(chunked.num_to_compute, budget.chunk_size, tokens_left, budget.kv_free)
+        if n <= 0 or n < chunked.num_to_compute:
             return [(chunked, n)] if n > 0 else []
         plan.append((chunked, n))
         tokens_left -= n
@@ -78,15 +78,15 @@ def _admit_waiting(
     admit_free = budget.admit_free
     rows = budget.free_rows
     for req in waiting:
-        cost = req.num_uncached + reserved_decode_tokens(req, budget.new_token_ratio)
+        cost = req.num_to_compute + reserved_decode_tokens(req, budget.new_token_ratio)
         if rows == 0 or tokens_left == 0 or cost > admit_free:
             break
-        n = min(req.num_uncached, budget.chunk_size, tokens_left)
+        n = min(req.num_to_compute, budget.chunk_size, tokens_left)
         admitted.append((req, n))
         rows -= 1
         tokens_left -= n
         admit_free -= cost
-        if n < req.num_uncached:
+        if n < req.num_to_compute:
             break
     return admitted
 
@@ -102,14 +102,14 @@ SNAPSHOT_MIN_PREFIX = 1024
 SNAPSHOT_MIN_GAIN = 512
 
 
-def snapshot_aligned_chunk(num_cached: int, seq_len: int, tokens: int) -> int:
+def snapshot_aligned_chunk(num_computed: int, seq_len: int, tokens: int) -> int:
     """Tokens to run now: ``tokens``, or fewer so that a chunk finishing the prompt leaves an aligned snapshot."""
-    if num_cached + tokens != seq_len:
+    if num_computed + tokens != seq_len:
         return tokens
     cut = (seq_len - 1) // SNAPSHOT_ALIGN * SNAPSHOT_ALIGN
-    if cut < SNAPSHOT_MIN_PREFIX or cut - num_cached < SNAPSHOT_MIN_GAIN:
+    if cut < SNAPSHOT_MIN_PREFIX or cut - num_computed < SNAPSHOT_MIN_GAIN:
         return tokens
-    return cut - num_cached
+    return cut - num_computed
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""A request's state inside a scheduler, its finish reason, and the output it reports per step."""
+"""A request's state inside a rank's scheduler and its finish reason."""
 
 from __future__ import annotations
 
@@ -57,46 +57,42 @@ class Req:
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
-    max_new_tokens: (
-        int  # the request's, clipped so that prompt + output fits the context and the KV pool
-    )
-    stop_token_ids: frozenset[int] = (
-        frozenset()
-    )  # eos ids (unless ignore_eos) and the request's own
+    # the request's, clipped so that prompt + output fits the context and the KV pool
+    max_new_tokens: int
+    # eos ids (unless ignore_eos) and the request's own
+    stop_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     stop_matcher: StopStringMatcher | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
+    # what it holds (``mem_cache.request_memory``): a row of req_to_token, a state slot, and the positions
+    # 0..num_computed whose KV and linear-attention state are in the pools; the first cache_owned_len of them
+    # are the prefix cache's (read in place, never freed by the request), locked through cache_node
     req_row: int | None = None
     state_slot: int | None = None
-    num_cached: int = 0  # tokens whose KV and linear-attention state are in the pools
+    num_computed: int = 0
+    cache_owned_len: int = 0
+    cache_node: Any = None
+    # prompt tokens served from the prefix cache when it was admitted (``cached_tokens`` in its output)
+    prompt_tokens_from_cache: int = 0
     admit_seq: int = -1  # admission order; retraction takes the newest
     num_retractions: int = 0
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
-    cached_len: int = (
-        0  # prefix positions whose KV the prefix cache owns (the request reads, never frees them)
-    )
-    cache_node: Any = None  # the prefix cache's node this request holds locked
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    bootstrap_room: int | None = (
-        None  # PD disaggregation: the transfer's id, shared by the two sides
-    )
-    transfer_target: dict[str, Any] | None = (
-        None  # PD prefill side: where the decode rank wants the data
-    )
+    # PD disaggregation: the transfer's id, shared by the two sides
+    bootstrap_room: int | None = None
+    # PD prefill side: where the decode rank wants the data
+    transfer_target: dict[str, Any] | None = None
     logprob: LogprobParams | None = None  # the log-probabilities it asked for
     stream: bool = True  # outputs every stream_interval tokens; False: one output, when it finishes
     logprob_record: LogprobRecord = field(default_factory=LogprobRecord)
-    forks: list[str] = field(
-        default_factory=list
-    )  # n > 1: rids of the parallel samples not yet forked from it
-    fork_seed: int = 0  # n > 1: fork i draws with seed fork_seed + i
-    grammar: RequestGrammar | None = (
-        None  # structured output: where its output is in its grammar (once compiled)
-    )
+    # n > 1: rids of the parallel samples not yet forked from it; fork i draws with seed fork_seed + i
+    forks: list[str] = field(default_factory=list)
+    fork_seed: int = 0
+    # structured output: where its output is in its grammar (once compiled)
+    grammar: RequestGrammar | None = None
     # what the next ReqOutput carries
     unsent_ids: list[int] = field(default_factory=list)
     unsent_text: str = ""
@@ -115,8 +111,9 @@ class Req:
         return self.input_ids + self.output_ids
 
     @property
-    def num_uncached(self) -> int:
-        return self.seq_len - self.num_cached
+    def num_to_compute(self) -> int:
+        """Tokens still to run before the next one can be sampled."""
+        return self.seq_len - self.num_computed
 
     @property
     def holds_memory(self) -> bool:
@@ -136,13 +133,13 @@ class Req:
         assert self.holds_memory == holds == (self.state_slot is not None), (
             f"{self.rid}: {self.status} vs memory"
         )
-        assert holds or self.num_cached == 0, f"{self.rid}: cached tokens without memory"
-        assert 0 <= self.num_cached <= self.seq_len, (
-            f"{self.rid}: {self.num_cached} cached of {self.seq_len}"
+        assert holds or self.num_computed == 0, f"{self.rid}: computed tokens without memory"
+        assert 0 <= self.num_computed <= self.seq_len, (
+            f"{self.rid}: {self.num_computed} computed of {self.seq_len}"
         )
-        assert 0 <= self.cached_len <= self.num_cached, (
-            f"{self.rid}: cache owns {self.cached_len} positions"
+        assert 0 <= self.cache_owned_len <= self.num_computed, (
+            f"{self.rid}: the cache owns {self.cache_owned_len} positions"
         )
-        assert self.status is not ReqStatus.DECODING or self.num_cached == self.seq_len - 1, (
+        assert self.status is not ReqStatus.DECODING or self.num_computed == self.seq_len - 1, (
             f"{self.rid}: decode lag"
         )

@@ -20,7 +20,9 @@ from sglang_lite.scheduler.request import Req
 
 class StepSampler:
     def __init__(self, vocab_size: int, num_rows: int, device: torch.device | str) -> None:
-        self.vocab_size, self.num_rows, self.device = vocab_size, num_rows, device
+        self.vocab_size = vocab_size
+        self.num_rows = num_rows
+        self.device = device
         self.penalties = PenaltyBook(
             num_rows + 1, vocab_size, device
         )  # request rows count from 1 (0 is reserved)

@@ -51,7 +51,7 @@ class DecodeRank:
         return self.kv_used + self.prealloc_tokens
 
     def add(self, req: SimRequest) -> None:
-        req.num_uncached, req.remaining_new_tokens = req.input_len, req.decode_steps
+        req.num_to_compute, req.remaining_new_tokens = req.input_len, req.decode_steps
         self.prealloc.append(req)
         self.prealloc_tokens += req.input_len
         self.pending_steps += max(req.decode_steps, 0)

@@ -100,7 +100,9 @@ def fit_transfer(
 ) -> CostModel:
     """Cumulative transfer counters (summed over the decode ranks) at each sample, and the prompt tokens all
     those transfers carried. Least squares over the sample intervals that completed a transfer."""
-    dn, db, ds = np.diff(counts), np.diff(nbytes), np.diff(seconds)
+    dn = np.diff(counts)
+    db = np.diff(nbytes)
+    ds = np.diff(seconds)
     keep = dn > 0
     assert keep.sum() >= 2 and prompt_tokens > 0, "need transfers in at least two intervals"
     coef, *_ = np.linalg.lstsq(np.column_stack([dn[keep], db[keep]]), ds[keep], rcond=None)

@@ -60,7 +60,7 @@ class PrefillServer:
     def enqueue(self, req: SimRequest) -> None:
         """The decode side has reserved memory (bootstrap done): the request may now be prefilled."""
         req.prefill_done = self.cache.cached(req.trace.prefix_group, req.trace.prefix_len)
-        req.num_uncached = req.input_len - req.prefill_done
+        req.num_to_compute = req.input_len - req.prefill_done
         req.remaining_new_tokens = 1  # the prefill side produces only the first token
         self.waiting.append(req)
 
@@ -82,8 +82,8 @@ class PrefillServer:
         self.chunked = None
         for req, n in self.batch:
             req.prefill_done += n
-            req.num_uncached = req.input_len - req.prefill_done
-            if req.num_uncached == 0:
+            req.num_to_compute = req.input_len - req.prefill_done
+            if req.num_to_compute == 0:
                 self.cache.store(req.trace.prefix_group, req.input_len)
                 done.append(req)
             else:

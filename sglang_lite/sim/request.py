@@ -16,7 +16,7 @@ class SimRequest:
     decode_rank: int = -1  # global rank index, set by the router
     prefill_server: int = -1
     # the fields the scheduler's admission policy reads (see sglang_lite.scheduler.policy)
-    num_uncached: int = 0
+    num_to_compute: int = 0
     remaining_new_tokens: int = 0
     arrival_time: float = 0.0
     # progress

@@ -29,7 +29,7 @@ def run_rank(
         else:
             pools = ModelPools.create(model.config, 8, 1, 8, torch.float32, "cpu")
             logits = model.forward_batch(
-                build_forward_batch(pools, ForwardMode.DECODE, [], [], [], [], "cpu")
+                build_forward_batch(pools, ForwardMode.DECODE, [], [], [], [], "cpu", [])
             )
         queue.put((rank, logits))
     except BaseException:

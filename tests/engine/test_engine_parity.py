@@ -37,7 +37,7 @@ def test_scheduler_interleaved_arrivals_match_transformers(checkpoints, kind):
     while step < 10 or scheduler.has_work:
         for i in arrivals.get(step, []):
             scheduler.add_request(str(i), prompts[i], GREEDY)
-        seen_decode_with_waiting |= bool(scheduler.running and scheduler.waiting)
+        seen_decode_with_waiting |= bool(scheduler.queues.running and scheduler.queues.waiting)
         for out in scheduler.step():
             outputs.setdefault(out.rid, []).extend(out.new_token_ids)
         scheduler.check_invariants()

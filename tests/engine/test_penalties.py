@@ -185,7 +185,7 @@ def run_recording_logits(scheduler, params: dict) -> tuple[list[int], list[torch
     """One request alone; its output and the model's raw logits at each step."""
     logits: list[torch.Tensor] = []
     forward = scheduler.run
-    scheduler.run = lambda batch: logits.append(forward(batch)) or logits[-1]
+    scheduler.run = lambda batch, kv_slots: logits.append(forward(batch, kv_slots)) or logits[-1]
     try:
         scheduler.add_request("r", PROMPT, params)
         output: list[int] = []

@@ -60,14 +60,14 @@ def test_prefill_plan_reserves_decode_tokens():
 
 def test_chunked_request_continues_first():
     chunked = req("a", 100)
-    chunked.num_cached = 32
+    chunked.num_computed = 32
     assert [(r.rid, n) for r, n in plan_prefill(chunked, [req("b", 5)], budget())] == [
         ("a", 32)
     ]  # still partial
     assert [(r.rid, n) for r, n in plan_prefill(chunked, [req("b", 5)], budget(kv_free=7))] == [
         ("a", 7)
     ]
-    chunked.num_cached = 80
+    chunked.num_computed = 80
     assert [(r.rid, n) for r, n in plan_prefill(chunked, [req("b", 5)], budget())] == [
         ("a", 20),
         ("b", 5),
@@ -170,16 +170,16 @@ def test_abort_at_every_stage_frees_everything(scheduler):
     for i, p in enumerate(prompts):
         scheduler.add_request(f"r{i}", p, GREEDY)
     scheduler.step()  # r0's first chunk: r0 is part-way through its prefill
-    assert scheduler.chunked is not None and scheduler.chunked.rid == "r0"
+    assert scheduler.queues.chunked is not None and scheduler.queues.chunked.rid == "r0"
     outputs = {}
     for out in scheduler.step():
         outputs.setdefault(out.rid, []).append(out)
     assert scheduler.abort("r0") and scheduler.abort(
         "r5"
     )  # chunked, and still waiting (4 rows: r4/r5 queue)
-    while not scheduler.running:
+    while not scheduler.queues.running:
         drain_step(scheduler, outputs)
-    decoding = scheduler.running[0].rid
+    decoding = scheduler.queues.running[0].rid
     assert scheduler.abort(decoding)
     assert not scheduler.abort("no-such-request")
     drain(scheduler, outputs)
@@ -207,7 +207,7 @@ def test_bad_request_raises_and_leaves_others_running(scheduler):
     outputs: dict[str, list] = {}
     for _ in range(3):  # two prefill chunks, then the request decodes
         drain_step(scheduler, outputs)
-    assert scheduler.running and scheduler.running[0].rid == "good"
+    assert scheduler.queues.running and scheduler.queues.running[0].rid == "good"
     for params, field in [({"temperature": -1.0}, "temperature"), ({"top_k": 0}, "top_k")]:
         with pytest.raises(ValueError, match=field):
             scheduler.add_request("bad", prompt, params)
@@ -359,7 +359,7 @@ def test_a_request_whose_detokeniser_raises_fails_alone_mid_decode(scheduler):
     scheduler.add_request("bad", prompt, {**GREEDY, "max_new_tokens": 6})
     outputs: dict[str, list] = {}
     drain_step(scheduler, outputs)  # both prefilled and decoding
-    bad = next(r for r in scheduler.running if r.rid == "bad")
+    bad = next(r for r in scheduler.queues.running if r.rid == "bad")
 
     def broken_push(ids):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
@@ -440,7 +440,7 @@ def test_out_of_memory_fails_the_batch_until_it_keeps_happening(doomed_scheduler
 def test_a_cuda_error_breaks_the_rank(doomed_scheduler, monkeypatch):
     from sglang_lite.scheduler.faults import RankBroken
 
-    doomed_scheduler.waiting.clear()  # whatever the previous test left
+    doomed_scheduler.queues.waiting.clear()  # whatever the previous test left
     error = RuntimeError("CUDA error: an illegal memory access was encountered")
     failing_forward(monkeypatch, doomed_scheduler, [error])
     doomed_scheduler.add_request("x", [1, 2, 3], {**GREEDY, "max_new_tokens": 4})

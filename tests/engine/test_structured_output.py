@@ -357,7 +357,7 @@ def test_retracted_grammar_requests_resume_where_their_grammar_was(small_schedul
             {"regex": "[0-9]{60}", "temperature": 1.0, "seed": i, "max_new_tokens": 100},
         )
     outputs = run_all(small_scheduler)
-    assert small_scheduler.num_retractions > 0
+    assert small_scheduler.decode.num_retractions > 0
     for i in range(6):
         assert re.fullmatch("[0-9]{60}", text_of(outputs[f"r{i}"])), outputs[f"r{i}"][-1].meta_info
         assert outputs[f"r{i}"][-1].meta_info["finish_reason"]["type"] == "stop"
@@ -368,7 +368,7 @@ def test_a_request_aborted_while_its_grammar_compiles_ends_there(small_scheduler
     small_scheduler.add_request("slow", prompt, {"regex": "[0-7]{3}z", "max_new_tokens": 8})
     assert small_scheduler.has_work and small_scheduler.grammar_queue.items[0].rid == "slow"
     assert small_scheduler.abort("slow")
-    assert len(small_scheduler.grammar_queue) == 0 and not small_scheduler.waiting
+    assert len(small_scheduler.grammar_queue) == 0 and not small_scheduler.queues.waiting
     outputs = run_all(small_scheduler)
     assert outputs["slow"][-1].meta_info["finish_reason"]["type"] == "abort"
 

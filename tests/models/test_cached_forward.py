@@ -45,6 +45,11 @@ class Session:
             [self.rows[i] for i in which],
             [self.slots[i] for i in which],
             "cpu",
+            self.pools.alloc_kv(
+                [self.rows[i] for i in which],
+                [self.cached[i] for i in which],
+                [len(t) for t in tokens],
+            ),
         )
         for i, t in zip(which, tokens):
             self.cached[i] += len(t)

@@ -41,6 +41,9 @@ def run_session(model, step):
         [rows[i] for i in which],
         [slots[i] for i in which],
         "cpu",
+        pools.alloc_kv(
+            [rows[i] for i in which], [cached[i] for i in which], [len(t) for t in toks]
+        ),
     )
     model.forward_batch(build(ForwardMode.EXTEND, range(5), prompts))
     cached = [len(p) for p in prompts]

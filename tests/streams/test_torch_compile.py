@@ -18,13 +18,27 @@ def decode_logits(model, forward, batch_size: int, steps: int) -> list[torch.Ten
     prompts = [[(7 * r + 3 * i) % 4000 + 1 for i in range(5 + r)] for r in range(batch_size)]
     model.forward_batch(
         build_forward_batch(
-            pools, ForwardMode.EXTEND, prompts, [0] * batch_size, rows, slots, "cpu"
+            pools,
+            ForwardMode.EXTEND,
+            prompts,
+            [0] * batch_size,
+            rows,
+            slots,
+            "cpu",
+            pools.alloc_kv(rows, [0] * batch_size, [len(p) for p in prompts]),
         )
     )
     cached, out = [len(p) for p in prompts], []
     for step in range(steps):
         batch = build_forward_batch(
-            pools, ForwardMode.DECODE, [[11 + step]] * batch_size, cached, rows, slots, "cpu"
+            pools,
+            ForwardMode.DECODE,
+            [[11 + step]] * batch_size,
+            cached,
+            rows,
+            slots,
+            "cpu",
+            pools.alloc_kv(rows, cached, [1] * batch_size),
         )
         out.append(forward(batch).clone())
         cached = [c + 1 for c in cached]

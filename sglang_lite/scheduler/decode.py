@@ -1,0 +1,79 @@
+"""Decode batches and retraction: every decoding request runs one token a step; when the KV pool cannot hold
+that step, unused cached prefixes go first, then the newest requests are retracted (all they hold is freed and
+they wait again, their output so far kept for re-prefill). ``new_token_ratio`` follows how it goes."""
+
+from __future__ import annotations
+
+from sglang_lite.mem_cache.request_memory import RequestMemory
+from sglang_lite.protocol.config import SchedulerConfig
+from sglang_lite.scheduler.batch import ScheduleBatch
+from sglang_lite.scheduler.policy import NewTokenRatio, reserved_decode_tokens
+from sglang_lite.scheduler.queues import RequestQueues
+from sglang_lite.scheduler.request import Req, ReqStatus
+
+
+class AdmissionOrder:
+    """Numbers each admission (a listener of ``RequestMemory``): retraction takes the newest."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_admit(self, req: Req) -> None:
+        req.admit_seq = self.count
+        self.count += 1
+
+    def on_release(self, req: Req) -> None:
+        pass
+
+
+class DecodeManager:
+    def __init__(
+        self, config: SchedulerConfig, queues: RequestQueues, memory: RequestMemory
+    ) -> None:
+        self.queues = queues
+        self.memory = memory
+        self.new_token_ratio = NewTokenRatio.from_conservativeness(config.schedule_conservativeness)
+        self.num_retractions = 0
+
+    def schedule(self) -> ScheduleBatch | None:
+        running = self.queues.running
+        if not running:
+            return None
+        self.memory.make_room(
+            len(running)
+        )  # unused cached prefixes go before any request is retracted
+        while self.memory.pools.kv.allocator.num_free < len(self.queues.running):
+            self._retract(self._victim())
+        return ScheduleBatch.decode(self.queues.running)
+
+    def reserved_decode_tokens(self) -> int:
+        """KV slots the running requests are expected to need for their remaining output."""
+        ratio = self.new_token_ratio.value
+        return sum(reserved_decode_tokens(r, ratio) for r in self.queues.running)
+
+    def on_step(self) -> None:
+        self.new_token_ratio.on_decode_step()
+
+    def join(self, req: Req) -> None:
+        """A request whose prompt another server computed (PD) decodes from here."""
+        self.queues.running.append(req)
+
+    def _victim(self) -> Req:
+        """The newest request holding memory, keeping at least one decoding request."""
+        queues = self.queues
+        keep_one = len(queues.running) == 1
+        candidates = [r for r in queues.holders if not (keep_one and r in queues.running)]
+        assert candidates, "one request alone always fits the KV pool (validated at admission)"
+        return max(candidates, key=lambda r: r.admit_seq)
+
+    def _retract(self, req: Req) -> None:
+        self.memory.release(req)
+        if req is self.queues.chunked:
+            self.queues.chunked = None
+        else:
+            self.queues.running.remove(req)
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        self.queues.waiting.append(req)
+        self.num_retractions += 1
+        self.new_token_ratio.on_retraction()

@@ -1,0 +1,210 @@
+"""What the scheduler's loop asks of a rank's PD side, what the side may ask back, and the side of a rank that
+serves whole requests (``NullSide``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from sglang_lite.disaggregation.layout import PoolLayout
+from sglang_lite.disaggregation.transfer import MooncakeTransfer
+from sglang_lite.mem_cache.pools import ModelPools
+from sglang_lite.mem_cache.request_memory import RequestMemory
+from sglang_lite.protocol.outputs import INTERNAL_ERROR
+from sglang_lite.sampling.logprobs import LogprobParams
+from sglang_lite.sampling.params import SamplingParams
+from sglang_lite.scheduler.request import FinishReason, Req
+
+# a metadata row's status: written last by the prefill side
+PENDING = 0
+DONE = 1
+FAILED = 2
+
+
+class SideHost(Protocol):
+    """The few things a PD side asks of its rank's scheduler."""
+
+    def enqueue(self, req: Req) -> None:
+        """The request may be prefilled now (it waits like any other)."""
+
+    def end(self, req: Req, reason: FinishReason, keep_memory: bool = False) -> None:
+        """Ends a request of a PD queue (``keep_memory``: the side releases its reservation later)."""
+
+    def finish_transferred(self, req: Req, token: int) -> None:
+        """Prefill side: the decode rank has the request; it ends here with its first token."""
+
+    def join_decoding(self, req: Req, token: int) -> None:
+        """Decode side: the prompt's KV and state arrived with the first token; it decodes from here."""
+
+    def reserved_decode_tokens(self) -> int:
+        """KV slots the rank's decoding requests are expected to need."""
+
+
+class DisaggSide(Protocol):
+    """A rank's side of prefill/decode disaggregation, as the scheduler's loop uses it."""
+
+    mode: str
+    takes_requests: bool  # new requests go to its queues (``add``), not the scheduler's
+
+    def bind(self, host: SideHost) -> None: ...
+
+    def check(
+        self,
+        room: int | None,
+        params: SamplingParams,
+        logprob: LogprobParams | None,
+        queued_rooms: Callable[[], set[int]],
+    ) -> None:
+        """Raises ValueError (naming the field) for a request this side cannot take. ``queued_rooms``: the rooms
+        of the scheduler's unfinished requests."""
+
+    def add(self, req: Req) -> None:
+        """Takes a new request into the PD queues."""
+
+    def poll(self) -> None: ...
+
+    def on_prefilled(self, req: Req, token: int) -> bool:
+        """The request's prompt is computed and its first token sampled; True: the side sends them on."""
+
+    def on_target(self, room: int, target: dict[str, Any]) -> None: ...
+
+    def abort(self, req: Req, reason: FinishReason) -> bool:
+        """True when the request was in a PD queue (it is ended or will be)."""
+
+    def find(self, rid: str) -> Req | None: ...
+
+    def held(self) -> list[Req]:
+        """Requests of the PD queues that hold memory."""
+
+    def waiting_reqs(self) -> list[Req]:
+        """Requests of the PD queues that wait (counted as waiting in the loads)."""
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def loads(self) -> dict[str, Any]: ...
+
+    def take_notices(self) -> list[dict[str, Any]]: ...
+
+
+class NullSide:
+    """A rank that serves whole requests: no PD queue, nothing to send or receive."""
+
+    mode = "null"
+    takes_requests = False
+    has_work = False
+
+    def bind(self, host: SideHost) -> None:
+        pass
+
+    def check(
+        self,
+        room: int | None,
+        params: SamplingParams,
+        logprob: LogprobParams | None,
+        queued_rooms: Callable[[], set[int]],
+    ) -> None:
+        pass
+
+    def add(self, req: Req) -> None:
+        raise TypeError("a rank that serves whole requests has no PD queue")
+
+    def poll(self) -> None:
+        pass
+
+    def on_prefilled(self, req: Req, token: int) -> bool:
+        return False
+
+    def on_target(self, room: int, target: dict[str, Any]) -> None:
+        raise TypeError("a transfer target reached a rank that is not a PD prefill rank")
+
+    def abort(self, req: Req, reason: FinishReason) -> bool:
+        return False
+
+    def find(self, rid: str) -> Req | None:
+        return None
+
+    def held(self) -> list[Req]:
+        return []
+
+    def waiting_reqs(self) -> list[Req]:
+        return []
+
+    def loads(self) -> dict[str, Any]:
+        return {}
+
+    def take_notices(self) -> list[dict[str, Any]]:
+        return []
+
+
+def _pool_buffers(pools: ModelPools) -> list[torch.Tensor]:
+    kv = pools.kv.k_buffers + pools.kv.v_buffers
+    return kv + pools.states.conv_states + pools.states.ssm_states
+
+
+class TransferSide:
+    """What both PD sides share: the transfer engine with the pools registered, one metadata row per state slot
+    (status, first token, bytes sent, nanoseconds the write took: the decode side's are written by the prefill
+    side, the prefill side's are the staging rows it writes from), and the checks of a new request."""
+
+    mode = "null"
+    takes_requests = True
+
+    def __init__(self, transfer: MooncakeTransfer, memory: RequestMemory, timeout_s: float) -> None:
+        pools = memory.pools
+        self.transfer = transfer
+        self.memory = memory
+        self.timeout_s = timeout_s
+        self.meta = torch.zeros(pools.states.allocator.size + 1, 4, dtype=torch.int64)
+        transfer.register([*_pool_buffers(pools), self.meta])
+        self.layout = PoolLayout.of(transfer.session_id, pools, self.meta)
+        self.host: SideHost | None = None
+
+    def bind(self, host: SideHost) -> None:
+        self.host = host
+
+    def check(
+        self,
+        room: int | None,
+        params: SamplingParams,
+        logprob: LogprobParams | None,
+        queued_rooms: Callable[[], set[int]],
+    ) -> None:
+        if room is None:
+            raise ValueError(
+                f"bootstrap_room: a {self.mode} server takes requests with bootstrap_host, "
+                "bootstrap_port and bootstrap_room (send them through a PD router)"
+            )
+        if room in self.rooms() or room in queued_rooms():
+            raise ValueError(f"bootstrap_room {room} is already in use by an unfinished request")
+        if params.n > 1:
+            raise ValueError("n: parallel samples (n > 1) are not supported with PD disaggregation")
+        if logprob is not None and logprob.return_logprob:
+            # the first token is sampled on the other server
+            raise ValueError(
+                "return_logprob: log-probabilities are not supported with PD disaggregation"
+            )
+
+    def rooms(self) -> set[int]:
+        raise NotImplementedError
+
+    def failure(self, message: str) -> FinishReason:
+        return FinishReason("abort", message=message, status_code=INTERNAL_ERROR)
+
+    def on_target(self, room: int, target: dict[str, Any]) -> None:
+        raise TypeError("a transfer target reached a rank that is not a PD prefill rank")
+
+    def on_prefilled(self, req: Req, token: int) -> bool:
+        return False
+
+    def transfer_figures(self) -> dict[str, float]:
+        stats = self.transfer.stats
+        return {
+            "kv_transfer_speed_gb_s": stats.last_speed_gb_s,
+            "kv_transfer_latency_ms": stats.last_latency_ms,
+            "kv_transfer_bytes_total": stats.bytes,
+            "kv_transfer_seconds_total": stats.seconds,
+            "kv_transfers_total": stats.transfers,
+        }

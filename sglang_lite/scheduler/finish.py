@@ -1,0 +1,118 @@
+"""Ending requests and reporting them: the outputs a step sends (new tokens and text, ``meta_info``), finishing
+(text flushed, memory released and cached), failing (no flush, nothing cached: status 500 with the error) and
+the parallel samples that end before they were forked."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from sglang_lite.mem_cache.request_memory import RequestMemory
+from sglang_lite.protocol.outputs import INTERNAL_ERROR, ReqOutput
+from sglang_lite.sampling.grammar import GrammarQueue
+from sglang_lite.scheduler.faults import breaks_the_device, describe, is_out_of_memory
+from sglang_lite.scheduler.queues import RequestQueues
+from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
+
+logger = logging.getLogger(__name__)
+
+
+class RequestEnder:
+    def __init__(
+        self, memory: RequestMemory, queues: RequestQueues, grammar_queue: GrammarQueue
+    ) -> None:
+        self.memory = memory
+        self.queues = queues
+        self.grammar_queue = grammar_queue
+        self.outputs: list[ReqOutput] = []
+
+    # ---- ending -------------------------------------------------------------------------------------------------
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        if not (reason.kind == "stop" and isinstance(reason.matched, str)):
+            self._flush_text(
+                req
+            )  # a stop string already emitted the text before it and dropped the rest
+        self.end(req, reason)
+
+    def fail_request(self, req: Req, error: Exception) -> None:
+        """One request raised: it fails alone, unless the error broke the device (then the rank must go)."""
+        if breaks_the_device(error) or is_out_of_memory(error):
+            raise error
+        logger.warning(
+            "request %s failed: %s: %s", req.rid, type(error).__name__, error, exc_info=error
+        )
+        self.fail(req, error)
+
+    def fail(self, req: Req, error: Exception) -> None:
+        """Ends a request with the error; no text flush (the detokeniser may be what failed)."""
+        self.end(req, FinishReason("abort", message=describe(error), status_code=INTERNAL_ERROR))
+
+    def end(self, req: Req, reason: FinishReason) -> None:
+        if req.holds_memory:  # a failed step's KV may be half-written: not cached
+            self.memory.release(req, cache=not reason.is_internal_error)
+        self.queues.take_out(req)
+        self.grammar_queue.remove(req)
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        self.emit(req)
+        for rid in req.forks:  # its parallel samples were never forked: they end with it
+            self.emit_unforked(req, rid, reason)
+        req.forks = []
+
+    def end_keeping_memory(self, req: Req, reason: FinishReason) -> None:
+        """Ends a request whose memory is released later by its owner (a PD reservation still being written)."""
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        self.emit(req)
+
+    def add_text(self, req: Req, text: str) -> None:
+        req.unsent_text += req.stop_matcher.feed(text) if req.stop_matcher else text
+
+    def _flush_text(self, req: Req) -> None:
+        if req.detokenizer is not None:
+            self.add_text(req, req.detokenizer.flush())
+        if req.stop_matcher is not None and req.stop_matcher.matched is None:
+            req.unsent_text += req.stop_matcher.flush()
+
+    # ---- outputs ------------------------------------------------------------------------------------------------
+    def emit(self, req: Req) -> None:
+        output = ReqOutput(
+            req.rid, req.unsent_ids, req.unsent_text, req.finished, self._meta_info(req)
+        )
+        self.outputs.append(output)
+        req.unsent_ids = []
+        req.unsent_text = ""
+
+    def emit_unforked(self, parent: Req, rid: str, reason: FinishReason) -> None:
+        """A parallel sample that ends before it was forked (its parent ended, or it was aborted)."""
+        meta = {
+            "id": rid,
+            "prompt_tokens": len(parent.input_ids),
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "finish_reason": reason.to_dict(),
+            "num_retractions": 0,
+            "e2e_latency": time.monotonic() - parent.arrival_time,
+        }
+        self.outputs.append(ReqOutput(rid, [], "", True, meta))
+
+    def take_outputs(self) -> list[ReqOutput]:
+        outputs = self.outputs
+        self.outputs = []
+        return outputs
+
+    def _meta_info(self, req: Req) -> dict[str, Any]:
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.prompt_tokens_from_cache,
+            "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
+            "num_retractions": req.num_retractions,
+        }
+        if req.finished:
+            meta["e2e_latency"] = time.monotonic() - req.arrival_time
+        if req.logprob is not None and req.logprob.return_logprob:
+            meta.update(req.logprob_record.take(req.logprob))
+        return meta

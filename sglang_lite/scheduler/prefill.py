@@ -1,0 +1,106 @@
+"""Admission and prefill batches: which waiting requests join the next extend forward and how many tokens each
+runs (the pure ``policy``), their memory on admission, a prefix-cache hit, and where each goes afterwards
+(decoding, or on as the chunked request)."""
+
+from __future__ import annotations
+
+from sglang_lite.forward_batch import ForwardMode
+from sglang_lite.mem_cache.request_memory import RequestMemory
+from sglang_lite.protocol.config import SchedulerConfig
+from sglang_lite.scheduler.batch import ScheduleBatch
+from sglang_lite.scheduler.policy import (
+    PrefillBudget,
+    order_waiting,
+    plan_prefill,
+    reserved_decode_tokens,
+    snapshot_aligned_chunk,
+)
+from sglang_lite.scheduler.queues import RequestQueues
+from sglang_lite.scheduler.request import Req, ReqStatus
+from sglang_lite.scheduler.sampling import StepSampler
+
+
+class PrefillManager:
+    def __init__(
+        self, config: SchedulerConfig, queues: RequestQueues, memory: RequestMemory
+    ) -> None:
+        self.config = config
+        self.queues = queues
+        self.memory = memory
+        self.prompt_tokens_admitted = 0  # since start, re-admissions after a retraction not counted
+        self.prompt_tokens_cached = 0  # of those, served from the prefix cache
+
+    def schedule(self, reserved: int, new_token_ratio: float) -> ScheduleBatch | None:
+        """The next prefill batch, or None. ``reserved``: KV slots the decoding requests still need."""
+        queues = self.queues
+        if not queues.waiting and queues.chunked is None:
+            return None
+        waiting = order_waiting(queues.waiting, self.config.schedule_policy)
+        plan = plan_prefill(queues.chunked, waiting, self.budget(reserved, new_token_ratio))
+        if not plan:
+            return None
+        for req, _ in plan:
+            if not req.holds_memory:
+                self._admit(req)
+        # a prefix-cache hit at admission leaves fewer tokens to run than were planned
+        counts = [min(n, r.num_to_compute) for r, n in plan]
+        if (
+            self.memory.cache is not None
+        ):  # only the last request may stop part-way: the next chunked one
+            last = plan[-1][0]
+            counts[-1] = snapshot_aligned_chunk(last.num_computed, last.seq_len, counts[-1])
+        return ScheduleBatch(ForwardMode.EXTEND, [r for r, _ in plan], counts)
+
+    def budget(self, reserved: int, ratio: float) -> PrefillBudget:
+        chunked = self.queues.chunked
+        if chunked is not None:
+            reserved += chunked.num_to_compute + reserved_decode_tokens(chunked, ratio)
+        kv_free = self.memory.kv_free
+        return PrefillBudget(
+            kv_free=kv_free,
+            admit_free=kv_free - reserved,
+            batch_tokens=self.config.max_prefill_tokens,
+            chunk_size=self.config.chunk_size,
+            free_rows=self.memory.free_rows,
+            new_token_ratio=ratio,
+        )
+
+    def _admit(self, req: Req) -> None:
+        assert self.memory.admit(req), "the plan admits only while rows are free"
+        self.queues.waiting.remove(req)
+        req.status = ReqStatus.PREFILLING
+        # prompt log-probabilities need their positions' logits; at least one token is left to run
+        limit = StepSampler.prefix_limit(req)
+        hit = self.memory.reuse_prefix(req, req.seq_len - 1 if limit is None else limit)
+        if req.num_retractions == 0:  # a re-admission is not a new prompt
+            prompt = len(req.input_ids)
+            self.prompt_tokens_admitted += prompt
+            self.prompt_tokens_cached += min(hit, prompt)
+            req.prompt_tokens_from_cache = min(hit, prompt)
+
+    def place_prefilled(self, reqs: list[Req], completes: list[bool]) -> None:
+        """After an extend forward: a request whose prompt is done decodes, one that is not stays chunked."""
+        queues = self.queues
+        for req, done in zip(reqs, completes):
+            if req is queues.chunked:
+                queues.chunked = None
+            if req.finished or req.status is ReqStatus.TRANSFERRING:
+                continue
+            if done:
+                req.status = ReqStatus.DECODING
+                queues.running.append(req)
+            else:
+                queues.chunked = req
+            # the KV so far and the state after it, for later requests: at the end of the prompt, and at chunk
+            # boundaries (so that a prompt equal to a cached one still finds a snapshot before its last token)
+            self.memory.cache_prefix(req)
+
+    def tokens_to_prefill(self) -> int:
+        """Prompt tokens not yet computed: waiting requests and the rest of the chunked one."""
+        chunked = self.queues.chunked
+        waiting = sum(r.num_to_compute for r in self.queues.waiting)
+        return waiting + (chunked.num_to_compute if chunked else 0)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.prompt_tokens_cached / max(self.prompt_tokens_admitted, 1)
