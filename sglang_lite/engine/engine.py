@@ -18,7 +18,7 @@ from sglang_lite.engine.sync_client import SyncClient
 from sglang_lite.protocol.loads import LOAD_SECTIONS
 from sglang_lite.protocol.outputs import ReqOutput, join_outputs
 from sglang_lite.protocol.requests import fork_rids, validate_request
-from sglang_lite.runtime.inputs import prompt_token_ids
+from sglang_lite.runtime.inputs import per_prompt, prompt_token_ids
 from sglang_lite.runtime.messages import CheckQuery, FlushCache, LoadsQuery
 from sglang_lite.sampling.grammar import GrammarCache, grammar_key
 from sglang_lite.sampling.logprobs import LogprobParams
@@ -203,14 +203,10 @@ class Engine:
         logprob: LogprobParams | None = None,
     ) -> list[tuple[list[int], SamplingParams]]:
         """All requests checked before any is queued, so one bad request sends none."""
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts"
-                )
-            params = [SamplingParams.from_dict(p) for p in sampling_params]
-        else:
-            params = [SamplingParams.from_dict(sampling_params) for _ in prompts]
+        params = [
+            SamplingParams.from_dict(p)
+            for p in per_prompt(sampling_params, len(prompts), "sampling_params")
+        ]
         for ids, p in zip(prompts, params):
             validate_request(ids, p, self.config, self.tokenizer is not None, logprob)
             if grammar_key(p) is not None:

@@ -1,5 +1,5 @@
-"""The HTTP side of PD disaggregation: bootstrap fields, the prefill server's bootstrap server, and the relay of a
-decode rank's reservation to it.
+"""The HTTP side of PD disaggregation: the part the tokenizer manager talks to (``PDFront``; ``NoPD`` on a plain
+server), the prefill server's bootstrap server, and the relay of a decode rank's reservation to it.
 
 The router sends one body, with ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room``, to a prefill and a
 decode server. The decode rank reserves memory and answers ``Reserved``; its server POSTs the destination to
@@ -13,67 +13,81 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
 
-from sglang_lite.runtime.messages import AbortRequest, Reserved, TransferTarget
-
-if TYPE_CHECKING:
-    from sglang_lite.server.tokenizer_manager import GenerateInput, RequestStream, TokenizerManager
+from sglang_lite.runtime.messages import Reserved, TransferTarget
+from sglang_lite.server.io_struct import ROOM_LIMIT, Bootstrap, GenerateInput, bad_request
+from sglang_lite.server.request_streams import RequestStream, StreamRegistry
+from sglang_lite.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-ROOM_LIMIT = 2**63
 TARGET_PATH = "/pd/target"
 POST_TIMEOUT_S = 10.0
 
 
-@dataclass(frozen=True)
-class Bootstrap:
-    host: str
-    port: int
-    room: int
+class PDFront(Protocol):
+    """What the tokenizer manager asks of the server's PD part, whatever the disaggregation mode."""
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    def check(self, request: GenerateInput) -> None:
+        """Refuses (400, naming the field) a request this server cannot take."""
+
+    def room_of(self, request: GenerateInput) -> int | None:
+        """The transfer room the rank is told of, if any."""
+
+    def on_submitted(self, stream: RequestStream, bootstrap: Bootstrap | None) -> None: ...
+
+    def on_released(self, stream: RequestStream) -> None: ...
+
+    def on_reserved(self, reserved: Reserved) -> None:
+        """A decode rank reserved memory for a request."""
 
 
-def bootstrap_of(host: Any, port: Any, room: Any, n: int) -> list[Bootstrap | None]:
-    """Each prompt's bootstrap fields (lists give one per prompt; all three or none); ValueError naming the field."""
-    fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
-    if all(v is None for v in fields.values()):
-        return [None] * n
-    missing = [k for k, v in fields.items() if v is None]
-    if missing:
-        raise ValueError(
-            f"{missing[0]}: PD requests carry bootstrap_host, bootstrap_port and bootstrap_room"
-        )
-    per_prompt = {}
-    for name, value in fields.items():
-        values = value if isinstance(value, list) else [value] * n
-        if len(values) != n:
-            raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
-        per_prompt[name] = values
-    out = []
-    for h, p, r in zip(
-        per_prompt["bootstrap_host"], per_prompt["bootstrap_port"], per_prompt["bootstrap_room"]
-    ):
-        if not 0 < p < 65536:
-            raise ValueError(f"bootstrap_port must be a TCP port, got {p}")
-        if not 0 <= r < ROOM_LIMIT:
-            raise ValueError(f"bootstrap_room must be in [0, 2**63), got {r}")
-        out.append(Bootstrap(h, p, r))
-    if len({b.room for b in out}) != len(out):
-        raise ValueError("bootstrap_room: the prompts of one request need distinct rooms")
-    return out
+class NoPD:
+    """A plain server's PD part: bootstrap fields are accepted and ignored, and there are no rooms."""
+
+    async def start(self) -> None:
+        pass
+
+    async def shutdown(self) -> None:
+        pass
+
+    def check(self, request: GenerateInput) -> None:
+        pass
+
+    def room_of(self, request: GenerateInput) -> int | None:
+        return None
+
+    def on_submitted(self, stream: RequestStream, bootstrap: Bootstrap | None) -> None:
+        pass
+
+    def on_released(self, stream: RequestStream) -> None:
+        pass
+
+    def on_reserved(self, reserved: Reserved) -> None:
+        pass
+
+
+def create_pd_front(args: ServerArgs, registry: StreamRegistry) -> PDFront:
+    """The PD part for ``--disaggregation-mode``: none for a plain server."""
+    return NoPD() if args.disaggregation_mode == "null" else PDFrontEnd(args, registry)
 
 
 class PDFrontEnd:
     """A prefill or decode server's share of PD: rooms in use, destinations waiting for their request (prefill),
-    reservations relayed to the prefill side (decode)."""
+    reservations relayed to the prefill side (decode). It reaches the ranks through the stream registry."""
 
-    def __init__(self, manager: TokenizerManager) -> None:
-        self.manager, self.args = manager, manager.args
-        self.mode = self.args.disaggregation_mode
+    def __init__(self, args: ServerArgs, registry: StreamRegistry) -> None:
+        assert args.disaggregation_mode in ("prefill", "decode"), args.disaggregation_mode
+        self.args = args
+        self.registry = registry
+        self.mode = args.disaggregation_mode
         self.rooms: dict[int, RequestStream] = {}
         self.pending: dict[
             int, tuple[dict[str, Any], float]
@@ -110,37 +124,31 @@ class PDFrontEnd:
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def check(self, request: GenerateInput) -> None:
-        """A PD server takes only requests with bootstrap fields, each room once (ValueError names the field)."""
-        if self.mode == "null":
-            return
+        """A PD server takes only requests with bootstrap fields, each room once."""
         if request.bootstrap is None:
-            raise ValueError(
+            raise bad_request(
                 f"bootstrap_room: a {self.mode} server takes requests with bootstrap_host, "
                 "bootstrap_port and bootstrap_room (send them through a PD router)"
             )
         if request.bootstrap.room in self.rooms:
-            raise ValueError(
+            raise bad_request(
                 f"bootstrap_room {request.bootstrap.room} is already in use by an unfinished request"
             )
 
     def room_of(self, request: GenerateInput) -> int | None:
-        return (
-            request.bootstrap.room
-            if self.mode != "null" and request.bootstrap is not None
-            else None
-        )
+        return request.bootstrap.room if request.bootstrap is not None else None
 
     def on_submitted(self, stream: RequestStream, bootstrap: Bootstrap | None) -> None:
-        if self.mode == "null" or bootstrap is None:
+        if bootstrap is None:
             return
         stream.bootstrap = bootstrap
         self.rooms[bootstrap.room] = stream
         if self.mode == "prefill" and bootstrap.room in self.pending:
             target, _ = self.pending.pop(bootstrap.room)
-            self.manager.client.send(stream.rank, TransferTarget(bootstrap.room, target))
+            self.registry.send(stream.rank, TransferTarget(bootstrap.room, target))
 
     def on_released(self, stream: RequestStream) -> None:
-        bootstrap = getattr(stream, "bootstrap", None)
+        bootstrap = stream.bootstrap
         if bootstrap is not None and self.rooms.get(bootstrap.room) is stream:
             del self.rooms[bootstrap.room]
 
@@ -165,13 +173,13 @@ class PDFrontEnd:
         stream = self.rooms.get(room)
         if stream is None:
             self.pending[room] = (target, time.monotonic())
-        elif getattr(stream, "target_sent", False):
+        elif stream.target_sent:
             return web.json_response(
                 {"error": f"bootstrap_room {room} already has a destination"}, status=409
             )
         else:
             stream.target_sent = True
-            self.manager.client.send(stream.rank, TransferTarget(room, target))
+            self.registry.send(stream.rank, TransferTarget(room, target))
         return web.json_response({"ok": True})
 
     def _expire(self, now: float) -> None:
@@ -181,8 +189,8 @@ class PDFrontEnd:
 
     # ---- decode: relay each reservation ------------------------------------------------------------------------
     def on_reserved(self, reserved: Reserved) -> None:
-        stream = self.manager.streams.get(reserved.rid)
-        if stream is None or getattr(stream, "bootstrap", None) is None:
+        stream = self.registry.streams.get(reserved.rid)
+        if stream is None or stream.bootstrap is None:
             return  # its client left: the abort is on its way to the rank
         task = asyncio.get_running_loop().create_task(self._relay(stream, reserved))
         self._posts.add(task)
@@ -204,5 +212,4 @@ class PDFrontEnd:
             f"the prefill server's bootstrap server at {bootstrap.host}:{bootstrap.port} {why}"
         )
         logger.warning("PD request %s fails: %s", reserved.rid, message)
-        if self.manager.live[stream.rank]:
-            self.manager.client.send(stream.rank, AbortRequest(reserved.rid, error=message))
+        self.registry.abort_on(stream.rank, reserved.rid, error=message)

@@ -19,11 +19,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sglang_lite.protocol.loads import LOAD_SECTIONS
-from sglang_lite.runtime.inputs import split_prompts
+from sglang_lite.runtime.inputs import per_prompt, split_prompts
 from sglang_lite.sampling.logprobs import INPUT_KEYS, OUTPUT_KEYS, LogprobParams
 from sglang_lite.server import openai_serving
-from sglang_lite.server.disagg import bootstrap_of
 from sglang_lite.server.dp_controller import requested_rank
+from sglang_lite.server.io_struct import (
+    GenerateInput,
+    RequestError,
+    bad_request,
+    bootstrap_of,
+)
 from sglang_lite.server.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -37,6 +42,7 @@ from sglang_lite.server.openai_protocol import (
     GenerateRequest,
     TokenizeRequest,
 )
+from sglang_lite.server.request_streams import RequestStream
 from sglang_lite.server.responses import (
     ClientDisconnected,
     SSEResponse,
@@ -46,13 +52,7 @@ from sglang_lite.server.responses import (
     sse_error,
     until_disconnect,
 )
-from sglang_lite.server.tokenizer_manager import (
-    GenerateInput,
-    RequestError,
-    RequestStream,
-    TokenizerManager,
-    bad_request,
-)
+from sglang_lite.server.tokenizer_manager import TokenizerManager
 from sglang_lite.server_args import ServerArgs
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
@@ -243,34 +243,28 @@ async def _generate_inputs(
     manager: TokenizerManager, body: GenerateRequest
 ) -> tuple[list[GenerateInput], bool]:
     try:
-        prompts, is_text, batched = split_prompts(body.text, body.input_ids)
+        prompts = split_prompts(body.text, body.input_ids)
     except ValueError as error:
         raise bad_request(str(error)) from error
-    manager.check_prompt_count(len(prompts), "text" if is_text else "input_ids")
+    n = len(prompts.items)
+    manager.check_prompt_count(n, "text" if prompts.is_text else "input_ids")
     params = [
-        manager.sampling_params(p)
-        for p in _per_prompt(body.sampling_params, len(prompts), "sampling_params")
+        manager.sampling_params(p) for p in _per_prompt(body.sampling_params, n, "sampling_params")
     ]
-    rids = (
-        _per_prompt(body.rid, len(prompts), "rid")
-        if body.rid is not None
-        else [None] * len(prompts)
-    )
+    rids = _per_prompt(body.rid, n, "rid") if body.rid is not None else [None] * n
     rank = requested_rank(body.routed_dp_rank, body.data_parallel_rank)
     try:
-        pd = bootstrap_of(
-            body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, len(prompts)
-        )
+        pd = bootstrap_of(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room, n)
     except ValueError as error:
         raise bad_request(str(error)) from error
-    logprobs = _logprob_params(body, len(prompts))
+    logprobs = _logprob_params(body, n)
     ids = (
-        [await manager.encode(p) for p in prompts] if is_text else prompts
+        [await manager.encode(p) for p in prompts.items] if prompts.is_text else prompts.items
     )  # the sampling checks come first
     return [
         GenerateInput(rid or uuid.uuid4().hex, i, p, rank, b, lp)
         for i, p, rid, b, lp in zip(ids, params, rids, pd, logprobs)
-    ], batched
+    ], prompts.batched
 
 
 def _logprob_params(body: GenerateRequest, n: int) -> list[LogprobParams | None]:
@@ -317,11 +311,10 @@ def _with_texts(manager: TokenizerManager, position: list | None) -> list | None
 
 
 def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
-    if not isinstance(value, list):
-        return [value] * n
-    if len(value) != n:
-        raise bad_request(f"{name} has {len(value)} entries for {n} prompts")
-    return value
+    try:
+        return per_prompt(value, n, name)
+    except ValueError as error:
+        raise bad_request(str(error)) from error
 
 
 def _native_result(ids: list[int], text: str, meta: dict[str, Any]) -> dict[str, Any]:
@@ -333,7 +326,9 @@ async def _native_events(
 ) -> AsyncIterator[bytes]:
     """SGLang's native stream: cumulative text, output ids and log-probabilities in every event; with ``n`` > 1
     the samples' events interleave, each with its ``index``."""
-    text, ids, logprobs = [""] * len(streams), [[] for _ in streams], [{} for _ in streams]
+    text = [""] * len(streams)
+    ids: list[list[int]] = [[] for _ in streams]
+    logprobs: list[dict[str, list]] = [{} for _ in streams]
     try:
         async for i, output in openai_serving.merged(streams):
             text[i], ids[i] = text[i] + output.new_text, ids[i] + output.new_token_ids

@@ -31,7 +31,9 @@ class ApiKeyMiddleware:
     """``Authorization: Bearer <key>`` on every path but the open ones."""
 
     def __init__(self, app: Any, api_key: str, open_paths: tuple[str, ...]) -> None:
-        self.app, self.expected, self.open_paths = app, f"Bearer {api_key}".encode(), open_paths
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
@@ -100,7 +102,9 @@ class ConcurrencyLimitMiddleware:
     a router and a monitor can still see a saturated server."""
 
     def __init__(self, app: Any, max_requests: int, exempt_paths: tuple[str, ...]) -> None:
-        self.app, self.max_requests, self.exempt_paths = app, max_requests, exempt_paths
+        self.app = app
+        self.max_requests = max_requests
+        self.exempt_paths = exempt_paths
         self.active = 0
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:

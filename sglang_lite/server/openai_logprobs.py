@@ -39,7 +39,9 @@ class CompletionLogprobs:
     offsets run on across pieces."""
 
     def __init__(self, texts: TokenTexts, echo: bool) -> None:
-        self.texts, self.echo, self.offset = texts, echo, 0
+        self.texts = texts
+        self.echo = echo
+        self.offset = 0
 
     def piece(self, meta: dict[str, Any]) -> dict[str, Any]:
         chosen, tops = [], []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from sglang_lite.server.io_struct import bad_request
 from sglang_lite.server.openai_protocol import ChatCompletionRequest
 from sglang_lite.server.parsers import (
     OutputParser,
@@ -27,7 +28,6 @@ from sglang_lite.server.parsers import (
     prompt_opens_reasoning,
 )
 from sglang_lite.server.parsers.base import new_call_id
-from sglang_lite.server.tokenizer_manager import bad_request
 from sglang_lite.server_args import ServerArgs
 
 

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from sglang_lite.server.tokenizer_manager import RequestError
+from sglang_lite.server.io_struct import RequestError
 
 T = TypeVar("T")
 

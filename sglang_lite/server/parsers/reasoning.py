@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from sglang_lite.server.parsers.base import ParsedText, partial_suffix
 
-THINK_START, THINK_END = "<think>", "</think>"
-_START, _REASONING, _ANSWER = "start", "reasoning", "answer"
+THINK_START = "<think>"
+THINK_END = "</think>"
+# where a parser is in the text: before any think block, inside one, after it
+_START = "start"
+_REASONING = "reasoning"
+_ANSWER = "answer"
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:

@@ -1,0 +1,172 @@
+"""Tokenisation and validation on the HTTP side: prompts and chat conversations to token ids, sampling parameters
+from a request, and every check a request passes before it is dispatched.
+
+Scheduler processes detokenise (their outputs carry text deltas); this side only encodes prompts. Every request
+is validated here, with the ranks' own limits (``config``, set at start), before it is sent, so bad input is a 400
+and never reaches a rank. Tokenising runs on worker threads so a long text never stalls the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from sglang_lite.protocol.config import SchedulerConfig
+from sglang_lite.protocol.requests import validate_request
+from sglang_lite.runtime.inputs import max_prompt_chars
+from sglang_lite.sampling.grammar import GrammarCache, grammar_key
+from sglang_lite.sampling.params import SamplingParams, is_utf8
+from sglang_lite.server.io_struct import ChatPrompt, GenerateInput, bad_request
+from sglang_lite.server_args import ServerArgs
+
+MAX_RID_CHARS = 256
+# Sampling keys other engines and sglang-router send; accepted at their neutral value, refused otherwise.
+NEUTRAL_SAMPLING = {"no_stop_trim": False, "spaces_between_special_tokens": True}
+
+
+class InputProcessor:
+    """Encodes prompts with the server's tokenizer and checks requests against the ranks' limits."""
+
+    _prompt_chars_limit: int | None = None  # of a text prompt; from the tokenizer, on first use
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.tokenizer: Any = None  # set at start, as are the config and the grammars
+        self.config: SchedulerConfig | None = None  # every rank's, but dp_rank
+        self.grammars: GrammarCache | None = None  # compiles only to check grammars
+
+    def set_config(self, config: SchedulerConfig) -> None:
+        """The ranks' limits, once they are ready (the tokenizer is loaded before they start)."""
+        self.config = config
+        self.grammars = GrammarCache(self.tokenizer, config.vocab_size)
+
+    # ---- tokenising --------------------------------------------------------------------------------------------
+    async def encode(
+        self, text: str, name: str = "text", add_special_tokens: bool = True
+    ) -> list[int]:
+        """Token ids of a text prompt, tokenised on a worker thread so a long text never stalls the event loop."""
+        if self.tokenizer is None:
+            raise bad_request(
+                "text prompts need a tokenizer (the server skipped tokenizer init); pass input_ids"
+            )
+        self._check_prompt_chars(len(text), name)
+        options = {} if add_special_tokens else {"add_special_tokens": False}
+        return await asyncio.to_thread(self._tokenize, text, name, options)
+
+    async def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> ChatPrompt:
+        """The chat template's prompt (``tools``: OpenAI tool definitions, rendered by the template)."""
+        if self.tokenizer is None:
+            raise bad_request("chat needs a tokenizer (the server skipped tokenizer init)")
+        chars = sum(len(m.get("content") or "") for m in messages) + len(
+            json.dumps(tools) if tools else ""
+        )
+        self._check_prompt_chars(chars, "messages")
+        return await asyncio.to_thread(self._encode_chat, messages, template_kwargs, tools)
+
+    def _encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any],
+        tools: list[dict[str, Any]] | None,
+    ) -> ChatPrompt:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True, **template_kwargs
+            )
+        except Exception as error:  # a template rejecting the conversation is the request's fault
+            raise bad_request(f"messages: the chat template failed: {error}") from error
+        return ChatPrompt(text, self._tokenize(text, "messages", {"add_special_tokens": False}))
+
+    def _tokenize(self, text: str, name: str, options: dict[str, Any]) -> list[int]:
+        if not is_utf8(
+            text
+        ):  # JSON can carry lone surrogates, which the tokenizer refuses with a TypeError
+            raise bad_request(f"{name}: the text is not valid Unicode (it holds a lone surrogate)")
+        return self.tokenizer.encode(text, **options)
+
+    def _check_prompt_chars(self, chars: int, name: str) -> None:
+        """The cheap check before tokenising: a text that cannot fit in the context is a 400 at once."""
+        if self._prompt_chars_limit is None:
+            self._prompt_chars_limit = max_prompt_chars(
+                self.tokenizer, self.config.max_request_tokens
+            )
+        if chars > self._prompt_chars_limit:
+            raise bad_request(
+                f"{name}: the prompt has {chars} characters, more than the context length "
+                f"({self.config.max_request_tokens} tokens) can hold"
+            )
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text (empty without a tokenizer), for log-probability entries."""
+        if self.tokenizer is None:
+            return ["" for _ in ids]
+        return self.tokenizer.batch_decode([[token] for token in ids])
+
+    # ---- checking ----------------------------------------------------------------------------------------------
+    def check_prompt_count(self, count: int, name: str) -> None:
+        """A batched request carries at most ``--max-queued-requests`` prompts: more could never be queued."""
+        if count > self.args.max_queued_requests:
+            raise bad_request(
+                f"{name}: {count} prompts in one request, more than --max-queued-requests "
+                f"({self.args.max_queued_requests})"
+            )
+
+    def sampling_params(self, raw: dict[str, Any] | None) -> SamplingParams:
+        """SGLang sampling parameters from a request, validated; None values mean the default."""
+        if raw is not None and not isinstance(raw, dict):
+            raise bad_request("sampling_params must be an object")
+        params = {k: v for k, v in (raw or {}).items() if v is not None}
+        for key in [k for k in params if k in NEUTRAL_SAMPLING]:
+            if params.pop(key) != NEUTRAL_SAMPLING[key]:
+                raise bad_request(
+                    f"sampling parameter {key} is not supported (only {NEUTRAL_SAMPLING[key]!r})"
+                )
+        for key in ("stop", "stop_token_ids"):
+            if not isinstance(params.get(key, []), (str, list)):
+                kind = type(params[key]).__name__
+                raise bad_request(
+                    f"sampling parameter {key} must be a string or a list, got {kind}"
+                )
+        try:
+            result = SamplingParams.from_dict(params)
+            result.validate(self.config.vocab_size)
+        except (ValueError, TypeError) as error:
+            raise bad_request(str(error)) from error
+        return result
+
+    def validate(self, request: GenerateInput) -> None:
+        """The request's own checks (rid, prompt, sampling and log-probability parameters): a 400 naming the field."""
+        if not _valid_rid(request.rid):
+            raise bad_request(f"rid must be a UTF-8 string of 1 to {MAX_RID_CHARS} characters")
+        try:
+            validate_request(
+                request.input_ids,
+                request.sampling_params,
+                self.config,
+                self.tokenizer is not None,
+                request.logprob,
+            )
+        except (ValueError, TypeError) as error:
+            raise bad_request(str(error)) from error
+
+    async def check_grammar(self, request: GenerateInput) -> None:
+        """A grammar that cannot compile is a 400 naming its field (compiled on worker threads, once per text; the
+        rank compiles it again, for its own use)."""
+        key = grammar_key(request.sampling_params)
+        if key is None:
+            return
+        try:
+            await asyncio.wrap_future(self.grammars.submit(key))
+        except ValueError as error:
+            raise bad_request(str(error)) from error
+
+
+def _valid_rid(rid: Any) -> bool:
+    """The msgpack transport carries UTF-8 only, and a rid is a key, not a payload."""
+    return isinstance(rid, str) and 0 < len(rid) <= MAX_RID_CHARS and is_utf8(rid)
