@@ -66,6 +66,11 @@ _HELP = {
     "disaggregation_transfer_timeout": "Seconds a PD request may wait for its destination (prefill side) or its data "
     "(decode side) before it fails.",
     "disable_radix_cache": "Turn the prefix cache off: every request prefills its whole prompt.",
+    "mamba_full_memory_ratio": "Memory of the GDN state pool (running requests and the prefix cache's state "
+    "snapshots) over the full-attention KV pool's; sizes the snapshot slots (at least max_running_requests).",
+    "max_mamba_cache_size": "GDN state slots in all (running requests plus prefix-cache snapshots), overriding "
+    "mamba_full_memory_ratio; must exceed max_running_requests.",
+    "enable_cache_report": "Report prefix-cache hits in OpenAI usage (prompt_tokens_details.cached_tokens).",
     "disable_shared_experts_fusion": "Run the MoE shared expert separately instead of as an extra fused expert.",
     "skip_tokenizer_init": "Do not load a tokenizer: requests pass input_ids and get no text.",
     "disable_cuda_graph": "Run decode steps eagerly instead of replaying captured CUDA graphs.",
@@ -130,6 +135,9 @@ class ServerArgs:
     disaggregation_ib_device: str | None = None
     disaggregation_transfer_timeout: float = 60.0
     disable_radix_cache: bool = False
+    mamba_full_memory_ratio: float = 0.9
+    max_mamba_cache_size: int | None = None
+    enable_cache_report: bool = False
     disable_shared_experts_fusion: bool = False
     skip_tokenizer_init: bool = False
     disable_cuda_graph: bool = False
@@ -184,6 +192,7 @@ class ServerArgs:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
             )
+        self._check_state_pool()
         if self.schedule_conservativeness < 0:
             raise ValueError(
                 f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}"
@@ -196,6 +205,18 @@ class ServerArgs:
             raise ValueError(
                 f"disaggregation_mode {self.disaggregation_mode} runs with tp_size 1 (got {self.tp_size}):"
                 " tensor-parallel shards are not transferred yet"
+            )
+
+    def _check_state_pool(self) -> None:
+        if self.mamba_full_memory_ratio < 0:
+            raise ValueError(
+                f"mamba_full_memory_ratio must be >= 0, got {self.mamba_full_memory_ratio}"
+            )
+        size = self.max_mamba_cache_size
+        if size is not None and size <= self.max_running_requests:
+            raise ValueError(
+                f"max_mamba_cache_size ({size}) must exceed max_running_requests "
+                f"({self.max_running_requests}): one state slot per running request, the rest snapshots"
             )
 
     def _check_parallel(self) -> None:
@@ -291,11 +312,6 @@ class ServerArgs:
         """The radix cache runs unless turned off. A PD prefill rank caches too; a decode rank does not (its
         prompts arrive whole from the prefill side, so it has nothing to reuse)."""
         return not self.disable_radix_cache and self.disaggregation_mode != "decode"
-
-    @property
-    def cache_state_snapshots(self) -> int:
-        """State slots the prefix cache keeps GDN snapshots in: one per request row."""
-        return self.max_running_requests if self.prefix_cache else 0
 
     @property
     def effective_prefill_chunk(self) -> int:

@@ -9,9 +9,13 @@ snapshot, copies the snapshot into its own state slot (never shared mutably) and
 - ``match``: longest prefix (at most ``max_len`` tokens) ending at a node with a snapshot; its KV slots.
 - ``insert``: hands a request's KV slots of a prefix to the tree (positions the tree already holds keep the tree's
   slots: the request's duplicates come back to be freed) and saves a snapshot of its state at the end.
-- ``lock`` / ``unlock``: a node in use by a request (and its ancestors) is never evicted.
-- ``evict``: frees least-recently-used unlocked leaves (their KV slots and snapshots) until enough KV slots, or a
-  snapshot slot, are free.
+- ``lock`` / ``unlock``: a node in use by a request (and its ancestors) keeps its KV.
+- ``evict``: frees unlocked leaves (their KV slots and snapshots) until enough KV slots are free: first leaves
+  without a snapshot (no match can end there), then the least recently used.
+- Snapshots are a cached resource of their own (upstream's ``evict_mamba``): when a new one finds no free slot,
+  the least recently used snapshot of any node, inner ones included, is freed and the node keeps its KV, which
+  still serves a longer match that ends at a deeper snapshot. A request copies a snapshot into its own state slot
+  when it is admitted, so freeing one never touches a running request.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class RadixCache:
         self.root = Node()
         self.num_tokens = 0  # KV slots the tree owns
         self.num_locked_tokens = 0  # of which in use by requests (not evictable)
+        self.snapshots_evicted = 0  # snapshots freed to make room for newer ones, since start
         self._order = itertools.count()
 
     # ---- lookups -----------------------------------------------------------------------------------------------
@@ -159,28 +164,41 @@ class RadixCache:
 
     def _snapshot_slot(self) -> int | None:
         slots = self.snapshots.alloc(1)
-        if slots is None:
-            self.evict(0, snapshots=1)
+        if slots is None and self.evict_snapshot():
             slots = self.snapshots.alloc(1)
         return slots[0] if slots else None
 
     # ---- eviction ----------------------------------------------------------------------------------------------
-    def evict(self, num_tokens: int, snapshots: int = 0) -> None:
-        """Frees unlocked leaves, least recently used first, until ``num_tokens`` KV slots (and ``snapshots``
-        snapshot slots) are free, or nothing more can go."""
+    def evict(self, num_tokens: int) -> None:
+        """Frees unlocked leaves until ``num_tokens`` KV slots are free, or nothing more can go: leaves without a
+        snapshot first, then the least recently used."""
         kv = self.pools.kv.allocator
-        leaves = [(n.last_access, next(self._order), n) for n in self._leaves() if n.lock == 0]
+        leaves = [self._eviction_key(n) for n in self._leaves() if n.lock == 0]
         heapq.heapify(leaves)
-        while leaves and (kv.num_free < num_tokens or self.snapshots.num_free < snapshots):
-            _, _, node = heapq.heappop(leaves)
+        while leaves and kv.num_free < num_tokens:
+            *_, node = heapq.heappop(leaves)
             parent = self._remove(node)
             if parent is not self.root and parent.is_leaf and parent.lock == 0:
-                heapq.heappush(leaves, (parent.last_access, next(self._order), parent))
+                heapq.heappush(leaves, self._eviction_key(parent))
+
+    def _eviction_key(self, node: Node) -> tuple[bool, float, int, Node]:
+        return (node.snapshot is not None, node.last_access, next(self._order), node)
+
+    def evict_snapshot(self) -> bool:
+        """Frees the least recently used snapshot of any node, which keeps its KV; False if there is none."""
+        nodes = [n for n in self._nodes() if n.snapshot is not None]
+        if not nodes:
+            return False
+        node = min(nodes, key=lambda n: n.last_access)
+        self.snapshots.free([node.snapshot])
+        node.snapshot = None
+        self.snapshots_evicted += 1
+        return True
 
     def flush(self) -> int:
         """Evicts every unlocked node; returns the KV slots freed."""
         before = self.num_tokens
-        self.evict(self.pools.kv.allocator.size + 1, self.snapshots.size + 1)
+        self.evict(self.pools.kv.allocator.size + 1)
         return before - self.num_tokens
 
     def _remove(self, node: Node) -> Node:
@@ -193,14 +211,18 @@ class RadixCache:
         del parent.children[node.tokens[0]]
         return parent
 
-    def _leaves(self) -> list[Node]:
-        out, stack = [], [self.root]
+    def _nodes(self) -> list[Node]:
+        """Every node but the root."""
+        out = []
+        stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
-            if node.is_leaf and node is not self.root:
-                out.append(node)
+            out.append(node)
             stack.extend(node.children.values())
         return out
+
+    def _leaves(self) -> list[Node]:
+        return [n for n in self._nodes() if n.is_leaf]
 
     @property
     def num_snapshots(self) -> int:

@@ -24,7 +24,14 @@ SECTIONS = {
         "cached_tokens",
         "num_cached_prompt_tokens",
     ),
-    "memory": ("weight_gb", "kv_cache_gb", "token_capacity"),
+    "memory": (
+        "weight_gb",
+        "kv_cache_gb",
+        "token_capacity",
+        "snapshot_slots",
+        "snapshot_slots_used",
+        "snapshots_evicted",
+    ),
     "disagg": (
         "mode",
         "prefill_prealloc_queue_reqs",
@@ -73,6 +80,10 @@ class SchedulerLoads:
         0  # KV slots the prefix cache holds (those no request uses count as free, not used)
     )
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache since start
+    # the prefix cache's GDN state snapshots: slots in all, in use, and freed for newer ones since start
+    snapshot_slots: int = 0
+    snapshot_slots_used: int = 0
+    snapshots_evicted: int = 0
     # prefill/decode disaggregation (``scheduler/disagg.py``): "null" serves whole requests, every queue empty
     mode: str = "null"
     prefill_prealloc_queue_reqs: int = (

@@ -12,7 +12,11 @@ from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.model_executor import ModelRunner
 from sglang_lite.models.loader import load_model
 from sglang_lite.protocol.config import SchedulerConfig
-from sglang_lite.runtime.memory import resolve_dtype, resolve_max_total_tokens
+from sglang_lite.runtime.memory import (
+    resolve_dtype,
+    resolve_max_total_tokens,
+    resolve_state_snapshots,
+)
 from sglang_lite.scheduler.disagg import DisaggSide, NullSide, create_side
 from sglang_lite.scheduler.scheduler import Scheduler, create_request_memory
 from sglang_lite.server_args import ServerArgs
@@ -53,7 +57,7 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
         context_length,
         dtype,
         args.device,
-        args.cache_state_snapshots,
+        resolve_state_snapshots(args, model.config, dtype, max_total_tokens),
     )
     memory = create_request_memory(pools)
     return Scheduler(

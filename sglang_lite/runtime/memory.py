@@ -46,18 +46,40 @@ def device_budget_bytes(device: str, fraction: float) -> int:
 def resolve_max_total_tokens(
     args: ServerArgs, config: ModelConfig, dtype: torch.dtype, context_length: int
 ) -> int:
-    """Explicit ``max_total_tokens``, else what the budget holds after the state slots, capped at every request
-    row filled to the context length (more could never be used)."""
+    """Explicit ``max_total_tokens``, else what the budget holds after the running requests' state slots and,
+    with the prefix cache, the snapshot pool's share (``mamba_full_memory_ratio`` of the KV pool's memory),
+    capped at what could be used: every request row filled to the context length, and with the prefix cache as
+    much again for cached prefixes."""
     if args.max_total_tokens is not None:
         return args.max_total_tokens
     budget = device_budget_bytes(args.device, args.mem_fraction_static)
-    state_slots = args.max_running_requests + args.cache_state_snapshots
-    budget -= state_slots * ModelPools.bytes_per_request_state(config, dtype)
-    fits = budget // max(ModelPools.bytes_per_token(config, dtype), 1)
-    tokens = min(fits, args.max_running_requests * context_length)
+    budget -= args.max_running_requests * ModelPools.bytes_per_request_state(config, dtype)
+    per_token = max(ModelPools.bytes_per_token(config, dtype), 1)
+    rows = args.max_running_requests
+    if args.prefix_cache:
+        per_token *= 1 + args.mamba_full_memory_ratio
+        rows *= 2
+    fits = budget // per_token
+    tokens = min(fits, rows * context_length)
     if tokens < context_length:
         raise MemoryError(
             f"the KV pool would hold only {tokens} tokens, less than the context length {context_length}; raise "
             "mem_fraction_static, lower max_running_requests or context_length, or set max_total_tokens"
         )
     return int(tokens)
+
+
+def resolve_state_snapshots(
+    args: ServerArgs, config: ModelConfig, dtype: torch.dtype, max_total_tokens: int
+) -> int:
+    """State slots for the prefix cache's GDN snapshots (0 without the cache): ``max_mamba_cache_size`` less the
+    running requests' slots, else ``mamba_full_memory_ratio`` of the KV pool's memory, at least one per running
+    request."""
+    if not args.prefix_cache:
+        return 0
+    if args.max_mamba_cache_size is not None:
+        return args.max_mamba_cache_size - args.max_running_requests
+    kv_bytes = max_total_tokens * ModelPools.bytes_per_token(config, dtype)
+    per_slot = max(ModelPools.bytes_per_request_state(config, dtype), 1)
+    from_memory = int(args.mamba_full_memory_ratio * kv_bytes) // per_slot
+    return max(from_memory - args.max_running_requests, args.max_running_requests)

@@ -39,17 +39,23 @@ class PrefillManager:
         plan = plan_prefill(queues.chunked, waiting, self.budget(reserved, new_token_ratio))
         if not plan:
             return None
-        for req, _ in plan:
+        reqs: list[Req] = []
+        counts: list[int] = []
+        for req, planned in plan:
             if not req.holds_memory:
                 self._admit(req)
-        # a prefix-cache hit at admission leaves fewer tokens to run than were planned
-        counts = [min(n, r.num_to_compute) for r, n in plan]
-        if (
-            self.memory.cache is not None
-        ):  # only the last request may stop part-way: the next chunked one
-            last = plan[-1][0]
-            counts[-1] = snapshot_aligned_chunk(last.num_computed, last.seq_len, counts[-1])
-        return ScheduleBatch(ForwardMode.EXTEND, [r for r, _ in plan], counts)
+            # a prefix-cache hit at admission leaves fewer tokens to run than were planned
+            n = min(planned, req.num_to_compute)
+            aligned = n
+            if self.memory.cache is not None:
+                aligned = snapshot_aligned_chunk(req.num_computed, req.seq_len, n)
+            reqs.append(req)
+            counts.append(aligned)
+            if (
+                aligned < n
+            ):  # it stops at an aligned snapshot and goes on as the chunked request: last
+                break
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, counts)
 
     def budget(self, reserved: int, ratio: float) -> PrefillBudget:
         chunked = self.queues.chunked

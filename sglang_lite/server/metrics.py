@@ -18,6 +18,8 @@ LOAD_GAUGES = (
     "gen_throughput",
     "utilization",
     "max_total_num_tokens",
+    "snapshot_slots",
+    "snapshot_slots_used",
 )
 # counters the ranks keep (PD disaggregation: what each rank sent or received through the transfer engine)
 LOAD_COUNTERS = {  # metric: (load field, help)
@@ -40,6 +42,10 @@ LOAD_COUNTERS = {  # metric: (load field, help)
     "cached_prompt_tokens_total": (
         "num_cached_prompt_tokens",
         "Prompt tokens each rank served from its prefix cache.",
+    ),
+    "snapshots_evicted_total": (
+        "snapshots_evicted",
+        "Prefix-cache GDN state snapshots each rank freed to make room for newer ones.",
     ),
 }
 

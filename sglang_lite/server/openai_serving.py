@@ -76,6 +76,7 @@ def add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> Non
             logprobs=logprob is not None,
             echo=echo,
             texts=manager.token_texts,
+            cache_report=args.enable_cache_report,
         )
         return await _respond(request, manager, body, inputs, shape)
 
@@ -113,6 +114,7 @@ def add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> Non
             logprobs=logprob is not None,
             texts=manager.token_texts,
             forced_tools=forced is not None,
+            cache_report=args.enable_cache_report,
         )
         return await _respond(request, manager, body, inputs, shape)
 

@@ -34,8 +34,10 @@ class Shape:
         echo: list[str] | None = None,
         texts: TokenTexts | None = None,
         forced_tools: bool = False,
+        cache_report: bool = False,
     ) -> None:
         self.kind = kind
+        self.cache_report = cache_report  # --enable-cache-report: cached prompt tokens in usage
         self.model = model
         self.n = n
         self.forced_tools = (
@@ -62,7 +64,7 @@ class Shape:
         return {
             **self._head(self.kind),
             "choices": choices,
-            "usage": usage([r.meta_info for r in results], self.n),
+            "usage": usage([r.meta_info for r in results], self.n, self.cache_report),
         }
 
     def chunks(
@@ -190,7 +192,7 @@ class Shape:
 
     def usage_chunk(self, metas: list[dict[str, Any]]) -> dict[str, Any]:
         head = self._head(self.kind + ".chunk" if self.is_chat else self.kind)
-        return {**head, "choices": [], "usage": usage(metas, self.n)}
+        return {**head, "choices": [], "usage": usage(metas, self.n, self.cache_report)}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -242,14 +244,17 @@ def finish_reason(meta: dict[str, Any]) -> str | None:
     return FINISH_REASONS.get(reason["type"]) if reason else None
 
 
-def usage(metas: list[dict[str, Any]], n: int = 1) -> dict[str, int]:
-    """Token counts of a response whose choices come ``n`` per prompt: each prompt counts once."""
+def usage(metas: list[dict[str, Any]], n: int = 1, cache_report: bool = False) -> dict[str, Any]:
+    """Token counts of a response whose choices come ``n`` per prompt: each prompt counts once; with
+    ``cache_report`` (``--enable-cache-report``, as upstream) also the prompt tokens served from the cache."""
     prompt = sum(meta.get("prompt_tokens", 0) for meta in metas[::n])
     completion = sum(meta.get("completion_tokens", 0) for meta in metas)
-    cached = sum(meta.get("cached_tokens", 0) for meta in metas[::n])
-    return {
+    counts: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if cache_report:
+        cached = sum(meta.get("cached_tokens", 0) for meta in metas[::n])
+        counts["prompt_tokens_details"] = {"cached_tokens": cached}
+    return counts

@@ -122,6 +122,37 @@ def test_a_next_turn_that_rewrites_the_prompt_end_reuses_an_aligned_snapshot():
     assert with_cache["next"][1]["cached_tokens"] == SNAPSHOT_MIN_PREFIX
 
 
+def test_sixteen_sessions_come_back_to_their_cache_with_four_requests_running():
+    """Agentic traffic: 16 sessions, every first turn before any second turn, 4 requests running at once. The
+    snapshot pool is sized from memory (not one slot per running request), so the second turns still find their
+    first turns' aligned snapshots; tokens equal a scheduler without the cache."""
+    firsts = random_prompts([1500 + 7 * i for i in range(16)], vocab=4000, seed=5)
+    news = random_prompts([40] * 16, vocab=4000, seed=6)
+
+    def engine(cache: bool):
+        args = ServerArgs(
+            skip_tokenizer_init=True, disable_radix_cache=not cache, max_running_requests=4
+        )
+        return create_scheduler(args)
+
+    def two_turns(sched) -> dict[str, tuple[list[int], dict]]:
+        out = run(sched, [(f"s{i}", p) for i, p in enumerate(firsts)], together=True)
+        turns = [
+            (f"s{i}.2", p[:-3] + out[f"s{i}"][0] + n) for i, (p, n) in enumerate(zip(firsts, news))
+        ]
+        return {**out, **run(sched, turns, together=True)}
+
+    cached = engine(True)
+    assert cached.pools.states.snapshots.size > 4 * 16  # not max_running_requests
+    with_cache = two_turns(cached)
+    without = two_turns(engine(False))
+    assert {r: ids for r, (ids, _) in with_cache.items()} == {
+        r: ids for r, (ids, _) in without.items()
+    }
+    hits = [with_cache[f"s{i}.2"][1]["cached_tokens"] for i in range(16)]
+    assert sum(h >= 1024 for h in hits) >= 14, hits
+
+
 def test_snapshot_aligned_chunk():
     align, gain, floor = SNAPSHOT_ALIGN, SNAPSHOT_MIN_GAIN, SNAPSHOT_MIN_PREFIX
     end = floor + align + 10

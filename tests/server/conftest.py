@@ -109,7 +109,7 @@ def start_server(
 
 @pytest.fixture(scope="session")
 def server_dp1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from start_server(tmp_path_factory, "dp1", ["--dp-size", "1"])
+    yield from start_server(tmp_path_factory, "dp1", ["--dp-size", "1", "--enable-cache-report"])
 
 
 @pytest.fixture(scope="session")

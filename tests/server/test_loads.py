@@ -26,7 +26,14 @@ CORE = {
     "cached_tokens",
     "num_cached_prompt_tokens",
 }
-MEMORY = {"weight_gb", "kv_cache_gb", "token_capacity"}
+MEMORY = {
+    "weight_gb",
+    "kv_cache_gb",
+    "token_capacity",
+    "snapshot_slots",
+    "snapshot_slots_used",
+    "snapshots_evicted",
+}
 DISAGG = {
     "mode",
     "prefill_prealloc_queue_reqs",
@@ -51,6 +58,9 @@ def test_loads_schema_all_sections(server_dp2: ServerProcess) -> None:
     for load in body["loads"]:
         assert CORE | MEMORY | DISAGG | QUEUES <= set(load)
         assert load["max_total_num_tokens"] == 8192 and load["max_running_requests"] == 16
+        # the snapshot pool is sized from memory: at least one slot per running request
+        assert load["snapshot_slots"] >= 16
+        assert 0 <= load["snapshot_slots_used"] <= load["snapshot_slots"]
         assert all(isinstance(load[k], (int, float)) for k in CORE - {"timestamp"})
 
 

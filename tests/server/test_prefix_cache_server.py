@@ -54,3 +54,11 @@ def test_follow_ups_hit_the_cache_and_match_a_server_without_it(
     flushed = httpx.post(f"{server_dp1.url}/flush_cache", timeout=10).json()
     assert flushed["freed_tokens"] >= 320
     assert get_loads(server_dp1)["loads"][0]["cached_tokens"] == 0
+
+
+def test_usage_reports_cached_tokens_only_with_enable_cache_report(server_dp2: ServerProcess):
+    body = {"prompt": [11, 12, 13, 14], "max_tokens": 1, "temperature": 0}
+    for _ in range(2):  # the second hits the cache, but this server reports no cached tokens
+        done = httpx.post(f"{server_dp2.url}/v1/completions", timeout=60, json=body)
+        assert done.status_code == 200, done.text
+        assert "prompt_tokens_details" not in done.json()["usage"]
