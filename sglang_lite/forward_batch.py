@@ -35,9 +35,8 @@ class ForwardBatch:
     pools: ModelPools
     capturing: bool = False  # set while a CUDA graph records this batch
     overlap: OverlapContext = PLAIN  # set by the model for each forward from its stream plan
-    dp_tokens: DPTokens | None = (
-        None  # set by the model under DP attention: every DP rank's token counts
-    )
+    # set by the model under DP attention: every DP rank's token counts
+    dp_tokens: DPTokens | None = None
     # Device copies of the lengths. Derived from the lists unless given: a CUDA-graph runner passes its own static
     # buffers, which it refills before each replay (the lists are then only placeholders of the right length).
     seq_lens_t: torch.Tensor | None = None  # [B] int32: prefix + extend

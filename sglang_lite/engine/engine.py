@@ -29,9 +29,8 @@ from sglang_lite.tokenizer.loader import load_server_tokenizer
 Prompt = str | list[str] | None
 InputIds = list[int] | list[list[int]] | None
 Params = dict[str, Any] | SamplingParams | list[dict[str, Any] | SamplingParams] | None
-UNBOUNDED_QUEUE = (
-    2**31 - 1
-)  # offline callers queue as much as they like; the HTTP server bounds its queue
+# offline callers queue as much as they like; the HTTP server bounds its queue
+UNBOUNDED_QUEUE = 2**31 - 1
 
 
 class Engine:

@@ -58,15 +58,13 @@ class SchedulerLoads:
     num_running_reqs: int  # requests holding memory: decoding, or mid chunked prefill
     num_waiting_reqs: int
     num_used_tokens: int  # KV slots held
-    num_total_tokens: (
-        int  # used + tokens still to prefill (waiting requests, the rest of a chunked prompt)
-    )
+    # used + tokens still to prefill (waiting requests, the rest of a chunked prompt)
+    num_total_tokens: int
     max_total_num_tokens: int
     token_usage: float  # used / max
     gen_throughput: float  # generated tokens/s over the recent window
-    cache_hit_rate: (
-        float  # prompt tokens served from the prefix cache / prompt tokens admitted, since start
-    )
+    # prompt tokens served from the prefix cache / prompt tokens admitted, since start
+    cache_hit_rate: float
     utilization: float  # running / max_running_requests
     max_running_requests: int
     weight_gb: float
@@ -76,9 +74,8 @@ class SchedulerLoads:
     paused: int
     retracted: int  # waiting requests that were retracted at least once
     num_retractions: int  # retractions since start
-    cached_tokens: int = (
-        0  # KV slots the prefix cache holds (those no request uses count as free, not used)
-    )
+    # KV slots the prefix cache holds (those no request uses count as free, not used)
+    cached_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache since start
     # the prefix cache's GDN state snapshots: slots in all, in use, and freed for newer ones since start
     snapshot_slots: int = 0
@@ -86,18 +83,15 @@ class SchedulerLoads:
     snapshots_evicted: int = 0
     # prefill/decode disaggregation (``scheduler/disagg.py``): "null" serves whole requests, every queue empty
     mode: str = "null"
-    prefill_prealloc_queue_reqs: int = (
-        0  # waiting for the decode side's destination (SGLang's bootstrap queue)
-    )
-    prefill_inflight_queue_reqs: int = (
-        0  # prefilled, their KV and state being written to the decode side
-    )
+    # waiting for the decode side's destination (SGLang's bootstrap queue)
+    prefill_prealloc_queue_reqs: int = 0
+    # prefilled, their KV and state being written to the decode side
+    prefill_inflight_queue_reqs: int = 0
     decode_prealloc_queue_reqs: int = 0  # waiting for KV slots and a state slot to reserve
     decode_transfer_queue_reqs: int = 0  # reserved, waiting for the prefill side's data
     decode_retracted_queue_reqs: int = 0
-    kv_transfer_speed_gb_s: float = (
-        0.0  # of the last transfer, written (prefill) or received (decode)
-    )
+    # of the last transfer, written (prefill) or received (decode)
+    kv_transfer_speed_gb_s: float = 0.0
     kv_transfer_latency_ms: float = 0.0
     kv_transfers_total: int = 0
     kv_transfer_bytes_total: int = 0

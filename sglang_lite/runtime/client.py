@@ -93,18 +93,16 @@ class SchedulerClient:
         self._addresses = [*command_addresses, reply_address]
         self._context = zmq.Context()
         self._replies = pull_socket(self._context, reply_address)
-        self._reply_poller = (
-            zmq.Poller()
-        )  # one for the client's life: Socket.poll builds one per call
+        # one for the client's life: Socket.poll builds one per call
+        self._reply_poller = zmq.Poller()
         self._reply_poller.register(self._replies, zmq.POLLIN)
         self._async_replies: zmq.asyncio.Socket | None = None
         self._loopback = push_socket(
             self._context, reply_address
         )  # the client's own answers (a full queue)
         self._commands = [self._command_socket(address) for address in command_addresses]
-        self._send_lock = (
-            threading.Lock()
-        )  # zmq sockets are not thread-safe; Engine callers may be on several threads
+        # zmq sockets are not thread-safe; Engine callers may be on several threads
+        self._send_lock = threading.Lock()
         self._query_ids = itertools.count()
         self._closed = False
         self.worlds = [

@@ -47,9 +47,8 @@ class AddRequest(Message):
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
-    bootstrap_room: int | None = (
-        None  # PD disaggregation: the transfer's id (prefill and decode ranks need one)
-    )
+    # PD disaggregation: the transfer's id (prefill and decode ranks need one)
+    bootstrap_room: int | None = None
     logprob: LogprobParams | None = None  # the log-probabilities to report
     # False: the front end reads only the finished output, which is then the one output sent (as SGLang does for a
     # request that does not stream): no per-token message wakes the front end while the rank computes
@@ -82,9 +81,8 @@ class AddRequest(Message):
 @dataclass(frozen=True)
 class AbortRequest(Message):
     rid: str
-    error: str | None = (
-        None  # set: the request fails with this message (status 500), else a client's abort
-    )
+    # set: the request fails with this message (status 500), else a client's abort
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -69,9 +69,8 @@ from sglang_lite.utils.process import keep_freed_heap_memory
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500  # how often an idle world of one checks that its parent still lives
-WORLD_POLL_MS = (
-    50  # an idle multi-rank world: followers wait in a collective at most this long per round
-)
+# an idle multi-rank world: followers wait in a collective at most this long per round
+WORLD_POLL_MS = 50
 PD_POLL_MS = 2  # a PD rank waiting only on transfers checks its metadata rows this often
 
 
@@ -190,9 +189,8 @@ class FrontEnd:
         self.inboxes = {
             dp: pull_socket(context, address) for dp, address in spec.command_addresses.items()
         }
-        self.poller = (
-            zmq.Poller()
-        )  # one poller for the life of the loop: Socket.poll builds one per call
+        # one poller for the life of the loop: Socket.poll builds one per call
+        self.poller = zmq.Poller()
         for inbox in self.inboxes.values():
             self.poller.register(inbox, zmq.POLLIN)
 
@@ -234,9 +232,8 @@ class WorldLoop:
         self.state = _join_world(args, spec)
         self.dp_rank = spec.world * args.dp_ranks_per_world + self.state.attn_dp_rank
         self.leader = self.state.attn_tp_rank == 0  # the one rank of its DP rank that replies
-        self.lockstep = (
-            self.state.config.attn_dp_size > 1
-        )  # DP attention: one forward per step on every rank
+        # DP attention: one forward per step on every rank
+        self.lockstep = self.state.config.attn_dp_size > 1
         self.idle_poll_ms = IDLE_POLL_MS if self.state.world_size == 1 else WORLD_POLL_MS
         self.scheduler = _create_scheduler(args, self.dp_rank)
         self.outbox: list[Message] = []

@@ -22,9 +22,8 @@ class FinishReason:
     matched: int | str | None = None  # stop: the token id or stop string
     length: int | None = None  # length: completion tokens
     message: str | None = None  # abort: why
-    status_code: int | None = (
-        None  # abort: 500 when the request failed inside the rank (SGLang's shape)
-    )
+    # abort: 500 when the request failed inside the rank (SGLang's shape)
+    status_code: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The SGLang ``meta_info.finish_reason`` shape."""
@@ -46,9 +45,8 @@ class ReqStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no memory
     PREFILLING = "prefilling"  # holds a row, a state slot and KV; part of its tokens are cached (chunked prefill)
     DECODING = "decoding"  # every token but the newest is cached
-    TRANSFERRING = (
-        "transferring"  # PD: holds memory while its KV and state move (prefill: out, decode: in)
-    )
+    # PD: holds memory while its KV and state move (prefill: out, decode: in)
+    TRANSFERRING = "transferring"
     FINISHED = "finished"  # holds nothing
 
 

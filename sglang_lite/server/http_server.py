@@ -258,9 +258,8 @@ async def _generate_inputs(
     except ValueError as error:
         raise bad_request(str(error)) from error
     logprobs = _logprob_params(body, n)
-    ids = (
-        [await manager.encode(p) for p in prompts.items] if prompts.is_text else prompts.items
-    )  # the sampling checks come first
+    # the sampling checks come first
+    ids = [await manager.encode(p) for p in prompts.items] if prompts.is_text else prompts.items
     return [
         GenerateInput(rid or uuid.uuid4().hex, i, p, rank, b, lp)
         for i, p, rid, b, lp in zip(ids, params, rids, pd, logprobs)

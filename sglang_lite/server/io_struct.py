@@ -65,9 +65,8 @@ class GenerateInput:
     input_ids: list[int]
     sampling_params: SamplingParams
     requested_rank: int | None = None
-    bootstrap: Bootstrap | None = (
-        None  # PD disaggregation: the prefill server and the transfer's room
-    )
+    # PD disaggregation: the prefill server and the transfer's room
+    bootstrap: Bootstrap | None = None
     logprob: LogprobParams | None = None  # the log-probabilities to report in meta_info
 
 

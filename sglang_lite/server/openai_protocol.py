@@ -256,9 +256,8 @@ class ChatMessage(_Request):
     name: StrictStr | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant
     tool_call_id: StrictStr | None = None  # tool
-    reasoning_content: StrictStr | None = (
-        None  # assistant: its <think> text, which the template may render
-    )
+    # assistant: its <think> text, which the template may render
+    reasoning_content: StrictStr | None = None
 
     def to_template(self) -> dict[str, Any]:
         content = (

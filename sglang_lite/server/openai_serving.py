@@ -36,9 +36,8 @@ from sglang_lite.server_args import ServerArgs
 
 __all__ = ["Shape", "add_routes", "finish_reason", "merged", "usage"]
 
-COMPLETION_DEFAULT_MAX_TOKENS = (
-    16  # OpenAI's default for /v1/completions; chat uses the server's (128)
-)
+# OpenAI's default for /v1/completions; chat uses the server's (128)
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 def add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> None:

@@ -40,13 +40,11 @@ class Shape:
         self.cache_report = cache_report  # --enable-cache-report: cached prompt tokens in usage
         self.model = model
         self.n = n
-        self.forced_tools = (
-            forced_tools  # the output is a JSON list of tool calls (tool_call_schema)
-        )
+        # the output is a JSON list of tool calls (tool_call_schema)
+        self.forced_tools = forced_tools
         self._forced_text: dict[int, str] = {}
-        self.parsing = (
-            parsing  # chat: reasoning and tool calls parsed out of the text (openai_tools)
-        )
+        # chat: reasoning and tool calls parsed out of the text (openai_tools)
+        self.parsing = parsing
         self.logprobs = logprobs
         self.echo = echo
         self.texts = texts

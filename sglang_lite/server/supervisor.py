@@ -68,9 +68,8 @@ class RankSupervisor:
         self.args = args
         self.ranks = ranks
         self.client: SchedulerClient | None = None
-        self._fail_requests = (
-            fail_requests  # (rank, why): every request on the rank ends with a 503
-        )
+        # (rank, why): every request on the rank ends with a 503
+        self._fail_requests = fail_requests
         self._probes: dict[int, int] = {}  # the supervisor's loads queries: id -> rank
 
     @property

@@ -28,18 +28,16 @@ from sglang_lite.sim.prefill import PrefillServer
 from sglang_lite.sim.request import SimRequest
 from sglang_lite.sim.router_sim import SimRouter
 
-LASTING_HORIZON_STEPS = (
-    130  # ~ a request's wait before it decodes (1.7 s at ~13 ms a step), for `lasting`
-)
+# ~ a request's wait before it decodes (1.7 s at ~13 ms a step), for `lasting`
+LASTING_HORIZON_STEPS = 130
 
 
 @dataclass
 class SimResult:
     config: SimConfig
     balance: BalanceStats
-    output_throughput_per_gpu: (
-        float  # output tokens/s per GPU (prefill and decode GPUs) in the window
-    )
+    # output tokens/s per GPU (prefill and decode GPUs) in the window
+    output_throughput_per_gpu: float
     tpot_p50: float
     tpot_p90: float
     ttft_p50: float

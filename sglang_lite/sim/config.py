@@ -66,9 +66,8 @@ class ClusterConfig:
     rank_max_running: int = 128  # request rows of one decode rank
     prefill_max_tokens: int = 16384  # tokens in one prefill forward
     prefill_chunk_tokens: int = 8192  # tokens of one request in one prefill forward
-    prefill_cache_tokens: int = (
-        20_000_000  # prefix cache of one prefill server (LRU over prefix groups)
-    )
+    # prefix cache of one prefill server (LRU over prefix groups)
+    prefill_cache_tokens: int = 20_000_000
     poll_interval_s: float = 1.0  # the router's /v1/loads polling period (loads are this stale)
     sample_interval_s: float = 1.0  # the balance sampler's period
 
@@ -131,9 +130,8 @@ class SimConfig:
     cost: CostModel = field(default_factory=lambda: load_cluster_file()[0])
     cluster: ClusterConfig = field(default_factory=lambda: load_cluster_file()[1])
     trace: AgenticTraceConfig = field(default_factory=load_trace_config)
-    check_invariants: bool = (
-        False  # assert memory limits after every step (slower; tests turn it on)
-    )
+    # assert memory limits after every step (slower; tests turn it on)
+    check_invariants: bool = False
 
     def __post_init__(self) -> None:
         assert self.concurrency > 0, "concurrency must be positive"

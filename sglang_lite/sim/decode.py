@@ -25,9 +25,8 @@ class DecodeRank:
         self.kv_capacity = kv_capacity
         self.max_running = max_running
         self.prealloc: list[SimRequest] = []
-        self.prealloc_tokens = (
-            0  # input tokens waiting in prealloc (they count in num_total_tokens)
-        )
+        # input tokens waiting in prealloc (they count in num_total_tokens)
+        self.prealloc_tokens = 0
         self.num_transfer = 0  # reserved, waiting for prefill and transfer
         self.ready: list[SimRequest] = []  # transferred, joining at the next step
         self.running: list[tuple[int, int, SimRequest]] = []  # heap of (finish step, rid, request)

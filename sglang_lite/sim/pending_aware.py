@@ -32,12 +32,10 @@ class PhasedWorkerState(WorkerState):
     """A worker state that also says how many in-flight requests have not yet had a first token."""
 
     pending: int = 0
-    work_ahead: int = (
-        0  # decode steps its in-flight requests still need (the `work_ahead` candidate)
-    )
-    lasting: int = (
-        0  # in-flight requests that will be in the batch a wait from now (the `lasting` candidate)
-    )
+    # decode steps its in-flight requests still need (the `work_ahead` candidate)
+    work_ahead: int = 0
+    # in-flight requests that will be in the batch a wait from now (the `lasting` candidate)
+    lasting: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()

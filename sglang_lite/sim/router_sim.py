@@ -73,12 +73,10 @@ class SimRouter:
         self._decode_index = {u: i for i, u in enumerate(self.decode_urls)}
         self._prefill_index = {u: i for i, u in enumerate(self.prefill_urls)}
         self.polls = 0
-        self.work_ahead: Callable[[], list[int]] = lambda: (
-            [0] * len(self.decode_urls)
-        )  # the cluster sets it
-        self.lasting: Callable[[], list[int]] = lambda: (
-            [0] * len(self.decode_urls)
-        )  # the cluster sets it
+        # the cluster sets it
+        self.work_ahead: Callable[[], list[int]] = lambda: [0] * len(self.decode_urls)
+        # the cluster sets it
+        self.lasting: Callable[[], list[int]] = lambda: [0] * len(self.decode_urls)
 
     def dispatch(self) -> tuple[int, int]:
         """(prefill server, global decode rank) for a new request; counts it in flight on both."""

@@ -32,9 +32,8 @@ class ReasoningParser:
         self._buffer = ""
         self._pending_space = ""  # the reasoning's trailing whitespace, dropped if </think> follows
         self._reasoning_started = False
-        self._strip_answer = (
-            False  # right after </think>: the answer's leading whitespace is dropped
-        )
+        # right after </think>: the answer's leading whitespace is dropped
+        self._strip_answer = False
 
     def feed(self, text: str) -> ParsedText:
         self._buffer += text
