@@ -1,52 +1,121 @@
 """``python -m sglang_lite.launch_server``: the HTTP server with its DP scheduler processes.
 
-Every ServerArgs field is a flag (``--dp-size 2 --port 30000 --api-key KEY ...``); see ``--help``. Several nodes run
-the same command with their own ``--node-rank``: node 0 serves HTTP, every other node only runs its ranks of the
-world (``run_node``) until they exit or it is told to stop.
+Every ServerArgs field is a flag (``--dp-size 2 --port 30000 --api-key KEY ...``); see ``--help``. The server binds
+its port first (a port in use is one line at once), loads the model in its rank processes, and prints
+``ready: http://HOST:PORT (...)`` when it serves. Several nodes run the same command with their own
+``--node-rank``: node 0 serves HTTP, every other node only runs its ranks of the world (``run_node``) until they
+exit or it is told to stop.
+
+Bad arguments exit with status 2 and one line; a start-up that fails exits with 1 and one line (the traceback too
+under ``--log-level debug``).
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import logging
 import signal
+import socket
 import sys
 import threading
 
 from sglang_lite.server_args import ServerArgs
+from sglang_lite.utils.cli import OneLineParser
+
+logger = logging.getLogger("sglang_lite.launch_server")
+
+
+class StartupError(RuntimeError):
+    """A start-up failure the user can fix; its message says how."""
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
-    parser = argparse.ArgumentParser(
-        description="sglang_lite HTTP server (SGLang-native and OpenAI-compatible API)"
+    parser = OneLineParser(
+        prog="launch_server",
+        description="sglang_lite HTTP server (SGLang-native and OpenAI-compatible API)",
     )
     ServerArgs.add_cli_args(parser)
-    parser.add_argument(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error")
-    )
     namespace = parser.parse_args(argv)
+    try:
+        args = ServerArgs.from_cli_args(namespace)
+    except ValueError as error:  # a bad value or combination: argparse's one line and status 2
+        parser.error(str(error))
+    configure_logging(args.log_level)
+    return args
+
+
+def configure_logging(level: str) -> None:
     logging.basicConfig(
-        level=namespace.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return ServerArgs.from_cli_args(namespace)
+    # uvicorn warns of every malformed request, such as sglang-router's plain-TCP liveness probes
+    logging.getLogger("uvicorn.error").addFilter(_InvalidRequestsAtDebug())
 
 
-def run_server(args: ServerArgs) -> None:
+class _InvalidRequestsAtDebug(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != "Invalid HTTP request received.":
+            return True
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise StartupError(
+            f"cannot listen on {host}:{port}: {error.strerror or error} "
+            "(another server there? choose one with --port)"
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def ready_line(args: ServerArgs) -> str:
+    model = args.served_model_name or args.model_path or "the built-in tiny model"
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    return f"ready: http://{host}:{args.port} ({model}, dp {args.dp_size}, tp {args.tp_size})"
+
+
+def run_server(args: ServerArgs, sock: socket.socket) -> None:
     import uvicorn
 
     from sglang_lite.server.http_server import create_app
     from sglang_lite.utils.process import stop_processes
 
     app = create_app(args)
+    app.state.keep_startup_error = True
     manager = app.state.manager
 
     def stop_ranks() -> None:  # even if uvicorn exits abnormally
         if manager.client is not None:
             stop_processes(manager.client.all_processes, grace_s=0.0)
 
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if app.state.startup_error is not None:
+                self.should_exit = True
+            elif self.started:
+                print(ready_line(args), file=sys.stderr, flush=True)
+
     atexit.register(stop_ranks)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30)
+    uvicorn_level = "info" if args.log_level == "debug" else "warning"
+    config = uvicorn.Config(app, log_level=uvicorn_level, timeout_keep_alive=30)
+    config.access_log = args.log_level == "debug"
+    server = Server(config)
+    server.run(sockets=[sock])
+    error = app.state.startup_error
+    if error is not None:
+        raise StartupError(f"the server did not start: {error}") from error
+    if not server.started:
+        raise StartupError("the server did not start (see the lines above)")
 
 
 def run_node(args: ServerArgs) -> int:
@@ -70,6 +139,15 @@ def run_node(args: ServerArgs) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:
+        sys.exit(_start(args))
+    except StartupError as error:
+        _exit_with(args, error)
+    except Exception as error:  # noqa: BLE001 - one line for the user, the traceback at debug
+        _exit_with(args, error)
+
+
+def _start(args: ServerArgs) -> int:
     layout = f"dp_size={args.dp_size} tp_size={args.tp_size} nnodes={args.nnodes}"
     if args.node_rank > 0:
         first = args.node_rank * args.ranks_per_node
@@ -78,11 +156,23 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
             flush=True,
         )
-        sys.exit(run_node(args))
+        return run_node(args)
+    sock = bind(args.host, args.port)
     print(
-        f"sglang_lite server: http://{args.host}:{args.port} {layout}", file=sys.stderr, flush=True
+        f"sglang_lite server: loading, then serving http://{args.host}:{args.port} ({layout})",
+        file=sys.stderr,
+        flush=True,
     )
-    run_server(args)
+    run_server(args, sock)
+    return 0
+
+
+def _exit_with(args: ServerArgs, error: BaseException) -> None:
+    if args.log_level == "debug":
+        logger.exception("start-up failed")
+    message = str(error) if isinstance(error, StartupError) else f"{type(error).__name__}: {error}"
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

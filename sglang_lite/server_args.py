@@ -27,6 +27,7 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake",)
 TOOL_CALL_PARSERS = ("qwen3_coder", "qwen25")  # SGLang's names; sglang_lite/server/parsers/
 REASONING_PARSERS = ("qwen3",)
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 _HELP = {
     "model_path": "Checkpoint folder; empty = the built-in tiny Qwen3.5 MoE model (trained on Python's stdlib).",
@@ -80,6 +81,8 @@ _HELP = {
     "alt_stream_overlap": "flags: overlap as the SGLANG_*_ALT_STREAM flags say; auto: per captured batch size, time "
     "both variants and keep the faster.",
     "host": "HTTP server bind address.",
+    "log_level": "Log level of every process (the server, its ranks, the transfer engine); tracebacks of start-up "
+    "failures only at debug.",
     "port": "HTTP server port.",
     "api_key": "Bearer key every endpoint but /health requires; empty: no key.",
     "served_model_name": "Model name in the OpenAI API; default: the model folder's name.",
@@ -144,6 +147,7 @@ class ServerArgs:
     enable_torch_compile: bool = False
     cuda_graph_max_bs: int = 64
     alt_stream_overlap: str = "flags"
+    log_level: str = "info"
     # the HTTP server (sglang_lite.launch_server)
     host: str = "127.0.0.1"
     port: int = 30000
@@ -177,6 +181,7 @@ class ServerArgs:
         if self.rank_max_restarts < 0:
             raise ValueError(f"rank_max_restarts must be >= 0, got {self.rank_max_restarts}")
         self._check_choice("alt_stream_overlap", ALT_STREAM_OVERLAP)
+        self._check_choice("log_level", LOG_LEVELS)
         if self.tool_call_parser is not None:
             self._check_choice("tool_call_parser", TOOL_CALL_PARSERS)
         if self.reasoning_parser is not None:
@@ -350,6 +355,7 @@ def _add_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> Non
         "schedule_policy": SCHEDULE_POLICIES,
         "quantization": QUANTIZATIONS,
         "alt_stream_overlap": ALT_STREAM_OVERLAP,
+        "log_level": LOG_LEVELS,
         "load_balance_method": LOAD_BALANCE_METHODS,
         "disaggregation_mode": DISAGGREGATION_MODES,
         "disaggregation_transfer_backend": TRANSFER_BACKENDS,

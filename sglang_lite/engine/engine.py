@@ -36,6 +36,8 @@ UNBOUNDED_QUEUE = 2**31 - 1
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
         server_args.setdefault("max_queued_requests", UNBOUNDED_QUEUE)
+        # the rank's INFO lines would interleave with the caller's output (upstream's Engine: errors only)
+        server_args.setdefault("log_level", "error")
         self.server_args = ServerArgs(model_path=model_path, **server_args)
         if self.server_args.dp_size != 1:
             raise ValueError(
@@ -50,9 +52,8 @@ class Engine:
         self.tokenizer = load_server_tokenizer(self.server_args)
         self._client: SyncClient | None = SyncClient(self.server_args)
         self.config = self._client.config
-        self._grammars = GrammarCache(
-            self.tokenizer, self.config.vocab_size
-        )  # to refuse what cannot compile
+        # to refuse what cannot compile
+        self._grammars = GrammarCache(self.tokenizer, self.config.vocab_size)
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(

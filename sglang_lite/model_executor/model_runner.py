@@ -39,10 +39,10 @@ class ModelRunner:
                 model, pools, max_bs, auto=args.alt_stream_overlap == "auto"
             )
         if not on_gpu:
-            logger.info(
+            logger.debug(
                 "weights stored [in, out] for the CPU's GEMMs: %d", store_input_major(model)
             )
-            logger.info(
+            logger.debug(
                 "fused C++ CPU kernels (float32 decode and prefill ops): %s",
                 cpu_kernels.prepare(),
             )
@@ -51,7 +51,7 @@ class ModelRunner:
         self.compiled_body = None
         if args.enable_torch_compile and not on_gpu:
             self.compiled_body = torch.compile(model.model, dynamic=True)
-        logger.info(
+        logger.debug(
             "stream plan: %s; CUDA graphs: %s",
             model.streams.describe(),
             self.graph_runner.batch_sizes if self.graph_runner else "off",

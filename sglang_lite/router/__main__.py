@@ -11,17 +11,30 @@ from .config import config_from_args
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Bad arguments: one line, exit status 2. A start-up that fails (a port in use, a worker that refuses the
+    key or never becomes ready): one line, exit status 1; the traceback only under --log-level debug."""
     config = config_from_args(argv)
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if config.pd_disaggregation and not (config.prefill and config.decode):
-        sys.exit("--pd-disaggregation needs at least one --prefill and one --decode worker")
+        print(
+            "python -m sglang_lite.router: error: --pd-disaggregation needs at least one --prefill "
+            "and one --decode worker",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     # after argument parsing, so --help stays instant (aiohttp is imported here)
     from .app import serve
 
-    with contextlib.suppress(KeyboardInterrupt):
-        _run(serve(config))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            _run(serve(config))
+    except Exception as error:  # noqa: BLE001 - one line for the user, the traceback at debug
+        if config.log_level == "debug":
+            logging.getLogger("sglang_lite.router").exception("start-up failed")
+        print(f"router: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def _loop_factory():

@@ -7,6 +7,7 @@ import dataclasses
 import hmac
 import logging
 import random
+import socket
 import sys
 import time
 
@@ -266,19 +267,44 @@ def key_matches(header: str | None, key: str) -> bool:
 
 
 async def serve(config: RouterConfig) -> None:
-    """Run until cancelled."""
+    """Run until cancelled: binds the port first (a port in use fails at once), waits for the workers, then
+    serves; the line ``router listening on http://HOST:PORT`` says it is ready."""
+    sock = bind_socket(config.host, config.port)
     router = Router(config)
-    await router.start()
     runner = web.AppRunner(router.build_app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
     try:
-        site = web.TCPSite(runner, config.host, config.port, backlog=2048, reuse_address=True)
-        await site.start()
-        # the bound port, which differs from config.port when that is 0
-        host, port = runner.addresses[0][:2]
-        # tests wait for this line
-        print(f"router listening on http://{host}:{port}", file=sys.stderr, flush=True)
+        await router.start()
+        await runner.setup()
+        await web.SockSite(runner, sock, backlog=2048).start()
+        host, port = sock.getsockname()[:2]
+        workers = len(router.all_servers())
+        print(
+            f"router listening on http://{host}:{port} ({workers} servers, policy {config.policy})",
+            file=sys.stderr,
+            flush=True,
+        )
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
         await router.close()
+        sock.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise RouterStartError(
+            f"cannot listen on {host}:{port}: {error.strerror or error} (choose one with --port)"
+        ) from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class RouterStartError(RuntimeError):
+    """A start-up failure the user can fix; its message says how."""

@@ -9,6 +9,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from sglang_lite.utils.cli import OneLineParser
+
 from .policies import LOAD_METRICS, POLICIES
 
 
@@ -107,9 +109,7 @@ _SPECIAL = {"worker_urls", "prefill", "decode", "seed"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m sglang_lite.router", description="sglang_lite router"
-    )
+    parser = OneLineParser(prog="python -m sglang_lite.router", description="sglang_lite router")
     for f in dataclasses.fields(RouterConfig):
         if f.name not in _SPECIAL:
             _add_field(parser, f)

@@ -24,6 +24,10 @@ logger = logging.getLogger("sglang_lite.router")
 ROLES = ("regular", "prefill", "decode")
 
 
+FIRST_PROBE_DELAY_S = 0.5
+PROBE_BACKOFF = 1.5
+
+
 class WorkerAuthError(ValueError):
     """A worker refused the router's key (401/403): a configuration error, not worth waiting for."""
 
@@ -48,7 +52,15 @@ class WorkerFleet:
         ready = [self._ready_server(u, "regular") for u in regular]
         ready += [self._ready_server(p.url, "prefill", p.bootstrap_port) for p in cfg.prefill]
         ready += [self._ready_server(u, "decode") for u in cfg.decode]
-        for server in await asyncio.gather(*ready):
+        tasks = [asyncio.ensure_future(r) for r in ready]
+        try:
+            servers = await asyncio.gather(*tasks)
+        except BaseException:  # one worker failed: the others' probes stop too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        for server in servers:
             self._register(server)
 
     def active_roles(self) -> tuple[str, ...]:
@@ -85,6 +97,8 @@ class WorkerFleet:
         """Wait until the server answers its health check (and, under --dp-aware, reports dp_size)."""
         cfg = self.config
         deadline = time.monotonic() + cfg.worker_startup_timeout_secs
+        # probes every half second at first, backing off to --worker-startup-check-interval
+        delay = min(FIRST_PROBE_DELAY_S, cfg.worker_startup_check_interval)
         while True:
             if await probe(
                 self.session, url, cfg.health_check_endpoint, cfg.health_check_timeout_secs
@@ -96,7 +110,8 @@ class WorkerFleet:
                 raise TimeoutError(
                     f"worker {url} did not become ready in {cfg.worker_startup_timeout_secs}s"
                 )
-            await asyncio.sleep(cfg.worker_startup_check_interval)
+            await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+            delay = min(delay * PROBE_BACKOFF, cfg.worker_startup_check_interval)
 
     # ---- admin endpoints -------------------------------------------------------------------------------
     async def handle_list_workers(self, request: web.Request) -> web.Response:

@@ -68,6 +68,8 @@ from sglang_lite.server_args import ServerArgs, set_global_server_args
 from sglang_lite.utils.process import keep_freed_heap_memory
 
 logger = logging.getLogger(__name__)
+# --log-level -> Mooncake's MC_LOG_LEVEL
+MOONCAKE_LOG_LEVELS = {"debug": "INFO", "info": "WARNING", "warning": "WARNING", "error": "ERROR"}
 IDLE_POLL_MS = 500  # how often an idle world of one checks that its parent still lives
 # an idle multi-rank world: followers wait in a collective at most this long per round
 WORLD_POLL_MS = 50
@@ -165,15 +167,26 @@ def run_scheduler_process(args: ServerArgs, spec: RankSpec, parent_pid: int) -> 
     _die_with_parent()
     keep_freed_heap_memory()
     logging.basicConfig(
-        level=logging.INFO,
+        level=args.log_level.upper(),
         format=f"[world {spec.world} rank {spec.world_rank}] %(asctime)s %(levelname)s %(message)s",
     )
+    # the transfer engine's own log (PD): warnings and above unless debugging
+    os.environ.setdefault("MC_LOG_LEVEL", MOONCAKE_LOG_LEVELS[args.log_level])
     context = zmq.Context()
     front_end = FrontEnd(context, spec) if spec.reply_address is not None else None
     try:
         WorldLoop(args, spec, front_end, parent_pid).run()
     except BaseException as error:  # tell the front end why (world rank 0), then die
-        logger.exception("world %d rank %d failed", spec.world, spec.world_rank)
+        if args.log_level == "debug":
+            logger.exception("world %d rank %d failed", spec.world, spec.world_rank)
+        else:
+            logger.error(
+                "world %d rank %d failed: %s: %s",
+                spec.world,
+                spec.world_rank,
+                type(error).__name__,
+                error,
+            )
         if front_end is not None:
             front_end.fatal(f"{type(error).__name__}: {error}")
         sys.exit(1)

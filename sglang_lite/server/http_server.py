@@ -66,13 +66,22 @@ def create_app(args: ServerArgs, manager: TokenizerManager | None = None) -> Fas
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:  # a failed start still stops the ranks already spawned
-            await manager.start()
+            try:
+                await manager.start()
+            except Exception as error:
+                if not app.state.keep_startup_error:
+                    raise
+                app.state.startup_error = error  # launch_server says it in one line and exits
             yield
         finally:
             await manager.shutdown()
 
     app = FastAPI(title="sglang_lite", version=VERSION, lifespan=lifespan)
-    app.state.manager, app.state.args = manager, args
+    app.state.manager = manager
+    app.state.args = args
+    # launch_server: a failed start is kept here instead of raised (uvicorn would print its traceback)
+    app.state.keep_startup_error = False
+    app.state.startup_error = None
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
     app.add_middleware(
         ConcurrencyLimitMiddleware,
