@@ -30,8 +30,10 @@ REASONING_PARSERS = ("qwen3",)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 _HELP = {
-    "model_path": "Checkpoint folder; empty = the built-in tiny Qwen3.5 MoE model (trained on Python's stdlib).",
-    "tokenizer_path": "Tokenizer folder; defaults to the model folder.",
+    "model_path": "Checkpoint folder or Hugging Face hub id (org/name); empty = the built-in tiny Qwen3.5 MoE model "
+    "(trained on Python's stdlib).",
+    "tokenizer_path": "Tokenizer folder (or hub id); defaults to the model folder.",
+    "revision": "Hub revision (branch, tag or commit) when model_path is a Hugging Face hub id.",
     "load_format": "auto: read the checkpoint weights; dummy: random weights of the checkpoint's shapes.",
     "quantization": "fp8: a block-FP8 checkpoint's weights stay FP8 on a GPU (dequantized at load on the CPU); "
     "none: dequantize them into --dtype at load; default: what the checkpoint's config says.",
@@ -108,6 +110,7 @@ _HELP = {
 class ServerArgs:
     model_path: str | None = None
     tokenizer_path: str | None = None
+    revision: str | None = None
     load_format: str = "auto"
     quantization: str | None = None
     dtype: str = "auto"
@@ -265,12 +268,15 @@ class ServerArgs:
 
     @property
     def model_dir(self) -> str:
-        """The checkpoint folder: ``model_path``, or the built-in tiny model's."""
-        return assets.model_dir(self.model_path)
+        """The checkpoint folder: ``model_path`` (a folder or a Hugging Face hub id, at ``revision``), or the
+        built-in tiny model's."""
+        return assets.model_dir(self.model_path, self.revision)
 
     @property
     def tokenizer_dir(self) -> str:
-        return self.tokenizer_path or self.model_dir
+        if self.tokenizer_path:
+            return assets.model_dir(self.tokenizer_path, self.revision)
+        return self.model_dir
 
     @property
     def parallel_config(self) -> ParallelConfig:

@@ -5,6 +5,10 @@
 Python standard library's source (model.safetensors in bfloat16, with training.json recording the run). The
 tokenizer files are made by scripts/make_tiny_tokenizer.py, the weights by scripts/train_tiny_model.py;
 config.json is kept by hand. ``load_format="dummy"`` gives the same shape with seeded random weights.
+
+``model_dir`` also takes a Hugging Face hub id (``org/name``), as SGLang does: the checkpoint's config,
+tokenizer and safetensors files are fetched with ``huggingface_hub`` into its cache (``HF_HOME``; with
+``HF_HUB_OFFLINE=1`` only the cache is read).
 """
 
 from __future__ import annotations
@@ -15,6 +19,36 @@ from pathlib import Path
 TINY_MODEL_DIR = Path(__file__).parent / "tiny_qwen3_5_moe"
 
 
-def model_dir(path: str | os.PathLike | None) -> str:
-    """The checkpoint folder ``path`` names; the built-in tiny model's when it names none."""
-    return os.fspath(path) if path else str(TINY_MODEL_DIR)
+# what a checkpoint folder needs: config, generation config, tokenizer, chat template, weights
+HUB_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken")
+
+
+def model_dir(path: str | os.PathLike | None, revision: str | None = None) -> str:
+    """The checkpoint folder ``path`` names: a local folder, the built-in tiny model's when it names none, or the
+    snapshot of a Hugging Face hub id (at ``revision``, default the main branch)."""
+    if not path:
+        return str(TINY_MODEL_DIR)
+    path = os.fspath(path)
+    if os.path.isdir(path) or not is_hub_id(path):
+        return path
+    return hub_snapshot(path, revision)
+
+
+def is_hub_id(path: str) -> bool:
+    """``org/name``: two non-empty parts, neither a path-like one."""
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and "\\" not in path
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None) -> str:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_PATTERNS))
+    except LocalEntryNotFoundError as error:
+        raise FileNotFoundError(
+            f"model_path {repo_id!r}: no such folder here, and not in the Hugging Face cache "
+            f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}); it cannot be downloaded "
+            f"(offline or no network): {error}"
+        ) from None

@@ -39,7 +39,7 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
     (the upstream contract: the rank process sets them once, model code reads them lazily)."""
     dtype = resolve_dtype(args)
     model = load_model(
-        args.model_path,
+        args.model_dir,
         dtype=dtype,
         device=args.device,
         load_format=args.load_format,

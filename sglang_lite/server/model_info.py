@@ -7,6 +7,7 @@ import json
 import os
 from typing import Any
 
+from sglang_lite import assets
 from sglang_lite.config import ModelConfig, quantization_in_use
 from sglang_lite.server.tokenizer_manager import TokenizerManager
 from sglang_lite.server_args import ServerArgs
@@ -15,7 +16,13 @@ VERSION = "sglang_lite-0.1.0"
 
 
 def served_model_name(args: ServerArgs) -> str:
-    return args.served_model_name or os.path.basename(os.path.normpath(args.model_dir))
+    """``--served-model-name``, else a hub id as given (``org/name``), else the model folder's name."""
+    if args.served_model_name:
+        return args.served_model_name
+    path = args.model_path
+    if path and not os.path.isdir(path) and assets.is_hub_id(path):
+        return path
+    return os.path.basename(os.path.normpath(args.model_dir))
 
 
 def server_info_of(manager: TokenizerManager, args: ServerArgs) -> dict[str, Any]:
