@@ -89,13 +89,16 @@ class GrammarCache:
         compiler = self._get_compiler()
         try:
             if key.kind == "json_schema":
-                return compiler.compile_json_schema(key.text, any_whitespace=False)
-            if key.kind == "regex":
-                return compiler.compile_regex(key.text)
-            return compiler.compile_grammar(key.text)
+                compiled = compiler.compile_json_schema(key.text, any_whitespace=False)
+            elif key.kind == "regex":
+                compiled = compiler.compile_regex(key.text)
+            else:
+                compiled = compiler.compile_grammar(key.text)
         except RuntimeError as error:
             message = _CPP_PREFIX.sub("", str(error).strip())
             raise ValueError(f"sampling parameter {key.kind} does not compile: {message}") from None
+        _check_admits_a_first_token(compiled, key)
+        return compiled
 
     def _get_compiler(self) -> Any:
         import xgrammar
@@ -135,6 +138,29 @@ class GrammarQueue:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+
+def _check_admits_a_first_token(compiled: Any, key: GrammarKey) -> None:
+    """A grammar whose language is empty (``root ::= root "a"``, the regex ``[^\\s\\S]``) allows no first token,
+    not even a stop token: refused when it compiles, not met in sampling."""
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    if not bool(bitmask.any()):
+        raise ValueError(
+            f"sampling parameter {key.kind} admits no output: no token can start it (its language is empty)"
+        )
+
+
+def check_some_token_allowed(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
+    """Raises when a grammar row allows no token at all (-inf everywhere): its request fails with that message
+    (the sampler isolates it), instead of sampling a forbidden token or NaN."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if rows and not bool(torch.isfinite(logits[rows]).any(dim=-1).all()):
+        raise ValueError(
+            "the request's grammar allows no next token (it cannot be completed from here)"
+        )
 
 
 def _outcome(future: Future) -> Any:

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from sglang_lite.sampling.grammar import keep_possible_bans, mask_logits
+from sglang_lite.sampling.grammar import (
+    check_some_token_allowed,
+    keep_possible_bans,
+    mask_logits,
+)
 from sglang_lite.sampling.logprobs import logprob_entries, record_input, record_output
 from sglang_lite.sampling.penalties import PenaltyBook
 from sglang_lite.sampling.sampler import sample
@@ -45,9 +49,9 @@ class StepSampler:
         too_early = [len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs]
         banned = [sorted(r.stop_token_ids) if early else [] for r, early in zip(reqs, too_early)]
         grammars = [r.grammar for r in reqs]
-        logits = mask_logits(
-            logits, grammars
-        )  # grammar rows: the tokens their grammar forbids at -inf
+        # grammar rows: the tokens their grammar forbids at -inf
+        logits = mask_logits(logits, grammars)
+        check_some_token_allowed(logits, grammars)
         banned = keep_possible_bans(logits, banned, grammars)
         tokens = sample(
             logits, [r.sampling_params for r in reqs], [r.generator for r in reqs], banned

@@ -63,11 +63,17 @@ class InputProcessor:
         """The chat template's prompt (``tools``: OpenAI tool definitions, rendered by the template)."""
         if self.tokenizer is None:
             raise bad_request("chat needs a tokenizer (the server skipped tokenizer init)")
-        chars = sum(len(m.get("content") or "") for m in messages) + len(
-            json.dumps(tools) if tools else ""
-        )
+        check_template_kwargs(template_kwargs)
+        # every text the template renders, before any is rendered or tokenised
+        chars = sum(_message_chars(m) for m in messages) + len(json.dumps(tools) if tools else "")
         self._check_prompt_chars(chars, "messages")
-        return await asyncio.to_thread(self._encode_chat, messages, template_kwargs, tools)
+        render = asyncio.to_thread(self._encode_chat, messages, template_kwargs, tools)
+        try:
+            return await asyncio.wait_for(render, CHAT_TEMPLATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise bad_request(
+                f"messages: the chat template took more than {CHAT_TEMPLATE_TIMEOUT_S:g} s to render"
+            ) from None
 
     def _encode_chat(
         self,
@@ -81,6 +87,7 @@ class InputProcessor:
             )
         except Exception as error:  # a template rejecting the conversation is the request's fault
             raise bad_request(f"messages: the chat template failed: {error}") from error
+        self._check_prompt_chars(len(text), "messages")  # what the template made of them
         return ChatPrompt(text, self._tokenize(text, "messages", {"add_special_tokens": False}))
 
     def _tokenize(self, text: str, name: str, options: dict[str, Any]) -> list[int]:
@@ -170,3 +177,45 @@ class InputProcessor:
 def _valid_rid(rid: Any) -> bool:
     """The msgpack transport carries UTF-8 only, and a rid is a key, not a payload."""
     return isinstance(rid, str) and 0 < len(rid) <= MAX_RID_CHARS and is_utf8(rid)
+
+
+# apply_chat_template's own parameters: a client passing them in chat_template_kwargs would replace the server's
+# template (chat_template) or how it is applied; every other key is a template variable (enable_thinking, ...)
+TEMPLATE_PARAMETERS = frozenset(
+    {
+        "chat_template",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+# the server's own template renders in Jinja's sandbox; this bounds a render over a huge conversation
+CHAT_TEMPLATE_TIMEOUT_S = 10.0
+
+
+def check_template_kwargs(template_kwargs: Any) -> None:
+    if not isinstance(template_kwargs, dict):
+        raise bad_request("chat_template_kwargs must be an object of template variables")
+    refused = sorted(set(template_kwargs) & TEMPLATE_PARAMETERS)
+    if refused:
+        raise bad_request(
+            f"chat_template_kwargs.{refused[0]}: not a template variable; the chat template and how it "
+            "is applied are the server's"
+        )
+
+
+def _message_chars(message: dict[str, Any]) -> int:
+    texts = [message.get("content"), message.get("reasoning_content")]
+    chars = sum(len(t) if isinstance(t, str) else len(json.dumps(t)) for t in texts if t)
+    calls = message.get("tool_calls")
+    return chars + (len(json.dumps(calls)) if calls else 0)

@@ -352,6 +352,35 @@ def test_a_request_whose_sampling_raises_fails_alone(scheduler, monkeypatch):
     assert_empty(scheduler)
 
 
+class DeadEndGrammar:
+    """A grammar that, from its second token on, allows nothing (an all-masked row)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.accepted = 0
+        self.terminated = False
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        bitmask[row] = -1 if self.accepted == 0 else 0
+
+    def accept(self, token_id: int) -> None:
+        self.accepted += 1
+
+
+def test_a_grammar_row_that_allows_no_token_fails_its_request_alone(scheduler):
+    prompt = random_prompts([9], vocab=4000, seed=7)[0]
+    reference = reference_tokens(scheduler, prompt)
+    scheduler.add_request("good", prompt, {**GREEDY, "max_new_tokens": 6})
+    scheduler.add_request("bad", prompt, {"max_new_tokens": 6, "temperature": 1.0, "seed": 3})
+    bad = next(r for r in scheduler.queues.waiting if r.rid == "bad")
+    bad.grammar = DeadEndGrammar(scheduler.config.vocab_size)
+    outputs = drain(scheduler)  # checks the invariants after every step
+    assert tokens_of(outputs["good"]) == reference
+    assert_failed_with(outputs["bad"], "grammar allows no next token")
+    assert len(tokens_of(outputs["bad"])) == 1
+    assert_empty(scheduler)
+
+
 def test_a_request_whose_detokeniser_raises_fails_alone_mid_decode(scheduler):
     prompt = random_prompts([7], vocab=4000, seed=8)[0]
     reference = reference_tokens(scheduler, prompt)

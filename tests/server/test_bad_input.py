@@ -73,6 +73,29 @@ CASES = [
         {"messages": [{"role": "user", "content": LONG_TEXT}]},
         "context length",
     ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "assistant", "content": "x", "reasoning_content": LONG_TEXT}],
+        },
+        "characters, more than the context length",  # counted before anything is tokenised
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"chat_template": "{% for i in range(10**9) %}x{% endfor %}"},
+        },
+        "chat_template_kwargs.chat_template",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"add_generation_prompt": False},
+        },
+        "chat_template_kwargs.add_generation_prompt",
+    ),
     ("/abort_request", {"rid": 5}, "rid"),
     (
         "/generate",

@@ -166,6 +166,22 @@ def test_streamed_regex_output_matches(server_dp1: ServerProcess) -> None:
             {"prompt": "hi", "regex": "[0-9"},
             "sampling parameter regex does not compile",
         ),
+        # grammars whose language is empty: refused when compiled, never met in sampling
+        (
+            "/generate",
+            {"text": "hi", "sampling_params": {"ebnf": 'root ::= root "a"'}},
+            "sampling parameter ebnf admits no output",
+        ),
+        (
+            "/generate",
+            {"text": "hi", "sampling_params": {"regex": "[^\\s\\S]", "temperature": 1.0}},
+            "sampling parameter regex admits no output",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "ebnf": 'root ::= root "a"', "stream": True},
+            "sampling parameter ebnf admits no output",
+        ),
     ],
 )
 def test_a_grammar_that_cannot_compile_is_a_400_naming_its_field(
