@@ -73,6 +73,8 @@ _HELP = {
     "snapshots) over the full-attention KV pool's; sizes the snapshot slots (at least max_running_requests).",
     "max_mamba_cache_size": "GDN state slots in all (running requests plus prefix-cache snapshots), overriding "
     "mamba_full_memory_ratio; must exceed max_running_requests.",
+    "grammar_compile_timeout": "Seconds a structured-output grammar (json_schema, regex, ebnf) may take to compile; "
+    "past it the request is a 400 saying it is too complex, and the compile's slot goes to the next grammar.",
     "enable_cache_report": "Report prefix-cache hits in OpenAI usage (prompt_tokens_details.cached_tokens).",
     "disable_shared_experts_fusion": "Run the MoE shared expert separately instead of as an extra fused expert.",
     "skip_tokenizer_init": "Do not load a tokenizer: requests pass input_ids and get no text.",
@@ -144,6 +146,7 @@ class ServerArgs:
     mamba_full_memory_ratio: float = 0.9
     max_mamba_cache_size: int | None = None
     enable_cache_report: bool = False
+    grammar_compile_timeout: float = 10.0
     disable_shared_experts_fusion: bool = False
     skip_tokenizer_init: bool = False
     disable_cuda_graph: bool = False
@@ -208,7 +211,7 @@ class ServerArgs:
         self._check_parallel()
         self._check_choice("disaggregation_mode", DISAGGREGATION_MODES)
         self._check_choice("disaggregation_transfer_backend", TRANSFER_BACKENDS)
-        self._check_positive("disaggregation_transfer_timeout")
+        self._check_positive("disaggregation_transfer_timeout", "grammar_compile_timeout")
         if self.disaggregation_mode != "null" and self.tp_size > 1:
             raise ValueError(
                 f"disaggregation_mode {self.disaggregation_mode} runs with tp_size 1 (got {self.tp_size}):"

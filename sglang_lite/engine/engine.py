@@ -53,7 +53,8 @@ class Engine:
         self._client: SyncClient | None = SyncClient(self.server_args)
         self.config = self._client.config
         # to refuse what cannot compile
-        self._grammars = GrammarCache(self.tokenizer, self.config.vocab_size)
+        budget = self.server_args.grammar_compile_timeout
+        self._grammars = GrammarCache(self.tokenizer, self.config.vocab_size, budget_s=budget)
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(

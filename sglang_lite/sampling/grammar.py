@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,9 @@ import torch
 from sglang_lite.sampling.params import GRAMMAR_FIELDS, SamplingParams
 
 COMPILE_THREADS = 2
+# compiles past their budget that may still run, each on a spare thread of its own
+MAX_ABANDONED = 4
+MAX_QUEUED_COMPILES = 64
 # compiled grammars hold per-token tables: the cache forgets the least recently used
 MAX_CACHED_GRAMMARS = 256
 # xgrammar's C++ errors start with a time and a source location ("[12:00:00] /project/cpp/x.cc:94: "): not the
@@ -48,31 +51,58 @@ def grammar_key(params: SamplingParams) -> GrammarKey | None:
     return None
 
 
-class GrammarCache:
-    """Compiles grammars for one tokenizer, each key once (failures too), on ``COMPILE_THREADS`` worker threads.
+class GrammarBusy(RuntimeError):
+    """Too many grammars wait for a compile: the request may be sent again later (a 503, not the request's fault)."""
 
-    ``vocab_size`` is the model's (its LM head may have more rows than the tokenizer has tokens). xgrammar's
-    tokenizer tables are built on a worker at the first compile, so creating a cache costs nothing."""
+
+class GrammarCache:
+    """Compiles grammars for one tokenizer, each key once (failures too), at most ``COMPILE_THREADS`` at a time.
+
+    ``budget_s``: a compile that runs longer is abandoned: its key fails with "too complex" (cached like any
+    failure) and its slot goes to the next grammar at once, so one slow schema never holds the others back (the
+    abandoned compile finishes on a spare thread, ``MAX_ABANDONED`` at most, and is dropped). ``max_queued``:
+    grammars waiting for a slot beyond it are refused with ``GrammarBusy``. ``vocab_size`` is the model's (its LM
+    head may have more rows than the tokenizer has tokens). xgrammar's tokenizer tables are built on a worker at
+    the first compile, so creating a cache costs nothing."""
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, max_entries: int = MAX_CACHED_GRAMMARS
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_entries: int = MAX_CACHED_GRAMMARS,
+        budget_s: float | None = None,
+        max_queued: int = MAX_QUEUED_COMPILES,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_entries = max_entries
+        self.budget_s = budget_s
+        self.max_queued = max_queued
         self._compiler: Any = None
         self._entries: OrderedDict[GrammarKey, Future] = OrderedDict()
         # of the entries: held only for moments, so ``submit`` never waits long
         self._lock = threading.Lock()
         self._compiler_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+        self._slots = threading.Semaphore(COMPILE_THREADS)  # compiles running within their budget
+        self._queued = 0
+        self.abandoned = 0  # compiles past their budget, since start
+        self._pool = ThreadPoolExecutor(
+            COMPILE_THREADS + MAX_ABANDONED, thread_name_prefix="grammar"
+        )
 
     def submit(self, key: GrammarKey) -> Future:
-        """The compile of ``key``: a Future of its compiled grammar, or of a ValueError naming the field."""
+        """The compile of ``key``: a Future of its compiled grammar, or of a ValueError naming the field. Raises
+        GrammarBusy when ``max_queued`` grammars already wait."""
         with self._lock:
             future = self._entries.get(key)
             if future is None:
-                future = self._entries[key] = self._pool.submit(self._compile, key)
+                if self._queued >= self.max_queued:
+                    raise GrammarBusy(
+                        f"{self._queued} grammars are waiting to compile; send the request again later"
+                    )
+                future = self._entries[key] = Future()
+                self._queued += 1
+                self._pool.submit(self._run, key, future)
                 while len(self._entries) > self.max_entries:
                     self._entries.popitem(last=False)
             self._entries.move_to_end(key)
@@ -85,8 +115,35 @@ class GrammarCache:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _compile(self, key: GrammarKey) -> Any:
-        compiler = self._get_compiler()
+    def _run(self, key: GrammarKey, future: Future) -> None:
+        """On a pool thread: waits for a slot, compiles within the budget, settles ``future``."""
+        self._slots.acquire()
+        with self._lock:
+            self._queued -= 1
+        slot = _Slot(self._slots)
+
+        def expire() -> None:  # the compile overran: its slot goes to the next grammar now
+            if _settle(future, error=ValueError(_too_complex(key, self.budget_s))):
+                with self._lock:
+                    self.abandoned += 1
+            slot.release()
+
+        timer = None
+        try:
+            compiler = self._get_compiler()  # the tokenizer's tables, once: not the grammar's time
+            if self.budget_s is not None:
+                timer = threading.Timer(self.budget_s, expire)
+                timer.daemon = True
+                timer.start()
+            _settle(future, result=self._compile(compiler, key))
+        except Exception as error:
+            _settle(future, error=error)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            slot.release()
+
+    def _compile(self, compiler: Any, key: GrammarKey) -> Any:
         try:
             if key.kind == "json_schema":
                 compiled = compiler.compile_json_schema(key.text, any_whitespace=False)
@@ -138,6 +195,41 @@ class GrammarQueue:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+
+class _Slot:
+    """One compile's hold on a semaphore slot, released once (by the compile or by its budget's timer)."""
+
+    def __init__(self, semaphore: threading.Semaphore) -> None:
+        self._semaphore = semaphore
+        self._lock = threading.Lock()
+        self._held = True
+
+    def release(self) -> None:
+        with self._lock:
+            held = self._held
+            self._held = False
+        if held:
+            self._semaphore.release()
+
+
+def _settle(future: Future, result: Any = None, error: BaseException | None = None) -> bool:
+    """Sets the outcome once (False if it was set already: a compile that ends after its budget is dropped)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        return False
+    return True
+
+
+def _too_complex(key: GrammarKey, budget_s: float | None) -> str:
+    return (
+        f"sampling parameter {key.kind} is too complex: it did not compile within {budget_s:g} s "
+        "(simplify the schema or grammar)"
+    )
 
 
 def _check_admits_a_first_token(compiled: Any, key: GrammarKey) -> None:

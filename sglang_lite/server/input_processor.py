@@ -15,9 +15,9 @@ from typing import Any
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.protocol.requests import validate_request
 from sglang_lite.runtime.inputs import max_prompt_chars
-from sglang_lite.sampling.grammar import GrammarCache, grammar_key
+from sglang_lite.sampling.grammar import GrammarBusy, GrammarCache, grammar_key
 from sglang_lite.sampling.params import SamplingParams, is_utf8
-from sglang_lite.server.io_struct import ChatPrompt, GenerateInput, bad_request
+from sglang_lite.server.io_struct import ChatPrompt, GenerateInput, RequestError, bad_request
 from sglang_lite.server_args import ServerArgs
 
 MAX_RID_CHARS = 256
@@ -39,7 +39,8 @@ class InputProcessor:
     def set_config(self, config: SchedulerConfig) -> None:
         """The ranks' limits, once they are ready (the tokenizer is loaded before they start)."""
         self.config = config
-        self.grammars = GrammarCache(self.tokenizer, config.vocab_size)
+        budget = self.args.grammar_compile_timeout
+        self.grammars = GrammarCache(self.tokenizer, config.vocab_size, budget_s=budget)
 
     # ---- tokenising --------------------------------------------------------------------------------------------
     async def encode(
@@ -168,10 +169,17 @@ class InputProcessor:
         key = grammar_key(request.sampling_params)
         if key is None:
             return
+        # past the budget a compile fails as too complex; this bounds the wait for a slot as well
+        wait_s = max(GRAMMAR_WAIT_FLOOR_S, 3 * self.args.grammar_compile_timeout)
         try:
-            await asyncio.wrap_future(self.grammars.submit(key))
+            await asyncio.wait_for(asyncio.wrap_future(self.grammars.submit(key)), wait_s)
         except ValueError as error:
             raise bad_request(str(error)) from error
+        except GrammarBusy as error:
+            raise RequestError(503, str(error), {"Retry-After": "1"}) from error
+        except asyncio.TimeoutError:
+            message = f"the grammar compiler is busy (no slot within {wait_s:g} s); try again later"
+            raise RequestError(503, message, {"Retry-After": "1"}) from None
 
 
 def _valid_rid(rid: Any) -> bool:
@@ -201,6 +209,7 @@ TEMPLATE_PARAMETERS = frozenset(
 )
 # the server's own template renders in Jinja's sandbox; this bounds a render over a huge conversation
 CHAT_TEMPLATE_TIMEOUT_S = 10.0
+GRAMMAR_WAIT_FLOOR_S = 30.0
 
 
 def check_template_kwargs(template_kwargs: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import pytest
@@ -85,6 +86,72 @@ def test_the_cache_forgets_the_least_recently_used(tokenizer):
     assert cache.compile(a) is first_a
     assert cache.compile(b) is not None
     cache.shutdown()
+
+
+class SlowCompiles:
+    """Stands in for xgrammar's compile of the ``slow`` regexes: blocks until released (a huge schema)."""
+
+    def __init__(self, cache: GrammarCache) -> None:
+        self.release = threading.Event()
+        self.started: list[str] = []
+        self._real = cache._compile
+
+    def __call__(self, compiler, key: GrammarKey):
+        if key.text.startswith("slow"):
+            self.started.append(key.text)
+            self.release.wait(60)
+        return self._real(compiler, key)
+
+
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_compile_past_its_budget_fails_as_too_complex_and_frees_its_slot(tokenizer, monkeypatch):
+    cache = GrammarCache(tokenizer, VOCAB, budget_s=0.2)
+    slow = SlowCompiles(cache)
+    monkeypatch.setattr(cache, "_compile", slow)
+    try:
+        stuck = [cache.submit(GrammarKey("regex", f"slow{i}")) for i in range(2)]  # both slots
+        for future in stuck:
+            with pytest.raises(
+                ValueError, match="regex is too complex: it did not compile within 0.2 s"
+            ):
+                future.result(timeout=30)
+        assert cache.compile(GrammarKey("regex", "[0-9]+")) is not None  # while both still run
+        assert cache.abandoned == 2 and not slow.release.is_set()
+        again = cache.submit(
+            GrammarKey("regex", "slow0")
+        )  # the failure is cached: no second compile
+        assert again is stuck[0] and slow.started.count("slow0") == 1
+    finally:
+        slow.release.set()
+        cache.shutdown()
+
+
+def test_grammars_beyond_the_queue_bound_are_refused_as_busy(tokenizer, monkeypatch):
+    from sglang_lite.sampling.grammar import GrammarBusy
+
+    cache = GrammarCache(tokenizer, VOCAB, max_queued=1)
+    slow = SlowCompiles(cache)
+    monkeypatch.setattr(cache, "_compile", slow)
+    try:
+        running = []
+        for i in range(2):  # both slots taken, one after the other (each leaves the queue when it starts)
+            running.append(cache.submit(GrammarKey("regex", f"slow{i}")))
+            wait_until(lambda: len(slow.started) == len(running))
+        waiting = cache.submit(GrammarKey("regex", "a"))
+        with pytest.raises(GrammarBusy, match="1 grammars are waiting to compile"):
+            cache.submit(GrammarKey("regex", "b"))
+        slow.release.set()
+        assert waiting.result(timeout=30) is not None
+        assert all(f.result(timeout=30) is not None for f in running)
+    finally:
+        slow.release.set()
+        cache.shutdown()
 
 
 @pytest.mark.parametrize(
