@@ -86,6 +86,7 @@ def ready_line(args: ServerArgs) -> str:
 def run_server(args: ServerArgs, sock: socket.socket) -> None:
     import uvicorn
 
+    from sglang_lite.server.http_protocol import JsonErrorH11Protocol
     from sglang_lite.server.http_server import create_app
     from sglang_lite.utils.process import stop_processes
 
@@ -107,7 +108,9 @@ def run_server(args: ServerArgs, sock: socket.socket) -> None:
 
     atexit.register(stop_ranks)
     uvicorn_level = "info" if args.log_level == "debug" else "warning"
-    config = uvicorn.Config(app, log_level=uvicorn_level, timeout_keep_alive=30)
+    config = uvicorn.Config(
+        app, log_level=uvicorn_level, timeout_keep_alive=30, http=JsonErrorH11Protocol
+    )
     config.access_log = args.log_level == "debug"
     server = Server(config)
     server.run(sockets=[sock])

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from sglang_lite.server.metrics import ServerMetrics
+from sglang_lite.server.responses import error_body
 
 Scope = dict[str, Any]
 
@@ -15,9 +16,7 @@ Scope = dict[str, Any]
 async def _reply(
     send: Any, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
-    body = json.dumps(
-        {"error": {"message": message, "type": "RequestError", "code": status}}
-    ).encode()
+    body = json.dumps(error_body(status, message)).encode()
     base = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": base + (headers or [])})
     await send({"type": "http.response.body", "body": body})

@@ -22,8 +22,15 @@ class ClientDisconnected(Exception):
 ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
+    405: "MethodNotAllowed",
+    408: "RequestTimeout",
+    409: "ConflictError",
     413: "RequestTooLarge",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
     503: "ServiceUnavailable",
 }
 
@@ -33,7 +40,7 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
-            "type": ERROR_TYPES.get(status, "ServerError"),
+            "type": ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "ServerError"),
             "code": status,
         }
     }

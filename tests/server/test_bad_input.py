@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import pytest
@@ -276,3 +277,35 @@ def test_router_reserialised_generate_body_is_accepted(server_dp1: ServerProcess
     assert response.status_code == 200, response.text
     assert response.json()["meta_info"]["completion_tokens"] == 3
     assert httpx.get(f"{server_dp1.url}/health").status_code == 200
+
+
+def raw_http(server: ServerProcess, request: bytes) -> tuple[int, dict, bytes]:
+    """Sends bytes as they are (no client would), returns (status, headers, body) of the answer."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+        conn.sendall(request)
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in header_lines if ": " in line)
+    return int(status_line.split()[1]), headers, body
+
+
+@pytest.mark.parametrize(
+    "content_length", [b"-5", b"ten", b"99999999999999999999999999999999999999999"]
+)
+def test_an_unparsable_or_absurd_content_length_gets_the_json_error_body(
+    server_dp1: ServerProcess, content_length: bytes
+) -> None:
+    request = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: " + content_length
+    status, headers, body = raw_http(server_dp1, request + b"\r\n\r\n{}")
+    assert status in (400, 413) and headers["content-type"].startswith("application/json")
+    error = json.loads(body)["error"]
+    assert error["code"] == status and error["type"] in ("BadRequestError", "RequestTooLarge")
+
+
+def test_a_wrong_method_is_405_with_its_own_error_type(server_dp1: ServerProcess) -> None:
+    response = httpx.get(f"{server_dp1.url}/generate", timeout=30)
+    assert response.status_code == 405
+    assert response.json()["error"]["type"] == "MethodNotAllowed"
