@@ -11,6 +11,7 @@ from typing import Any
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.protocol.outputs import INTERNAL_ERROR, ReqOutput
 from sglang_lite.sampling.grammar import GrammarQueue
+from sglang_lite.sampling.logprobs import LogprobRecord
 from sglang_lite.scheduler.faults import breaks_the_device, describe, is_out_of_memory
 from sglang_lite.scheduler.queues import RequestQueues
 from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
@@ -55,9 +56,12 @@ class RequestEnder:
         self.grammar_queue.remove(req)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
+        # its parallel samples were never forked (max_new_tokens 0, an abort): they end with it, each with the
+        # prompt's log-probabilities it computed
+        prompt = req.logprob_record.copy_input() if req.forks else None
         self.emit(req)
-        for rid in req.forks:  # its parallel samples were never forked: they end with it
-            self.emit_unforked(req, rid, reason)
+        for rid in req.forks:
+            self.emit_unforked(req, rid, reason, prompt)
         req.forks = []
 
     def end_keeping_memory(self, req: Req, reason: FinishReason) -> None:
@@ -84,8 +88,11 @@ class RequestEnder:
         req.unsent_ids = []
         req.unsent_text = ""
 
-    def emit_unforked(self, parent: Req, rid: str, reason: FinishReason) -> None:
-        """A parallel sample that ends before it was forked (its parent ended, or it was aborted)."""
+    def emit_unforked(
+        self, parent: Req, rid: str, reason: FinishReason, prompt: LogprobRecord | None = None
+    ) -> None:
+        """A parallel sample that ends before it was forked (its parent ended, or it was aborted); ``prompt``:
+        the log-probabilities of the prompt its parent computed."""
         meta = {
             "id": rid,
             "prompt_tokens": len(parent.input_ids),
@@ -95,6 +102,8 @@ class RequestEnder:
             "num_retractions": 0,
             "e2e_latency": time.monotonic() - parent.arrival_time,
         }
+        if prompt is not None and parent.logprob is not None and parent.logprob.return_logprob:
+            meta.update(prompt.copy_input().take(parent.logprob))
         self.outputs.append(ReqOutput(rid, [], "", True, meta))
 
     def take_outputs(self) -> list[ReqOutput]:

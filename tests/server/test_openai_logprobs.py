@@ -59,6 +59,21 @@ def test_completion_echo_scores_the_prompt_like_generate(server_dp1: ServerProce
     assert meta["completion_tokens"] == 0
 
 
+def test_every_choice_of_n_carries_the_prompt_logprobs_with_max_tokens_0(server_dp1: ServerProcess):
+    """Parallel samples of a request that generates nothing are never forked; each still reports its prompt."""
+    choices = (
+        client(server_dp1)
+        .completions.create(
+            model="m", prompt=PROMPT_IDS, echo=True, logprobs=2, max_tokens=0, n=2, temperature=0
+        )
+        .choices
+    )
+    assert len(choices) == 2
+    first, second = (c.logprobs for c in choices)
+    assert len(first.tokens) == len(second.tokens) == len(PROMPT_IDS)
+    assert first.token_logprobs == second.token_logprobs and first.token_logprobs[1] is not None
+
+
 def test_chat_logprobs_and_top_logprobs_stream_as_they_return(server_dp1: ServerProcess):
     messages = [{"role": "user", "content": "Name a colour."}]
     args = dict(
