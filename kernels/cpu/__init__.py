@@ -9,10 +9,12 @@ CPU's fast path for float32 data (``dispatch.use_native``); the references stay 
 other dtypes.
 
 The sources are compiled with torch's ``cpp_extension`` on first use (g++ and ninja must be on the machine; the
-build takes a while, see docs/performance.md) into ``SGLANG_CPU_KERNEL_CACHE`` (default
-``~/.cache/sglang_lite/cpu_kernels``), one build per set of sources, torch version and CPU (``-march=native``), and
-loaded from there afterwards. When it cannot be built the CPU runs
-the references and says why once. ``SGLANG_KERNEL_BACKEND=torch`` turns these kernels off for a run.
+build takes a while and says so once, at WARNING) into ``SGLANG_CPU_KERNEL_CACHE`` (default
+``~/.cache/sglang_lite/cpu_kernels``), one build folder per set of sources, flags, torch installation and CPU
+(``-march=native``), named by their hash, and loaded from there afterwards. The sources are copied into that folder
+and compiled from there: the build's files then name only the cache's paths, so two checkouts of the same code
+share one build instead of rebuilding each other's. When it cannot be built the CPU runs the references and says
+why once. ``SGLANG_KERNEL_BACKEND=torch`` turns these kernels off for a run.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ from sglang_lite import envs
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_SOURCES = [os.path.join(_SOURCE_DIR, name) for name in ("decode_ops.cpp", "prefill_ops.cpp")]
+_COMPILED = (
+    "decode_ops.cpp",
+    "prefill_ops.cpp",
+)  # the rest of csrc/ (headers) is included by these
+_LIBRARY = "sglang_lite_cpu_ops"
 # -fopenmp: at::parallel_for's OpenMP region is inlined from the headers; the library it links (libgomp.so.1) is
 # the one torch has already loaded, so both share torch's thread pool.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -78,17 +84,40 @@ def _build_and_load() -> None:
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
-    build_dir = os.path.join(_cache_root(), _build_key())
-    os.makedirs(build_dir, exist_ok=True)
+    build_dir = build_directory()
+    sources = stage_sources(build_dir)
+    if not os.path.exists(os.path.join(build_dir, _LIBRARY + ".so")):
+        logger.warning("building the C++ CPU kernels (once, ~30-60 s) into %s", build_dir)
     cpp_extension.load(
-        name="sglang_lite_cpu_ops",
-        sources=_SOURCES,
+        name=_LIBRARY,
+        sources=sources,
         build_directory=build_dir,
         extra_cflags=_CFLAGS,
         extra_ldflags=_LDFLAGS,
         is_python_module=False,
         verbose=False,
     )
+
+
+def build_directory(source_dir: str = _SOURCE_DIR) -> str:
+    """The cache folder of the build of ``source_dir``'s sources: named by their content, never by their path."""
+    return os.path.join(_cache_root(), _build_key(source_dir))
+
+
+def stage_sources(build_dir: str, source_dir: str = _SOURCE_DIR) -> list[str]:
+    """Copy the sources into ``build_dir/src`` (once: an unchanged file keeps its mtime, so ninja does not rebuild)
+    and return the paths to compile, which lie in the cache whatever checkout they came from."""
+    staged = os.path.join(build_dir, "src")
+    os.makedirs(staged, exist_ok=True)
+    for name in sorted(os.listdir(source_dir)):
+        target = os.path.join(staged, name)
+        if not os.path.exists(
+            target
+        ):  # the folder's name is the content's hash: a file there is this one
+            partial = f"{target}.{os.getpid()}.tmp"
+            shutil.copyfile(os.path.join(source_dir, name), partial)
+            os.replace(partial, target)  # atomic: a concurrent build sees the whole file or none
+    return [os.path.join(staged, name) for name in _COMPILED]
 
 
 def _cache_root() -> str:
@@ -98,14 +127,18 @@ def _cache_root() -> str:
     )
 
 
-def _build_key() -> str:
-    """Sources (headers included), flags, torch and the CPU's features: a build made for another machine or from
-    other sources is never loaded."""
+def _build_key(source_dir: str) -> str:
+    """Sources (headers included, by name and content), flags, the torch installation (its headers and libraries
+    are on the build's command line) and the CPU's features: a build made for another machine, another torch or
+    from other sources is never loaded."""
     digest = hashlib.sha256()
-    for name in sorted(os.listdir(_SOURCE_DIR)):
-        with open(os.path.join(_SOURCE_DIR, name), "rb") as f:
+    for name in sorted(os.listdir(source_dir)):
+        with open(os.path.join(source_dir, name), "rb") as f:
             digest.update(name.encode() + f.read())
-    digest.update(" ".join(_CFLAGS + _LDFLAGS + [torch.__version__, sys.version]).encode())
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    digest.update(
+        " ".join(_CFLAGS + _LDFLAGS + [torch.__version__, torch_dir, sys.version]).encode()
+    )
     digest.update(_cpu_features().encode())
     return digest.hexdigest()[:16]
 

@@ -140,7 +140,9 @@ def test_grammars_beyond_the_queue_bound_are_refused_as_busy(tokenizer, monkeypa
     monkeypatch.setattr(cache, "_compile", slow)
     try:
         running = []
-        for i in range(2):  # both slots taken, one after the other (each leaves the queue when it starts)
+        for i in range(
+            2
+        ):  # both slots taken, one after the other (each leaves the queue when it starts)
             running.append(cache.submit(GrammarKey("regex", f"slow{i}")))
             wait_until(lambda: len(slow.started) == len(running))
         waiting = cache.submit(GrammarKey("regex", "a"))
