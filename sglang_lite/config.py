@@ -24,6 +24,7 @@ class QuantConfig:
     activation_scheme: str = "dynamic"
     block_size: tuple[int, int] = (128, 128)
     modules_to_not_convert: tuple[str, ...] = ()
+    online: bool = False  # not the checkpoint's: a high-precision checkpoint quantized at load
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> QuantConfig:
@@ -61,7 +62,25 @@ class QuantConfig:
 
     def describe(self) -> str:
         rows, cols = self.block_size
-        return f"{self.method} ({self.fmt}, {rows}x{cols} weight blocks, {self.activation_scheme} activation scales)"
+        online = ", quantized at load" if self.online else ""
+        return (
+            f"{self.method} ({self.fmt}, {rows}x{cols} weight blocks, {self.activation_scheme} activation "
+            f"scales{online})"
+        )
+
+
+# --quantization fp8 on a high-precision checkpoint: 128x128 e4m3 blocks as the block-FP8 checkpoints; the LM head,
+# the routers and the small GDN a/b projections stay in high precision
+ONLINE_FP8 = QuantConfig(
+    online=True,
+    modules_to_not_convert=(
+        "lm_head",
+        "mlp.gate",
+        "mlp.shared_expert_gate",
+        "linear_attn.in_proj_a",
+        "linear_attn.in_proj_b",
+    ),
+)
 
 
 def _text_name(name: str) -> str:
@@ -267,12 +286,22 @@ def _layer_types(text: dict[str, Any]) -> tuple[str, ...]:
     )
 
 
+def quantization_config_in_use(config: ModelConfig, requested: str | None) -> QuantConfig | None:
+    """The blocks the model's weights are in (``requested``: ``--quantization``): the checkpoint's
+    quantization_config, ``ONLINE_FP8`` for ``"fp8"`` on a checkpoint without one (quantized at load), None for
+    plain weights or ``"none"`` (an FP8 checkpoint dequantized at load)."""
+    if requested == "none":
+        return None
+    if config.quantization is None and requested == "fp8":
+        return ONLINE_FP8
+    return config.quantization
+
+
 def quantization_in_use(config: ModelConfig, requested: str | None) -> str:
-    """``"fp8"`` when the model runs its checkpoint's FP8 weights (``requested``: ``--quantization``; ``"none"``
-    dequantizes them at load), else ``"none"``."""
-    return (
-        "none" if requested == "none" or config.quantization is None else config.quantization.method
-    )
+    """``"fp8"`` when the model runs FP8 weights, its checkpoint's or quantized at load (``requested``:
+    ``--quantization``; ``"none"`` dequantizes an FP8 checkpoint at load), else ``"none"``."""
+    quant = quantization_config_in_use(config, requested)
+    return "none" if quant is None else quant.method
 
 
 def _quantization(text: dict[str, Any], outer: dict[str, Any]) -> QuantConfig | None:

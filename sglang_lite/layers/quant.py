@@ -1,11 +1,12 @@
 """Block-FP8 layers: a linear layer and MoE experts whose weights stay FP8 in memory, each with its block scales.
 
 A checkpoint quantized in ``weight_block_size`` blocks (``QuantConfig``) keeps, beside each quantized weight, a
-float32 ``weight_scale_inv`` (one per block; real weight = weight * scale). On a GPU the loader swaps the
-projections it finds quantized for these layers (``convert_to_fp8``) before filling them: the weight parameter
-holds FP8 data, its companion ``<name>_scale_inv`` the scales of the parameter's own blocks, and the forward runs
-the block-FP8 GEMM (activations quantized per token group on the fly). On the CPU nothing is converted: the loader
-dequantizes into the compute dtype instead.
+float32 ``weight_scale_inv`` (one per block; real weight = weight * scale); online FP8 quantizes a high-precision
+checkpoint into the same layout at load. On a GPU the loader swaps the projections it finds quantized for these
+layers (``convert_to_fp8``) before filling them: the weight parameter holds FP8 data, its companion
+``<name>_scale_inv`` the scales of the parameter's own blocks, and the forward runs the block-FP8 GEMM (activations
+quantized per token group on the fly). On the CPU nothing is converted: the loader dequantizes into the compute
+dtype instead.
 """
 
 from __future__ import annotations
@@ -85,6 +86,19 @@ class Fp8SparseMoeBlock(Qwen3_5SparseMoeBlock):
             w2_scale=experts.w2_scale_inv,
             block=self.block,
         )
+
+
+def fp8_capable_parameters(model: nn.Module) -> set[str]:
+    """The parameters ``convert_to_fp8`` can turn FP8: each linear layer's ``weight``, each MoE block's
+    ``experts.w13`` and ``experts.w2``."""
+    names = set()
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, nn.Linear):
+            names.add(f"{prefix}weight")
+        if isinstance(module, Qwen3_5SparseMoeBlock):
+            names.update((f"{prefix}experts.w13", f"{prefix}experts.w2"))
+    return names
 
 
 def convert_to_fp8(

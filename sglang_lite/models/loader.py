@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from sglang_lite import assets
-from sglang_lite.config import ModelConfig
+from sglang_lite.config import ModelConfig, quantization_config_in_use
 from sglang_lite.kernels import fp8_dtype
 from sglang_lite.models.qwen3_5 import Qwen3_5ForCausalLM, model_class_for
 from sglang_lite.models.weights import load_checkpoint
@@ -36,9 +36,10 @@ def load_model(
 
     ``load_format="auto"`` reads safetensors from ``path``; ``"dummy"`` fills seeded random weights.
     ``server_args`` (default: the global ones, else defaults) decide shared-expert fusion and the stream plan.
-    ``quantization`` (default: the server arguments', else what the checkpoint says): ``"fp8"`` for a block-FP8
-    checkpoint, ``"none"`` to dequantize it into ``dtype`` at load. ``fp8_weights``: keep its quantized
-    projections in FP8 (default: on a GPU; on the CPU they are dequantized, exactly, into ``dtype``).
+    ``quantization`` (default: the server arguments', else what the checkpoint says): ``"fp8"`` runs a block-FP8
+    checkpoint as it is, or quantizes a high-precision one at load (online FP8: 128x128 e4m3 blocks, as the FP8
+    checkpoints); ``"none"`` dequantizes an FP8 checkpoint into ``dtype`` at load. ``fp8_weights``: keep the
+    quantized projections in FP8 (default: on a GPU; on the CPU they are dequantized, exactly, into ``dtype``).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -46,49 +47,37 @@ def load_model(
     args = server_args if server_args is not None else server_args_or_default()
     config = ModelConfig.from_hf(path)
     quantization = quantization or args.quantization
-    _check_quantization(config, quantization)
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     model = create_model(config, dtype, device, server_args)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         return model.eval()
+    quant = quantization_config_in_use(config, quantization)
     on_gpu = torch.device(device).type == "cuda"
-    keep_fp8 = (
-        config.quantization is not None
-        and quantization != "none"
-        and (on_gpu if fp8_weights is None else fp8_weights)
-    )
-    if config.quantization is not None:
+    keep_fp8 = quant is not None and (on_gpu if fp8_weights is None else fp8_weights)
+    shown = quant or config.quantization
+    if shown is not None:
         where = (
             f"FP8 in memory ({fp8_dtype(device)})"
             if keep_fp8
             else f"dequantized to {model.lm_head.weight.dtype}"
         )
         logger.info(
-            "quantization: %s; checkpoint %s; quantized weights %s",
+            "quantization: %s; %s; quantized weights %s",
             quantization or "auto",
-            config.quantization.describe(),
+            shown.describe() if shown.online else f"checkpoint {shown.describe()}",
             where,
         )
     load_checkpoint(
         model,
         path,
         config.tie_word_embeddings,
-        config.quantization,
+        # "none" still checks an FP8 checkpoint's scales against its config
+        config.quantization or quant,
         fp8_dtype(device) if keep_fp8 else None,
     )
     return model.eval()
-
-
-def _check_quantization(config: ModelConfig, quantization: str | None) -> None:
-    """``"none"`` dequantizes (the checkpoint's scales are still read), ``"fp8"`` needs an FP8 checkpoint, None
-    follows the checkpoint."""
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    if quantization == "fp8" and config.quantization is None:
-        raise ValueError(
-            "quantization 'fp8' needs a block-FP8 checkpoint (a quantization_config with quant_method "
-            "'fp8' in config.json); this one has none"
-        )
 
 
 def create_model(

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from sglang_lite import assets
-from sglang_lite.config import ModelConfig, quantization_in_use
+from sglang_lite.config import ModelConfig, quantization_config_in_use, quantization_in_use
 from sglang_lite.server.tokenizer_manager import TokenizerManager
 from sglang_lite.server_args import ServerArgs
 
@@ -45,7 +45,8 @@ def server_info_of(manager: TokenizerManager, args: ServerArgs) -> dict[str, Any
     info["quantization"] = quantization_in_use(model_config, args.quantization)
     if info["quantization"] != "none":
         where = "dequantized at load" if args.device == "cpu" else "FP8 in memory"
-        info["quantization_config"] = f"{model_config.quantization.describe()}; weights {where}"
+        blocks = quantization_config_in_use(model_config, args.quantization)
+        info["quantization_config"] = f"{blocks.describe()}; weights {where}"
     return info
 
 
