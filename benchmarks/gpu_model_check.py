@@ -1,23 +1,33 @@
-"""On a GPU: the model classes, the CUDA-graph decode step and the engine against transformers (a companion of
-gpu_check.py, which checks the kernels one by one). Under 2 minutes.
+"""On a GPU: the model classes, the CUDA-graph decode step and the serving paths against transformers (a
+companion of gpu_check.py, which checks the kernels one by one and runs these checks too). Under 3 minutes.
 
 1. Logits of tiny random dense and MoE checkpoints loaded on the GPU (float32 and bfloat16) against transformers
    on the CPU in float32.
 2. Packed prefill of several requests, then decode steps through ``ModelRunner`` (CUDA graphs captured) with the
-   alt-stream overlaps on and off, against the full forward of each sequence.
-3. Greedy generation of the offline ``Engine`` on the GPU against transformers ``generate``.
+   alt-stream overlaps on and off, against the full forward of each sequence; the same for a block-FP8 checkpoint
+   (FP8 weights, the W8A8 block GEMM and the FP8 fused MoE in the graphs), whose logits are also compared with
+   transformers on the dequantized weights.
+3. Greedy generation of the offline ``Engine`` against transformers ``generate``.
+4. The built-in model behind the Engine with TP=2 over NCCL/RCCL when two GPUs exist (else TP=1, the same code
+   path): one batch of greedy, penalised, grammar-constrained and ``n`` = 3 requests decoded in captured graphs,
+   then prompts that extend cached ones (prefix-cache hits), each against transformers decoding it alone.
 
-Prints PASS/FAIL per check and exits non-zero when any fails. On a machine without a GPU it says so and exits 0.
+Prints PASS/FAIL per check and exits non-zero when any fails. ``--device cpu`` runs the same checks on the CPU
+(no graphs; TP=2 over gloo), to know the script runs end to end; on a machine without a GPU, the default says so
+and exits 0.
 
-    python benchmarks/gpu_model_check.py
+    python benchmarks/gpu_model_check.py [--device cpu]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import sys
 import tempfile
 import time
+from collections import Counter
 
 import torch
 
@@ -29,23 +39,27 @@ from sglang_lite import Engine, load_model  # noqa: E402
 from sglang_lite.forward_batch import ForwardMode, build_forward_batch  # noqa: E402
 from sglang_lite.mem_cache.pools import ModelPools  # noqa: E402
 from sglang_lite.model_executor import ModelRunner  # noqa: E402
+from sglang_lite.sampling.grammar import mask_logits  # noqa: E402
 from sglang_lite.server_args import ServerArgs  # noqa: E402
 from tests.engine.conftest import TinyCheckpoint, random_prompts  # noqa: E402
 from tests.hf_checkpoints import make_hf_model, save_checkpoint  # noqa: E402
+from tests.models.test_fp8 import make_fp8_checkpoint  # noqa: E402
 
 # float32 as on the CPU (the kernels' float32 dots keep float32 accuracy); bf16 weights lose about 1e-2.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
-results: list[bool] = []
+# the checks' outcomes: name, ok, detail, seconds
+results: list[dict] = []
 _last = [time.perf_counter()]
-# "cpu" runs the same checks here, without graphs
+# "cpu" runs the same checks here, without graphs (--device, or this variable)
 DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
+FP8_TOL = 8e-2  # FP8 activations against the dequantized weights in float32 (kernel_cases/fp8.py)
 
 
 def report(name: str, ok: bool, detail: str) -> None:
     now = time.perf_counter()
     print(f"{'PASS' if ok else 'FAIL'} {name}: {detail} [{now - _last[0]:.1f} s]", flush=True)
+    results.append({"name": name, "ok": bool(ok), "detail": detail, "seconds": now - _last[0]})
     _last[0] = now
-    results.append(ok)
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -67,8 +81,9 @@ def check_logits(hf: torch.nn.Module, path: str, kind: str) -> None:
         )
 
 
-def check_graph_decode(path: str, kind: str, alt: bool) -> None:
-    """Five requests of different lengths prefill packed, then decode 6 steps by CUDA-graph replay."""
+def check_graph_decode(path: str, kind: str, alt: bool, fp8: bool = False) -> None:
+    """Five requests of different lengths prefill packed, then decode 6 steps by CUDA-graph replay. ``fp8``: an
+    FP8 checkpoint kept in FP8 on the GPU (dequantized at load on the CPU)."""
     steps, lengths = 6, [1, 17, 64, 65, 100]
     with overlap_flags(alt):
         model = load_model(
@@ -76,6 +91,7 @@ def check_graph_decode(path: str, kind: str, alt: bool) -> None:
             dtype=torch.float32,
             device=DEVICE,
             server_args=ServerArgs(device=DEVICE, disable_shared_experts_fusion=False),
+            **({"fp8_weights": DEVICE != "cpu"} if fp8 else {}),
         )
     gen = torch.Generator().manual_seed(1)
     full = [
@@ -110,10 +126,29 @@ def check_graph_decode(path: str, kind: str, alt: bool) -> None:
         err = max(err, *(rel_err(logits[r], expected[r][n + step]) for r, n in enumerate(lengths)))
     graphs = runner.graph_runner.batch_sizes if runner.graph_runner else []
     captured = [site for site, on in model.streams.describe()["decode_captured"].items() if on]
+    # an FP8 activation may round the other way in a differently shaped batch
+    tol = 2e-2 if fp8 else 1e-3
     report(
         f"{kind} prefill + graph decode, alt streams {'on' if alt else 'off'}",
-        err < 1e-3 and (bool(graphs) or DEVICE == "cpu"),
+        err < tol and (bool(graphs) or DEVICE == "cpu"),
         f"max rel err {err:.2e} vs eager full forward; graphs for bs {graphs}; captured overlaps {captured}",
+    )
+
+
+def check_fp8_logits(hf: torch.nn.Module, path: str) -> None:
+    """An FP8 checkpoint with FP8 weights on the GPU against transformers on its dequantized weights."""
+    ids = torch.randint(
+        0, hf.config.vocab_size, (2, 130), generator=torch.Generator().manual_seed(2)
+    )
+    with torch.no_grad():
+        expected = hf(ids).logits
+    fp8 = {"fp8_weights": True} if DEVICE != "cpu" else {}
+    model = load_model(path, dtype=torch.float32, device=DEVICE, **fp8)
+    err = rel_err(model(ids.to(DEVICE)).float(), expected)
+    report(
+        f"fp8 logits (fp8 weights: {bool(fp8)})",
+        err < FP8_TOL,
+        f"max rel err {err:.2e} vs dequantized transformers (tol {FP8_TOL:.0e})",
     )
 
 
@@ -144,33 +179,177 @@ def check_engine(checkpoint: TinyCheckpoint, kind: str) -> None:
     )
 
 
+# ---- serving paths under CUDA graphs: TP, penalties, a grammar, n > 1, the prefix cache -----------------------
+REGEX = r"(yes|no|maybe)(, (yes|no|maybe)){0,4}\."
+NEW_TOKENS = 12
+
+
+def penalised(logits: torch.Tensor, params: dict, output_ids: list[int]) -> torch.Tensor:
+    """One request's logits after its penalties, token by token (SGLang's order: additive, then scaling)."""
+    out = logits.double().clone()
+    for token, count in Counter(output_ids).items():
+        out[token] -= params.get("frequency_penalty", 0.0) * count
+        out[token] -= params.get("presence_penalty", 0.0)
+        rep = params.get("repetition_penalty", 1.0)
+        out[token] = out[token] * rep if out[token] < 0 else out[token] / rep
+    return out.float()
+
+
+def reference_tokens(hf, prompt: list[int], params: dict, grammar=None) -> list[int]:
+    """Greedy decoding by full transformers forwards: penalties and the grammar's mask applied per step; stops
+    after ``max_new_tokens`` or where the grammar ends (the stop token it accepts is not returned)."""
+    out: list[int] = []
+    for _ in range(params["max_new_tokens"]):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1].float()
+        logits = penalised(logits, params, out)
+        if grammar is not None:
+            logits = mask_logits(logits[None], [grammar])[0]
+        token = int(logits.argmax())
+        if grammar is not None:
+            grammar.accept(token)
+            if grammar.terminated:
+                return out
+        out.append(token)
+    return out
+
+
+def serving_requests(tokenizer) -> list[tuple[str, list[int], dict]]:
+    """(kind, prompt, sampling params) of one batch that decodes in captured graphs together."""
+    texts = ["def read_config(path):\n", "import os\n", "class Parser:\n", "for line in f"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    penalties = {"frequency_penalty": 0.7, "presence_penalty": 0.4, "repetition_penalty": 1.3}
+    return [
+        ("greedy", prompts[0], greedy),
+        ("greedy", prompts[1], greedy),
+        ("penalties", prompts[0], {**greedy, **penalties}),
+        ("penalties", prompts[2], {**greedy, "repetition_penalty": 0.7}),
+        ("grammar", prompts[0], {"max_new_tokens": 24, "temperature": 0.0, "regex": REGEX}),
+        ("n=3", prompts[3], {**greedy, "n": 3}),
+    ]
+
+
+def check_serving(tp: int) -> None:
+    """The built-in model (it has a tokenizer) behind the Engine, decode batches replayed from CUDA graphs (TP
+    over NCCL/RCCL when tp > 1): a batch mixing greedy, penalised, grammar and n = 3 requests, then a round of
+    prompts that extend the first ones (prefix-cache hits), each against transformers decoding alone."""
+    from transformers import AutoModelForCausalLM
+
+    from sglang_lite.assets import TINY_MODEL_DIR
+    from sglang_lite.runtime.factory import eos_token_ids
+    from sglang_lite.sampling.grammar import GrammarCache, GrammarKey, RequestGrammar
+    from sglang_lite.tokenizer import load_tokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(None)
+    # the stop tokens the rank uses: config.json's and generation_config.json's
+    eos = list(eos_token_ids(str(TINY_MODEL_DIR), (hf.config.eos_token_id,)))
+    grammars = GrammarCache(tokenizer, hf.config.vocab_size)
+    requests = serving_requests(tokenizer)
+    with Engine(
+        device=DEVICE,
+        dtype="float32",
+        tp_size=tp,
+        max_total_tokens=4096,
+        max_running_requests=16,
+        cuda_graph_max_bs=16,
+        context_length=512,
+    ) as engine:
+        first = engine.generate(
+            input_ids=[p for _, p, _ in requests], sampling_params=[s for *_, s in requests]
+        )
+        # the first prompts' ends hold state snapshots: a prompt that extends one starts from it
+        extended = [p + tokenizer.encode("    return None\n") for _, p, _ in requests[:2]]
+        second = engine.generate(input_ids=extended, sampling_params=[requests[0][2]] * 2)
+        plan = engine._client.core.ready[0].alt_stream_plan or {}
+    captured = [site for site, on in plan.get("decode_captured", {}).items() if on]
+    expanded = [(k, p, s) for k, p, s in requests for _ in range(s.get("n", 1))]
+    rows: dict[str, list[bool]] = {}
+    for (kind, prompt, params), out in zip(expanded, first):
+        grammar = None
+        if "regex" in params:
+            grammar = RequestGrammar(grammars.compile(GrammarKey("regex", REGEX)), eos)
+        want = reference_tokens(hf, prompt, {k: v for k, v in params.items() if k != "n"}, grammar)
+        got = out["output_ids"][:-1] if grammar is not None else out["output_ids"]
+        ok = got == want
+        if grammar is not None:
+            ok &= re.fullmatch(REGEX, out["text"]) is not None
+            ok &= out["output_ids"][-1] in eos
+        rows.setdefault(kind, []).append(ok)
+    for prompt, out in zip(extended, second):
+        cached = out["meta_info"].get("cached_tokens", 0)
+        ok = out["output_ids"] == reference_tokens(hf, prompt, requests[0][2]) and cached > 0
+        rows.setdefault("prefix cache", []).append(ok)
+    for kind, oks in rows.items():
+        report(
+            f"serving tp={tp} {kind} (graphs: {DEVICE != 'cpu'})",
+            all(oks),
+            f"{sum(oks)}/{len(oks)} requests equal transformers alone; captured overlaps {captured}",
+        )
+
+
+def tp_size() -> int:
+    """2 where two GPUs (or the CPU, over gloo) can run a world, else 1."""
+    return 2 if DEVICE == "cpu" or torch.cuda.device_count() >= 2 else 1
+
+
+def model_checks(root: str) -> list[tuple]:
+    """(check, *arguments) of every check, checkpoints written under ``root``."""
+    checks = []
+    for kind in ("moe", "dense"):
+        # = experts': fusable
+        hf = make_hf_model(moe=kind == "moe", seed=7, shared_expert_intermediate_size=24)
+        path = save_checkpoint(hf, os.path.join(root, kind))
+        checks += [
+            (check_logits, hf, path, kind),
+            (check_graph_decode, path, kind, False),
+            (check_graph_decode, path, kind, True),
+            (check_engine, TinyCheckpoint(kind, os.path.join(root, "engine")), kind),
+        ]
+    hf = make_hf_model(moe=True, seed=7)
+    path = make_fp8_checkpoint(hf, os.path.join(root, "fp8"), "vl")
+    checks += [
+        (check_fp8_logits, hf, path),
+        (check_graph_decode, path, "fp8 moe", False, True),
+        (check_graph_decode, path, "fp8 moe", True, True),
+        (check_serving, tp_size()),
+    ]
+    return checks
+
+
+def run_model_checks(device: str) -> list[dict]:
+    """Runs every check on ``device``; returns their outcomes (a crash is a failed check)."""
+    global DEVICE
+    DEVICE = device
+    with tempfile.TemporaryDirectory() as root:
+        for check, *args in model_checks(root):
+            try:
+                check(*args)
+            except Exception as exc:  # one crash must not hide the other checks' results
+                named = [a for a in args if isinstance(a, (str, int)) and not os.path.isabs(str(a))]
+                report(
+                    f"{check.__name__}{tuple(named)} crashed",
+                    False,
+                    f"{type(exc).__name__}: {exc}",
+                )
+    return results
+
+
 def main() -> int:
-    if DEVICE == "cuda" and not torch.cuda.is_available():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default=DEVICE, choices=["cuda", "cpu"])
+    device = parser.parse_args().device
+    if device == "cuda" and not torch.cuda.is_available():
         print("no GPU found: nothing to check (run the CPU tests with pytest instead)")
         return 0
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as root:
-        for kind in ("moe", "dense"):
-            # = experts': fusable
-            hf = make_hf_model(moe=kind == "moe", seed=7, shared_expert_intermediate_size=24)
-            path = save_checkpoint(hf, os.path.join(root, kind))
-            checks = [
-                (check_logits, hf, path, kind),
-                (check_graph_decode, path, kind, False),
-                (check_graph_decode, path, kind, True),
-                (check_engine, TinyCheckpoint(kind, os.path.join(root, "engine")), kind),
-            ]
-            for check, *args in checks:
-                try:
-                    check(*args)
-                except Exception as exc:  # one crash must not hide the other checks' results
-                    report(
-                        f"{kind} {check.__name__} crashed", False, f"{type(exc).__name__}: {exc}"
-                    )
-    print(
-        f"model checks: {sum(results)}/{len(results)} passed in {time.perf_counter() - start:.0f} s"
-    )
-    return 0 if all(results) else 1
+    outcomes = run_model_checks(device)
+    passed = sum(r["ok"] for r in outcomes)
+    print(f"model checks: {passed}/{len(outcomes)} passed in {time.perf_counter() - start:.0f} s")
+    return 0 if passed == len(outcomes) else 1
 
 
 if __name__ == "__main__":

@@ -1,18 +1,23 @@
 """Without a GPU: compile every Triton kernel, at the launch configurations the GPU checks use, for NVIDIA sm_90
-(H100 / H200) and AMD gfx942 (MI300), and report registers, spilled stack and shared memory per thread block.
+(H100 / H200), AMD gfx942 (MI300) and AMD gfx950 (MI355X), and report registers, spilled stack and shared memory
+per thread block in one table (a row per configuration, a column group per target).
 
 The kernel cases' GPU checks (benchmarks/kernel_cases, real model sizes) run on CPU tensors with every Triton
-launch recorded instead of run; each recorded configuration is then compiled ahead of time for both targets with
-the compilers in Triton's own package (no GPU, no driver). A configuration fails when it needs more shared memory
-than the chip has (on an H200 that was an OutOfResources error at the first launch); spilled stack is flagged, as
-a cost to weigh rather than an error (spills made a norm kernel run at a few percent of memory bandwidth).
+launch recorded instead of run, once per target with the platform the launchers see set to the target's (the
+launchers pick some tiles per target); each recorded configuration is then compiled ahead of time with the
+compilers in Triton's own package (no GPU, no driver). A configuration fails when it needs more shared memory than
+the chip has (on an H200 that was an OutOfResources error at the first launch) or spills more than
+``MAX_SPILL_BYTES`` a thread (spills made a norm kernel run at a few percent of memory bandwidth); smaller spills
+are marked, as a cost to weigh. Shared memory per block: 227 KB on sm_90; LDS per workgroup 64 KB on gfx942 and
+160 KB on gfx950 (AMD's GPU specifications, CDNA3 and CDNA4).
 
-    python benchmarks/triton_resources.py [--targets sm90,gfx942]
+    python benchmarks/triton_resources.py [--targets sm90,gfx942,gfx950]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -36,7 +41,9 @@ import sglang_lite.kernels.dispatch as dispatch  # noqa: E402
 TARGETS = {  # name -> (target, shared memory per block in bytes, torch.version.hip while recording)
     "sm90": (GPUTarget("cuda", 90, 32), 232448, None),
     "gfx942": (GPUTarget("hip", "gfx942", 64), 65536, "6.4"),
+    "gfx950": (GPUTarget("hip", "gfx950", 64), 163840, "7.0"),
 }
+MAX_SPILL_BYTES = 512  # per thread (NVIDIA) or lane (AMD)
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
@@ -50,19 +57,28 @@ class Launch:
     options: tuple[tuple[str, int], ...]
 
     @property
-    def name(self) -> str:
-        """Kernel, data type and the constexprs it declares plus launch options (not the specialised 1s)."""
+    def data(self) -> str:
+        """The element type of the first pointer argument."""
+        return next((t[1:] for _, t in self.signature if t.startswith("*")), "")
+
+    @property
+    def shown(self) -> list[tuple[str, object]]:
+        """The constexprs the kernel declares plus launch options (not the specialised 1s)."""
         declared = {p.name for p in self.kernel.params if p.is_constexpr}
-        shown = [(k, v) for k, v in self.constexprs if k in declared] + list(self.options)
-        data = next((t[1:] for _, t in self.signature if t.startswith("*")), "")
-        return f"{self.kernel.fn.__name__} {data} [{', '.join(f'{k}={v}' for k, v in shown)}]"
+        return [(k, v) for k, v in self.constexprs if k in declared] + list(self.options)
+
+    @property
+    def name(self) -> str:
+        fields = ", ".join(f"{k}={v}" for k, v in self.shown)
+        return f"{self.kernel.fn.__name__} {self.data} [{fields}]"
 
 
 def record_launches(hip_version: str | None, arch: str) -> list[Launch]:
-    """Every distinct launch configuration of the kernel cases' checks, specialised as Triton's launcher does
-    (integers equal to 1 become constants; 16-divisible integers and 16-aligned pointers are marked), with the
-    platform the launchers see (it decides, for one, the dot precision) set to the target's."""
-    launches: dict[Launch, None] = {}
+    """Every launch of the kernel cases' checks in call order, specialised as Triton's launcher does (integers
+    equal to 1 become constants; 16-divisible integers and 16-aligned pointers are marked), with the platform the
+    launchers see (it decides the dot precision and some tiles) set to the target's. The checks run the same
+    calls on every target, so the i-th launch of one target is the same call as the i-th of another."""
+    launches: list[Launch] = []
 
     def record(self: JITFunction, *args, grid=None, warmup=False, **kwargs):
         bound = dict(zip(self.arg_names, args)) | kwargs
@@ -85,23 +101,29 @@ def record_launches(hip_version: str | None, arch: str) -> list[Launch]:
             elif spec == "D":
                 aligned.append(i)
         options = tuple((k, bound[k]) for k in LAUNCH_OPTIONS if k in bound)
-        launches[Launch(self, tuple(signature), tuple(constexprs), tuple(aligned), options)] = None
+        launches.append(Launch(self, tuple(signature), tuple(constexprs), tuple(aligned), options))
 
     real = JITFunction.run, dispatch.triton_interpreting, dispatch._hip_arch, torch.version.hip
+    empty = torch.empty, torch.empty_like
     # CPU tensors may take the Triton side
     JITFunction.run, dispatch.triton_interpreting = record, lambda: True
     dispatch._hip_arch, torch.version.hip = (lambda: arch), hip_version
+    # outputs are never written: zeros, not leftover memory, so that what the checks do with them next (routing,
+    # sizes) is the same on every target
+    torch.empty, torch.empty_like = torch.zeros, torch.zeros_like
     try:
         for module in load_cases():
             if module.__name__.endswith("alt_streams"):
                 continue  # whole models on GPU streams; their kernels are the other families'
+            torch.manual_seed(0)
             try:
                 module.check(torch.device("cpu"))
             except Exception:  # noqa: BLE001 - outputs are never written, so checks may fail after their launches
                 pass
     finally:
         JITFunction.run, dispatch.triton_interpreting, dispatch._hip_arch, torch.version.hip = real
-    return list(launches)
+        torch.empty, torch.empty_like = empty
+    return launches
 
 
 def resources(launch: Launch, target: GPUTarget) -> dict:
@@ -141,41 +163,130 @@ def resources(launch: Launch, target: GPUTarget) -> dict:
     return {"regs": regs, "stack": stack, "shared": compiled.metadata.shared, "seconds": seconds}
 
 
+def missing_compiler(name: str) -> str | None:
+    """Why this Triton cannot compile for the target here (None when it can)."""
+    target = TARGETS[name][0]
+    backends = os.path.join(os.path.dirname(triton.__file__), "backends")
+    if target.backend == "cuda":
+        for tool in ("ptxas", "cuobjdump"):
+            if not os.path.exists(os.path.join(backends, "nvidia", "bin", tool)):
+                return f"this Triton {triton.__version__} ships no {tool} (backends/nvidia/bin)"
+        return None
+    try:
+        from triton._C.libtriton import amd  # noqa: F401
+    except ImportError as exc:
+        return f"this Triton {triton.__version__} has no AMD backend: {exc}"
+    return None
+
+
+def compile_target(name: str, calls: list[Launch]) -> dict[Launch, dict | str]:
+    """Resources of every distinct launch of one target, or the compile error's text."""
+    target = TARGETS[name][0]
+    out: dict[Launch, dict | str] = {}
+    for launch in dict.fromkeys(calls):
+        try:
+            out[launch] = resources(launch, target)
+        except Exception as exc:  # noqa: BLE001 - a compile error is a finding, not the end of the report
+            out[launch] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return out
+
+
+def verdict(name: str, r: dict | str) -> str:
+    """'' (fits), 'spills' (under the limit), or why the configuration fails on the target."""
+    if isinstance(r, str):
+        return "FAIL compile"
+    if r["shared"] > TARGETS[name][1]:
+        return "FAIL shared"
+    if r["stack"] > MAX_SPILL_BYTES:
+        return "FAIL spills"
+    return "spills" if r["stack"] else ""
+
+
+def row_label(launches: tuple[Launch, ...]) -> str:
+    """The call's kernel, data type and parameters; a value that differs per target reads ``a/b/c``."""
+
+    def joined(values: list[object]) -> str:
+        return str(values[0]) if len(set(values)) == 1 else "/".join(map(str, values))
+
+    fields = [dict(la.shown) for la in launches]
+    keys = dict.fromkeys(k for f in fields for k in f)
+    shown = ", ".join(f"{k}={joined([f.get(k, '-') for f in fields])}" for k in keys)
+    data = joined([la.data for la in launches])
+    return f"{launches[0].kernel.fn.__name__} {data} [{shown}]"
+
+
+def table(
+    names: list[str], calls: list[tuple[Launch, ...]], results: dict[str, dict]
+) -> tuple[str, int, int]:
+    """One row per distinct call (targets in columns): regs, spilled bytes and shared KB; failures, spills."""
+    width = 24
+    head = "".join(f"{n + ': regs spill shKB':>{width}}" for n in names)
+    lines = [f"{head}  kernel (a/b/c: per-target values)"]
+    failures = spills = 0
+    for row in dict.fromkeys(calls):
+        cells, marks = [], []
+        for name, launch in zip(names, row):
+            r = results[name][launch]
+            mark = verdict(name, r)
+            failures += mark.startswith("FAIL")
+            spills += mark == "spills"
+            if isinstance(r, str):
+                cells.append(f"{'compile error':>{width}}")
+                marks.append(f"{name}: {r}")
+                continue
+            cells.append(f"{r['regs']:>{width - 14}} {r['stack']:>6} {r['shared'] / 1024:>6.1f}")
+            if mark:
+                marks.append(f"{name} {mark}")
+        note = f"  <-- {'; '.join(marks)}" if marks else ""
+        lines.append(f"{''.join(cells)}  {row_label(row)}{note}")
+    return "\n".join(lines), failures, spills
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--json", help="also write the results here (per target: skipped or rows)")
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
-    print(
-        f"Triton {triton.__version__}; regs: per thread (NVIDIA) or vector registers per lane (AMD)\n"
-    )
-    print(f"{'target':<7} {'regs':>5} {'stack B':>8} {'shared KB':>10} {'compile s':>9}  kernel")
-    failures = spills = 0
+    names, skipped = [], {}
     for name in args.targets.split(","):
-        target, shared_limit, hip_version = TARGETS[name]
-        for launch in record_launches(hip_version, str(target.arch)):
-            try:
-                r = resources(launch, target)
-            except Exception as exc:  # noqa: BLE001 - a compile error is a finding, not the end of the report
-                print(
-                    f"{name:<7} {'compile error':>34}  {launch.name}: {type(exc).__name__}: {str(exc)[:200]}"
-                )
-                failures += 1
-                continue
-            too_big = r["shared"] > shared_limit
-            failures += too_big
-            spills += r["stack"] > 0
-            mark = "  <-- FAIL: shared memory" if too_big else "  (spills)" if r["stack"] else ""
-            print(
-                f"{name:<7} {r['regs']:>5} {r['stack']:>8} {r['shared'] / 1024:>10.1f} {r['seconds']:>9.1f}  "
-                f"{launch.name}{mark}",
-                flush=True,
-            )
+        reason = missing_compiler(name)
+        if reason:
+            skipped[name] = reason
+            print(f"skipped {name}: {reason}")
+        else:
+            names.append(name)
+    start = time.perf_counter()
+    per_target = [record_launches(TARGETS[n][2], str(TARGETS[n][0].arch)) for n in names]
+    results = {name: compile_target(name, calls) for name, calls in zip(names, per_target)}
+    if len({len(calls) for calls in per_target}) > 1:
+        raise SystemExit("the checks made different calls per target: rows cannot be matched")
+    calls = list(zip(*per_target))
     print(
-        f"\n{failures} configuration(s) fail (shared memory or compile error); {spills} spill registers"
+        f"Triton {triton.__version__}; regs: per thread (NVIDIA) or vector registers per lane (AMD); spill: "
+        f"stack bytes per thread/lane (> {MAX_SPILL_BYTES} fails); shKB: shared memory (LDS) per block, limits "
+        + ", ".join(f"{n} {TARGETS[n][1] // 1024} KB" for n in names)
+        + f"; compiled in {time.perf_counter() - start:.0f} s\n"
     )
+    text, failures, spills = table(names, calls, results)
+    print(text)
+    print(
+        f"\n{failures} configuration(s) fail (shared memory, spills over {MAX_SPILL_BYTES} B or compile "
+        f"error); {spills} spill registers under the limit"
+    )
+    if args.json:
+        report = {n: {"skipped": r} for n, r in skipped.items()}
+        for name in names:
+            rows = [
+                {"kernel": la.name, "verdict": verdict(name, r)}
+                | (r if isinstance(r, dict) else {"error": r})
+                for la, r in results[name].items()
+            ]
+            report[name] = {"rows": rows}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     return 1 if failures else 0
 
 

@@ -58,6 +58,12 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+def gpu_arch() -> str:
+    """The GPU a launch targets, for launch parameters chosen per target: ``"cuda"`` on NVIDIA, the gfx name on
+    ROCm (``gcnArchName`` without its feature flags: ``"gfx942"``, ``"gfx950"``)."""
+    return _hip_arch().split(":")[0] if torch.version.hip else "cuda"
+
+
 @functools.lru_cache(maxsize=None)
 def _hip_arch() -> str:
     if not torch.cuda.is_available():

@@ -24,6 +24,8 @@ def _logits(model: torch.nn.Module, concurrency: int, graphs: bool) -> list[torc
 
 
 def check(device: torch.device) -> list[dict]:
+    if device.type != "cuda":
+        return []  # streams and graphs exist only on a GPU (gpu_model_check runs the plans on the CPU too)
     # eager forwards overlap too, so the eager check exercises them
     os.environ["SGLANG_ALT_STREAM_EAGER"] = "1"
     try:

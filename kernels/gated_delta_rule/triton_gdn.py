@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import dispatch
 from ..dispatch import dot_precision
 
 
@@ -388,13 +389,10 @@ def chunk_gated_delta_rule_triton(
     out = _output(v, out)
     # Value columns split across programs: each keeps a [dk, 64] state slice, so a 128 x 128 head fits the
     # registers and shared memory of one program; the keys' part (K K^T and its inverse) is redone per slice.
-    # The chunk tile shrinks as the key dim grows, since shared memory grows with tile x dk: a 64-token tile at
-    # dk = 128 in bf16 does not fit an H200's 227 KB, and fp32 with three-pass tf32 dots needs about twice the bf16
-    # amount (benchmarks/triton_resources.py). Chunking only regroups the recurrence, so every tile gives the same
-    # result.
+    # The chunk tile shrinks as the key dim grows (tile x dk at most 2048), since registers and shared memory grow
+    # with it; chunking only regroups the recurrence, so every tile gives the same result.
     block_v = min(_pad(dims.dv), 64)
-    budget = 2048 if q.dtype == torch.float32 else 4096
-    chunk_size = max(16, min(chunk_size, budget // _pad(dims.dk)))
+    chunk_size = max(16, min(chunk_size, 2048 // _pad(dims.dk)))
     grid = (state_indices.shape[0], dims.hv, triton.cdiv(dims.dv, block_v))
     if grid[0]:
         _chunk_kernel[grid](
@@ -419,8 +417,14 @@ def chunk_gated_delta_rule_triton(
             L2NORM=use_qk_l2norm,
             # the tiles are widened to fp32; 16-bit data need no more than tf32
             PRECISION=dot_precision(q.dtype),
+            **_CHUNK_LAUNCH.get(dispatch.gpu_arch(), {}),
         )
     return out
+
+
+# Launch parameters per target (benchmarks/triton_resources.py measures them): on sm_90 the default 4 warps
+# and pipelined loads spill up to 2.2 KB a thread; 8 warps without pipelining keep bf16 free of spills.
+_CHUNK_LAUNCH = {"cuda": {"num_warps": 8, "num_stages": 1}}
 
 
 def fused_recurrent_gated_delta_rule_triton(
