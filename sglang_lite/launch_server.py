@@ -20,13 +20,9 @@ import sys
 import threading
 
 from sglang_lite.server_args import ServerArgs
-from sglang_lite.utils.cli import OneLineParser
+from sglang_lite.utils.cli import OneLineParser, StartupError, listen
 
 logger = logging.getLogger("sglang_lite.launch_server")
-
-
-class StartupError(RuntimeError):
-    """A start-up failure the user can fix; its message says how."""
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
@@ -57,24 +53,6 @@ class _InvalidRequestsAtDebug(logging.Filter):
         if record.getMessage() != "Invalid HTTP request received.":
             return True
         return logging.getLogger().isEnabledFor(logging.DEBUG)
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before anything loads."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as error:
-        sock.close()
-        raise StartupError(
-            f"cannot listen on {host}:{port}: {error.strerror or error} "
-            "(another server there? choose one with --port)"
-        ) from None
-    sock.listen(2048)
-    sock.set_inheritable(False)
-    return sock
 
 
 def ready_line(args: ServerArgs) -> str:
@@ -160,7 +138,7 @@ def _start(args: ServerArgs) -> int:
             flush=True,
         )
         return run_node(args)
-    sock = bind(args.host, args.port)
+    sock = listen(args.host, args.port)
     print(
         f"sglang_lite server: loading, then serving http://{args.host}:{args.port} ({layout})",
         file=sys.stderr,

@@ -7,12 +7,13 @@ import dataclasses
 import hmac
 import logging
 import random
-import socket
 import sys
 import time
 
 import aiohttp
 from aiohttp import web
+
+from sglang_lite.utils.cli import listen
 
 from .admission import Admission, Shed
 from .config import RouterConfig
@@ -269,7 +270,8 @@ def key_matches(header: str | None, key: str) -> bool:
 async def serve(config: RouterConfig) -> None:
     """Run until cancelled: binds the port first (a port in use fails at once), waits for the workers, then
     serves; the line ``router listening on http://HOST:PORT`` says it is ready."""
-    sock = bind_socket(config.host, config.port)
+    sock = listen(config.host, config.port)
+    sock.setblocking(False)
     router = Router(config)
     runner = web.AppRunner(router.build_app(), handler_cancellation=True, access_log=None)
     try:
@@ -288,23 +290,3 @@ async def serve(config: RouterConfig) -> None:
         await runner.cleanup()
         await router.close()
         sock.close()
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as error:
-        sock.close()
-        raise RouterStartError(
-            f"cannot listen on {host}:{port}: {error.strerror or error} (choose one with --port)"
-        ) from None
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
-class RouterStartError(RuntimeError):
-    """A start-up failure the user can fix; its message says how."""

@@ -55,8 +55,12 @@ def test_gpu_check_configurations_fit(report, target):
         if r["verdict"].startswith("FAIL") and not r["kernel"].startswith(known)
     ]
     assert not failing, "\n".join(failing) + "\n" + text
-    for prefix in known:  # an open failure is listed only while it fails: fixed, it must leave the list
-        assert any(r["kernel"].startswith(prefix) and r["verdict"].startswith("FAIL") for r in rows), prefix
+    for (
+        prefix
+    ) in known:  # an open failure is listed only while it fails: fixed, it must leave the list
+        assert any(
+            r["kernel"].startswith(prefix) and r["verdict"].startswith("FAIL") for r in rows
+        ), prefix
     assert all(r["shared"] > 0 or r["regs"] > 0 for r in rows), text
 
 
