@@ -44,11 +44,20 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> str:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    # HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE as they are now (huggingface_hub reads them once, at import)
+    home = os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface"))
+    cache_dir = os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
     try:
-        return snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_PATTERNS))
+        return snapshot_download(
+            repo_id,
+            revision=revision,
+            allow_patterns=list(HUB_PATTERNS),
+            cache_dir=cache_dir,
+            local_files_only=offline,
+        )
     except LocalEntryNotFoundError as error:
         raise FileNotFoundError(
             f"model_path {repo_id!r}: no such folder here, and not in the Hugging Face cache "
-            f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}); it cannot be downloaded "
-            f"(offline or no network): {error}"
+            f"({cache_dir}); it cannot be downloaded (offline or no network): {error}"
         ) from None

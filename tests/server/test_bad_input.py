@@ -11,6 +11,7 @@ import pytest
 from tests.server.conftest import ServerProcess, wait_idle
 
 LONG_TEXT = "word " * 1000  # ~1000 tokens, over the servers' 512-token context
+HUGE_TEXT = "word " * 100_000  # over the characters any 512-token context can hold
 CASES = [
     ("/generate", b"{not json", "json"),
     ("/generate", b"[1, 2]", "body"),
@@ -77,7 +78,7 @@ CASES = [
     (
         "/v1/chat/completions",
         {
-            "messages": [{"role": "assistant", "content": "x", "reasoning_content": LONG_TEXT}],
+            "messages": [{"role": "assistant", "content": "x", "reasoning_content": HUGE_TEXT}],
         },
         "characters, more than the context length",  # counted before anything is tokenised
     ),
