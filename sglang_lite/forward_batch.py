@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_lite.distributed import DPTokens
-from sglang_lite.mem_cache.pools import ModelPools
+from sglang_lite.mem_cache.pools import ModelPools, token_positions
 from sglang_lite.streams.runtime import PLAIN, OverlapContext
 
 
@@ -116,7 +116,7 @@ def build_forward_batch(
     """
     extend_lens = [len(t) for t in token_ids]
     assert len(out_cache_loc) == sum(extend_lens), "one KV slot per new token"
-    positions = _token_positions(prefix_lens, extend_lens, device)
+    positions = token_positions(prefix_lens, extend_lens, device)
     flat = [t for ids in token_ids for t in ids]
     return ForwardBatch(
         mode=mode,
@@ -130,22 +130,3 @@ def build_forward_batch(
         state_slots=torch.tensor(state_slots, dtype=torch.int64, device=device),
         pools=pools,
     )
-
-
-def _per_token(values: torch.Tensor, extend_lens: list[int]) -> torch.Tensor:
-    """Each request's value repeated for each of its new tokens."""
-    if all(n == 1 for n in extend_lens):
-        return values
-    return values.repeat_interleave(torch.tensor(extend_lens, device=values.device))
-
-
-def _token_positions(
-    prefix_lens: list[int], extend_lens: list[int], device: torch.device | str
-) -> torch.Tensor:
-    """[T] position of each new token in its request: prefix, prefix + 1, ... per request."""
-    prefixes = torch.tensor(prefix_lens, dtype=torch.int64, device=device)
-    if all(n == 1 for n in extend_lens):
-        return prefixes
-    starts = torch.tensor([0, *_cumsum(extend_lens)[:-1]], dtype=torch.int64, device=device)
-    offsets = _per_token(prefixes - starts, extend_lens)
-    return torch.arange(offsets.numel(), device=device) + offsets

@@ -122,8 +122,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         sys.exit(_start(args))
-    except StartupError as error:
-        _exit_with(args, error)
     except Exception as error:  # noqa: BLE001 - one line for the user, the traceback at debug
         _exit_with(args, error)
 

@@ -11,6 +11,7 @@ free list; ``num_used`` counts exactly what is held.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -166,17 +167,8 @@ class ModelPools:
             return slots
         table = self.req_to_token.req_to_token
         device = table.device
-        if all(n == 1 for n in counts):  # a decode step: one position per row
-            per_token_rows = torch.tensor(rows, device=device)
-            positions = torch.tensor(starts, device=device)
-        else:
-            lengths = torch.tensor(counts, device=device)
-            per_token_rows = torch.tensor(rows, device=device).repeat_interleave(lengths)
-            firsts = torch.tensor(starts, device=device).repeat_interleave(lengths)
-            offsets = torch.arange(total, device=device) - torch.cumsum(lengths, 0).sub(
-                lengths
-            ).repeat_interleave(lengths)
-            positions = firsts + offsets
+        per_token_rows = per_token(torch.tensor(rows, device=device), counts)
+        positions = token_positions(starts, counts, device)
         try:
             table[per_token_rows, positions] = torch.tensor(slots, dtype=table.dtype, device=device)
         except Exception:  # a position past the row (a caller's bug): the slots are not lost
@@ -228,3 +220,23 @@ class ModelPools:
 def _local(config: ModelConfig) -> ModelConfig:
     """The heads this rank's layers hold (all of them outside a tensor-parallel world)."""
     return config.attention_shard(get_parallel_state().attn_tp_size)
+
+
+def per_token(values: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Each request's value repeated for each of its ``counts[i]`` new tokens."""
+    if all(n == 1 for n in counts):
+        return values
+    return values.repeat_interleave(torch.tensor(counts, device=values.device))
+
+
+def token_positions(
+    starts: list[int], counts: list[int], device: torch.device | str
+) -> torch.Tensor:
+    """[T] position of each new token in its request: start, start + 1, ... per request."""
+    firsts = torch.tensor(starts, dtype=torch.int64, device=device)
+    if all(n == 1 for n in counts):
+        return firsts
+    offsets = torch.tensor(
+        [0, *itertools.accumulate(counts)][:-1], dtype=torch.int64, device=device
+    )
+    return torch.arange(sum(counts), device=device) + per_token(firsts - offsets, counts)

@@ -72,7 +72,8 @@ class PrefillManager:
         )
 
     def _admit(self, req: Req) -> None:
-        assert self.memory.admit(req), "the plan admits only while rows are free"
+        admitted = self.memory.admit(req)
+        assert admitted, "the plan admits only while rows are free"
         self.queues.waiting.remove(req)
         req.status = ReqStatus.PREFILLING
         # prompt log-probabilities need their positions' logits; at least one token is left to run

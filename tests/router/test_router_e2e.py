@@ -357,8 +357,13 @@ def test_streaming_time_to_first_token_matches_direct(procs):
     assert routed_ttft - direct < 0.01, (direct, routed_ttft)
 
 
-def test_client_errors_do_not_trip_the_breaker_and_timeouts_release(procs, idle_pair):
-    server = idle_pair[0]
+# a context long enough that a generation outlasts the 1 s timeout however fast the engine is (900 tokens of
+# the 1024-token context took 0.97 s once)
+LONG_CONTEXT = ("--context-length", "8192", "--max-total-tokens", "16384")
+
+
+def test_client_errors_do_not_trip_the_breaker_and_timeouts_release(procs):
+    (server,) = procs.servers(["long"], extra=LONG_CONTEXT)
     router = procs.router(
         "--worker-urls",
         server.url,
@@ -375,10 +380,9 @@ def test_client_errors_do_not_trip_the_breaker_and_timeouts_release(procs, idle_
         async with aiohttp.ClientSession() as s:
             bad = [await generate(s, router.url, max_new_tokens=-1) for _ in range(5)]
             good = await generate(s, router.url, max_new_tokens=2)
-            slow = await generate(
-                s, router.url, max_new_tokens=900
-            )  # many seconds of tokens against 1 s
-            slow_stream = await generate(s, router.url, stream=True, max_new_tokens=900)
+            # many seconds of tokens against 1 s
+            slow = await generate(s, router.url, max_new_tokens=8000)
+            slow_stream = await generate(s, router.url, stream=True, max_new_tokens=8000)
             workers = (await get_json(s, router.url + "/workers"))["workers"]
             stopped = await wait_for(lambda: server_idle(s, server.url), timeout=10, interval=0.2)
         return bad, good, slow, slow_stream, workers, stopped
