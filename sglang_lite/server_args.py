@@ -44,8 +44,10 @@ _HELP = {
     "context_length": "Longest request (prompt + output) in tokens; default: the model's max_position_embeddings.",
     "max_total_tokens": "KV pool size in tokens; default: derived from mem_fraction_static.",
     "mem_fraction_static": "Fraction of device memory for weights, KV pool and linear-attention states.",
-    "max_running_requests": "Requests decoding at once; also the number of linear-attention state slots.",
-    "chunked_prefill_size": "Longest prefill chunk of one request in tokens; <= 0 disables chunking.",
+    "max_running_requests": "Requests decoding at once; also the number of linear-attention state slots. With "
+    "--enable-dp-attention the total over the DP ranks (each gets its share).",
+    "chunked_prefill_size": "Longest prefill chunk of one request in tokens; <= 0 disables chunking. With "
+    "--enable-dp-attention the total over the DP ranks (each gets its share).",
     "max_prefill_tokens": "Token budget of one prefill batch.",
     "schedule_policy": "Order of the waiting queue: fcfs (arrival) or sjf (shortest prompt first).",
     "schedule_conservativeness": "Scales how many future decode tokens admission reserves; 0 reserves none.",
@@ -213,11 +215,6 @@ class ServerArgs:
         self._check_choice("disaggregation_mode", DISAGGREGATION_MODES)
         self._check_choice("disaggregation_transfer_backend", TRANSFER_BACKENDS)
         self._check_positive("disaggregation_transfer_timeout", "grammar_compile_timeout")
-        if self.disaggregation_mode != "null" and self.tp_size > 1:
-            raise ValueError(
-                f"disaggregation_mode {self.disaggregation_mode} runs with tp_size 1 (got {self.tp_size}):"
-                " tensor-parallel shards are not transferred yet"
-            )
 
     def _check_state_pool(self) -> None:
         if self.mamba_full_memory_ratio < 0:
@@ -239,6 +236,11 @@ class ServerArgs:
             raise ValueError(
                 f"dp_size ({self.dp_size}) must divide tp_size ({self.tp_size}) with "
                 "enable_dp_attention"
+            )
+        if self.enable_dp_attention and self.max_running_requests < self.dp_size:
+            raise ValueError(
+                f"max_running_requests ({self.max_running_requests}) is the total over the "
+                f"{self.dp_size} DP ranks with enable_dp_attention: give at least one per rank"
             )
         if self.world_size % self.nnodes:
             raise ValueError(
@@ -289,6 +291,18 @@ class ServerArgs:
         from sglang_lite.distributed.parallel_state import ParallelConfig
 
         return ParallelConfig(self.tp_size, self.ep_size, self.dp_size, self.enable_dp_attention)
+
+    def per_dp_rank(self) -> ServerArgs:
+        """The arguments one DP rank runs with: under DP attention ``max_running_requests`` and
+        ``chunked_prefill_size`` are the server's totals, divided over its DP ranks (as upstream)."""
+        if not self.enable_dp_attention or self.dp_size == 1:
+            return self
+        chunk = self.chunked_prefill_size
+        return dataclasses.replace(
+            self,
+            max_running_requests=self.max_running_requests // self.dp_size,
+            chunked_prefill_size=chunk // self.dp_size if chunk > 0 else chunk,
+        )
 
     @property
     def world_size(self) -> int:
@@ -345,7 +359,12 @@ class ServerArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
-_ALIASES = {"tp_size": ["--tp"]}
+# upstream's other spellings of the parallel sizes
+_ALIASES = {
+    "tp_size": ["--tp", "--tensor-parallel-size"],
+    "dp_size": ["--dp", "--data-parallel-size"],
+    "ep_size": ["--ep", "--expert-parallel-size"],
+}
 
 
 def _add_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:

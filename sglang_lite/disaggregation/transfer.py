@@ -8,7 +8,6 @@ writes into a decode rank's registered memory with batched synchronous writes.
 from __future__ import annotations
 
 import socket
-import time
 from dataclasses import dataclass
 
 import torch
@@ -78,15 +77,21 @@ class MooncakeTransfer:
                     f"Mooncake could not register a buffer of {tuple(tensor.shape)} (code {code})"
                 )
 
+    def unregister(self, tensor: torch.Tensor) -> None:
+        self.engine.unregister_memory(tensor.data_ptr())
+
     def write(
-        self, session: str, sources: list[int], targets: list[int], lengths: list[int]
+        self,
+        session: str,
+        sources: list[int],
+        targets: list[int],
+        lengths: list[int],
     ) -> int:
         """Writes each ``lengths[i]`` bytes at local ``sources[i]`` to ``targets[i]`` of the peer ``session``, in
         batches of at most ``MAX_BATCH_BLOCKS`` (the TCP transport refuses larger ones: seen from ~2,100);
-        returns the bytes written or raises TransferError."""
+        returns the bytes written or raises TransferError. The caller records whole transfers in ``stats``."""
         if not sources:
             return 0
-        start = time.perf_counter()
         for i in range(0, len(sources), MAX_BATCH_BLOCKS):
             batch = slice(i, i + MAX_BATCH_BLOCKS)
             code = self.engine.batch_transfer_sync_write(
@@ -97,6 +102,4 @@ class MooncakeTransfer:
                     f"Mooncake write of blocks {i}-{i + len(sources[batch]) - 1} of {len(sources)} "
                     f"to {session} failed (code {code})"
                 )
-        nbytes = sum(lengths)
-        self.stats.record(nbytes, time.perf_counter() - start)
-        return nbytes
+        return sum(lengths)

@@ -143,10 +143,25 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None, dst: int = 0) -> l
 
 
 @_collective
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``obj``, in group order, on every rank of ``group`` (None: a group of one)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def any_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
     """True when ``flag`` is true on any rank of ``group``."""
+    return any_ranks((flag,), group)[0]
+
+
+@_collective
+def any_ranks(flags: tuple[bool, ...], group: dist.ProcessGroup | None) -> tuple[bool, ...]:
+    """Each flag, true when it is true on any rank of ``group`` (one collective for all of them)."""
     if group is None or dist.get_world_size(group) == 1:
-        return flag
-    value = torch.tensor([int(flag)], dtype=torch.int32)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
+        return flags
+    values = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return tuple(bool(v) for v in values.tolist())

@@ -6,7 +6,12 @@ import dataclasses
 import json
 import os
 
+import torch
+
+from sglang_lite.config import ModelConfig
+from sglang_lite.disaggregation.layout import PoolShard
 from sglang_lite.disaggregation.transfer import MooncakeTransfer, local_hostname
+from sglang_lite.distributed import get_parallel_state
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.model_executor import ModelRunner
@@ -17,7 +22,7 @@ from sglang_lite.runtime.memory import (
     resolve_max_total_tokens,
     resolve_state_snapshots,
 )
-from sglang_lite.scheduler.disagg import DisaggSide, NullSide, create_side
+from sglang_lite.scheduler.disagg import AttentionGroup, DisaggSide, NullSide, create_side
 from sglang_lite.scheduler.scheduler import Scheduler, create_request_memory
 from sglang_lite.server_args import ServerArgs
 from sglang_lite.tokenizer.loader import load_server_tokenizer
@@ -65,17 +70,27 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
         ModelRunner(model, pools, args),
         pools,
         load_server_tokenizer(args),
-        _pd_side(args, memory),
+        _pd_side(args, memory, model.config, dtype),
         memory,
     )
 
 
-def _pd_side(args: ServerArgs, memory: RequestMemory) -> DisaggSide:
-    """This rank's side of PD disaggregation, with its transfer engine (a null side when it serves whole
-    requests)."""
+def _pd_side(
+    args: ServerArgs, memory: RequestMemory, config: ModelConfig, dtype: torch.dtype
+) -> DisaggSide:
+    """This rank's side of PD disaggregation, with its transfer engine and the heads its pools hold (a null side
+    when it serves whole requests)."""
     if args.disaggregation_mode == "null":
         return NullSide()
     transfer = MooncakeTransfer(local_hostname(args.host), args.disaggregation_ib_device)
+    state = get_parallel_state()
+    group = AttentionGroup(state.attn_tp_rank, state.attn_tp_size, state.cpu_attn)
+    shard = PoolShard.of(config, state.attn_tp_rank, state.attn_tp_size, dtype)
     return create_side(
-        args.disaggregation_mode, transfer, memory, args.disaggregation_transfer_timeout
+        args.disaggregation_mode,
+        transfer,
+        memory,
+        args.disaggregation_transfer_timeout,
+        group,
+        shard,
     )

@@ -53,6 +53,8 @@ class AddRequest(Message):
     # False: the front end reads only the finished output, which is then the one output sent (as SGLang does for a
     # request that does not stream): no per-token message wakes the front end while the rank computes
     stream: bool = True
+    # served whole by the rank even on a PD server (the server's own health generation)
+    local: bool = False
 
     def to_wire(self) -> list[Any]:
         logprob = dataclasses.asdict(self.logprob) if self.logprob is not None else None
@@ -63,11 +65,12 @@ class AddRequest(Message):
             self.bootstrap_room,
             logprob,
             self.stream,
+            self.local,
         ]
 
     @classmethod
     def from_wire(cls, values: list[Any]) -> AddRequest:
-        rid, input_ids, params, room, logprob, stream = values
+        rid, input_ids, params, room, logprob, stream, local = values
         return cls(
             rid,
             input_ids,
@@ -75,6 +78,7 @@ class AddRequest(Message):
             room,
             LogprobParams.from_dict(logprob),
             stream,
+            local,
         )
 
 

@@ -33,7 +33,7 @@ import zmq
 
 from sglang_lite.distributed import (
     ParallelState,
-    any_rank,
+    any_ranks,
     broadcast_object,
     gather_objects,
     init_distributed,
@@ -251,6 +251,7 @@ class WorldLoop:
         self.scheduler = _create_scheduler(args, self.dp_rank)
         self.outbox: list[Message] = []
         self.busy = False  # any rank of the world had work last round
+        self.forwarding = False  # of which forwards to run
         self.stopped = False
 
     def run(self) -> None:
@@ -292,21 +293,28 @@ class WorldLoop:
                 self.front_end.send(message)
 
     def step(self) -> list[ReqOutput]:
-        has_work = self.scheduler.has_work
-        if (
-            not self.lockstep
-        ):  # every rank of the world holds the same requests: the same answer everywhere
-            self.busy = has_work
-            return self.scheduler.step() if has_work else []
-        self.busy = any_rank(has_work, self.state.cpu_world)
-        return self.scheduler.step(must_forward=True) if self.busy else []
+        scheduler = self.scheduler
+        if not self.lockstep:
+            # every rank of the world holds the same requests: the same answer everywhere
+            self.busy = scheduler.has_work
+            outputs = scheduler.step() if self.busy else []
+            self.forwarding = scheduler.has_runnable_work
+            return outputs
+        # DP attention: the world forwards together when any rank has a batch (the others run idle forwards); while
+        # none has one (waiting on PD transfers or grammars) it only polls
+        scheduler.poll()
+        batch = scheduler.schedule()
+        flags = (scheduler.has_work, batch is not None)
+        self.busy, self.forwarding = any_ranks(flags, self.state.cpu_world)
+        scheduler.execute(batch, must_forward=self.forwarding)
+        return scheduler.take_outputs()
 
     def wait_ms(self) -> int:
         """How long rank 0 may wait for commands: not at all with work to run, a little while only PD transfers
-        are awaited (their metadata rows are polled), the idle poll otherwise."""
+        or grammars are awaited (their metadata rows are polled), the idle poll otherwise."""
         if not self.busy:
             return self.idle_poll_ms
-        return PD_POLL_MS if self.scheduler.only_waiting_on_transfers and not self.lockstep else 0
+        return 0 if self.forwarding else PD_POLL_MS
 
     # ---- commands ----------------------------------------------------------------------------------------------
     def take_commands(self) -> None:
@@ -368,6 +376,7 @@ class WorldLoop:
                 request.bootstrap_room,
                 request.logprob,
                 request.stream,
+                request.local,
             )
         except (ValueError, TypeError, AssertionError) as error:
             return Ack(self.dp_rank, request.rid, REFUSED, str(error))
@@ -390,8 +399,9 @@ class WorldLoop:
 
 
 def _rank_args(args: ServerArgs, spec: RankSpec) -> ServerArgs:
-    """This rank's copy of the arguments: on GPUs, each process of this node gets its own device (the replica worlds
-    of one node one after another)."""
+    """This rank's copy of the arguments: its DP rank's share of the server's limits (``per_dp_rank``) and, on
+    GPUs, a device of its own for each process of this node (the replica worlds of one node one after another)."""
+    args = args.per_dp_rank()
     if args.device != "cuda" or args.world_size == 1:
         return args
     import torch

@@ -117,23 +117,29 @@ class Scheduler:
         bootstrap_room: int | None = None,
         logprob: LogprobParams | dict | None = None,
         stream: bool = True,
+        local: bool = False,
     ) -> None:
         """Queues a request; raises ValueError (naming the field) and leaves the scheduler untouched if invalid.
         ``bootstrap_room``: the PD transfer's id, required on a prefill or decode rank (ignored otherwise).
         ``logprob``: the log-probabilities to report in ``meta_info``. ``stream``: outputs every
-        ``stream_interval`` tokens, else one output when the request finishes."""
+        ``stream_interval`` tokens, else one output when the request finishes. ``local``: served whole here even
+        on a PD rank (the server's health generation)."""
         params = SamplingParams.from_dict(sampling_params)
         logprob = LogprobParams.from_dict(logprob)
+        pd = self.disagg.takes_requests and not local
 
         def check_pd() -> None:
-            self.disagg.check(bootstrap_room, params, logprob, self._queued_rooms)
+            if pd:
+                self.disagg.check(
+                    bootstrap_room, params, logprob, len(input_ids), self._queued_rooms
+                )
 
         req = self.intake.make(rid, input_ids, params, logprob, stream, self._in_use, check_pd)
-        req.bootstrap_room = bootstrap_room
+        req.bootstrap_room = bootstrap_room if pd else None
         grammar = grammar_key(params)
         if req.max_new_tokens == 0 and not (logprob is not None and logprob.wants_input):
             self.ender.finish(req, FinishReason("length", length=0))
-        elif self.disagg.takes_requests:
+        elif pd:
             if grammar is not None:  # a PD side hands its requests on at once: compiled here
                 compiled = self.grammar_queue.cache.compile(grammar)
                 req.grammar = self.intake.grammar_of(req, compiled)
@@ -180,19 +186,29 @@ class Scheduler:
         return True
 
     # ---- the loop -----------------------------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Takes what arrived without a forward: PD reservations, transfers and destinations, compiled grammars."""
+        self.disagg.poll()
+        if self.grammar_queue:
+            self._take_compiled()
+
     def step(self, must_forward: bool = False) -> list[ReqOutput]:
         """One receive -> schedule -> run -> process results. A failure fails only the requests it touches (see
         ``faults``); ``RankBroken`` (or a BaseException) means the process cannot go on. ``must_forward``: DP
         attention, where every rank of the world runs exactly one forward per step; with no batch it runs an
         idle one."""
-        self.disagg.poll()
-        if self.grammar_queue:
-            self._take_compiled()
-        batch = self.schedule()
+        self.poll()
+        self.execute(self.schedule(), must_forward)
+        return self.take_outputs()
+
+    def execute(self, batch: ScheduleBatch | None, must_forward: bool = False) -> None:
+        """Runs a scheduled batch (an idle forward instead when there is none and ``must_forward``)."""
         if batch is not None:
             self._run_batch(batch)
         elif must_forward:
             self._run_idle()
+
+    def take_outputs(self) -> list[ReqOutput]:
         return self.ender.take_outputs()
 
     def schedule(self) -> ScheduleBatch | None:
@@ -284,10 +300,15 @@ class Scheduler:
         return bool(pending or self.disagg.has_work)
 
     @property
+    def has_runnable_work(self) -> bool:
+        """A forward to run or outputs to send now (not only PD transfers or grammars to wait for)."""
+        return bool(self.queues or self.ender.outputs)
+
+    @property
     def only_waiting_on_transfers(self) -> bool:
         """Nothing to run until a PD transfer or destination arrives, or a grammar compiles (a driver may wait a
         little)."""
-        return not (self.queues or self.ender.outputs) and self.has_work
+        return not self.has_runnable_work and self.has_work
 
     def flush_cache(self) -> int:
         """Drops every cached prefix no request uses; returns the KV slots freed."""

@@ -124,7 +124,10 @@ class PDFrontEnd:
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def check(self, request: GenerateInput) -> None:
-        """A PD server takes only requests with bootstrap fields, each room once."""
+        """A PD server takes only requests with bootstrap fields, each room once (and its own health
+        generation, served whole)."""
+        if request.local:
+            return
         if request.bootstrap is None:
             raise bad_request(
                 f"bootstrap_room: a {self.mode} server takes requests with bootstrap_host, "
@@ -198,7 +201,8 @@ class PDFrontEnd:
 
     async def _relay(self, stream: RequestStream, reserved: Reserved) -> None:
         bootstrap = stream.bootstrap
-        url = f"http://{bootstrap.host}:{bootstrap.port}{TARGET_PATH}"
+        port = bootstrap.port or self.args.disaggregation_bootstrap_port
+        url = f"http://{bootstrap.host}:{port}{TARGET_PATH}"
         try:
             async with self._session.post(
                 url, json={"room": reserved.room, "target": reserved.target}
@@ -208,8 +212,6 @@ class PDFrontEnd:
                 why = f"answered {response.status}: {(await response.text())[:200]}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as error:
             why = f"is unreachable ({type(error).__name__}: {error})"
-        message = (
-            f"the prefill server's bootstrap server at {bootstrap.host}:{bootstrap.port} {why}"
-        )
+        message = f"the prefill server's bootstrap server at {bootstrap.host}:{port} {why}"
         logger.warning("PD request %s fails: %s", reserved.rid, message)
         self.registry.abort_on(stream.rank, reserved.rid, error=message)

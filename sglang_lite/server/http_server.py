@@ -376,7 +376,7 @@ async def _health_generate(manager: TokenizerManager) -> Response:
     """One token on every live rank, each within the timeout."""
     one_token = manager.sampling_params({"max_new_tokens": 1})
     inputs = [
-        GenerateInput(f"health_generate_{uuid.uuid4().hex}", [0], one_token, rank)
+        GenerateInput(f"health_generate_{uuid.uuid4().hex}", [0], one_token, rank, local=True)
         for rank in range(len(manager.live))
         if manager.live[rank]
     ]

@@ -32,24 +32,25 @@ class Bootstrap:
     """PD disaggregation: the prefill server's bootstrap server and the transfer's room."""
 
     host: str
-    port: int
+    port: int | None  # None: the decode server's own --disaggregation-bootstrap-port
     room: int
 
 
 def bootstrap_of(host: Any, port: Any, room: Any, n: int) -> list[Bootstrap | None]:
-    """Each prompt's bootstrap fields (lists give one per prompt; all three or none); ValueError naming the field."""
-    fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
-    if all(v is None for v in fields.values()):
+    """Each prompt's bootstrap fields (lists give one per prompt; host and room, or none); ValueError naming the
+    field. A null ``bootstrap_port`` (routers send it when the prefill server was given without one) stays None:
+    the decode server then uses its own ``--disaggregation-bootstrap-port``, as upstream does."""
+    fields = {"bootstrap_host": host, "bootstrap_room": room}
+    if all(v is None for v in fields.values()) and port is None:
         return [None] * n
     missing = [k for k, v in fields.items() if v is None]
     if missing:
-        raise ValueError(
-            f"{missing[0]}: PD requests carry bootstrap_host, bootstrap_port and bootstrap_room"
-        )
-    columns = [per_prompt(value, n, name) for name, value in fields.items()]
+        raise ValueError(f"{missing[0]}: PD requests carry bootstrap_host and bootstrap_room")
+    columns = [per_prompt(v, n, k) for k, v in (("bootstrap_host", host), ("bootstrap_port", port))]
+    columns.append(per_prompt(room, n, "bootstrap_room"))
     out = []
     for h, p, r in zip(*columns):
-        if not 0 < p < 65536:
+        if p is not None and not 0 < p < 65536:
             raise ValueError(f"bootstrap_port must be a TCP port, got {p}")
         if not 0 <= r < ROOM_LIMIT:
             raise ValueError(f"bootstrap_room must be in [0, 2**63), got {r}")
@@ -68,6 +69,8 @@ class GenerateInput:
     # PD disaggregation: the prefill server and the transfer's room
     bootstrap: Bootstrap | None = None
     logprob: LogprobParams | None = None  # the log-probabilities to report in meta_info
+    # served whole by the rank, with no bootstrap fields, even on a PD server (the health generation)
+    local: bool = False
 
 
 @dataclass(frozen=True)

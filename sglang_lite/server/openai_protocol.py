@@ -88,7 +88,8 @@ class GenerateRequest(_Request):
     }
     # PD disaggregation (set by a PD router): the prefill server's bootstrap address and the transfer's id
     bootstrap_host: StrictStr | list[StrictStr] | None = None
-    bootstrap_port: StrictInt | list[StrictInt] | None = None
+    # null (or a null entry): the decode server's own --disaggregation-bootstrap-port
+    bootstrap_port: StrictInt | list[StrictInt | None] | None = None
     bootstrap_room: StrictInt | list[StrictInt] | None = None
 
 

@@ -179,7 +179,12 @@ class TokenizerManager:
             self.registry.send(
                 rank,
                 AddRequest(
-                    request.rid, request.input_ids, request.sampling_params, room, request.logprob
+                    request.rid,
+                    request.input_ids,
+                    request.sampling_params,
+                    room,
+                    request.logprob,
+                    local=request.local,
                 ),
             )
         except (

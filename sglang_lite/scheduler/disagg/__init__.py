@@ -3,16 +3,37 @@
 
 from __future__ import annotations
 
+from sglang_lite.disaggregation.layout import PoolShard
 from sglang_lite.disaggregation.transfer import MooncakeTransfer
 from sglang_lite.mem_cache.request_memory import RequestMemory
-from sglang_lite.scheduler.disagg.base import DisaggSide, NullSide, SideHost
+from sglang_lite.scheduler.disagg.base import AttentionGroup, DisaggSide, NullSide, SideHost
 from sglang_lite.scheduler.disagg.decode import DecodeSide
 from sglang_lite.scheduler.disagg.prefill import PrefillSide
 
-__all__ = ["DecodeSide", "DisaggSide", "NullSide", "PrefillSide", "SideHost", "create_side"]
+__all__ = [
+    "AttentionGroup",
+    "DecodeSide",
+    "DisaggSide",
+    "NullSide",
+    "PrefillSide",
+    "SideHost",
+    "create_side",
+]
+# the decode side's area for requests' log-probabilities (a 4k-token prompt's with 20 top entries: 0.7 MB); the
+# prefill side stages them in one that grows as needed
+DECODE_EXTRAS_BYTES = 16 * 1024 * 1024
+PREFILL_EXTRAS_BYTES = 1024 * 1024
 
 
 def create_side(
-    mode: str, transfer: MooncakeTransfer, memory: RequestMemory, timeout_s: float
+    mode: str,
+    transfer: MooncakeTransfer,
+    memory: RequestMemory,
+    timeout_s: float,
+    group: AttentionGroup,
+    shard: PoolShard,
 ) -> PrefillSide | DecodeSide:
-    return (PrefillSide if mode == "prefill" else DecodeSide)(transfer, memory, timeout_s)
+    """This rank's side of ``mode``; every rank of ``group`` builds its own at once (they exchange layouts)."""
+    if mode == "prefill":
+        return PrefillSide(transfer, memory, timeout_s, group, shard, PREFILL_EXTRAS_BYTES)
+    return DecodeSide(transfer, memory, timeout_s, group, shard, DECODE_EXTRAS_BYTES)

@@ -3,13 +3,16 @@ serves whole requests (``NullSide``)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
-from sglang_lite.disaggregation.layout import PoolLayout
+from sglang_lite.disaggregation.extras import ExtrasArea
+from sglang_lite.disaggregation.layout import MAX_SOURCES, META_FIELDS, PoolLayout, PoolShard
 from sglang_lite.disaggregation.transfer import MooncakeTransfer
+from sglang_lite.distributed import all_gather_objects
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.protocol.outputs import INTERNAL_ERROR
@@ -17,7 +20,7 @@ from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.request import FinishReason, Req
 
-# a metadata row's status: written last by the prefill side
+# a metadata sub-row's status: written last by the prefill side
 PENDING = 0
 DONE = 1
 FAILED = 2
@@ -55,6 +58,7 @@ class DisaggSide(Protocol):
         room: int | None,
         params: SamplingParams,
         logprob: LogprobParams | None,
+        prompt_len: int,
         queued_rooms: Callable[[], set[int]],
     ) -> None:
         """Raises ValueError (naming the field) for a request this side cannot take. ``queued_rooms``: the rooms
@@ -104,6 +108,7 @@ class NullSide:
         room: int | None,
         params: SamplingParams,
         logprob: LogprobParams | None,
+        prompt_len: int,
         queued_rooms: Callable[[], set[int]],
     ) -> None:
         pass
@@ -144,22 +149,69 @@ def _pool_buffers(pools: ModelPools) -> list[torch.Tensor]:
     return kv + pools.states.conv_states + pools.states.ssm_states
 
 
+class AttentionGroup:
+    """The ranks that hold one DP rank's requests, each with its own heads (one rank without tensor parallelism).
+
+    Their schedulers must stay identical, so whatever a PD side decides from what differs between them (how far its
+    own transfers got, its clock) is agreed first: ``agree`` gathers each rank's statuses and the group's first
+    rank's clock."""
+
+    def __init__(self, rank: int = 0, size: int = 1, group: Any = None) -> None:
+        self.rank = rank
+        self.size = size
+        self.group = group
+
+    def gather(self, obj: Any) -> list[Any]:
+        return all_gather_objects(obj, self.group) if self.size > 1 else [obj]
+
+    def agree(self, statuses: list[int]) -> tuple[float, list[int]]:
+        """(the first rank's clock, each status agreed): PENDING while any rank's is, else FAILED if any rank's
+        failed, else DONE."""
+        if self.size == 1:
+            return time.monotonic(), statuses
+        gathered = self.gather((time.monotonic(), statuses))
+        return gathered[0][0], [_agreed(column) for column in zip(*(s for _, s in gathered))]
+
+
+def _agreed(statuses: tuple[int, ...]) -> int:
+    if PENDING in statuses:
+        return PENDING
+    return FAILED if FAILED in statuses else DONE
+
+
 class TransferSide:
-    """What both PD sides share: the transfer engine with the pools registered, one metadata row per state slot
-    (status, first token, bytes sent, nanoseconds the write took: the decode side's are written by the prefill
-    side, the prefill side's are the staging rows it writes from), and the checks of a new request."""
+    """What both PD sides share: the transfer engine with the pools registered, the metadata rows of the state
+    slots (one sub-row per prefill rank that writes into a slot: ``layout.META_FIELDS`` int64, the status last; the
+    decode side's are written by the prefill side, the prefill side's are the staging rows it writes from), the
+    extras area (log-probabilities), the layouts of the attention group's ranks, and the checks of a new request."""
 
     mode = "null"
     takes_requests = True
 
-    def __init__(self, transfer: MooncakeTransfer, memory: RequestMemory, timeout_s: float) -> None:
+    def __init__(
+        self,
+        transfer: MooncakeTransfer,
+        memory: RequestMemory,
+        timeout_s: float,
+        group: AttentionGroup,
+        shard: PoolShard,
+        extras_bytes: int,
+    ) -> None:
         pools = memory.pools
         self.transfer = transfer
         self.memory = memory
         self.timeout_s = timeout_s
-        self.meta = torch.zeros(pools.states.allocator.size + 1, 4, dtype=torch.int64)
-        transfer.register([*_pool_buffers(pools), self.meta])
-        self.layout = PoolLayout.of(transfer.session_id, pools, self.meta)
+        self.group = group
+        rows = pools.states.allocator.size + 1
+        self.meta = torch.zeros(rows, MAX_SOURCES, META_FIELDS, dtype=torch.int64)
+        self.extras = ExtrasArea(extras_bytes)
+        transfer.register([*_pool_buffers(pools), self.meta, self.extras.buffer])
+        self.layout = PoolLayout.of(
+            transfer.session_id, pools, self.meta, self.extras.buffer, shard
+        )
+        # every rank's layout, in attention-group order (one collective, at start-up)
+        self.group_layouts = self.group.gather(self.layout.to_dict())
+        self.now = time.monotonic()  # the group's clock at the last poll
         self.host: SideHost | None = None
 
     def bind(self, host: SideHost) -> None:
@@ -170,6 +222,7 @@ class TransferSide:
         room: int | None,
         params: SamplingParams,
         logprob: LogprobParams | None,
+        prompt_len: int,
         queued_rooms: Callable[[], set[int]],
     ) -> None:
         if room is None:
@@ -181,11 +234,6 @@ class TransferSide:
             raise ValueError(f"bootstrap_room {room} is already in use by an unfinished request")
         if params.n > 1:
             raise ValueError("n: parallel samples (n > 1) are not supported with PD disaggregation")
-        if logprob is not None and logprob.return_logprob:
-            # the first token is sampled on the other server
-            raise ValueError(
-                "return_logprob: log-probabilities are not supported with PD disaggregation"
-            )
 
     def rooms(self) -> set[int]:
         raise NotImplementedError

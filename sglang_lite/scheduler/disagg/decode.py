@@ -1,44 +1,66 @@
-"""PD decode side: a request waits in the prealloc queue until KV slots for its prompt, a request row and a
-state slot are free; they are reserved, its metadata row is cleared, and the reservation goes to the prefill
-side (a notice the front end forwards to the bootstrap server). It then waits in the transfer queue, polling its
-metadata row, and joins the running batch with the transferred first token. A transfer that fails, or does not
-finish within the timeout, fails the request and frees the reservation; an aborted reservation stays held until
+"""PD decode side: a request waits in the prealloc queue until KV slots for its prompt, a request row, a state
+slot and room for its log-probabilities are free; they are reserved, its metadata row is cleared, and the
+reservation goes to the prefill side (a notice the front end forwards to the bootstrap server) with the layouts of
+every rank of this DP rank's attention group, so that each prefill rank writes the heads each of them holds. It
+then waits in the transfer queue, polling its metadata row (one sub-row per prefill rank that writes into this
+rank), and joins the running batch with the transferred first token once every rank of the group has all of it. A
+transfer that fails, or does not finish within the timeout, fails the request; its reservation stays held until
 the prefill side can no longer write into it."""
 
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
 from typing import Any
 
-from sglang_lite.disaggregation.transfer import MooncakeTransfer
-from sglang_lite.mem_cache.request_memory import RequestMemory
+from sglang_lite.disaggregation.extras import decode as decode_extras
+from sglang_lite.disaggregation.extras import extras_size
+from sglang_lite.disaggregation.layout import Meta
+from sglang_lite.sampling.logprobs import LogprobParams
+from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.disagg.base import DONE, FAILED, PENDING, TransferSide
 from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
 
 logger = logging.getLogger(__name__)
-STATUS_RETRIES = 5
 
 
 class DecodeSide(TransferSide):
     mode = "decode"
 
-    def __init__(self, transfer: MooncakeTransfer, memory: RequestMemory, timeout_s: float) -> None:
-        super().__init__(transfer, memory, timeout_s)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.prealloc: list[Req] = []
         self.transferring: list[Req] = []
         self.deadlines: dict[str, float] = {}
-        self.draining: list[
-            tuple[Req, float]
-        ] = []  # aborted reservations the prefill side may still write into
+        self.reserved_extras: dict[str, tuple[int, int]] = {}  # rid -> offset, bytes
+        # aborted reservations the prefill side may still write into, with their deadlines
+        self.draining: list[tuple[Req, float]] = []
         self.notices: list[dict[str, Any]] = []
+
+    def check(
+        self,
+        room: int | None,
+        params: SamplingParams,
+        logprob: LogprobParams | None,
+        prompt_len: int,
+        queued_rooms: Callable[[], set[int]],
+    ) -> None:
+        super().check(room, params, logprob, prompt_len, queued_rooms)
+        need = extras_size(logprob, prompt_len)
+        if need > self.extras.size:
+            raise ValueError(
+                f"return_logprob: the log-probabilities asked for take {need} bytes, more than this decode "
+                f"server's PD transfer area ({self.extras.size} bytes): ask for fewer prompt positions "
+                "(logprob_start_len) or top_logprobs_num"
+            )
 
     def add(self, req: Req) -> None:
         self.prealloc.append(req)
 
     def poll(self) -> None:
+        if self.prealloc or self.transferring or self.draining:
+            self._check_transfers()
         self._reserve()
-        self._check_transfers()
 
     def _reserve(self) -> None:
         """Reserves memory for the prealloc queue in order, while it fits beside what running requests need."""
@@ -47,7 +69,11 @@ class DecodeSide(TransferSide):
             req = self.prealloc[0]
             n = len(req.input_ids)
             kv_left = memory.pools.kv.allocator.num_free - self.host.reserved_decode_tokens()
+            need = extras_size(req.logprob, n)
             if memory.free_rows == 0 or kv_left < n + 1:
+                return
+            offset = self.extras.alloc(need)
+            if offset is None:
                 return
             self.prealloc.pop(0)
             # penalties and grammars follow its tokens from the first one (the memory's listeners)
@@ -55,47 +81,74 @@ class DecodeSide(TransferSide):
             self.meta[req.state_slot].zero_()
             req.status = ReqStatus.TRANSFERRING
             self.transferring.append(req)
-            self.deadlines[req.rid] = time.monotonic() + self.timeout_s
+            self.deadlines[req.rid] = self.now + self.timeout_s
+            self.reserved_extras[req.rid] = (offset, need)
             target = {
-                "layout": self.layout.to_dict(),
+                "layouts": self.group_layouts,
                 "kv_slots": kv_slots,
                 "state_slot": req.state_slot,
                 "meta_row": req.state_slot,
+                "extras": [offset, need],
             }
             self.notices.append({"rid": req.rid, "room": req.bootstrap_room, "target": target})
 
+    def _local_status(self, req: Req) -> int:
+        """What this rank's metadata row says: PENDING until every prefill rank writing here has written."""
+        rows = self.meta[req.state_slot]
+        sources = int(rows[:, Meta.SOURCES].max())
+        statuses = rows[:sources, Meta.STATUS].tolist()
+        if not sources or PENDING in statuses:
+            return PENDING
+        return FAILED if FAILED in statuses else DONE
+
     def _check_transfers(self) -> None:
-        now = time.monotonic()
+        """Every rank of the group agrees on each transfer's outcome and on the clock, then acts alike."""
+        held = self.transferring + [r for r, _ in self.draining]
+        self.now, statuses = self.group.agree([self._local_status(r) for r in held])
+        outcome = dict(zip(map(id, held), statuses))
         for req in list(self.transferring):
-            status = int(self.meta[req.state_slot, 0])
-            if status == PENDING and now < self.deadlines[req.rid]:
+            status = outcome[id(req)]
+            if status == PENDING and self.now < self.deadlines[req.rid]:
                 continue
             self.transferring.remove(req)
             del self.deadlines[req.rid]
             if status == DONE:
-                _, token, sent, nanoseconds = self.meta[req.state_slot].tolist()
-                self.transfer.stats.record(
-                    sent, nanoseconds / 1e9
-                )  # as the prefill side timed its write
-                self.host.join_decoding(req, token)
+                self._join(req)
             elif status == FAILED:
+                self._release_extras(req)
                 self.host.end(req, self.failure("the prefill server's KV transfer failed"))
             else:
-                self._drain(
-                    req,
-                    self.failure(
-                        f"KV transfer from the prefill server did not finish within "
-                        f"{self.timeout_s:g} s"
-                    ),
-                )
+                message = f"KV transfer from the prefill server did not finish within {self.timeout_s:g} s"
+                self._drain(req, self.failure(message))
         for req, deadline in list(self.draining):
-            if int(self.meta[req.state_slot, 0]) != PENDING or deadline < now:
+            if outcome[id(req)] != PENDING or deadline < self.now:
                 self.draining.remove((req, deadline))
                 self.memory.release(req, cache=False)
 
+    def _join(self, req: Req) -> None:
+        """The prompt's KV and states are here: the first token, its log-probabilities and the prefill side's
+        cache hits become the request's, and it decodes from here."""
+        rows = self.meta[req.state_slot]
+        sources = int(rows[0, Meta.SOURCES])
+        written = int(rows[:sources, Meta.BYTES].sum())
+        self.transfer.stats.record(written, int(rows[:sources, Meta.NANOS].max()) / 1e9)
+        req.prompt_tokens_from_cache = int(rows[0, Meta.CACHED])
+        offset, need = self._release_extras(req)
+        if need:
+            data = self.extras.buffer[offset : offset + need]
+            req.logprob_record.entries = decode_extras(data, req.logprob, len(req.input_ids))
+            req.logprob_record.input_upto = len(req.input_ids)
+        self.host.join_decoding(req, int(rows[0, Meta.TOKEN]))
+
+    def _release_extras(self, req: Req) -> tuple[int, int]:
+        offset, need = self.reserved_extras.pop(req.rid, (0, 0))
+        self.extras.free(offset, need)
+        return offset, need
+
     def _drain(self, req: Req, reason: FinishReason) -> None:
         """Ends the request now, but keeps its reservation until the prefill side can no longer write into it."""
-        self.draining.append((req, time.monotonic() + self.timeout_s))
+        self.draining.append((req, self.now + self.timeout_s))
+        self._release_extras(req)
         self.host.end(req, reason, keep_memory=True)
 
     def find(self, rid: str) -> Req | None:

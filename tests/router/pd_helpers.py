@@ -1,0 +1,72 @@
+"""What the PD end-to-end tests share: starting a prefill or decode server, one leg of a request, a server's
+loads, whether its PD queues drained, and the transformers reference of a checkpoint (greedy tokens and
+log-probabilities)."""
+
+from __future__ import annotations
+
+import sys
+
+import aiohttp
+import torch
+
+from tests.hf_checkpoints import greedy_tokens
+
+from .conftest import Proc, free_port, spawn
+from .helpers import get_json
+
+QUEUES = (
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_used_tokens",
+    "prefill_prealloc_queue_reqs",
+    "prefill_inflight_queue_reqs",
+    "decode_prealloc_queue_reqs",
+    "decode_transfer_queue_reqs",
+)
+
+
+def pd_server(model_path: str | None, mode: str, *flags: str) -> Proc:
+    """A prefill or decode server, not waited for (start several at once, then ``wait_healthy`` each)."""
+    port = free_port()
+    model = ["--model-path", model_path] if model_path else []
+    cmd = [
+        *(sys.executable, "-m", "sglang_lite.launch_server", "--host", "127.0.0.1"),
+        *("--port", str(port), "--disaggregation-mode", mode, *model, *flags),
+    ]
+    return spawn(cmd, port)
+
+
+async def generate(
+    s: aiohttp.ClientSession, url: str, prompt: list[int], params: dict, **extra
+) -> tuple[int, dict]:
+    body = {"input_ids": prompt, "sampling_params": params, **extra}
+    async with s.post(
+        url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=120)
+    ) as response:
+        return response.status, await response.json(content_type=None)
+
+
+async def loads(s: aiohttp.ClientSession, url: str) -> list[dict]:
+    return (await get_json(s, url + "/v1/loads?include=all"))["loads"]
+
+
+async def drained(s: aiohttp.ClientSession, *urls: str) -> bool:
+    """Every DP rank of every server holds nothing and waits for nothing."""
+    every = [load for url in urls for load in await loads(s, url)]
+    return all(load[q] == 0 for load in every for q in QUEUES)
+
+
+class Reference:
+    """A transformers model of a checkpoint: what the servers' outputs must equal."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        return greedy_tokens(self.model, prompt, new_tokens)
+
+    def logprobs(self, tokens: list[int]) -> torch.Tensor:
+        """[len(tokens), vocab] log-probabilities: row i is the distribution that predicts token i + 1."""
+        with torch.no_grad():
+            logits = self.model(torch.tensor([tokens])).logits[0]
+        return torch.log_softmax(logits.float(), dim=-1)
