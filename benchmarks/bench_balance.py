@@ -12,11 +12,17 @@ previous run left in --out.
 With `--pd` it starts one prefill server and one decode server (`--dp-size` decode ranks) instead, behind the
 router in PD mode (`--pd-disaggregation --dp-aware`, the policy set as the decode policy); the sampler polls the
 decode server, whose outstanding requests include its prealloc and transfer queues, and the table also shows the
-share of the decode ranks' in-flight requests that wait on their KV transfer.
+share of the decode ranks' in-flight requests that wait on their KV transfer. `--dp-attention` runs both servers
+as the upstream study deploys them: tensor parallel (`--decode-tp-size`, `--prefill-tp-size`) with DP attention
+(`--dp-size` decode ranks, `--prefill-dp-size` prefill ranks), so the decode ranks meet in the MoE every layer and
+every decode step waits for the busiest rank; the simulator then models them as one lockstep decode server.
+`--repeats N` runs every policy N times (alternating) and reports the spread, the noise of the table.
 
     python benchmarks/bench_balance.py --out /tmp/bench_balance
     python benchmarks/bench_balance.py --pd --dp-size 2 --out /tmp/bench_balance_pd
     python benchmarks/bench_balance.py --pd --dp-size 4 --sessions 192 --fit-cost --out /tmp/bb_pd4c  # calibration
+    python benchmarks/bench_balance.py --pd --dp-attention --decode-tp-size 4 --dp-size 4 --prefill-tp-size 2 \
+        --prefill-dp-size 2 --repeats 2 --out /tmp/bb_study  # the study's cluster
 """
 
 from __future__ import annotations
@@ -151,8 +157,19 @@ def start_replicas(args: argparse.Namespace, out: Path, cluster: Cluster) -> Clu
     return launch(cluster, cmds, args, out)
 
 
+def parallel_flags(tp_size: int, dp_size: int, args: argparse.Namespace) -> list[str]:
+    """A PD server's parallelism: `--dp-size` replicas, or with `--dp-attention` one TP world of DP-attention
+    ranks (whose --max-running-requests is the total: each rank keeps SERVER_ARGS' per-rank figure)."""
+    flags = ["--dp-size", str(dp_size)]
+    if args.dp_attention:
+        per_rank = SERVER_ARGS[SERVER_ARGS.index("--max-running-requests") + 1]
+        flags += ["--tp-size", str(tp_size), "--enable-dp-attention"]
+        flags += ["--max-running-requests", str(int(per_rank) * dp_size)]
+    return flags
+
+
 def start_pd(args: argparse.Namespace, out: Path, cluster: Cluster) -> Cluster:
-    """One prefill server (one rank) and one decode server with `--dp-size` ranks."""
+    """One prefill server and one decode server with `--dp-size` ranks."""
     prefill_port, decode_port, bootstrap_port = (
         args.base_port + 1,
         args.base_port + 2,
@@ -167,9 +184,14 @@ def start_pd(args: argparse.Namespace, out: Path, cluster: Cluster) -> Cluster:
             "prefill",
             "--disaggregation-bootstrap-port",
             str(bootstrap_port),
+            *parallel_flags(args.prefill_tp_size, args.prefill_dp_size, args),
         ),
         decode: server_cmd(
-            decode_port, args, "--disaggregation-mode", "decode", "--dp-size", str(args.dp_size)
+            decode_port,
+            args,
+            "--disaggregation-mode",
+            "decode",
+            *parallel_flags(args.decode_tp_size, args.dp_size, args),
         ),
     }
     cluster.worker_args.extend(
@@ -403,14 +425,16 @@ def simulate_like(
     from sglang_lite.sim.config import ClusterConfig, SimConfig, load_cluster_file
 
     cost = cost or load_cluster_file()[0]
-    # sglang_lite's CPU ranks step independently (no DP-attention lockstep), so each rank is simulated as a decode
-    # server of its own; the policies still see as many workers as there are real ranks (servers x dp_size, or
-    # the decode server's dp_size under --pd). The prefix cache is on only if the real prefill server hit its own.
+    # Without DP attention sglang_lite's ranks step independently, so each rank is simulated as a decode server of
+    # its own; the policies still see as many workers as there are real ranks (servers x dp_size, or the decode
+    # server's dp_size under --pd). With --dp-attention the decode ranks step together: one decode server of
+    # dp_size lockstep ranks, as the study's. The prefix cache is on only if the real prefill server hit its own.
     decode_ranks = args.dp_size if args.pd else args.servers * args.dp_size
+    lockstep = args.pd and args.dp_attention
     cluster = ClusterConfig(
         num_prefill=1,
-        num_decode=decode_ranks,
-        decode_dp_size=1,
+        num_decode=1 if lockstep else decode_ranks,
+        decode_dp_size=decode_ranks if lockstep else 1,
         gpus_per_server=1,
         rank_kv_tokens=args.kv_tokens,
         rank_max_running=16,
@@ -477,19 +501,69 @@ def load_real(policies: list[str], out: Path, shares: dict[str, tuple[float, flo
     return real, summaries
 
 
+STUDY_COLUMNS = (
+    ("output tok/s", lambda s, b: s["output_tok_s"]),
+    ("TPOT p50 ms", lambda s, b: s["tpot_p50_s"] * 1e3),
+    ("TPOT p90 ms", lambda s, b: s["tpot_p90_s"] * 1e3),
+    ("outstanding CV", lambda s, b: b.outstanding_cv),
+    ("running CV", lambda s, b: b.running_cv),
+    ("busiest batch", lambda s, b: b.busiest_batch),
+    ("busiest/mean KV", lambda s, b: b.busiest_over_mean_kv),
+)
+
+
+def study_table(reps: list[tuple[dict[str, BalanceStats], dict[str, dict]]]) -> str:
+    """The upstream study's columns per policy: the mean over the repeats, and with several, +- half their range
+    (the run-to-run noise)."""
+    lines = [f"{'policy':<16}" + "".join(f"{name:>20}" for name, _ in STUDY_COLUMNS)]
+    for policy in reps[0][0]:
+        cells = []
+        for _, value in STUDY_COLUMNS:
+            values = [value(summaries[policy], real[policy]) for real, summaries in reps]
+            spread = f" +-{(max(values) - min(values)) / 2:.3g}" if len(values) > 1 else ""
+            cells.append(f"{np.mean(values):.3g}{spread}".rjust(20))
+        lines.append(f"{policy:<16}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def mean_stats(stats: list[BalanceStats]) -> BalanceStats:
+    """The repeats' balance figures averaged (what the simulator's orderings are compared with)."""
+    if len(stats) == 1:
+        return stats[0]
+    fields = {}
+    for name in ("outstanding_cv", "running_cv", "busiest_batch", "busiest_over_mean_kv"):
+        fields[name] = float(np.mean([getattr(s, name) for s in stats]))
+    return dataclasses.replace(stats[0], **fields, num_samples=sum(s.num_samples for s in stats))
+
+
 async def main_async(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     policies = args.policies.split(",")
-    shares: dict[str, tuple[float, float]] = {}
+    runs = [out / f"run{k}" for k in range(args.repeats)] if args.repeats > 1 else [out]
     if not args.reuse:
-        await run_real(args, policies, out, shares)
-    real, summaries = load_real(policies, out, shares)
-    setup = "1 prefill + 1 decode server (PD)" if args.pd else f"{args.servers} servers"
-    print(
-        f"\nreal servers, {setup}, {args.dp_size} DP ranks each (sampled /v1/loads):\n"
-        + format_table(real, baseline=policies[0])
-    )
+        for run_out in runs:  # each repeat runs every policy once: the policies alternate
+            run_out.mkdir(parents=True, exist_ok=True)
+            await run_real(args, policies, run_out, {})
+    reps = []
+    shares: dict[str, tuple[float, float]] = {}
+    for run_out in runs:
+        real, summaries = load_real(policies, run_out, shares)
+        reps.append((real, summaries))
+    real = {p: mean_stats([r[p] for r, _ in reps]) for p in policies}
+    summaries = reps[0][1]
+    if args.pd:
+        setup = f"1 prefill + 1 decode server (PD), {args.dp_size} decode DP ranks"
+        if args.dp_attention:
+            setup += (
+                f" (TP {args.decode_tp_size}, DP attention; prefill TP {args.prefill_tp_size} with "
+                f"{args.prefill_dp_size} DP-attention ranks)"
+            )
+    else:
+        setup = f"{args.servers} servers, {args.dp_size} DP ranks each"
+    print(f"\nreal servers, {setup} (sampled /v1/loads, {len(runs)} run(s) per policy):")
+    print(study_table(reps))
+    print("\n" + format_table(real, baseline=policies[0]))
     for p, st in real.items():
         print(
             f"  {p}: rank batch / mean {[round(x, 2) for x in st.rank_batch_ratio]}, "
@@ -497,9 +571,10 @@ async def main_async(args: argparse.Namespace) -> int:
         )
     if args.pd:
         print(
-            "\nshare of the decode ranks' outstanding requests waiting (steady-state samples):\n"
+            "\nshare of the decode ranks' outstanding requests waiting (steady-state samples, last run):\n"
             + format_shares(shares)
         )
+    out = runs[0]  # the calibration reads the first run's files
     cost, hit = None, 0.0
     if args.fit_cost:
         cost, hit, notes = fit_cost(args, policies, out)
@@ -553,6 +628,17 @@ def main() -> None:
     p.add_argument("--policies", default="round_robin,tokens,requests,least_requests")
     p.add_argument(
         "--pd", action="store_true", help="1 prefill + 1 decode server (--dp-size decode ranks)"
+    )
+    p.add_argument(
+        "--dp-attention",
+        action="store_true",
+        help="under --pd: both servers tensor parallel with DP attention (their ranks meet in the MoE)",
+    )
+    p.add_argument("--decode-tp-size", type=int, default=1, help="under --pd --dp-attention")
+    p.add_argument("--prefill-tp-size", type=int, default=1, help="under --pd --dp-attention")
+    p.add_argument("--prefill-dp-size", type=int, default=1, help="under --pd: prefill DP ranks")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs of every policy (their spread is the noise)"
     )
     p.add_argument("--servers", type=int, default=2, help="replica mode: servers behind the router")
     p.add_argument(

@@ -104,6 +104,8 @@ def test_greedy_tokens_through_the_dp_aware_router_and_every_decode_rank_serves(
     assert ok  # every queue of both servers drained
     assert len(received) == 4 and all(n > 0 for n in received), received
     assert [load["num_prefill_tokens"] for load in decode_loads] == [0, 0, 0, 0]
+    # --max-running-requests 16 is the decode server's total over its 4 DP-attention ranks
+    assert [load["max_running_requests"] for load in decode_loads] == [4, 4, 4, 4]
 
 
 def test_log_probabilities_and_cache_hits_travel_with_the_transfer(cluster):

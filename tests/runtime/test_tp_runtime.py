@@ -79,6 +79,40 @@ def test_parallel_flags_are_validated_with_the_field_named() -> None:
     )
 
 
+def test_upstream_spellings_of_the_parallel_sizes() -> None:
+    long = [
+        "--tensor-parallel-size",
+        "4",
+        "--data-parallel-size",
+        "2",
+        "--expert-parallel-size",
+        "2",
+    ]
+    short = ["--tp-size", "4", "--dp-size", "2", "--ep-size", "2"]
+    assert (
+        parse_args(long) == parse_args(short) == parse_args(["--tp", "4", "--dp", "2", "--ep", "2"])
+    )
+
+
+def test_dp_attention_divides_the_request_and_chunk_totals_over_the_dp_ranks() -> None:
+    """As upstream: under DP attention --max-running-requests and --chunked-prefill-size are the server's totals."""
+    args = ServerArgs(
+        tp_size=4,
+        dp_size=4,
+        enable_dp_attention=True,
+        max_running_requests=32,
+        chunked_prefill_size=4096,
+    )
+    rank = args.per_dp_rank()
+    assert (rank.max_running_requests, rank.chunked_prefill_size) == (8, 1024)
+    replicas = ServerArgs(dp_size=4, max_running_requests=32, chunked_prefill_size=4096)
+    assert replicas.per_dp_rank() == replicas  # independent replicas: per rank, as before
+    unchunked = ServerArgs(tp_size=2, dp_size=2, enable_dp_attention=True, chunked_prefill_size=-1)
+    assert unchunked.per_dp_rank().chunked_prefill_size == -1
+    with pytest.raises(ValueError, match="max_running_requests .* at least one per rank"):
+        ServerArgs(tp_size=4, dp_size=4, enable_dp_attention=True, max_running_requests=2)
+
+
 class CountingRunner:
     """The scheduler's model runner, recording each forward it runs."""
 

@@ -126,7 +126,25 @@ def test_a_port_in_use_is_one_line_before_anything_loads():
 
 
 def test_bad_flags_are_one_line_and_status_2():
-    for flags in (["--bogus"], ["--disaggregation-mode", "decode", "--tp-size", "2"]):
+    bad_pd = [
+        "--disaggregation-mode",
+        "decode",
+        "--tp-size",
+        "3",
+        "--dp-size",
+        "2",
+        "--enable-dp-attention",
+    ]
+    too_few = [
+        "--enable-dp-attention",
+        "--tp-size",
+        "4",
+        "--dp-size",
+        "4",
+        "--max-running-requests",
+        "2",
+    ]
+    for flags in (["--bogus"], bad_pd, too_few):
         done = subprocess.run(
             server_command(free_port(), *flags), capture_output=True, text=True, timeout=60
         )
