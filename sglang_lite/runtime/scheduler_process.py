@@ -255,17 +255,10 @@ class WorldLoop:
         self.stopped = False
 
     def run(self) -> None:
-        self.reply(
-            Ready(
-                self.dp_rank,
-                os.getpid(),
-                self.scheduler.config,
-                _alt_stream_plan(self.scheduler.model),
-            )
-        )
-        self.send_replies(
-            gather=self.state.world_size > 1
-        )  # ready once every rank of the world has built its model
+        plan = _alt_stream_plan(self.scheduler.model)
+        self.reply(Ready(self.dp_rank, os.getpid(), self.scheduler.config, plan))
+        # ready once every rank of the world has built its model
+        self.send_replies(gather=self.state.world_size > 1)
         while not self.stopped:
             self.take_commands()
             if self.stopped:
@@ -380,9 +373,8 @@ class WorldLoop:
             )
         except (ValueError, TypeError, AssertionError) as error:
             return Ack(self.dp_rank, request.rid, REFUSED, str(error))
-        except (
-            Exception
-        ) as error:  # not the input's fault as far as validation knows: fail it, keep the rank
+        # not the input's fault as far as validation knows: fail it, keep the rank
+        except Exception as error:
             if breaks_the_device(error):
                 raise
             logger.exception("DP rank %d: adding %s failed", self.dp_rank, request.rid)

@@ -133,11 +133,12 @@ class DecodeSide(TransferSide):
         written = int(rows[:sources, Meta.BYTES].sum())
         self.transfer.stats.record(written, int(rows[:sources, Meta.NANOS].max()) / 1e9)
         req.prompt_tokens_from_cache = int(rows[0, Meta.CACHED])
-        offset, need = self._release_extras(req)
+        offset, need = self.reserved_extras[req.rid]
         if need:
             data = self.extras.buffer[offset : offset + need]
             req.logprob_record.entries = decode_extras(data, req.logprob, len(req.input_ids))
             req.logprob_record.input_upto = len(req.input_ids)
+        self._release_extras(req)
         self.host.join_decoding(req, int(rows[0, Meta.TOKEN]))
 
     def _release_extras(self, req: Req) -> tuple[int, int]:
