@@ -47,7 +47,7 @@ def run_world(layout: dict, path: str, prompts: list, fusion: bool = True) -> li
         for _ in procs:
             rank, value = results.get(timeout=TIMEOUT_S)
             assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
-            out[rank] = value
+            out[rank] = torch.as_tensor(value)
         return [out[r] for r in range(len(procs))]
     except queue_module.Empty:
         pytest.fail(f"a rank gave no result within {TIMEOUT_S} s")

@@ -31,7 +31,8 @@ def run_rank(
             logits = model.forward_batch(
                 build_forward_batch(pools, ForwardMode.DECODE, [], [], [], [], "cpu", [])
             )
-        queue.put((rank, logits))
+        # by value: a shared tensor is fetched from this process after it put it, which may have exited by then
+        queue.put((rank, logits.detach().numpy().copy()))
     except BaseException:
         queue.put((rank, traceback.format_exc()))
     finally:
