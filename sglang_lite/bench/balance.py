@@ -30,10 +30,10 @@ from typing import Sequence
 
 import numpy as np
 
+from sglang_lite.protocol.loads import section
+
 logger = logging.getLogger(__name__)
 LOG_EVERY_SECS = 30.0
-# num_waiting_reqs counts the PD queues
-QUEUE_FIELDS = ("num_waiting_reqs", "prefill_inflight_queue_reqs")
 
 
 @dataclass(frozen=True)
@@ -173,8 +173,13 @@ class LoadSeries:
 
 
 def outstanding_of(entry: dict) -> int:
-    return int(entry.get("num_running_reqs", 0)) + sum(
-        int(entry.get(k, 0) or 0) for k in QUEUE_FIELDS
+    """From a rank's /v1/loads entry; its num_waiting_reqs counts the PD queues, a prefill rank's inflight queue
+    is in its "disaggregation" sub-object (absent when that section was not asked for)."""
+    inflight = section(entry, "disaggregation").get("prefill_inflight_queue_reqs", 0) or 0
+    return (
+        int(entry.get("num_running_reqs", 0))
+        + int(entry.get("num_waiting_reqs", 0))
+        + int(inflight)
     )
 
 

@@ -42,27 +42,29 @@ def test_mismatched_series_are_rejected():
 
 
 def _entry(rank, running, waiting=0, transfer=0, tokens=0):
+    """A rank's /v1/loads entry in upstream's shape (the PD queues nested in "disaggregation")."""
     return {
         "dp_rank": rank,
         "num_running_reqs": running,
         "num_waiting_reqs": waiting,
-        "decode_transfer_queue_reqs": transfer,
         "num_total_tokens": tokens,
         "num_used_tokens": tokens,
         "gen_throughput": 10.0 * running,
+        "disaggregation": {
+            "decode_transfer_queue_reqs": transfer,
+            "prefill_inflight_queue_reqs": 0,
+        },
     }
 
 
 def test_outstanding_counts_every_request_once():
     # a decode rank's num_waiting_reqs already counts its prealloc and transfer queues (as SGLang's does)
     assert outstanding_of(_entry(0, 3, waiting=6, transfer=4)) == 9
-    assert (
-        outstanding_of(
-            {"num_running_reqs": 1, "num_waiting_reqs": 0, "prefill_inflight_queue_reqs": 2}
-        )
-        == 3
-    )
-    assert outstanding_of({"num_running_reqs": 1}) == 1  # sections not requested are simply absent
+    prefill = {"num_running_reqs": 1, "num_waiting_reqs": 0}
+    assert outstanding_of(prefill | {"disaggregation": {"prefill_inflight_queue_reqs": 2}}) == 3
+    # a section not asked for is null (or absent, from an older server)
+    assert outstanding_of(prefill | {"disaggregation": None}) == 1
+    assert outstanding_of({"num_running_reqs": 1}) == 1
 
 
 def test_series_drops_incomplete_polls_and_writes_csv(tmp_path):

@@ -84,6 +84,21 @@ def test_parse_loads_drops_missing_negative_and_duplicate_ranks():
     assert parse_loads({"oops": 1}) == {} and parse_loads([1]) == {}
 
 
+def test_parse_loads_reads_upstreams_nested_entries():
+    """Core figures flat, sections as sub-objects (null when not asked for): the tokens are the flat ones."""
+    entry = {
+        "dp_rank": 1,
+        "num_total_tokens": 12,
+        "memory": None,
+        "disaggregation": {"mode": "decode", "decode_transfer_queue_reqs": 3},
+        "queues": {"waiting": 2},
+    }
+    assert parse_loads({"loads": [entry, {**entry, "dp_rank": 0, "num_total_tokens": 4}]}) == {
+        1: 12,
+        0: 4,
+    }
+
+
 def test_apply_loads_per_rank_and_failed_poll_clears():
     workers = expand(Server("http://a", 3, CircuitBreaker()))
     apply_loads(workers, {0: 10, 2: 30})
