@@ -5,13 +5,8 @@ import csv
 import numpy as np
 import pytest
 
-from sglang_lite.bench.balance import (
-    LoadSeries,
-    balance_stats,
-    format_table,
-    mean_cv,
-    outstanding_of,
-)
+from sglang_lite.bench.balance import LoadSeries, format_table
+from sglang_lite.protocol.balance import balance_stats, mean_cv, outstanding_of
 
 
 def test_statistics_on_hand_made_series():
@@ -34,6 +29,32 @@ def test_perfect_balance_and_all_idle():
     assert s.outstanding_cv == 0 and s.running_cv == 0 and s.busiest_over_mean_kv == 1
     assert s.busiest_share == pytest.approx((0.25,) * 4)
     assert mean_cv(np.zeros((3, 2))) == 0.0
+
+
+def test_plain_python_figures_equal_numpy_on_random_series():
+    """protocol/balance.py computes in plain Python (the router imports it); numpy's formulas agree."""
+    rng = np.random.default_rng(0)
+    running = rng.integers(0, 20, (300, 8))
+    running[::7] = 0  # idle samples are skipped by the CVs
+    outstanding = running + rng.integers(0, 5, (300, 8))
+    kv = rng.integers(0, 5000, (300, 8))
+    kv[::5] = 0
+
+    def over_mean(series, spread):
+        means = series.mean(axis=1)
+        keep = means > 0
+        return (spread(series[keep], axis=1) / means[keep]).mean()
+
+    s = balance_stats(outstanding, running, kv)
+    assert s.outstanding_cv == pytest.approx(over_mean(outstanding, np.std), rel=1e-12)
+    assert s.running_cv == pytest.approx(over_mean(running, np.std), rel=1e-12)
+    assert s.busiest_batch == pytest.approx(running.max(axis=1).mean(), rel=1e-12)
+    assert s.busiest_over_mean_kv == pytest.approx(over_mean(kv, np.max), rel=1e-12)
+    per_rank = running.mean(axis=0)
+    assert s.rank_batch_ratio == pytest.approx(per_rank / per_rank.mean(), rel=1e-12)
+    is_max = running == running.max(axis=1, keepdims=True)
+    share = (is_max / is_max.sum(axis=1, keepdims=True)).mean(axis=0)
+    assert s.busiest_share == pytest.approx(share, rel=1e-12)
 
 
 def test_mismatched_series_are_rejected():
