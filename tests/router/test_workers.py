@@ -291,7 +291,7 @@ def test_a_stream_failing_inside_an_event_ends_with_a_whole_error_event():
     import asyncio
     import json
 
-    from sglang_lite.router.proxy import _pump
+    from sglang_lite.router.proxy import FIRST_EVENT_AT, _pump
 
     class Content:
         async def iter_any(self):
@@ -301,8 +301,11 @@ def test_a_stream_failing_inside_an_event_ends_with_a_whole_error_event():
     class Upstream:
         content = Content()
 
-    class Client:
+    class Client(
+        dict
+    ):  # a response is a mapping too: the relay notes when the first event went out
         def __init__(self) -> None:
+            super().__init__()
             self.body = b""
 
         async def write(self, data: bytes) -> None:
@@ -310,6 +313,7 @@ def test_a_stream_failing_inside_an_event_ends_with_a_whole_error_event():
 
     client = Client()
     assert asyncio.run(_pump(client, Upstream(), whole_events=True)) is True
+    assert isinstance(client[FIRST_EVENT_AT], float)  # the router's TTFT reads it
     events = [json.loads(e.removeprefix(b"data: ")) for e in client.body.split(b"\n\n") if e]
     assert (
         events[0] == {"text": "a"} and "upstream failed mid-stream" in events[1]["error"]["message"]
