@@ -12,11 +12,16 @@ PY := $(VENV)/bin/python
 setup: system-libs $(VENV)/.installed
 
 # The Mooncake transfer engine (PD disaggregation) links libibverbs.so.1, even over TCP: Debian's libibverbs1.
+# The test of the router's live page drives Debian's chromium headless (it skips, saying so, without it).
 system-libs:
 	@ldconfig -p | grep -q libibverbs.so.1 || { command -v apt-get >/dev/null && \
 		{ apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
 		  { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null; }; } || \
 		echo "warning: install libibverbs1 (the Mooncake transfer engine of PD disaggregation links it)"; }
+	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && \
+		{ apt-get install -y -q chromium >/dev/null 2>&1 || \
+		  { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; } || \
+		echo "warning: install chromium (the router's live-page test drives it headless)"; }
 
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -19,6 +19,8 @@ setup(
     package_dir={"sglang_lite.kernels": "kernels"},
     package_data={
         "sglang_lite": ["assets/*/*"],
+        # the router's live page: its HTML, CSS, script and the vendored uPlot with its licence
+        "sglang_lite.router.dashboard": ["static/*"],
         "sglang_lite.kernels.cpu": ["csrc/*.cpp", "csrc/*.h"],
     },
     install_requires=[

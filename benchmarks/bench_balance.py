@@ -43,6 +43,7 @@ import numpy as np
 from sglang_lite.bench.balance import BalanceSampler, BalanceStats, LoadSeries, format_table
 from sglang_lite.bench.replay import replay_closed_loop, summarize
 from sglang_lite.bench.traces import AgenticTraceConfig, agentic_trace
+from sglang_lite.protocol.loads import section
 from sglang_lite.utils.process import wait_until_healthy
 
 # Small enough for the tiny model on a CPU, still input-heavy and growing turn by turn.
@@ -61,6 +62,7 @@ PD_TRACE = dataclasses.replace(
     SMALL_TRACE, first_input_mean=200, tool_output_mean=60, max_context=700
 )
 VOCAB = 4096
+# in each rank's "disaggregation" sub-object of /v1/loads
 TRANSFER_TOTALS = ("kv_transfers_total", "kv_transfer_bytes_total", "kv_transfer_seconds_total")
 GEN_THROUGHPUT_WINDOW_S = 10.0  # the scheduler's ThroughputMeter window behind gen_throughput
 SERVER_ARGS = [
@@ -225,15 +227,14 @@ class InFlightSeries(LoadSeries):
         kept = len(self.times)
         super().add(t, per_rank)
         if len(self.times) > kept:
-            entries = [per_rank[r] for r in self.ranks]
-            self.prealloc.append(sum(int(e.get("decode_prealloc_queue_reqs", 0)) for e in entries))
-            self.transfer.append(sum(int(e.get("decode_transfer_queue_reqs", 0)) for e in entries))
+            pd = [section(per_rank[r], "disaggregation") for r in self.ranks]
+            self.prealloc.append(sum(int(d.get("decode_prealloc_queue_reqs", 0)) for d in pd))
+            self.transfer.append(sum(int(d.get("decode_transfer_queue_reqs", 0)) for d in pd))
             self.add_transfer_totals({r: per_rank[r] for r in self.ranks})
 
     def add_transfer_totals(self, per_rank: dict[str, dict]) -> None:
-        self.transfer_totals.append(
-            [sum(float(e.get(k, 0)) for e in per_rank.values()) for k in TRANSFER_TOTALS]
-        )
+        pd = [section(e, "disaggregation") for e in per_rank.values()]
+        self.transfer_totals.append([sum(float(d.get(k, 0)) for d in pd) for k in TRANSFER_TOTALS])
 
     def waiting_shares(self, min_total_outstanding: int) -> tuple[float, float]:
         """(prealloc, transfer) requests over all outstanding ones, summed over the steady-state samples."""
@@ -259,15 +260,16 @@ class PrefillSeries:
 
     def add(self, t: float, per_rank: dict[str, dict]) -> None:
         entries = list(per_rank.values())
+        pd = [section(e, "disaggregation") for e in entries]
         self.times.append(t)
-        self.prefill_tokens.append(sum(int(e.get("num_prefill_tokens", 0)) for e in entries))
+        self.prefill_tokens.append(sum(int(d.get("num_prefill_tokens", 0)) for d in pd))
         self.busy.append(
             any(
                 int(e.get("num_running_reqs", 0))
                 + int(e.get("num_waiting_reqs", 0))
-                + int(e.get("prefill_prealloc_queue_reqs", 0))
+                + int(d.get("prefill_prealloc_queue_reqs", 0))
                 > 0
-                for e in entries
+                for e, d in zip(entries, pd)
             )
         )
         self.cache_hit_rate.append(max(float(e.get("cache_hit_rate", 0.0)) for e in entries))

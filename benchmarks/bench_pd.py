@@ -164,10 +164,10 @@ async def sweep(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def transfer_totals(decode_url: str) -> dict[str, float]:
-    loads = httpx.get(f"{decode_url}/v1/loads", params={"include": "all"}, timeout=5).json()[
+    loads = httpx.get(f"{decode_url}/v1/loads", params={"include": "disagg"}, timeout=5).json()[
         "loads"
     ]
-    return {k: sum(load[k] for load in loads) for k in TRANSFER_TOTALS}
+    return {k: sum(load["disaggregation"][k] for load in loads) for k in TRANSFER_TOTALS}
 
 
 def transfer_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -1,13 +1,19 @@
 """Router overhead: sglang_lite's router vs direct vs sglang-router 0.3.2 (when installed), in one run.
 
     python benchmarks/bench_router.py [--workers 4] [--duration 3] [--concurrency 64] [--policy round_robin]
+        [--watch-dashboard] [--compare-with DIR]
 
 Lightweight mock workers (a fixture of this benchmark only) answer at once, or stream `--stream-tokens`
 chunks `--token-delay` apart. The same aiohttp client and load then measure each target:
 requests/s at `--concurrency` in flight, p50/p99 latency at concurrency 1 (minus direct = added latency),
 time to first token when streaming, and router CPU seconds per request (from /proc, the router's process group).
-sglang-router is started as `python -m sglang_router.launch_router --host 127.0.0.1 --port P --worker-urls ...
---policy round_robin`; it is skipped when not importable.
+With --watch-dashboard a client reads this router's /dashboard/data once a second while it is measured, as an
+open live page does (the page's cost on the routing path). With --compare-with DIR it instead starts this
+checkout's router and the one of another checkout DIR (e.g. `git worktree add /tmp/base main`) on the same mock
+workers and sends `--sequential` requests to each, one to this, one to that, so that both see the same machine
+state: a before/after comparison that holds on a busy machine. sglang-router is started as
+`python -m sglang_router.launch_router --host 127.0.0.1 --port P --worker-urls ... --policy round_robin`; it is
+skipped when not importable.
 """
 
 from __future__ import annotations
@@ -114,11 +120,11 @@ def _group_ticks(pid: int, pgid: int) -> int:
     return int(fields[11]) + int(fields[12]) if int(fields[2]) == pgid else 0
 
 
-def spawn(cmd: list[str]) -> Process:
+def spawn(cmd: list[str], cwd: Path = REPO) -> Process:
     log = Path(tempfile.mkstemp(prefix="bench-router-", suffix=".log")[1])
     with open(log, "wb") as out:
         popen = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
         )
     return Process(popen, log)
 
@@ -206,7 +212,8 @@ async def measure(name: str, urls: list[str], router: Process | None, args) -> d
 
 
 # ---- targets -----------------------------------------------------------------------------------------------
-def start_ours(worker_urls: list[str], port: int, policy: str) -> Process:
+def start_ours(worker_urls: list[str], port: int, policy: str, cwd: Path = REPO) -> Process:
+    """This checkout's router (or, with `cwd`, the one of the checkout there: `-m` imports from the cwd first)."""
     return spawn(
         [
             sys.executable,
@@ -222,7 +229,8 @@ def start_ours(worker_urls: list[str], port: int, policy: str) -> Process:
             "warn",
             "--worker-startup-check-interval",
             "1",
-        ]
+        ],
+        cwd,
     )
 
 
@@ -248,16 +256,33 @@ def start_peer(worker_urls: list[str], port: int, policy: str) -> Process:
 
 async def bench_router(name: str, start, worker_urls: list[str], args) -> dict:
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     proc = start(worker_urls, port, args.policy)
+    watcher = None
     try:
-        await wait_http(f"http://127.0.0.1:{port}/health")
-        await _wait_routable(f"http://127.0.0.1:{port}")
-        return await measure(name, [f"http://127.0.0.1:{port}"], proc, args)
+        await wait_http(url + "/health")
+        await _wait_routable(url)
+        if args.watch_dashboard and start is start_ours:
+            watcher = asyncio.create_task(watch_dashboard(url))
+        return await measure(name, [url], proc, args)
     except Exception:
         sys.stderr.write(proc.log.read_text(errors="replace")[-3000:])
         raise
     finally:
+        if watcher is not None:
+            watcher.cancel()
         proc.stop()
+
+
+async def watch_dashboard(url: str) -> None:
+    """What an open /dashboard page asks of the router: the samples it has not seen, once a second."""
+    seq = 0
+    async with aiohttp.ClientSession() as s:
+        while True:
+            async with s.get(f"{url}/dashboard/data?since={seq}") as r:
+                data = await r.json()
+            seq = data["samples"][-1]["seq"] if data["samples"] else seq
+            await asyncio.sleep(1.0)
 
 
 async def _wait_routable(url: str, timeout: float = 60.0) -> None:
@@ -273,7 +298,7 @@ async def _wait_routable(url: str, timeout: float = 60.0) -> None:
     raise RuntimeError(f"{url} never routed a request")
 
 
-async def main(args) -> list[dict]:
+async def start_workers(args) -> tuple[list[Process], list[str]]:
     ports = [free_port() for _ in range(args.workers)]
     workers = [
         spawn(
@@ -289,8 +314,13 @@ async def main(args) -> list[dict]:
         for p in ports
     ]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
+    await asyncio.gather(*(wait_http(u + "/health") for u in urls))
+    return workers, urls
+
+
+async def main(args) -> list[dict]:
+    workers, urls = await start_workers(args)
     try:
-        await asyncio.gather(*(wait_http(u + "/health") for u in urls))
         rows = [await measure("direct", urls, None, args)]
         rows.append(await bench_router("sglang_lite", start_ours, urls, args))
         if importlib.util.find_spec("sglang_router") is not None and not args.skip_peer:
@@ -299,6 +329,45 @@ async def main(args) -> list[dict]:
     finally:
         for w in workers:
             w.stop()
+
+
+async def compare(args) -> dict[str, list[float]]:
+    """--compare-with: seconds per request of this checkout's router and DIR's, requests interleaved one by one."""
+    workers, urls = await start_workers(args)
+    routers: dict[str, tuple[Process, str]] = {}
+    watcher = None
+    try:
+        for name, cwd in (("this checkout", REPO), (args.compare_with, Path(args.compare_with))):
+            port = free_port()
+            routers[name] = start_ours(urls, port, args.policy, cwd), f"http://127.0.0.1:{port}"
+        for _, url in routers.values():
+            await wait_http(url + "/health")
+            await _wait_routable(url)
+        if args.watch_dashboard:
+            watcher = asyncio.create_task(watch_dashboard(routers["this checkout"][1]))
+        latencies: dict[str, list[float]] = {name: [] for name in routers}
+        async with aiohttp.ClientSession() as s:
+            for k in range(20 + args.sequential):  # the first 20 warm the connections
+                # which goes first alternates, so neither gains from its place in the pair
+                for name, (_, url) in list(routers.items())[:: 1 if k % 2 else -1]:
+                    seconds, _ = await one(s, url)
+                    if k >= 20:
+                        latencies[name].append(seconds)
+        return latencies
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        for proc, _ in routers.values():
+            proc.stop()
+        for w in workers:
+            w.stop()
+
+
+def report_comparison(latencies: dict[str, list[float]]) -> None:
+    print(f"{'router':<40}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'mean ms':>9}")
+    for name, values in latencies.items():
+        cells = [pct(values, q) for q in (0.5, 0.9, 0.99)] + [statistics.mean(values)]
+        print(f"{name:<40}" + "".join(f"{1e3 * v:>9.3f}" for v in cells))
 
 
 def report(rows: list[dict]) -> None:
@@ -333,8 +402,21 @@ if __name__ == "__main__":
     p.add_argument(
         "--skip-peer", action="store_true", help="do not run sglang-router even when installed"
     )
+    p.add_argument(
+        "--watch-dashboard",
+        action="store_true",
+        help="read this router's /dashboard/data once a second while measuring it, as an open page does",
+    )
+    p.add_argument(
+        "--compare-with",
+        metavar="DIR",
+        help="compare this checkout's router with DIR's at concurrency 1, their requests interleaved",
+    )
     p.add_argument("--json", action="store_true", help="print rows as JSON too")
     cli = p.parse_args()
+    if cli.compare_with:
+        report_comparison(asyncio.run(compare(cli)))
+        sys.exit(0)
     result = asyncio.run(main(cli))
     report(result)
     if cli.json:

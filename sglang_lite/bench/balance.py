@@ -1,16 +1,6 @@
-"""DP-rank balance: sample `/v1/loads` of every server at a fixed interval and summarise how even the ranks are.
-
-Why these numbers: under DP attention a decode step lasts as long as its busiest rank, so the busiest rank's
-running batch and the spread of per-rank request counts decide TPOT, while KV tokens mostly decide memory.
-
-Definitions (series are [samples, ranks]; a sample is one poll of every rank):
-- outstanding = running + waiting (whose count includes a PD rank's prealloc, transfer and retracted queues, as
-  SGLang's does) + a prefill rank's inflight queue (requests still being sent).
-- CV: per sample, population std over ranks / mean over ranks; averaged over samples whose mean is > 0.
-- busiest batch: mean over samples of the maximum running batch over ranks.
-- busiest/mean KV: mean over samples (with KV > 0) of max over ranks / mean over ranks of KV tokens.
-- rank batch ratio: each rank's mean running batch / the mean over all ranks.
-- busiest share: the share of samples in which each rank holds the largest running batch (ties split evenly).
+"""DP-rank balance of real servers: sample `/v1/loads` of every server at a fixed interval while a benchmark runs,
+then summarise how even the ranks were with the study's figures (`protocol/balance.py`: the definitions, shared
+with the simulator and the router's live page).
 
 A poll that fails leaves a gap; it is logged (at most every LOG_EVERY_SECS per server) and counted per server in
 `LoadSeries.poll_failures`, which `stats()` carries into `BalanceStats.poll_failures` and `format_table` prints.
@@ -30,84 +20,10 @@ from typing import Sequence
 
 import numpy as np
 
+from sglang_lite.protocol.balance import BalanceStats, balance_stats, outstanding_of
+
 logger = logging.getLogger(__name__)
 LOG_EVERY_SECS = 30.0
-# num_waiting_reqs counts the PD queues
-QUEUE_FIELDS = ("num_waiting_reqs", "prefill_inflight_queue_reqs")
-
-
-@dataclass(frozen=True)
-class BalanceStats:
-    outstanding_cv: float
-    running_cv: float
-    busiest_batch: float
-    busiest_over_mean_kv: float
-    rank_batch_ratio: tuple[float, ...]
-    busiest_share: tuple[float, ...]
-    num_samples: int
-    poll_failures: int = 0  # polls of a server that gave nothing (each leaves a gap in the series)
-
-    def row(self) -> dict[str, float]:
-        return {
-            "outstanding_cv": self.outstanding_cv,
-            "running_cv": self.running_cv,
-            "busiest_batch": self.busiest_batch,
-            "busiest_over_mean_kv": self.busiest_over_mean_kv,
-        }
-
-
-def _mean_over_samples(series: np.ndarray, spread, empty: float) -> float:
-    """Mean over samples of ``spread(row) / mean(row)`` across ranks; all-zero samples are skipped (``empty`` when
-    every sample is)."""
-    series = np.asarray(series, dtype=float)
-    means = series.mean(axis=1)
-    keep = means > 0
-    if not keep.any():
-        return empty
-    return float((spread(series[keep], axis=1) / means[keep]).mean())
-
-
-def mean_cv(series: np.ndarray) -> float:
-    """Mean over samples of the across-rank coefficient of variation; samples with an all-zero row are skipped."""
-    return _mean_over_samples(series, np.std, 0.0)
-
-
-def busiest_over_mean(series: np.ndarray) -> float:
-    """Mean over samples of the busiest rank's value over the ranks' mean; 1 when nothing was ever loaded."""
-    return _mean_over_samples(series, np.max, 1.0)
-
-
-def busiest_share(running: np.ndarray) -> np.ndarray:
-    """Per rank, the share of samples in which it holds the largest batch; a k-way tie gives each 1/k."""
-    running = np.asarray(running, dtype=float)
-    is_max = running == running.max(axis=1, keepdims=True)
-    return (is_max / is_max.sum(axis=1, keepdims=True)).mean(axis=0)
-
-
-def rank_batch_ratio(running: np.ndarray) -> np.ndarray:
-    per_rank = np.asarray(running, dtype=float).mean(axis=0)
-    overall = per_rank.mean()
-    return per_rank / overall if overall > 0 else np.ones_like(per_rank)
-
-
-def balance_stats(
-    outstanding: np.ndarray, running: np.ndarray, kv_tokens: np.ndarray
-) -> BalanceStats:
-    """All statistics of one run; the three series are [samples, ranks]."""
-    running = np.asarray(running, dtype=float)
-    assert running.ndim == 2 and running.shape[0] > 0, "need at least one sample of every rank"
-    assert np.shape(outstanding) == running.shape == np.shape(kv_tokens), (
-        "series must have the same shape"
-    )
-    return BalanceStats(
-        outstanding_cv=mean_cv(outstanding),
-        running_cv=mean_cv(running),
-        busiest_batch=float(running.max(axis=1).mean()),
-        busiest_over_mean_kv=busiest_over_mean(kv_tokens),
-        rank_batch_ratio=tuple(float(x) for x in rank_batch_ratio(running)),
-        busiest_share=tuple(float(x) for x in busiest_share(running)),
-        num_samples=running.shape[0],
-    )
 
 
 # ---- sampling real servers -------------------------------------------------------------------------------------
@@ -144,7 +60,7 @@ class LoadSeries:
         handful of requests on few ranks would dominate every CV."""
         keep = [i for i, row in enumerate(self.outstanding) if sum(row) >= min_total_outstanding]
         assert keep, f"no sample holds {min_total_outstanding} requests"
-        pick = lambda series: np.array([series[i] for i in keep])  # noqa: E731
+        pick = lambda series: [series[i] for i in keep]  # noqa: E731
         stats = balance_stats(pick(self.outstanding), pick(self.running), pick(self.kv_tokens))
         return dataclasses.replace(stats, poll_failures=sum(self.poll_failures.values()))
 
@@ -170,12 +86,6 @@ class LoadSeries:
 
     def plot(self, path: str | Path, title: str = "") -> None:
         plot_series(path, self.times, self.ranks, self.outstanding, self.running, title)
-
-
-def outstanding_of(entry: dict) -> int:
-    return int(entry.get("num_running_reqs", 0)) + sum(
-        int(entry.get(k, 0) or 0) for k in QUEUE_FIELDS
-    )
 
 
 def plot_series(

@@ -128,7 +128,8 @@ class Engine:
         self._running_client().abort(rid)
 
     def get_loads(self, include: tuple[str, ...] = LOAD_SECTIONS) -> dict[str, Any]:
-        """Live load figures of the scheduler, taken after every command sent before this call."""
+        """Live load figures of the scheduler, taken after every command sent before this call: one ``/v1/loads``
+        entry (core figures flat, each section of ``include`` a nested sub-object, the others None)."""
         unknown = sorted(set(include) - set(LOAD_SECTIONS))
         if unknown:
             raise ValueError(

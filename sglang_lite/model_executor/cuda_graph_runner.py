@@ -108,12 +108,17 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.timings_ms: dict[int, tuple[float, float]] = {}
+        self.memory_bytes = (
+            0  # what capturing reserved (graph pool and warm-up), /v1/loads graph_gb
+        )
         if use_graphs:
             model.streams.runtime.get()  # streams must exist before capture starts
             self._pool = torch.cuda.graph_pool_handle()
+            reserved = torch.cuda.memory_reserved(self.device)
             # largest first, so smaller graphs reuse its memory
             for bs in reversed(self.batch_sizes):
                 self._capture_size(bs, auto, timing_replays)
+            self.memory_bytes = torch.cuda.memory_reserved(self.device) - reserved
             if auto:
                 logger.info(
                     "alt-stream auto choice per decode batch size: %s",

@@ -1,4 +1,14 @@
-"""The load figures a rank reports, in the field names of SGLang's ``/v1/loads``, and their sections."""
+"""The load figures a rank reports, in the field names and the shape of SGLang's ``/v1/loads``.
+
+A rank's entry holds the core figures flat and every other section as a nested sub-object, present when its
+``include`` name is asked for and null otherwise, as upstream::
+
+    {"dp_rank": 0, "timestamp": ..., "num_running_reqs": 3, ..., "memory": {"weight_gb": ...}, "speculative": null,
+     "lora": null, "disaggregation": {"mode": "decode", ...}, "queues": {"waiting": 0, ...}}
+
+``SECTIONS`` below is the one place that says which figure goes where: adding a figure to a section is one line
+there (and one field of ``SchedulerLoads``).
+"""
 
 from __future__ import annotations
 
@@ -7,46 +17,67 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-SECTIONS = {
+# include name -> (the sub-object's key in a rank's entry, or None for the flat core figures; its figures). A figure
+# is a SchedulerLoads attribute named as in the entry, or a pair (name in the entry, attribute) where the two differ.
+SECTIONS: dict[str, tuple[str | None, tuple[str | tuple[str, str], ...]]] = {
     "core": (
-        "dp_rank",
-        "timestamp",
-        "num_running_reqs",
-        "num_waiting_reqs",
-        "num_used_tokens",
-        "num_total_tokens",
-        "max_total_num_tokens",
-        "token_usage",
-        "gen_throughput",
-        "cache_hit_rate",
-        "utilization",
-        "max_running_requests",
-        "cached_tokens",
-        "num_cached_prompt_tokens",
+        None,
+        (
+            "dp_rank",
+            "timestamp",
+            "num_running_reqs",
+            "num_waiting_reqs",
+            "num_used_tokens",
+            "num_total_tokens",
+            "max_total_num_tokens",
+            "token_usage",
+            "gen_throughput",
+            "cache_hit_rate",
+            "utilization",
+            "max_running_requests",
+            "cached_tokens",
+            "num_cached_prompt_tokens",
+        ),
     ),
     "memory": (
-        "weight_gb",
-        "kv_cache_gb",
-        "token_capacity",
-        "snapshot_slots",
-        "snapshot_slots_used",
-        "snapshots_evicted",
+        "memory",
+        (
+            "weight_gb",
+            "kv_cache_gb",
+            "graph_gb",
+            "token_capacity",
+            "snapshot_slots",
+            "snapshot_slots_used",
+            "snapshots_evicted",
+        ),
+    ),
+    "spec": ("speculative", ("accept_length", "accept_rate")),
+    "lora": (
+        "lora",
+        (
+            ("slots_used", "lora_slots_used"),
+            ("slots_total", "lora_slots_total"),
+            ("utilization", "lora_utilization"),
+        ),
     ),
     "disagg": (
-        "mode",
-        "prefill_prealloc_queue_reqs",
-        "prefill_inflight_queue_reqs",
-        "decode_prealloc_queue_reqs",
-        "decode_transfer_queue_reqs",
-        "decode_retracted_queue_reqs",
-        "kv_transfer_speed_gb_s",
-        "kv_transfer_latency_ms",
-        "kv_transfers_total",
-        "kv_transfer_bytes_total",
-        "kv_transfer_seconds_total",
-        "num_prefill_tokens",
+        "disaggregation",
+        (
+            "mode",
+            "prefill_prealloc_queue_reqs",
+            "prefill_inflight_queue_reqs",
+            "decode_prealloc_queue_reqs",
+            "decode_transfer_queue_reqs",
+            "decode_retracted_queue_reqs",
+            "kv_transfer_speed_gb_s",
+            "kv_transfer_latency_ms",
+            "kv_transfers_total",
+            "kv_transfer_bytes_total",
+            "kv_transfer_seconds_total",
+            "num_prefill_tokens",
+        ),
     ),
-    "queues": ("waiting", "paused", "retracted"),
+    "queues": ("queues", ("waiting", "grammar", "paused", "retracted", "num_retractions")),
 }
 LOAD_SECTIONS = tuple(SECTIONS)  # every section, the default wherever loads are asked for
 
@@ -74,6 +105,14 @@ class SchedulerLoads:
     paused: int
     retracted: int  # waiting requests that were retracted at least once
     num_retractions: int  # retractions since start
+    grammar: int = 0  # waiting for their grammar to compile
+    graph_gb: float = 0.0  # CUDA graphs of decode batches (0 where none are captured)
+    # speculative decoding and LoRA adapters: none here, so upstream's sections read zero
+    accept_length: float = 0.0
+    accept_rate: float = 0.0
+    lora_slots_used: int = 0
+    lora_slots_total: int = 0
+    lora_utilization: float = 0.0
     # KV slots the prefix cache holds (those no request uses count as free, not used)
     cached_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache since start
@@ -99,11 +138,24 @@ class SchedulerLoads:
     num_prefill_tokens: int = 0  # tokens run through prefill forwards since start
 
     def to_dict(self, include: tuple[str, ...] = LOAD_SECTIONS) -> dict[str, Any]:
-        """The named sections' figures, always with ``dp_rank`` and ``timestamp``."""
-        names = ["dp_rank", "timestamp"] + [n for section in include for n in SECTIONS[section]]
-        names += ["num_retractions"] if "queues" in include else []
+        """The rank's entry: the core figures flat, each section of ``include`` as its sub-object, the others
+        null (core figures are always there, as upstream's)."""
         values = dataclasses.asdict(self)
-        return {n: values[n] for n in dict.fromkeys(names)}
+        entry = _figures(values, SECTIONS["core"][1])
+        for name, (key, figures) in SECTIONS.items():
+            if key is not None:
+                entry[key] = _figures(values, figures) if name in include else None
+        return entry
+
+
+def _figures(values: dict[str, Any], figures: tuple[str | tuple[str, str], ...]) -> dict[str, Any]:
+    pairs = [(f, f) if isinstance(f, str) else f for f in figures]
+    return {name: values[attribute] for name, attribute in pairs}
+
+
+def section(entry: dict[str, Any], key: str) -> dict[str, Any]:
+    """A rank entry's sub-object ``key`` ("memory", "disaggregation", ...); empty when it was not asked for."""
+    return entry.get(key) or {}
 
 
 def utc_timestamp() -> str:

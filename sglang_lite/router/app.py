@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import dataclasses
 import hmac
 import logging
@@ -17,6 +19,8 @@ from sglang_lite.utils.cli import listen
 
 from .admission import Admission, Shed
 from .config import RouterConfig
+from .dashboard import ROUTES as DASHBOARD_ROUTES
+from .dashboard import ClusterWatch, DashboardPage
 from .dispatch import Dispatcher, rank_fields, record_outcome
 from .fleet import WorkerAuthError, WorkerFleet, fetch_dp_size
 from .health import HealthChecker
@@ -24,7 +28,15 @@ from .load_monitor import LoadMonitor
 from .metrics import RouterMetrics
 from .pd import PDForwarder
 from .policies import Policy, RequestInfo, create_policy
-from .proxy import UpstreamUnreachable, WorkerShed, backoff_secs, bearer, json_error, with_fields
+from .proxy import (
+    FIRST_EVENT_AT,
+    UpstreamUnreachable,
+    WorkerShed,
+    backoff_secs,
+    bearer,
+    json_error,
+    with_fields,
+)
 from .request_info import parse_body, request_info
 from .workers import Server, Worker
 
@@ -62,6 +74,12 @@ class Router:
         self.dispatcher: Dispatcher | None = None
         self.pd: PDForwarder | None = None  # only under --pd-disaggregation
         self.load_monitor: LoadMonitor | None = None
+        # the live page's sampler (--dashboard-interval-secs > 0)
+        self.dashboard: ClusterWatch | None = None
+        if config.dashboard_interval_secs > 0:
+            self.dashboard = ClusterWatch(
+                config, self.all_servers, self.metrics, self._policy_names
+            )
         self._tasks: list[asyncio.Task] = []
 
     # ---- lifecycle -------------------------------------------------------------------------------------
@@ -94,6 +112,8 @@ class Router:
         if polled:  # loads are polled only when a power-of-two policy will read them
             self.load_monitor = LoadMonitor(self.session, polled, cfg.worker_startup_check_interval)
             self._tasks.append(asyncio.create_task(self.load_monitor.run()))
+        if self.dashboard is not None:
+            self._tasks.append(asyncio.create_task(self.dashboard.run(self.session)))
         if not cfg.disable_health_check:
             # per-rank probes for degraded servers
             checker = HealthChecker(self.session, self.all_servers, cfg)
@@ -160,10 +180,12 @@ class Router:
     # ---- handlers --------------------------------------------------------------------------------------
     async def handle_inference(self, request: web.Request) -> web.StreamResponse:
         start, status = time.perf_counter(), 500
+        first_event = None
         try:
             async with self.admission.slot():
                 resp = await self._route_inference(request)
             status = resp.status
+            first_event = resp.get(FIRST_EVENT_AT)
             return resp
         except Shed as shed:
             self.metrics.shed[shed.status] += 1
@@ -173,7 +195,8 @@ class Router:
             status = 499  # the client went away
             raise
         finally:
-            self.metrics.observe_request(request.path, status, time.perf_counter() - start)
+            ttft = None if first_event is None else first_event - start
+            self.metrics.observe_request(request.path, status, time.perf_counter() - start, ttft)
 
     async def _route_inference(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -248,23 +271,43 @@ class Router:
             ("/metrics", self.handle_metrics),
         ):
             app.router.add_get(path, handler)
+        if self.dashboard is not None:
+            DashboardPage(self.dashboard).add_routes(app)
         return app
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if request.path not in OPEN_ROUTES and not key_matches(
-            request.headers.get("Authorization"), self.config.api_key
+        """Every route but the open ones needs the key; the live page also takes it as a browser's Basic
+        credentials (any user name, the key as password), so a browser can ask for it and send it again."""
+        header, key = request.headers.get("Authorization"), self.config.api_key
+        page = request.path in DASHBOARD_ROUTES
+        if (
+            request.path in OPEN_ROUTES
+            or key_matches(header, key)
+            or (page and basic_key_matches(header, key))
         ):
-            resp = json_error(401, "missing or wrong API key (Authorization: Bearer <key>)")
-            resp.headers["WWW-Authenticate"] = "Bearer"
-            return resp
-        return await handler(request)
+            return await handler(request)
+        resp = json_error(401, "missing or wrong API key (Authorization: Bearer <key>)")
+        resp.headers["WWW-Authenticate"] = 'Basic realm="sglang_lite router"' if page else "Bearer"
+        return resp
 
 
 def key_matches(header: str | None, key: str) -> bool:
     """Constant-time comparison of an Authorization header with `Bearer <key>`."""
     given = (header or "").encode("utf-8", "surrogateescape")
     return hmac.compare_digest(given, f"Bearer {key}".encode())
+
+
+def basic_key_matches(header: str | None, key: str) -> bool:
+    """Whether an Authorization header holds Basic credentials whose password is the key (constant-time)."""
+    scheme, _, encoded = (header or "").partition(" ")
+    if scheme.lower() != "basic":
+        return False
+    try:
+        password = base64.b64decode(encoded.strip(), validate=True).partition(b":")[2]
+    except (binascii.Error, ValueError):
+        return False
+    return hmac.compare_digest(password, key.encode())
 
 
 async def serve(config: RouterConfig) -> None:

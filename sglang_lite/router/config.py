@@ -74,6 +74,12 @@ class RouterConfig:
     decode: tuple[str, ...] = ()
     prefill_policy: str | None = None
     decode_policy: str | None = None
+    # the live cluster page (GET /dashboard, its data at /dashboard/data): every server's /v1/loads sampled this
+    # often (0: no page, no sampling); balance figures and latency percentiles over the last window; charts keep
+    # the history
+    dashboard_interval_secs: float = 1.0
+    dashboard_window_secs: float = 60.0
+    dashboard_history_secs: float = 300.0
     log_level: str = "info"
     seed: int | None = None  # seeds the router's RNG (tests); None: fresh entropy
 
@@ -81,6 +87,8 @@ class RouterConfig:
         for name in (self.policy, self.prefill_policy, self.decode_policy):
             assert name is None or name in POLICIES, f"unknown policy {name!r}"
         assert self.p2c_load_metric is None or self.p2c_load_metric in LOAD_METRICS
+        assert self.dashboard_interval_secs >= 0, "--dashboard-interval-secs must be >= 0"
+        assert self.dashboard_window_secs > 0 and self.dashboard_history_secs > 0
 
     @property
     def worker_key(self) -> str | None:

@@ -68,11 +68,15 @@ def apply_loads(workers: list[Worker], tokens: dict[int, int] | None) -> None:
             w.polled_tokens = tokens.get(w.dp_rank)
 
 
-async def fetch_loads(
-    session: aiohttp.ClientSession, server: Server, timeout: float, rank: int | None = None
-) -> dict[int, int]:
-    """Rank -> tokens of one server (or of one of its ranks); raises LoadPollError."""
-    params = {"include": "core"} | ({} if rank is None else {"dp_rank": str(rank)})
+async def fetch_payload(
+    session: aiohttp.ClientSession,
+    server: Server,
+    timeout: float,
+    rank: int | None = None,
+    include: str = "core",
+) -> object:
+    """The JSON of one server's `/v1/loads` (or of one of its ranks); raises LoadPollError."""
+    params = {"include": include} | ({} if rank is None else {"dp_rank": str(rank)})
     try:
         async with session.get(
             f"{server.url}/v1/loads", params=params, timeout=aiohttp.ClientTimeout(total=timeout)
@@ -80,9 +84,16 @@ async def fetch_loads(
             if resp.status != 200:
                 text = (await resp.text(errors="replace"))[:200]
                 raise LoadPollError(f"HTTP {resp.status}: {text}", http=True)
-            return parse_loads(await resp.json(content_type=None))
+            return await resp.json(content_type=None)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
         raise LoadPollError(repr(exc)) from exc
+
+
+async def fetch_loads(
+    session: aiohttp.ClientSession, server: Server, timeout: float, rank: int | None = None
+) -> dict[int, int]:
+    """Rank -> tokens of one server (or of one of its ranks); raises LoadPollError."""
+    return parse_loads(await fetch_payload(session, server, timeout, rank))
 
 
 async def fetch_rank_loads(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -29,6 +29,7 @@ LATENCY_BUCKETS = (
     300.0,
 )
 BREAKER_VALUE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
+RECENT_REQUESTS = 4096  # the live page's latency percentiles read at most the newest this many
 
 
 @dataclass
@@ -59,10 +60,16 @@ class RouterMetrics:
     latency: dict[str, Histogram] = field(default_factory=dict)
     retries: int = 0
     shed: Counter = field(default_factory=Counter)  # status (429/503) -> count
+    # the newest requests: (monotonic end, seconds to the end of the body, seconds to the first streamed event or
+    # None when nothing was streamed)
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
 
-    def observe_request(self, route: str, status: int, seconds: float) -> None:
+    def observe_request(
+        self, route: str, status: int, seconds: float, ttft: float | None = None
+    ) -> None:
         self.requests[(route, status)] += 1
         self.latency.setdefault(route, Histogram()).observe(seconds)
+        self.recent.append((time.monotonic(), seconds, ttft))
 
     def render(self, workers: Iterable[Worker]) -> str:
         lines = _worker_lines(list(workers))

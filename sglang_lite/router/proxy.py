@@ -7,6 +7,7 @@ import json
 import logging
 import random
 import re
+import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -32,6 +33,8 @@ _HOP = frozenset(
 )
 
 
+# a relayed event stream's response carries when its first event went out (perf_counter), for the router's TTFT
+FIRST_EVENT_AT = "first_event_at"
 SHED_STATUSES = (429, 503)
 MAX_SHED_BODY = 64 * 1024  # a shedding answer is a small, complete JSON error
 # the server's words for a dead rank
@@ -189,6 +192,8 @@ async def _pump(
             if cut:
                 await resp.write(pending[:cut])
                 pending = pending[cut:]
+                if whole_events and FIRST_EVENT_AT not in resp:
+                    resp[FIRST_EVENT_AT] = time.perf_counter()
         if pending:
             await resp.write(pending)
         return False

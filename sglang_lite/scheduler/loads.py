@@ -63,6 +63,7 @@ def report_loads(
     inputs: LoadInputs,
     mode: str,
     pd: dict,
+    graph_bytes: int = 0,
 ) -> SchedulerLoads:
     # unused cached prefixes are free space, as upstream counts them
     used = memory.pools.kv.allocator.num_used - memory.evictable_tokens
@@ -85,12 +86,14 @@ def report_loads(
         utilization=inputs.running / config.max_running_requests,
         max_running_requests=config.max_running_requests,
         weight_gb=weight_bytes / GB,
+        graph_gb=graph_bytes / GB,
         kv_cache_gb=(pools.kv.bytes + pools.states.bytes) / GB,
         token_capacity=total,
         snapshot_slots=pools.states.snapshots.size,
         snapshot_slots_used=pools.states.snapshots.num_used,
         snapshots_evicted=memory.cache.snapshots_evicted if memory.cache is not None else 0,
         waiting=inputs.waiting,
+        grammar=inputs.compiling,
         paused=0,
         retracted=inputs.retracted,
         num_retractions=inputs.num_retractions,

@@ -107,6 +107,8 @@ class Scheduler:
         self.num_prefill_tokens = 0  # prompt (and re-prefill) tokens run through extend forwards
         self._memory_failures = MemoryFailures()
         self._weight_bytes = _weight_bytes(model)
+        # what the CUDA graphs of decode batches took, measured at capture (none on the CPU)
+        self._graph_bytes = getattr(getattr(model, "graph_runner", None), "memory_bytes", 0)
 
     # ---- requests in --------------------------------------------------------------------------------------------
     def add_request(
@@ -341,7 +343,13 @@ class Scheduler:
         )
         pd = self.disagg.loads()
         return report_loads(
-            self.config, self.memory, self._weight_bytes, inputs, self.disagg.mode, pd
+            self.config,
+            self.memory,
+            self._weight_bytes,
+            inputs,
+            self.disagg.mode,
+            pd,
+            self._graph_bytes,
         )
 
     def _find(self, rid: str) -> Req | None:

@@ -179,7 +179,7 @@ def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> No
                 "num_waiting_reqs": load["num_waiting_reqs"],
                 "num_tokens": load["num_total_tokens"],
             }
-            for load in await manager.get_loads()
+            for load in await manager.get_loads(sections=("core",))
         ]
 
     @app.post("/abort_request")

@@ -9,45 +9,56 @@ from typing import Any
 
 PREFIX = "sglang_lite"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# (sub-object of the rank's /v1/loads entry, or None for a core figure; figure)
 LOAD_GAUGES = (
-    "num_running_reqs",
-    "num_waiting_reqs",
-    "num_used_tokens",
-    "num_total_tokens",
-    "token_usage",
-    "gen_throughput",
-    "utilization",
-    "max_total_num_tokens",
-    "snapshot_slots",
-    "snapshot_slots_used",
+    (None, "num_running_reqs"),
+    (None, "num_waiting_reqs"),
+    (None, "num_used_tokens"),
+    (None, "num_total_tokens"),
+    (None, "token_usage"),
+    (None, "gen_throughput"),
+    (None, "utilization"),
+    (None, "max_total_num_tokens"),
+    ("memory", "snapshot_slots"),
+    ("memory", "snapshot_slots_used"),
 )
 # counters the ranks keep (PD disaggregation: what each rank sent or received through the transfer engine)
-LOAD_COUNTERS = {  # metric: (load field, help)
+LOAD_COUNTERS = {  # metric: (sub-object, figure, help)
     "kv_transfers_total": (
+        "disaggregation",
         "kv_transfers_total",
         "KV transfers of PD requests completed by each rank.",
     ),
     "kv_transfer_bytes_total": (
+        "disaggregation",
         "kv_transfer_bytes_total",
         "Bytes of KV and GDN state moved by each rank's PD transfers.",
     ),
     "kv_transfer_seconds_total": (
+        "disaggregation",
         "kv_transfer_seconds_total",
         "Seconds the PD transfers of each rank took.",
     ),
     "prefill_tokens_total": (
+        "disaggregation",
         "num_prefill_tokens",
         "Tokens each rank ran through prefill forwards.",
     ),
     "cached_prompt_tokens_total": (
+        None,
         "num_cached_prompt_tokens",
         "Prompt tokens each rank served from its prefix cache.",
     ),
     "snapshots_evicted_total": (
+        "memory",
         "snapshots_evicted",
         "Prefix-cache GDN state snapshots each rank freed to make room for newer ones.",
     ),
 }
+
+
+def _figure(load: dict[str, Any], key: str | None, name: str) -> Any:
+    return (load if key is None else load[key])[name]
 
 
 class Histogram:
@@ -120,20 +131,21 @@ class ServerMetrics:
             lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} histogram"]
             for rank, histogram in sorted(self.histograms[name].items()):
                 lines += histogram.lines(f"{PREFIX}_{name}", f'dp_rank="{rank}"')
-        for gauge in LOAD_GAUGES:
+        for key, gauge in LOAD_GAUGES:
             lines += [
                 f"# HELP {PREFIX}_{gauge} Live {gauge} of each rank.",
                 f"# TYPE {PREFIX}_{gauge} gauge",
             ]
             lines += [
-                f'{PREFIX}_{gauge}{{dp_rank="{load["dp_rank"]}"}} {load[gauge]}' for load in loads
+                f'{PREFIX}_{gauge}{{dp_rank="{load["dp_rank"]}"}} {_figure(load, key, gauge)}'
+                for load in loads
             ]
-        for name, (field, help_text) in LOAD_COUNTERS.items():
+        for name, (key, figure, help_text) in LOAD_COUNTERS.items():
             self._counter(
                 lines,
                 name,
                 help_text,
-                {f'dp_rank="{load["dp_rank"]}"': load[field] for load in loads},
+                {f'dp_rank="{load["dp_rank"]}"': _figure(load, key, figure) for load in loads},
             )
         return "\n".join(lines) + "\n"
 

@@ -20,8 +20,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from sglang_lite.bench.balance import BalanceStats, balance_stats
 from sglang_lite.bench.traces import TraceRequest, iter_agentic_sessions
+from sglang_lite.protocol.balance import BalanceStats, balance_stats
 from sglang_lite.sim.config import SimConfig
 from sglang_lite.sim.decode import DecodeServer
 from sglang_lite.sim.prefill import PrefillServer

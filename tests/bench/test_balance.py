@@ -5,13 +5,8 @@ import csv
 import numpy as np
 import pytest
 
-from sglang_lite.bench.balance import (
-    LoadSeries,
-    balance_stats,
-    format_table,
-    mean_cv,
-    outstanding_of,
-)
+from sglang_lite.bench.balance import LoadSeries, format_table
+from sglang_lite.protocol.balance import balance_stats, mean_cv, outstanding_of
 
 
 def test_statistics_on_hand_made_series():
@@ -36,33 +31,61 @@ def test_perfect_balance_and_all_idle():
     assert mean_cv(np.zeros((3, 2))) == 0.0
 
 
+def test_plain_python_figures_equal_numpy_on_random_series():
+    """protocol/balance.py computes in plain Python (the router imports it); numpy's formulas agree."""
+    rng = np.random.default_rng(0)
+    running = rng.integers(0, 20, (300, 8))
+    running[::7] = 0  # idle samples are skipped by the CVs
+    outstanding = running + rng.integers(0, 5, (300, 8))
+    kv = rng.integers(0, 5000, (300, 8))
+    kv[::5] = 0
+
+    def over_mean(series, spread):
+        means = series.mean(axis=1)
+        keep = means > 0
+        return (spread(series[keep], axis=1) / means[keep]).mean()
+
+    s = balance_stats(outstanding, running, kv)
+    assert s.outstanding_cv == pytest.approx(over_mean(outstanding, np.std), rel=1e-12)
+    assert s.running_cv == pytest.approx(over_mean(running, np.std), rel=1e-12)
+    assert s.busiest_batch == pytest.approx(running.max(axis=1).mean(), rel=1e-12)
+    assert s.busiest_over_mean_kv == pytest.approx(over_mean(kv, np.max), rel=1e-12)
+    per_rank = running.mean(axis=0)
+    assert s.rank_batch_ratio == pytest.approx(per_rank / per_rank.mean(), rel=1e-12)
+    is_max = running == running.max(axis=1, keepdims=True)
+    share = (is_max / is_max.sum(axis=1, keepdims=True)).mean(axis=0)
+    assert s.busiest_share == pytest.approx(share, rel=1e-12)
+
+
 def test_mismatched_series_are_rejected():
     with pytest.raises(AssertionError):
         balance_stats(np.ones((2, 2)), np.ones((2, 3)), np.ones((2, 2)))
 
 
 def _entry(rank, running, waiting=0, transfer=0, tokens=0):
+    """A rank's /v1/loads entry in upstream's shape (the PD queues nested in "disaggregation")."""
     return {
         "dp_rank": rank,
         "num_running_reqs": running,
         "num_waiting_reqs": waiting,
-        "decode_transfer_queue_reqs": transfer,
         "num_total_tokens": tokens,
         "num_used_tokens": tokens,
         "gen_throughput": 10.0 * running,
+        "disaggregation": {
+            "decode_transfer_queue_reqs": transfer,
+            "prefill_inflight_queue_reqs": 0,
+        },
     }
 
 
 def test_outstanding_counts_every_request_once():
     # a decode rank's num_waiting_reqs already counts its prealloc and transfer queues (as SGLang's does)
     assert outstanding_of(_entry(0, 3, waiting=6, transfer=4)) == 9
-    assert (
-        outstanding_of(
-            {"num_running_reqs": 1, "num_waiting_reqs": 0, "prefill_inflight_queue_reqs": 2}
-        )
-        == 3
-    )
-    assert outstanding_of({"num_running_reqs": 1}) == 1  # sections not requested are simply absent
+    prefill = {"num_running_reqs": 1, "num_waiting_reqs": 0}
+    assert outstanding_of(prefill | {"disaggregation": {"prefill_inflight_queue_reqs": 2}}) == 3
+    # a section not asked for is null (or absent, from an older server)
+    assert outstanding_of(prefill | {"disaggregation": None}) == 1
+    assert outstanding_of({"num_running_reqs": 1}) == 1
 
 
 def test_series_drops_incomplete_polls_and_writes_csv(tmp_path):

@@ -14,10 +14,8 @@ from tests.hf_checkpoints import greedy_tokens
 from .conftest import Proc, free_port, spawn
 from .helpers import get_json
 
-QUEUES = (
-    "num_running_reqs",
-    "num_waiting_reqs",
-    "num_used_tokens",
+CORE_QUEUES = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens")
+PD_QUEUES = (  # the entry's disaggregation sub-object
     "prefill_prealloc_queue_reqs",
     "prefill_inflight_queue_reqs",
     "decode_prealloc_queue_reqs",
@@ -53,7 +51,8 @@ async def loads(s: aiohttp.ClientSession, url: str) -> list[dict]:
 async def drained(s: aiohttp.ClientSession, *urls: str) -> bool:
     """Every DP rank of every server holds nothing and waits for nothing."""
     every = [load for url in urls for load in await loads(s, url)]
-    return all(load[q] == 0 for load in every for q in QUEUES)
+    core = all(load[q] == 0 for load in every for q in CORE_QUEUES)
+    return core and all(load["disaggregation"][q] == 0 for load in every for q in PD_QUEUES)
 
 
 class Reference:

@@ -122,17 +122,18 @@ async def _loads(s: aiohttp.ClientSession, url: str) -> list[dict]:
 
 
 async def _drained(s: aiohttp.ClientSession, *urls: str) -> bool:
-    queues = (
-        "num_running_reqs",
-        "num_waiting_reqs",
-        "num_used_tokens",
+    core = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens")
+    pd = (
         "prefill_prealloc_queue_reqs",
         "prefill_inflight_queue_reqs",
         "decode_prealloc_queue_reqs",
         "decode_transfer_queue_reqs",
     )
     loads = [load for url in urls for load in await _loads(s, url)]
-    return all(load[q] == 0 for load in loads for q in queues)
+    return all(
+        all(load[q] == 0 for q in core) and all(load["disaggregation"][q] == 0 for q in pd)
+        for load in loads
+    )
 
 
 def _through(
@@ -140,12 +141,18 @@ def _through(
 ) -> tuple[list, list, list]:
     async def scenario():
         async with aiohttp.ClientSession() as s:
-            before = [load["num_prefill_tokens"] for load in await _loads(s, prefill.url)]
+            before = [
+                load["disaggregation"]["num_prefill_tokens"]
+                for load in await _loads(s, prefill.url)
+            ]
             results = await asyncio.gather(*(_generate(s, router.url, p) for p in PROMPTS))
             assert await wait_for(
                 lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.1
             )
-            after = [load["num_prefill_tokens"] for load in await _loads(s, prefill.url)]
+            after = [
+                load["disaggregation"]["num_prefill_tokens"]
+                for load in await _loads(s, prefill.url)
+            ]
             return results, await _loads(s, decode.url), [a - b for a, b in zip(after, before)]
 
     return run(scenario())
@@ -157,13 +164,11 @@ def _check(results: list, decode_loads: list, prefilled: list, checkpoint: Check
     assert prefilled == [
         sum(len(p) for p in PROMPTS)
     ]  # every prompt prefilled once, on the prefill server
-    assert [load["num_prefill_tokens"] for load in decode_loads] == [
-        0,
-        0,
-    ]  # and never on the decode server
-    assert all(load["mode"] == "decode" for load in decode_loads)
-    received = [load for load in decode_loads if load["kv_transfers_total"]]
-    assert received and all(load["kv_transfer_speed_gb_s"] > 0 for load in received)
+    decode_pd = [load["disaggregation"] for load in decode_loads]
+    assert [pd["num_prefill_tokens"] for pd in decode_pd] == [0, 0]  # never on the decode server
+    assert all(pd["mode"] == "decode" for pd in decode_pd)
+    received = [pd for pd in decode_pd if pd["kv_transfers_total"]]
+    assert received and all(pd["kv_transfer_speed_gb_s"] > 0 for pd in received)
 
 
 def test_pd_through_sglang_lite_router_equals_transformers(pd):

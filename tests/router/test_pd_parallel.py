@@ -64,6 +64,10 @@ def cluster():
             proc.kill()
 
 
+def pd(load: dict) -> dict:
+    return load["disaggregation"]
+
+
 def _router(prefill, decode, bootstrap: int | None, *flags: str):
     port = [str(bootstrap)] if bootstrap is not None else []
     return launch(
@@ -87,11 +91,16 @@ def test_greedy_tokens_through_the_dp_aware_router_and_every_decode_rank_serves(
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
-            before = [load["kv_transfers_total"] for load in await loads(s, decode.url)]
+            before = [pd(load)["kv_transfers_total"] for load in await loads(s, decode.url)]
             results = await asyncio.gather(*(generate(s, router.url, p, GREEDY) for p in PROMPTS))
             ok = await wait_for(lambda: drained(s, prefill.url, decode.url), timeout=60)
             after = await loads(s, decode.url)
-            return results, ok, [a["kv_transfers_total"] - b for a, b in zip(after, before)], after
+            return (
+                results,
+                ok,
+                [pd(a)["kv_transfers_total"] - b for a, b in zip(after, before)],
+                after,
+            )
 
     try:
         results, ok, received, decode_loads = run(scenario())
@@ -103,7 +112,7 @@ def test_greedy_tokens_through_the_dp_aware_router_and_every_decode_rank_serves(
     ]
     assert ok  # every queue of both servers drained
     assert len(received) == 4 and all(n > 0 for n in received), received
-    assert [load["num_prefill_tokens"] for load in decode_loads] == [0, 0, 0, 0]
+    assert [pd(load)["num_prefill_tokens"] for load in decode_loads] == [0, 0, 0, 0]
     # --max-running-requests 16 is the decode server's total over its 4 DP-attention ranks
     assert [load["max_running_requests"] for load in decode_loads] == [4, 4, 4, 4]
 

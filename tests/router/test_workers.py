@@ -84,6 +84,21 @@ def test_parse_loads_drops_missing_negative_and_duplicate_ranks():
     assert parse_loads({"oops": 1}) == {} and parse_loads([1]) == {}
 
 
+def test_parse_loads_reads_upstreams_nested_entries():
+    """Core figures flat, sections as sub-objects (null when not asked for): the tokens are the flat ones."""
+    entry = {
+        "dp_rank": 1,
+        "num_total_tokens": 12,
+        "memory": None,
+        "disaggregation": {"mode": "decode", "decode_transfer_queue_reqs": 3},
+        "queues": {"waiting": 2},
+    }
+    assert parse_loads({"loads": [entry, {**entry, "dp_rank": 0, "num_total_tokens": 4}]}) == {
+        1: 12,
+        0: 4,
+    }
+
+
 def test_apply_loads_per_rank_and_failed_poll_clears():
     workers = expand(Server("http://a", 3, CircuitBreaker()))
     apply_loads(workers, {0: 10, 2: 30})
@@ -276,7 +291,7 @@ def test_a_stream_failing_inside_an_event_ends_with_a_whole_error_event():
     import asyncio
     import json
 
-    from sglang_lite.router.proxy import _pump
+    from sglang_lite.router.proxy import FIRST_EVENT_AT, _pump
 
     class Content:
         async def iter_any(self):
@@ -286,8 +301,11 @@ def test_a_stream_failing_inside_an_event_ends_with_a_whole_error_event():
     class Upstream:
         content = Content()
 
-    class Client:
+    class Client(
+        dict
+    ):  # a response is a mapping too: the relay notes when the first event went out
         def __init__(self) -> None:
+            super().__init__()
             self.body = b""
 
         async def write(self, data: bytes) -> None:
@@ -295,6 +313,7 @@ def test_a_stream_failing_inside_an_event_ends_with_a_whole_error_event():
 
     client = Client()
     assert asyncio.run(_pump(client, Upstream(), whole_events=True)) is True
+    assert isinstance(client[FIRST_EVENT_AT], float)  # the router's TTFT reads it
     events = [json.loads(e.removeprefix(b"data: ")) for e in client.body.split(b"\n\n") if e]
     assert (
         events[0] == {"text": "a"} and "upstream failed mid-stream" in events[1]["error"]["message"]

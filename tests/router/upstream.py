@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-INCLUDE_NAMES = {"core", "memory", "disagg", "queues", "all"}
+INCLUDE_NAMES = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
 
 
 @dataclass

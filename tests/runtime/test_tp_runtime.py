@@ -185,7 +185,9 @@ def test_dp_attention_server_answers_on_both_dp_ranks(dp_attention_server: Serve
         for r, v in results.items()
     } == {0: (200, 0, 6), 1: (200, 1, 6)}
     loads = httpx.get(f"{dp_attention_server.url}/v1/loads", timeout=10).json()["loads"]
+    # one entry per DP-attention rank, each in upstream's nested shape
     assert [load["dp_rank"] for load in loads] == [0, 1]
+    assert all(load["memory"]["token_capacity"] == load["max_total_num_tokens"] for load in loads)
     info = httpx.get(f"{dp_attention_server.url}/server_info", timeout=10).json()
     layout = {
         k: info[k] for k in ("tp_size", "ep_size", "dp_size", "enable_dp_attention", "nnodes")

@@ -26,29 +26,42 @@ CORE = {
     "cached_tokens",
     "num_cached_prompt_tokens",
 }
-MEMORY = {
-    "weight_gb",
-    "kv_cache_gb",
-    "token_capacity",
-    "snapshot_slots",
-    "snapshot_slots_used",
-    "snapshots_evicted",
+# each section's sub-object: its key in the rank's entry and its figures (upstream's, then ours)
+SECTIONS = {
+    "memory": (
+        "memory",
+        {
+            "weight_gb",
+            "kv_cache_gb",
+            "graph_gb",
+            "token_capacity",
+            "snapshot_slots",
+            "snapshot_slots_used",
+            "snapshots_evicted",
+        },
+    ),
+    "spec": ("speculative", {"accept_length", "accept_rate"}),
+    "lora": ("lora", {"slots_used", "slots_total", "utilization"}),
+    "disagg": (
+        "disaggregation",
+        {
+            "mode",
+            "prefill_prealloc_queue_reqs",
+            "prefill_inflight_queue_reqs",
+            "decode_prealloc_queue_reqs",
+            "decode_transfer_queue_reqs",
+            "decode_retracted_queue_reqs",
+            "kv_transfer_speed_gb_s",
+            "kv_transfer_latency_ms",
+            "kv_transfers_total",
+            "kv_transfer_bytes_total",
+            "kv_transfer_seconds_total",
+            "num_prefill_tokens",
+        },
+    ),
+    "queues": ("queues", {"waiting", "grammar", "paused", "retracted", "num_retractions"}),
 }
-DISAGG = {
-    "mode",
-    "prefill_prealloc_queue_reqs",
-    "prefill_inflight_queue_reqs",
-    "decode_prealloc_queue_reqs",
-    "decode_transfer_queue_reqs",
-    "decode_retracted_queue_reqs",
-    "kv_transfer_speed_gb_s",
-    "kv_transfer_latency_ms",
-    "kv_transfers_total",
-    "kv_transfer_bytes_total",
-    "kv_transfer_seconds_total",
-    "num_prefill_tokens",
-}
-QUEUES = {"waiting", "paused", "retracted"}
+SUB_OBJECTS = {key for key, _ in SECTIONS.values()}
 
 
 def test_loads_schema_all_sections(server_dp2: ServerProcess) -> None:
@@ -56,28 +69,42 @@ def test_loads_schema_all_sections(server_dp2: ServerProcess) -> None:
     assert set(body) == {"timestamp", "version", "loads"}
     assert [load["dp_rank"] for load in body["loads"]] == [0, 1]
     for load in body["loads"]:
-        assert CORE | MEMORY | DISAGG | QUEUES <= set(load)
+        # upstream's shape: the core figures flat, every section a nested sub-object
+        assert set(load) == CORE | SUB_OBJECTS
+        for key, figures in SECTIONS.values():
+            assert set(load[key]) == figures, key
         assert load["max_total_num_tokens"] == 8192 and load["max_running_requests"] == 16
+        assert load["memory"]["token_capacity"] == 8192 and load["memory"]["weight_gb"] > 0
         # the snapshot pool is sized from memory: at least one slot per running request
-        assert load["snapshot_slots"] >= 16
-        assert 0 <= load["snapshot_slots_used"] <= load["snapshot_slots"]
+        assert load["memory"]["snapshot_slots"] >= 16
+        assert 0 <= load["memory"]["snapshot_slots_used"] <= load["memory"]["snapshot_slots"]
+        assert load["disaggregation"]["mode"] == "null"
+        # no speculative decoding, no LoRA here: upstream's sections, zero
+        assert load["speculative"] == {"accept_length": 0, "accept_rate": 0}
+        assert load["lora"] == {"slots_used": 0, "slots_total": 0, "utilization": 0}
         assert all(isinstance(load[k], (int, float)) for k in CORE - {"timestamp"})
 
 
 @pytest.mark.parametrize(
-    "query,sections",
+    "query,asked",
     [
-        ("?include=core", CORE),
-        ("?include=core,memory", CORE | MEMORY),
-        ("?include=memory&include=queues", MEMORY | QUEUES),
-        ("?include=disagg", DISAGG),
-        ("?include=all", CORE | MEMORY | DISAGG | QUEUES),
+        ("?include=core", set()),
+        ("?include=core,memory", {"memory"}),
+        ("?include=memory&include=queues", {"memory", "queues"}),
+        ("?include=disagg", {"disagg"}),
+        ("?include=spec,lora", {"spec", "lora"}),
+        ("?include=all", set(SECTIONS)),
+        ("", set(SECTIONS)),
     ],
 )
-def test_include_filter(server_dp2: ServerProcess, query: str, sections: set[str]) -> None:
+def test_include_filter(server_dp2: ServerProcess, query: str, asked: set[str]) -> None:
     for load in get_loads(server_dp2, query)["loads"]:
-        assert sections | {"dp_rank", "timestamp"} <= set(load)
-        assert not (set(load) - sections - {"dp_rank", "timestamp", "num_retractions"})
+        assert set(load) == CORE | SUB_OBJECTS  # core always, as upstream's
+        for name, (key, figures) in SECTIONS.items():
+            if name in asked:
+                assert set(load[key]) == figures, key
+            else:
+                assert load[key] is None, key  # present as null when not asked for
 
 
 def test_dp_rank_filter_and_bad_queries(server_dp2: ServerProcess) -> None:
@@ -86,6 +113,8 @@ def test_dp_rank_filter_and_bad_queries(server_dp2: ServerProcess) -> None:
     ] == [1]
     unknown = httpx.get(f"{server_dp2.url}/v1/loads?include=core,bogus")
     assert unknown.status_code == 400 and "bogus" in unknown.json()["error"]["message"]
+    # the sub-objects' keys are not include names
+    assert httpx.get(f"{server_dp2.url}/v1/loads?include=speculative").status_code == 400
     assert httpx.get(f"{server_dp2.url}/v1/loads?dp_rank=7").status_code == 400
     assert httpx.get(f"{server_dp2.url}/v1/loads?dp_rank=x").status_code == 400
 
@@ -150,3 +179,6 @@ def test_metrics_has_rank_gauges_and_histograms(server_dp2: ServerProcess) -> No
     assert "sglang_lite_time_to_first_token_seconds_bucket{" in text
     assert "sglang_lite_e2e_request_latency_seconds_count{" in text
     assert 'sglang_lite_http_requests_total{route="/generate",status="200"}' in text
+    # figures of the nested sections too
+    assert 'sglang_lite_snapshot_slots{dp_rank="1"} ' in text
+    assert 'sglang_lite_kv_transfers_total{dp_rank="0"} 0' in text
