@@ -44,6 +44,10 @@ def validate_request(
         raise ValueError(
             "sampling parameter stop needs a tokenizer (the server skipped tokenizer init)"
         )
+    if params.require_reasoning and not config.think_end_ids:
+        raise ValueError(
+            "sampling parameter require_reasoning needs a reasoning parser (the server's --reasoning-parser)"
+        )
     key = grammar_key(params)
     if key is not None and not has_tokenizer:
         raise ValueError(

@@ -61,6 +61,9 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None  # xgrammar's EBNF (GBNF), root rule `root`
+    # the output starts inside a reasoning section: the grammar constrains only what follows its end (SGLang's
+    # require_reasoning; needs a rank with a reasoning parser)
+    require_reasoning: bool = False
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
@@ -120,7 +123,7 @@ class SamplingParams:
         _check(top_k_ok, "top_k", f"-1 (off) or an integer in [1, {top_k_max}]", self.top_k)
         if self.seed is not None:
             _check_int(self.seed, "seed", INT64_MIN, INT64_MAX)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "require_reasoning"):
             _check(
                 isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name)
             )

@@ -72,6 +72,11 @@ class GenerateRequest(_Request):
     top_logprobs_num: StrictInt | list[StrictInt] = 0
     token_ids_logprob: list[StrictInt] | list[list[StrictInt]] | None = None
     return_text_in_logprobs: StrictBool = False
+    require_reasoning: StrictBool | list[StrictBool] = Field(
+        False,
+        description="With --reasoning-parser: the output starts inside its reasoning, and a grammar "
+        "constrains only what follows the reasoning's end (</think>).",
+    )
     log_metrics: Any = Field(None, description="Accepted; metrics are always recorded.")
     refused: ClassVar = {
         "return_hidden_states": ((None, False), "hidden states are not returned"),
