@@ -1,13 +1,14 @@
-"""Structured output (SGLang's ``json_schema``, ``regex`` and ``ebnf``): grammars compiled by xgrammar, one
-matcher per request, and the token masks they put on a batch's logits.
+"""Structured output (SGLang's ``json_schema``, ``regex``, ``ebnf`` and ``structural_tag``): grammars compiled by
+xgrammar, one matcher per request, and the token masks they put on a batch's logits.
 
 A grammar is compiled once per (kind, text) for one tokenizer (``GrammarCache``, on its own worker threads, so
 neither the scheduler's step nor the HTTP event loop waits on a compile); a text that cannot compile, or whose
-language is empty (``grammar_checks``), is a ValueError naming its field. Each request then follows its output with a ``RequestGrammar``: before sampling it
-fills its row of the batch's bitmask (``mask_logits`` turns the disallowed tokens' logits to -inf), after
-sampling it accepts the token. Once the grammar is complete only the stop tokens are allowed, and accepting one
-terminates the matcher: that is where a structured request ends. With ``require_reasoning`` a
-``ReasoningGrammar`` leaves the output free until the reasoning's end, then constrains the answer.
+language is empty, is a ValueError naming its field (``grammar_compile``). Each request then follows its output
+with a ``RequestGrammar``: before sampling it fills its row of the batch's bitmask (``mask_logits`` turns the
+disallowed tokens' logits to -inf), after sampling it accepts the token. Once the grammar is complete only the
+stop tokens are allowed, and accepting one terminates the matcher: that is where a structured request ends. With
+``require_reasoning`` a ``ReasoningGrammar`` leaves the output free until the reasoning's end, then constrains the
+answer.
 
 JSON is written on one line with the separators ", " and ": " (xgrammar's ``any_whitespace=False``): with free
 whitespace between tokens, a weak model can spend its whole token budget on blanks and never close the object.
@@ -15,7 +16,6 @@ whitespace between tokens, a weak model can spend its whole token budget on blan
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from sglang_lite.sampling.grammar_checks import check_admits_output
+from sglang_lite.sampling.grammar_compile import compile_text
 from sglang_lite.sampling.params import GRAMMAR_FIELDS, SamplingParams
 
 COMPILE_THREADS = 2
@@ -35,9 +35,6 @@ MAX_QUEUED_COMPILES = 64
 MAX_CACHED_GRAMMARS = 256
 # the text that ends the reasoning of each --reasoning-parser (where server/parsers/reasoning.py splits the text)
 REASONING_ENDS = {"qwen3": "</think>"}
-# xgrammar's C++ errors start with a time and a source location ("[12:00:00] /project/cpp/x.cc:94: "): not the
-# client's business
-_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
 @dataclass(frozen=True)
@@ -155,18 +152,7 @@ class GrammarCache:
             slot.release()
 
     def _compile(self, compiler: Any, key: GrammarKey) -> Any:
-        try:
-            if key.kind == "json_schema":
-                compiled = compiler.compile_json_schema(key.text, any_whitespace=False)
-            elif key.kind == "regex":
-                compiled = compiler.compile_regex(key.text)
-            else:
-                compiled = compiler.compile_grammar(key.text)
-        except RuntimeError as error:
-            message = _CPP_PREFIX.sub("", str(error).strip())
-            raise ValueError(f"sampling parameter {key.kind} does not compile: {message}") from None
-        check_admits_output(compiled, key.kind)
-        return compiled
+        return compile_text(compiler, key.kind, key.text)
 
     def _get_compiler(self) -> Any:
         import xgrammar

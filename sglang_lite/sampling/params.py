@@ -34,7 +34,7 @@ MAX_REPETITION_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 MAX_REPR_CHARS = 60  # of a bad value quoted in an error message
 # Structured output: the grammar fields (at most one per request) and the longest text one may hold.
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 MAX_GRAMMAR_CHARS = 65536
 
 
@@ -57,10 +57,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # token id (a decimal string, as in JSON) -> bias added to its logit
     logit_bias: dict[str, float] | None = None
-    # structured output (at most one of the three): a JSON schema, as text
+    # structured output (at most one of the four): a JSON schema, as text
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None  # xgrammar's EBNF (GBNF), root rule `root`
+    structural_tag: str | None = (
+        None  # SGLang's structural tag, as JSON (sampling/grammar_compile.py)
+    )
     # the output starts inside a reasoning section: the grammar constrains only what follows its end (SGLang's
     # require_reasoning; needs a rank with a reasoning parser)
     require_reasoning: bool = False
