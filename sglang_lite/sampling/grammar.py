@@ -131,7 +131,7 @@ class GrammarCache:
         slot = _Slot(self._slots)
 
         def expire() -> None:  # the compile overran: its slot goes to the next grammar now
-            if _settle(future, error=ValueError(_too_complex(key, self.budget_s))):
+            if _settle(future, error=ValueError(too_complex(key, self.budget_s))):
                 with self._lock:
                     self.abandoned += 1
             slot.release()
@@ -222,7 +222,7 @@ def _settle(future: Future, result: Any = None, error: BaseException | None = No
     return True
 
 
-def _too_complex(key: GrammarKey, budget_s: float | None) -> str:
+def too_complex(key: GrammarKey, budget_s: float | None) -> str:
     return (
         f"sampling parameter {key.kind} is too complex: it did not compile within {budget_s:g} s "
         "(simplify the schema or grammar)"

@@ -15,7 +15,8 @@ from typing import Any
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.protocol.requests import validate_request
 from sglang_lite.runtime.inputs import max_prompt_chars
-from sglang_lite.sampling.grammar import GrammarBusy, GrammarCache, grammar_key
+from sglang_lite.sampling.grammar import GrammarBusy, grammar_key
+from sglang_lite.sampling.grammar_process import GrammarChecker
 from sglang_lite.sampling.params import SamplingParams, is_utf8
 from sglang_lite.server.io_struct import ChatPrompt, GenerateInput, RequestError, bad_request
 from sglang_lite.server_args import ServerArgs
@@ -34,13 +35,18 @@ class InputProcessor:
         self.args = args
         self.tokenizer: Any = None  # set at start, as are the config and the grammars
         self.config: SchedulerConfig | None = None  # every rank's, but dp_rank
-        self.grammars: GrammarCache | None = None  # compiles only to check grammars
+        # compiles only to check grammars, in processes a compile past its budget is killed with
+        self.grammars: GrammarChecker | None = None
 
     def set_config(self, config: SchedulerConfig) -> None:
         """The ranks' limits, once they are ready (the tokenizer is loaded before they start)."""
         self.config = config
         budget = self.args.grammar_compile_timeout
-        self.grammars = GrammarCache(self.tokenizer, config.vocab_size, budget_s=budget)
+        self.grammars = GrammarChecker(self.tokenizer, config.vocab_size, budget_s=budget)
+
+    def shutdown(self) -> None:
+        if self.grammars is not None:
+            self.grammars.shutdown()
 
     # ---- tokenising --------------------------------------------------------------------------------------------
     async def encode(
@@ -164,8 +170,8 @@ class InputProcessor:
             raise bad_request(str(error)) from error
 
     async def check_grammar(self, request: GenerateInput) -> None:
-        """A grammar that cannot compile is a 400 naming its field (compiled on worker threads, once per text; the
-        rank compiles it again, for its own use)."""
+        """A grammar that cannot compile is a 400 naming its field (compiled in worker processes, once per text;
+        the rank compiles it again, for its own use)."""
         key = grammar_key(request.sampling_params)
         if key is None:
             return

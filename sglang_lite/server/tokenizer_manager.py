@@ -110,6 +110,7 @@ class TokenizerManager:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.inputs.shutdown()
         if self.client is not None:
             self.client.shutdown()
 
