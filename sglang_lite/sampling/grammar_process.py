@@ -3,10 +3,11 @@ left to burn a core for minutes, and a compile that crashes xgrammar takes down 
 
 The HTTP side compiles a grammar only to know whether it compiles (each rank compiles it again for its own use):
 ``GrammarChecker.submit`` gives a Future of None, or of the ValueError naming the field. Each of ``workers``
-threads owns one process (``python -m sglang_lite.sampling.grammar_process``, started at the first grammar) and
-hands it one grammar at a time: a compile that overruns ``budget_s`` fails as "too complex" and its process is
-killed and started again; the other worker goes on meanwhile. Outcomes are cached per grammar (failures too, the
-least recently used forgotten); grammars waiting beyond ``max_queued`` are refused with ``GrammarBusy``.
+threads owns one process (``python -m sglang_lite.sampling.grammar_process``; the server starts one with itself,
+``prestart``, the other at need) and hands it one grammar at a time: a compile that overruns ``budget_s`` fails as
+"too complex" and its process is killed and started again at once; the other worker goes on meanwhile.
+Outcomes are cached per grammar (failures too, the least recently used forgotten); grammars waiting beyond
+``max_queued`` are refused with ``GrammarBusy``.
 
 The protocol is one JSON object a line: the parent sends the tokenizer's xgrammar tables, the worker answers
 ``{"ready": true}``; then ``{"kind", "text"}`` gets ``{"error": message or null}``.
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -38,18 +40,27 @@ from sglang_lite.sampling.grammar import (
 WORKER_START_TIMEOUT_S = 300.0  # importing xgrammar (and torch) on a loaded host
 
 
+def xgrammar_tables(tokenizer: Any, vocab_size: int) -> str:
+    """The tokenizer's xgrammar tables, as JSON (what a worker compiles against)."""
+    import xgrammar
+
+    return xgrammar.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size
+    ).serialize_json()
+
+
 class GrammarChecker:
+    """``tables``: () -> the tokenizer's xgrammar tables (``xgrammar_tables``), called at the first compile."""
+
     def __init__(
         self,
-        tokenizer: Any,
-        vocab_size: int,
+        tables: Callable[[], str],
         budget_s: float,
         workers: int = COMPILE_THREADS,
         max_queued: int = MAX_QUEUED_COMPILES,
         max_entries: int = MAX_CACHED_GRAMMARS,
     ) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+        self.tables = tables
         self.budget_s = budget_s
         self.max_queued = max_queued
         self.max_entries = max_entries
@@ -61,7 +72,7 @@ class GrammarChecker:
         self._queued = 0
         self._threads: list[threading.Thread] = []
         self._workers: list[_Worker] = []
-        self._tables: str | None = None  # the tokenizer's xgrammar tables, as JSON
+        self._tables: str | None = None
 
     def submit(self, key: GrammarKey) -> Future:
         with self._lock:
@@ -79,6 +90,14 @@ class GrammarChecker:
                     self._entries.popitem(last=False)
             self._entries.move_to_end(key)
             return future
+
+    def prestart(self, count: int = 1) -> None:
+        """Starts ``count`` worker processes now, so that the first grammars do not wait for them to import
+        xgrammar (seconds)."""
+        with self._lock:
+            self._start_threads()
+        for worker in self._workers[:count]:
+            worker.spawn()
 
     def compile(self, key: GrammarKey) -> None:
         """Blocks until ``key`` is checked; raises ValueError naming the field when it does not compile."""
@@ -119,14 +138,9 @@ class GrammarChecker:
                 _settle(future, error)
 
     def _get_tables(self) -> str:
-        import xgrammar
-
         with self._lock:
             if self._tables is None:
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size
-                )
-                self._tables = info.serialize_json()
+                self._tables = self.tables()
             return self._tables
 
 
@@ -142,42 +156,52 @@ class _Overran(Exception):
 
 
 class _Worker:
-    """One compile process, started when first needed and again after it was killed or ended."""
+    """One compile process, started when first needed, and again at once after it was killed (it imports
+    xgrammar while nothing waits on it)."""
 
-    def __init__(self, tables: Any) -> None:
-        self._tables = tables  # () -> the tokenizer's xgrammar tables, as JSON
+    def __init__(self, tables: Callable[[], str]) -> None:
+        self._tables = tables
         self._process: subprocess.Popen | None = None
+        self._ready = False  # it has the tables and said so
         self._buffer = b""
 
     def check(self, key: GrammarKey, budget_s: float) -> str | None:
         """The error message of ``key``'s compile, or None; raises _Overran past ``budget_s``."""
-        if self._process is None or self._process.poll() is not None:
-            self._start()
+        self.spawn()
+        if not self._ready:
+            self._handshake()
         self._send({"kind": key.kind, "text": key.text})
         reply = self._receive(budget_s)
         if reply is None:
             self.stop()
+            self.spawn()
             raise _Overran()
         return reply["error"]
 
-    def stop(self) -> None:
+    def spawn(self) -> None:
+        """Starts the process unless it runs."""
         if self._process is not None and self._process.poll() is None:
-            self._process.kill()
-            self._process.wait()
-
-    def _start(self) -> None:
-        self.stop()
+            return
         self._buffer = b""
+        self._ready = False
         self._process = subprocess.Popen(
             [sys.executable, "-m", "sglang_lite.sampling.grammar_process"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,
         )
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+    def _handshake(self) -> None:
         self._send({"tables": self._tables()})
         if self._receive(WORKER_START_TIMEOUT_S) is None:
             self.stop()
             raise RuntimeError("the grammar compiler process did not start")
+        self._ready = True
 
     def _send(self, message: dict[str, Any]) -> None:
         try:

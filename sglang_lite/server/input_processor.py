@@ -16,7 +16,7 @@ from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.protocol.requests import validate_request
 from sglang_lite.runtime.inputs import max_prompt_chars
 from sglang_lite.sampling.grammar import GrammarBusy, grammar_key
-from sglang_lite.sampling.grammar_process import GrammarChecker
+from sglang_lite.sampling.grammar_process import GrammarChecker, xgrammar_tables
 from sglang_lite.sampling.params import SamplingParams, is_utf8
 from sglang_lite.server.io_struct import ChatPrompt, GenerateInput, RequestError, bad_request
 from sglang_lite.server_args import ServerArgs
@@ -35,18 +35,19 @@ class InputProcessor:
         self.args = args
         self.tokenizer: Any = None  # set at start, as are the config and the grammars
         self.config: SchedulerConfig | None = None  # every rank's, but dp_rank
-        # compiles only to check grammars, in processes a compile past its budget is killed with
-        self.grammars: GrammarChecker | None = None
+        # compiles only to check grammars, in processes a compile past its budget is killed with (the tables
+        # are built at the first grammar, once the config is known)
+        self.grammars = GrammarChecker(
+            lambda: xgrammar_tables(self.tokenizer, self.config.vocab_size),
+            args.grammar_compile_timeout,
+        )
 
     def set_config(self, config: SchedulerConfig) -> None:
         """The ranks' limits, once they are ready (the tokenizer is loaded before they start)."""
         self.config = config
-        budget = self.args.grammar_compile_timeout
-        self.grammars = GrammarChecker(self.tokenizer, config.vocab_size, budget_s=budget)
 
     def shutdown(self) -> None:
-        if self.grammars is not None:
-            self.grammars.shutdown()
+        self.grammars.shutdown()
 
     # ---- tokenising --------------------------------------------------------------------------------------------
     async def encode(
@@ -129,6 +130,15 @@ class InputProcessor:
             raise bad_request(
                 f"{name}: {count} prompts in one request, more than --max-queued-requests "
                 f"({self.args.max_queued_requests})"
+            )
+
+    def check_sample_count(self, inputs: list[GenerateInput]) -> None:
+        """Nor may its prompts' samples together (``n`` each) be more than ``--max-queued-requests``."""
+        samples = sum(request.sampling_params.n for request in inputs)
+        if samples > self.args.max_queued_requests:
+            raise bad_request(
+                f"n: {len(inputs)} prompts with their samples make {samples} requests in one, more than "
+                f"--max-queued-requests ({self.args.max_queued_requests})"
             )
 
     def sampling_params(self, raw: dict[str, Any] | None) -> SamplingParams:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from sglang_lite.sampling.grammar import GrammarBusy, GrammarKey
-from sglang_lite.sampling.grammar_process import GrammarChecker
+from sglang_lite.sampling.grammar_process import GrammarChecker, xgrammar_tables
 from sglang_lite.tokenizer import load_tokenizer
 
 VOCAB = 4096
@@ -37,7 +37,7 @@ def tokenizer():
 
 
 def test_grammars_are_checked_in_processes_and_cached(tokenizer):
-    checker = GrammarChecker(tokenizer, VOCAB, budget_s=60.0)
+    checker = GrammarChecker(lambda: xgrammar_tables(tokenizer, VOCAB), budget_s=60.0)
     try:
         good = GrammarKey("regex", "[0-9]+")
         assert checker.submit(good).result(120) is None
@@ -55,7 +55,7 @@ def test_grammars_are_checked_in_processes_and_cached(tokenizer):
 
 
 def test_a_compile_past_its_budget_is_killed_and_the_next_grammar_compiles(tokenizer):
-    checker = GrammarChecker(tokenizer, VOCAB, budget_s=0.5, workers=1)
+    checker = GrammarChecker(lambda: xgrammar_tables(tokenizer, VOCAB), budget_s=0.5, workers=1)
     try:
         checker.compile(GrammarKey("regex", "a"))  # the worker has started
         (worker,) = checker._workers
@@ -70,7 +70,7 @@ def test_a_compile_past_its_budget_is_killed_and_the_next_grammar_compiles(token
 
 
 def test_a_worker_that_ends_fails_only_its_grammar(tokenizer):
-    checker = GrammarChecker(tokenizer, VOCAB, budget_s=600.0, workers=1)
+    checker = GrammarChecker(lambda: xgrammar_tables(tokenizer, VOCAB), budget_s=600.0, workers=1)
     try:
         checker.compile(GrammarKey("regex", "a"))
         (worker,) = checker._workers
@@ -85,7 +85,9 @@ def test_a_worker_that_ends_fails_only_its_grammar(tokenizer):
 
 
 def test_grammars_beyond_the_queue_bound_are_refused_as_busy(tokenizer):
-    checker = GrammarChecker(tokenizer, VOCAB, budget_s=600.0, workers=1, max_queued=1)
+    checker = GrammarChecker(
+        lambda: xgrammar_tables(tokenizer, VOCAB), budget_s=600.0, workers=1, max_queued=1
+    )
     try:
         checker.compile(GrammarKey("regex", "a"))
         slow = checker.submit(WIDE)
