@@ -32,6 +32,7 @@ import psutil
 from sglang_lite.bench.hostile import run_case, wait_idle
 from sglang_lite.bench.hostile_cases import hostile_cases
 from sglang_lite.bench.soak import Result, run_traffic
+from sglang_lite.bench.soak_report import plot, summarize
 
 SERVER_FLAGS = [
     "--dp-size",
@@ -83,7 +84,15 @@ def start_server(args: argparse.Namespace, logs: Path) -> tuple[subprocess.Popen
 
 def start_router(server_url: str, logs: Path) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "sglang_lite.router", "--port", "0", "--dp-aware"]
-    command += ["--policy", "round_robin", "--worker-urls", server_url, "--log-level", "warning"]
+    # consistent hashing: a session's turns (one routing key) go to one rank, which caches the last turn
+    command += [
+        "--policy",
+        "consistent_hashing",
+        "--worker-urls",
+        server_url,
+        "--log-level",
+        "warning",
+    ]
     router = spawn(command, logs / "router.log")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -254,120 +263,6 @@ async def soak(
     }
 
 
-def summarize(report: dict[str, Any], warmup_s: float) -> dict[str, Any]:
-    results = report["results"]
-    faulted = {e["rank"] for e in report["faults"] if e["what"] in ("killed", "hung")}
-    failed = [r for r in results if not r["ok"]]
-    unexplained = [r for r in failed if r["rank"] not in faulted]
-    # a hostile request the server sent to a rank as it died fails as the valid ones there do
-    on_faulted = [o for o in report["hostile"] if not o["ok"] and _names_rank(o["why"], faulted)]
-    hostile_bad = [o for o in report["hostile"] if not o["ok"] and o not in on_faulted]
-    loads = [
-        (load["num_running_reqs"], load["num_waiting_reqs"], load["num_used_tokens"])
-        for load in report["loads_after"]
-    ]
-    in_flight = _router_in_flight(report["router_workers_after"])
-    return {
-        "minutes": report["seconds"] / 60,
-        "valid_requests": len(results),
-        "valid_failed": len(failed),
-        "valid_failed_by_rank": {
-            str(k): sum(r["rank"] == k for r in failed) for k in sorted(faulted)
-        },
-        "valid_failed_unexplained": unexplained[:20],
-        "valid_by_kind": _by_kind(results),
-        "hostile_sent": len(report["hostile"]),
-        "hostile_wrong": hostile_bad[:20],
-        "hostile_on_faulted_rank": len(on_faulted),
-        "hostile_slowest_s": max((o["seconds"] for o in report["hostile"]), default=0.0),
-        "faults": report["faults"],
-        "rss_growth_mb": rss_growth(report["rss"], warmup_s),
-        "load1_mean": _mean([s["load1"] for s in report["rss"]]),
-        "load1_max": max((s["load1"] for s in report["rss"]), default=0.0),
-        "loads_after": loads,
-        "router_in_flight_after": in_flight,
-    }
-
-
-def _names_rank(why: str, ranks: set[int]) -> bool:
-    match = re.search(r"DP rank (\d+) died", why)
-    return match is not None and int(match.group(1)) in ranks
-
-
-def _by_kind(results: list[dict]) -> dict[str, list[int]]:
-    kinds: dict[str, list[int]] = {}
-    for r in results:
-        kinds.setdefault(r["kind"], [0, 0])[0 if r["ok"] else 1] += 1
-    return kinds
-
-
-def _router_in_flight(workers: Any) -> int:
-    entries = workers.get("workers", workers) if isinstance(workers, dict) else workers
-    return sum(int(w.get("in_flight", 0) or 0) for w in entries if isinstance(w, dict))
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
-
-
-def rss_growth(samples: list[dict], warmup_s: float) -> list[dict]:
-    """Per process that lived past the warm-up: its RSS at the first sample after it and at its last sample."""
-    by_pid: dict[int, list[dict]] = {}
-    for s in samples:
-        by_pid.setdefault(s["pid"], []).append(s)
-    growth = []
-    for pid, series in sorted(by_pid.items(), key=lambda item: item[1][0]["role"]):
-        settled = [s for s in series if s["t"] >= max(warmup_s, series[0]["t"] + warmup_s / 2)]
-        if len(settled) < 2:
-            continue
-        first, last = settled[0], settled[-1]
-        growth.append(
-            {
-                "role": first["role"],
-                "pid": pid,
-                "from_min": round(first["t"] / 60, 1),
-                "to_min": round(last["t"] / 60, 1),
-                "rss_mb": round(first["rss_mb"], 1),
-                "growth_mb": round(last["rss_mb"] - first["rss_mb"], 1),
-            }
-        )
-    return growth
-
-
-def plot(samples: list[dict], events: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(10, 5))
-    by_pid: dict[int, list[dict]] = {}
-    for s in samples:
-        by_pid.setdefault(s["pid"], []).append(s)
-    for pid, series in by_pid.items():
-        label = f"{series[0]['role']} ({pid})"
-        axes.plot([s["t"] / 60 for s in series], [s["rss_mb"] for s in series], label=label)
-    for event in events:
-        if event["what"] in ("killed", "hung"):
-            axes.axvline(event["t"] / 60, color="grey", linestyle="--")
-            axes.text(
-                event["t"] / 60,
-                0.02,
-                f" rank {event['rank']} {event['what']}",
-                transform=axes.get_xaxis_transform(),
-                rotation=90,
-                fontsize=8,
-            )
-    axes.set_xlabel("minutes")
-    axes.set_ylabel("RSS (MiB)")
-    axes.set_title(
-        "RSS of every process of the soak (dp 2 server, its ranks and grammar workers, the router)"
-    )
-    axes.legend(fontsize=7, loc="upper left", ncol=2)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=20.0)
@@ -376,7 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--hang-timeout", type=float, default=20.0, help="--rank-hang-timeout-s of the server"
     )
     parser.add_argument(
-        "--warmup-minutes", type=float, default=3.0, help="RSS growth is measured after it"
+        "--warmup-minutes", type=float, default=8.0, help="RSS growth is measured after it"
     )
     parser.add_argument(
         "--sample-every", type=float, default=10.0, help="seconds between RSS samples"

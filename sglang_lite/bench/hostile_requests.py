@@ -68,7 +68,7 @@ def body_cases() -> list[Case]:
         Case(
             "duplicate keys (the last wins)",
             "/generate",
-            b'{"text": "a", "text": "hi"}',
+            b'{"text": "a", "text": "hi", "sampling_params": {"max_new_tokens": 4}}',
             ANSWERED,
             check=native_ok(),
         ),

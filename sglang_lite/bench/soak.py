@@ -1,6 +1,8 @@
 """The valid traffic of the soak (``benchmarks/bench_soak.py``): closed-loop streams, each sending one request after
-another from a mix of kinds (native and OpenAI, streaming and not, structured output, ``n`` > 1, multi-turn chats
-whose prompts extend each other and share a system prompt, so the prefix cache hits), and checking each answer.
+another from a mix of kinds (native and OpenAI, streaming and not, structured output, ``n`` > 1, multi-turn chats,
+sessions whose prompts extend the last prompt and its output token for token, so the prefix cache hits), and
+checking each answer. A session's requests carry its routing key (``X-SMG-Routing-Key``), so a router with the
+``consistent_hashing`` policy sends them to one rank, where the last turn is cached.
 
 A failed request records why, and the DP rank its error names when a rank died under it (the server's message:
 "DP rank N died: ..."), so the soak can tell the failures a killed rank caused from any other.
@@ -56,6 +58,8 @@ class Result:
     status: int | None
     error: str = ""
     rank: int | None = None  # the DP rank a failure's error names as dead
+    prompt_tokens: int = 0  # sessions: the prompt's tokens and those the prefix cache served
+    cached_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -82,6 +86,11 @@ class Stream:
         self.began = began
         self.results = results
         self.conversation: list[dict[str, str]] = []
+        self.index = index
+        self.session_ids: list[int] = []
+        self.turns = 0
+        self.sessions = 0
+        self.cached = (0, 0)  # the last session turn's prompt tokens and cached tokens
         self.kinds: dict[str, Callable[[httpx.AsyncClient], Awaitable[None]]] = {
             "native_stream": self.native_stream,
             "native_batch": self.native_batch,
@@ -89,6 +98,7 @@ class Stream:
             "chat_stream": self.chat_stream,
             "chat_json": self.chat_json,
             "regex": self.regex,
+            "chat_history": self.chat_history,
             "session": self.session,
             "tool_call": self.tool_call,
         }
@@ -98,9 +108,12 @@ class Stream:
         while not stop.is_set():
             kind = self.rng.choice(names)
             start = time.monotonic() - self.began
+            self.cached = (0, 0)
             try:
                 await asyncio.wait_for(self.kinds[kind](client), REQUEST_TIMEOUT_S)
-                result = Result(kind, start, time.monotonic() - self.began, True, 200)
+                result = Result(
+                    kind, start, time.monotonic() - self.began, True, 200, "", None, *self.cached
+                )
             except Exception as error:
                 status = error.status if isinstance(error, Failure) else None
                 why = (
@@ -175,7 +188,24 @@ class Stream:
                 raise Failure(200, f"{answer['text']!r} does not match")
 
     async def session(self, client: httpx.AsyncClient) -> None:
-        """One turn of a multi-turn chat: each prompt extends the last one (prefix-cache hits)."""
+        """One turn of a session: the prompt is the last turn's prompt and output and 16 new tokens (prefix-cache
+        hits, on the rank its routing key picks)."""
+        if self.turns == SESSION_TURNS or not self.session_ids:
+            self.session_ids = [self.rng.randrange(10, 4000) for _ in range(200)]
+            self.turns = 0
+            self.sessions += 1
+        ids = self.session_ids + [self.rng.randrange(10, 4000) for _ in range(16)]
+        body = {"input_ids": ids, "sampling_params": self._sampling(12)}
+        headers = {"X-SMG-Routing-Key": f"stream-{self.index}-session-{self.sessions}"}
+        answer = await _post(client, "/generate", body, headers)
+        _check_native(answer)
+        self.session_ids = ids + answer["output_ids"]
+        self.turns += 1
+        meta = answer["meta_info"]
+        self.cached = (meta["prompt_tokens"], meta["cached_tokens"])
+
+    async def chat_history(self, client: httpx.AsyncClient) -> None:
+        """One turn of a multi-turn chat (the template renders the history)."""
         if len(self.conversation) >= 2 * SESSION_TURNS:
             self.conversation = []
         self.conversation.append({"role": "user", "content": self._words(12)})
@@ -219,8 +249,13 @@ class Stream:
         return {"max_new_tokens": tokens, "temperature": 1.0, "seed": self._seed()}
 
 
-async def _post(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Any:
-    response = await client.post(path, json=body)
+async def _post(
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> Any:
+    response = await client.post(path, json=body, headers=headers)
     if response.status_code != 200:
         raise Failure(response.status_code, response.text[:500])
     return response.json()

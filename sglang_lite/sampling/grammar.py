@@ -236,9 +236,10 @@ class GrammarDeadEnd(ValueError):
 
 def check_some_token_allowed(logits: torch.Tensor, grammars: list[Any]) -> None:
     """Raises GrammarDeadEnd when a constrained row allows no token at all (-inf everywhere): its request fails
-    with that message (the sampler isolates it), instead of sampling a forbidden token or NaN."""
+    with that message (the sampler isolates it), instead of sampling a forbidden token or NaN. (A row of NaN, a
+    broken forward's, is not the grammar's doing: the draw fails on it, a 500.)"""
     rows = constrained_rows(grammars)
-    if rows and not bool(torch.isfinite(logits[rows]).any(dim=-1).all()):
+    if rows and bool((logits[rows] == float("-inf")).all(dim=-1).any()):
         raise GrammarDeadEnd(
             "the request's grammar allows no next token: its output entered a part of the grammar that "
             "cannot be completed"
