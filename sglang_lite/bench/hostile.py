@@ -270,23 +270,23 @@ async def _abort(
 async def _rid_clash(
     client: httpx.AsyncClient, case: Case, headers: dict[str, str]
 ) -> tuple[int, str, str]:
-    """The same rid twice at once: the first is served, the second refused while the first runs."""
+    """The same rid twice at once: the first (a long stream) is served, the second refused while the first runs;
+    then the first is aborted."""
     merged = {"content-type": "application/json", **headers}
     async with client.stream("POST", case.path, content=encode(case.body), headers=merged) as first:
         if first.status_code != 200:
-            return first.status_code, "the first request was refused", ""
-        lines = []
-        async for line in first.aiter_lines():
-            lines.append(line)
-            if len(lines) == 1:
-                second = await client.post(
-                    case.path, content=encode({**case.body, "stream": False}), headers=merged
-                )
-                if second.status_code != 400 or "in use" not in second.text:
-                    return (
-                        second.status_code,
-                        f"the clashing rid was not refused: {second.text[:200]}",
-                    )
+            raw = (await first.aread())[:300].decode(errors="replace")
+            return first.status_code, f"the first request was refused: {raw}", ""
+        lines = first.aiter_lines()
+        await anext(lines)  # it runs
+        second = await client.post(
+            case.path, content=encode({**case.body, "stream": False}), headers=merged
+        )
+        await client.post("/abort_request", json={"rid": case.body["rid"]}, headers=headers)
+        async for _ in lines:
+            pass
+    if second.status_code != 400 or "in use" not in second.text:
+        return second.status_code, f"the clashing rid was not refused: {second.text[:200]}", ""
     return 200, "", ""
 
 

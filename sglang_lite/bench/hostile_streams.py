@@ -44,7 +44,10 @@ def rid_cases() -> list[Case]:
         Case(
             "a rid clash",
             "/generate",
-            {**gen(long, rid="hostile-clash"), "stream": True},
+            {
+                **gen({"max_new_tokens": 2000, "ignore_eos": True}, rid="hostile-clash"),
+                "stream": True,
+            },
             ANSWERED,
             action="rid_clash",
             rids=("hostile-clash",),
