@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from sglang_lite.protocol.config import SchedulerConfig
-from sglang_lite.protocol.outputs import ReqOutput, internal_error
+from sglang_lite.protocol.outputs import BAD_REQUEST, ReqOutput, request_failure
 from sglang_lite.protocol.requests import fork_rids
 from sglang_lite.runtime.client import POLL_MS, SchedulerClient
 from sglang_lite.runtime.messages import (
@@ -129,13 +129,9 @@ class SyncClient:
                 stream = (
                     streams.pop(output.rid, None) if output.finished else streams.get(output.rid)
                 )
-            error = internal_error(output)
+            failure = request_failure(output)
             if stream is not None:
-                stream.put(
-                    RuntimeError(f"the request failed in the scheduler: {error}")
-                    if error
-                    else output
-                )
+                stream.put(_failed(*failure) if failure else output)
 
     def on_ack(self, ack: Ack) -> None:
         if ack.queued:
@@ -180,3 +176,10 @@ class SyncClient:
             stream.put(error)
         for future in queries:
             future.set_exception(error)
+
+
+def _failed(status: int, message: str) -> Exception:
+    """A request that failed in the scheduler: by its own fault (a ValueError, as a refused request) or not."""
+    if status == BAD_REQUEST:
+        return ValueError(message)
+    return RuntimeError(f"the request failed in the scheduler: {message}")

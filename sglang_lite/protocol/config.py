@@ -17,6 +17,8 @@ class SchedulerConfig:
     max_prefill_tokens: int  # token budget of one prefill forward
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
+    # with a reasoning parser: the reasoning's end (``</think>``) as the tokenizer encodes it
+    think_end_ids: tuple[int, ...] = ()
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     stream_interval: int = 1
@@ -40,7 +42,8 @@ class SchedulerConfig:
     @classmethod
     def from_dict(cls, fields: dict) -> SchedulerConfig:
         """Back from ``dataclasses.asdict`` after a trip through msgpack (which turns tuples into lists)."""
-        return cls(**dict(fields, eos_token_ids=tuple(fields["eos_token_ids"])))
+        tuples = {k: tuple(fields[k]) for k in ("eos_token_ids", "think_end_ids") if k in fields}
+        return cls(**dict(fields, **tuples))
 
     @classmethod
     def from_server_args(
@@ -49,6 +52,7 @@ class SchedulerConfig:
         model: ModelConfig,
         max_total_tokens: int,
         eos_token_ids: tuple[int, ...],
+        think_end_ids: tuple[int, ...] = (),
     ) -> SchedulerConfig:
         return cls(
             max_total_tokens=max_total_tokens,
@@ -58,6 +62,7 @@ class SchedulerConfig:
             max_prefill_tokens=args.max_prefill_tokens,
             vocab_size=model.vocab_size,
             eos_token_ids=eos_token_ids,
+            think_end_ids=think_end_ids,
             schedule_policy=args.schedule_policy,
             schedule_conservativeness=args.schedule_conservativeness,
             stream_interval=args.stream_interval,

@@ -8,6 +8,8 @@ from typing import Any
 from sglang_lite.sampling.logprobs import INPUT_KEYS, OUTPUT_KEYS
 
 INTERNAL_ERROR = 500  # the status of a request that failed inside its rank
+# the status of a request that failed inside its rank by its own fault (its grammar reached a dead end)
+BAD_REQUEST = 400
 
 
 @dataclass
@@ -21,15 +23,17 @@ class ReqOutput:
     meta_info: dict[str, Any]
 
 
-def internal_error(output: ReqOutput) -> str | None:
-    """The error message of an output whose request failed inside its rank, else None."""
+def request_failure(output: ReqOutput) -> tuple[int, str] | None:
+    """(HTTP status, message) of an output whose request failed inside its rank, else None."""
     reason = output.meta_info.get("finish_reason") or {}
-    failed = (
-        output.finished
-        and reason.get("type") == "abort"
-        and reason.get("status_code") == INTERNAL_ERROR
-    )
-    return (reason.get("message") or "internal error") if failed else None
+    status = reason.get("status_code")
+    if (
+        not output.finished
+        or reason.get("type") != "abort"
+        or status not in (BAD_REQUEST, INTERNAL_ERROR)
+    ):
+        return None
+    return status, reason.get("message") or "internal error"
 
 
 def join_outputs(outputs: list[ReqOutput]) -> ReqOutput:

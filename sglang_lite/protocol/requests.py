@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.sampling.grammar import grammar_key
-from sglang_lite.sampling.logprobs import LogprobParams
+from sglang_lite.sampling.logprobs import MAX_LOGPROB_ENTRIES, LogprobParams
 from sglang_lite.sampling.params import SamplingParams
 
 
@@ -40,12 +40,30 @@ def validate_request(
     params.validate(config.vocab_size)
     if logprob is not None:
         logprob.validate(config.vocab_size, len(input_ids))
+        _check_logprob_entries(len(input_ids), params, logprob, config)
     if params.stop and not has_tokenizer:
         raise ValueError(
             "sampling parameter stop needs a tokenizer (the server skipped tokenizer init)"
+        )
+    if params.require_reasoning and not config.think_end_ids:
+        raise ValueError(
+            "sampling parameter require_reasoning needs a reasoning parser (the server's --reasoning-parser)"
         )
     key = grammar_key(params)
     if key is not None and not has_tokenizer:
         raise ValueError(
             f"sampling parameter {key.kind} needs a tokenizer (the server skipped tokenizer init)"
+        )
+
+
+def _check_logprob_entries(
+    prompt_len: int, params: SamplingParams, logprob: LogprobParams, config: SchedulerConfig
+) -> None:
+    output_len = min(params.max_new_tokens, config.max_request_tokens - prompt_len)
+    asked = params.n * logprob.entries(prompt_len, output_len)
+    if asked > MAX_LOGPROB_ENTRIES:
+        raise ValueError(
+            f"return_logprob: {asked} log-probability entries asked for (samples x positions x (1 + top "
+            f"log-probabilities + token ids)), more than {MAX_LOGPROB_ENTRIES}; ask for fewer positions, top "
+            "log-probabilities or samples"
         )

@@ -22,6 +22,7 @@ from sglang_lite.runtime.memory import (
     resolve_max_total_tokens,
     resolve_state_snapshots,
 )
+from sglang_lite.sampling.grammar import reasoning_end_ids
 from sglang_lite.scheduler.disagg import AttentionGroup, DisaggSide, NullSide, create_side
 from sglang_lite.scheduler.scheduler import Scheduler, create_request_memory
 from sglang_lite.server_args import ServerArgs
@@ -53,7 +54,9 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
     context_length = args.context_length or model.config.max_position_embeddings
     max_total_tokens = resolve_max_total_tokens(args, model.config, dtype, context_length)
     eos = eos_token_ids(args.model_dir, model.config.eos_token_ids)
-    config = SchedulerConfig.from_server_args(args, model.config, max_total_tokens, eos)
+    tokenizer = load_server_tokenizer(args)
+    think_end = reasoning_end_ids(tokenizer, args.reasoning_parser)
+    config = SchedulerConfig.from_server_args(args, model.config, max_total_tokens, eos, think_end)
     config = dataclasses.replace(config, dp_rank=dp_rank)
     pools = ModelPools.create(
         model.config,
@@ -69,7 +72,7 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
         config,
         ModelRunner(model, pools, args),
         pools,
-        load_server_tokenizer(args),
+        tokenizer,
         _pd_side(args, memory, model.config, dtype),
         memory,
     )

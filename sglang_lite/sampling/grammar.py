@@ -1,12 +1,14 @@
-"""Structured output (SGLang's ``json_schema``, ``regex`` and ``ebnf``): grammars compiled by xgrammar, one
-matcher per request, and the token masks they put on a batch's logits.
+"""Structured output (SGLang's ``json_schema``, ``regex``, ``ebnf`` and ``structural_tag``): grammars compiled by
+xgrammar, one matcher per request, and the token masks they put on a batch's logits.
 
 A grammar is compiled once per (kind, text) for one tokenizer (``GrammarCache``, on its own worker threads, so
-neither the scheduler's step nor the HTTP event loop waits on a compile); a text that cannot compile is a
-ValueError naming its field. Each request then follows its output with a ``RequestGrammar``: before sampling it
-fills its row of the batch's bitmask (``mask_logits`` turns the disallowed tokens' logits to -inf), after
-sampling it accepts the token. Once the grammar is complete only the stop tokens are allowed, and accepting one
-terminates the matcher: that is where a structured request ends.
+neither the scheduler's step nor the HTTP event loop waits on a compile); a text that cannot compile, or whose
+language is empty, is a ValueError naming its field (``grammar_compile``). Each request then follows its output
+with a ``RequestGrammar``: before sampling it fills its row of the batch's bitmask (``mask_logits`` turns the
+disallowed tokens' logits to -inf), after sampling it accepts the token. Once the grammar is complete only the
+stop tokens are allowed, and accepting one terminates the matcher: that is where a structured request ends. With
+``require_reasoning`` a ``ReasoningGrammar`` leaves the output free until the reasoning's end, then constrains the
+answer.
 
 JSON is written on one line with the separators ", " and ": " (xgrammar's ``any_whitespace=False``): with free
 whitespace between tokens, a weak model can spend its whole token budget on blanks and never close the object.
@@ -14,7 +16,6 @@ whitespace between tokens, a weak model can spend its whole token budget on blan
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from sglang_lite.sampling.grammar_compile import compile_text
 from sglang_lite.sampling.params import GRAMMAR_FIELDS, SamplingParams
 
 COMPILE_THREADS = 2
@@ -31,9 +33,8 @@ MAX_ABANDONED = 4
 MAX_QUEUED_COMPILES = 64
 # compiled grammars hold per-token tables: the cache forgets the least recently used
 MAX_CACHED_GRAMMARS = 256
-# xgrammar's C++ errors start with a time and a source location ("[12:00:00] /project/cpp/x.cc:94: "): not the
-# client's business
-_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+# the text that ends the reasoning of each --reasoning-parser (where server/parsers/reasoning.py splits the text)
+REASONING_ENDS = {"qwen3": "</think>"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,13 @@ def grammar_key(params: SamplingParams) -> GrammarKey | None:
         if text is not None:
             return GrammarKey(kind, text)
     return None
+
+
+def reasoning_end_ids(tokenizer: Any, reasoning_parser: str | None) -> tuple[int, ...]:
+    """The reasoning's end as the tokenizer encodes it (empty without a reasoning parser or a tokenizer)."""
+    if reasoning_parser is None or tokenizer is None:
+        return ()
+    return tuple(tokenizer.encode(REASONING_ENDS[reasoning_parser], add_special_tokens=False))
 
 
 class GrammarBusy(RuntimeError):
@@ -123,7 +131,7 @@ class GrammarCache:
         slot = _Slot(self._slots)
 
         def expire() -> None:  # the compile overran: its slot goes to the next grammar now
-            if _settle(future, error=ValueError(_too_complex(key, self.budget_s))):
+            if _settle(future, error=ValueError(too_complex(key, self.budget_s))):
                 with self._lock:
                     self.abandoned += 1
             slot.release()
@@ -144,18 +152,7 @@ class GrammarCache:
             slot.release()
 
     def _compile(self, compiler: Any, key: GrammarKey) -> Any:
-        try:
-            if key.kind == "json_schema":
-                compiled = compiler.compile_json_schema(key.text, any_whitespace=False)
-            elif key.kind == "regex":
-                compiled = compiler.compile_regex(key.text)
-            else:
-                compiled = compiler.compile_grammar(key.text)
-        except RuntimeError as error:
-            message = _CPP_PREFIX.sub("", str(error).strip())
-            raise ValueError(f"sampling parameter {key.kind} does not compile: {message}") from None
-        _check_admits_a_first_token(compiled, key)
-        return compiled
+        return compile_text(compiler, key.kind, key.text)
 
     def _get_compiler(self) -> Any:
         import xgrammar
@@ -225,34 +222,33 @@ def _settle(future: Future, result: Any = None, error: BaseException | None = No
     return True
 
 
-def _too_complex(key: GrammarKey, budget_s: float | None) -> str:
+def too_complex(key: GrammarKey, budget_s: float | None) -> str:
     return (
         f"sampling parameter {key.kind} is too complex: it did not compile within {budget_s:g} s "
         "(simplify the schema or grammar)"
     )
 
 
-def _check_admits_a_first_token(compiled: Any, key: GrammarKey) -> None:
-    """A grammar whose language is empty (``root ::= root "a"``, the regex ``[^\\s\\S]``) allows no first token,
-    not even a stop token: refused when it compiles, not met in sampling."""
-    import xgrammar
+class GrammarDeadEnd(ValueError):
+    """A request's grammar allows no next token where its output stands (a dead branch of a grammar whose language
+    is not empty: ``root ::= "a" [^\\s\\S] | "b"`` after ``a``): the request's fault, so it fails alone with a 400."""
 
-    bitmask = xgrammar.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
-    xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
-    if not bool(bitmask.any()):
-        raise ValueError(
-            f"sampling parameter {key.kind} admits no output: no token can start it (its language is empty)"
+
+def check_some_token_allowed(logits: torch.Tensor, grammars: list[Any]) -> None:
+    """Raises GrammarDeadEnd when a constrained row allows no token at all (-inf everywhere): its request fails
+    with that message (the sampler isolates it), instead of sampling a forbidden token or NaN. (A row of NaN, a
+    broken forward's, is not the grammar's doing: the draw fails on it, a 500.)"""
+    rows = constrained_rows(grammars)
+    if rows and bool((logits[rows] == float("-inf")).all(dim=-1).any()):
+        raise GrammarDeadEnd(
+            "the request's grammar allows no next token: its output entered a part of the grammar that "
+            "cannot be completed"
         )
 
 
-def check_some_token_allowed(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
-    """Raises when a grammar row allows no token at all (-inf everywhere): its request fails with that message
-    (the sampler isolates it), instead of sampling a forbidden token or NaN."""
-    rows = [i for i, g in enumerate(grammars) if g is not None]
-    if rows and not bool(torch.isfinite(logits[rows]).any(dim=-1).all()):
-        raise ValueError(
-            "the request's grammar allows no next token (it cannot be completed from here)"
-        )
+def constrained_rows(grammars: list[Any]) -> list[int]:
+    """The rows whose grammar constrains the next token (one still waiting for its reasoning to end does not)."""
+    return [i for i, g in enumerate(grammars) if g is not None and g.active]
 
 
 def _outcome(future: Future) -> Any:
@@ -263,6 +259,8 @@ def _outcome(future: Future) -> Any:
 class RequestGrammar:
     """One request's place in its grammar. ``stop_token_ids``: the tokens that end it once the grammar is complete
     (the request's stop tokens)."""
+
+    active = True  # it constrains every token of the output
 
     def __init__(self, compiled: Any, stop_token_ids: list[int]) -> None:
         import xgrammar
@@ -291,10 +289,55 @@ class RequestGrammar:
         return self._matcher.is_terminated()
 
 
-def mask_logits(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> torch.Tensor:
-    """logits [B, V] with each grammar row's disallowed tokens at -inf: the input itself when no row has a grammar,
-    else a copy (the forward's logits stay as they were). Columns past the grammar's vocabulary are disallowed."""
-    rows = [i for i, g in enumerate(grammars) if g is not None]
+class ReasoningGrammar:
+    """A grammar that constrains only the answer after the reasoning (SGLang's reasoner grammar, for a request
+    with ``require_reasoning`` on a rank with a reasoning parser): the output is free until it ends with
+    ``end_ids`` (``</think>`` as the tokenizer encodes it; Qwen3.5's is one token), and the grammar starts with
+    the next token. An output that never closes its reasoning is never constrained: it ends at a stop token or at
+    its length limit, all reasoning."""
+
+    def __init__(self, grammar: RequestGrammar, end_ids: tuple[int, ...]) -> None:
+        assert end_ids, "the reasoning's end is at least one token"
+        self.grammar = grammar
+        self.end_ids = end_ids
+        self.vocab_size = grammar.vocab_size
+        self.active = False  # the reasoning has ended: the grammar constrains
+        self._matched = 0  # how many of end_ids the output ends with
+
+    def restarted(self) -> ReasoningGrammar:
+        return ReasoningGrammar(self.grammar.restarted(), self.end_ids)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.active:
+            self.grammar.fill_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> None:
+        if self.active:
+            self.grammar.accept(token_id)
+            return
+        self._matched = _matched_after(self.end_ids, self._matched, token_id)
+        self.active = self._matched == len(self.end_ids)
+
+    @property
+    def terminated(self) -> bool:
+        return self.active and self.grammar.terminated
+
+
+def _matched_after(end: tuple[int, ...], matched: int, token_id: int) -> int:
+    """How much of ``end`` the output ends with once ``token_id`` follows an output that ended with
+    ``end[:matched]``: the longest start of ``end`` that is an end of ``end[:matched] + (token_id,)``."""
+    tail = end[:matched] + (token_id,)
+    for size in range(min(len(tail), len(end)), 0, -1):
+        if tail[-size:] == end[:size]:
+            return size
+    return 0
+
+
+def mask_logits(logits: torch.Tensor, grammars: list[Any]) -> torch.Tensor:
+    """logits [B, V] with each constrained row's disallowed tokens at -inf: the input itself when no row is
+    constrained, else a copy (the forward's logits stay as they were). Columns past the grammar's vocabulary are
+    disallowed."""
+    rows = constrained_rows(grammars)
     if not rows:
         return logits
     import xgrammar
@@ -314,13 +357,14 @@ def mask_logits(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> 
 
 
 def keep_possible_bans(
-    logits: torch.Tensor, banned: list[list[int]], grammars: list[RequestGrammar | None]
+    logits: torch.Tensor, banned: list[list[int]], grammars: list[Any]
 ) -> list[list[int]]:
-    """Drops a grammar row's ban (its stop tokens before ``min_new_tokens``) when the ban would leave no token the
-    grammar allows: a complete grammar allows only the stop tokens, and the grammar wins."""
+    """Drops a constrained row's ban (its stop tokens before ``min_new_tokens``) when the ban would leave no token
+    the grammar allows: a complete grammar allows only the stop tokens, and the grammar wins."""
+    rows = set(constrained_rows(grammars))
     return [
-        [] if ids and grammar is not None and not _allows_other(logits[row], ids) else ids
-        for row, (ids, grammar) in enumerate(zip(banned, grammars))
+        [] if ids and row in rows and not _allows_other(logits[row], ids) else ids
+        for row, ids in enumerate(banned)
     ]
 
 

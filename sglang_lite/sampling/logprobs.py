@@ -15,6 +15,9 @@ import torch
 
 MAX_TOP_LOGPROBS = 100  # per position; a client wanting more wants the whole distribution
 MAX_TOKEN_IDS_LOGPROB = 256
+# log-probability entries one request may ask for, all its samples together: a response of 500k entries is ~15 MB
+# of JSON and takes seconds to build; n=64 samples of a 1000-token prompt's top 100 would be 6.4 million
+MAX_LOGPROB_ENTRIES = 500_000
 OUTPUT_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 INPUT_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 Entry = list  # [logprob | None, token_id, text | None]
@@ -37,6 +40,13 @@ class LogprobParams:
     @property
     def wants_input(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0
+
+    def entries(self, prompt_len: int, output_len: int) -> int:
+        """At most how many entries one sample reports: one per position, plus its top and chosen ids."""
+        if not self.return_logprob:
+            return 0
+        positions = output_len + (prompt_len - self.logprob_start_len if self.wants_input else 0)
+        return positions * (1 + self.top_logprobs_num + len(self.token_ids_logprob or []))
 
     def validate(self, vocab_size: int, prompt_len: int) -> None:
         """Raises ValueError naming the first bad field."""

@@ -34,7 +34,7 @@ MAX_REPETITION_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 MAX_REPR_CHARS = 60  # of a bad value quoted in an error message
 # Structured output: the grammar fields (at most one per request) and the longest text one may hold.
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 MAX_GRAMMAR_CHARS = 65536
 
 
@@ -57,10 +57,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # token id (a decimal string, as in JSON) -> bias added to its logit
     logit_bias: dict[str, float] | None = None
-    # structured output (at most one of the three): a JSON schema, as text
+    # structured output (at most one of the four): a JSON schema, as text
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None  # xgrammar's EBNF (GBNF), root rule `root`
+    structural_tag: str | None = (
+        None  # SGLang's structural tag, as JSON (sampling/grammar_compile.py)
+    )
+    # the output starts inside a reasoning section: the grammar constrains only what follows its end (SGLang's
+    # require_reasoning; needs a rank with a reasoning parser)
+    require_reasoning: bool = False
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
@@ -120,7 +126,7 @@ class SamplingParams:
         _check(top_k_ok, "top_k", f"-1 (off) or an integer in [1, {top_k_max}]", self.top_k)
         if self.seed is not None:
             _check_int(self.seed, "seed", INT64_MIN, INT64_MAX)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "require_reasoning"):
             _check(
                 isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name)
             )

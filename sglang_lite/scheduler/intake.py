@@ -10,7 +10,7 @@ from typing import Any
 
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.protocol.requests import fork_rids, validate_request
-from sglang_lite.sampling.grammar import RequestGrammar
+from sglang_lite.sampling.grammar import ReasoningGrammar, RequestGrammar
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.sampling.sampler import make_generator
@@ -70,8 +70,12 @@ class RequestIntake:
             stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
         )
 
-    def grammar_of(self, req: Req, compiled: Any) -> RequestGrammar:
-        """The grammar ends at the request's stop tokens (the model's eos ones under ``ignore_eos``)."""
-        return RequestGrammar(
+    def grammar_of(self, req: Req, compiled: Any) -> RequestGrammar | ReasoningGrammar:
+        """The grammar ends at the request's stop tokens (the model's eos ones under ``ignore_eos``); with
+        ``require_reasoning`` it starts after the reasoning's end."""
+        grammar = RequestGrammar(
             compiled, sorted(req.stop_token_ids) or list(self.config.eos_token_ids)
         )
+        if req.sampling_params.require_reasoning:
+            return ReasoningGrammar(grammar, self.config.think_end_ids)
+        return grammar

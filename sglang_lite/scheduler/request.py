@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from sglang_lite.protocol.outputs import INTERNAL_ERROR
-from sglang_lite.sampling.grammar import RequestGrammar
+from sglang_lite.sampling.grammar import ReasoningGrammar, RequestGrammar
 from sglang_lite.sampling.logprobs import LogprobParams, LogprobRecord
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -90,7 +90,7 @@ class Req:
     forks: list[str] = field(default_factory=list)
     fork_seed: int = 0
     # structured output: where its output is in its grammar (once compiled)
-    grammar: RequestGrammar | None = None
+    grammar: RequestGrammar | ReasoningGrammar | None = None
     # what the next ReqOutput carries
     unsent_ids: list[int] = field(default_factory=list)
     unsent_text: str = ""

@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -260,6 +261,8 @@ async def _generate_inputs(
     params = [
         manager.sampling_params(p) for p in _per_prompt(body.sampling_params, n, "sampling_params")
     ]
+    reasoning = _per_prompt(body.require_reasoning, n, "require_reasoning")
+    params = [replace(p, require_reasoning=True) if r else p for p, r in zip(params, reasoning)]
     rids = _per_prompt(body.rid, n, "rid") if body.rid is not None else [None] * n
     rank = requested_rank(body.routed_dp_rank, body.data_parallel_rank)
     try:

@@ -15,7 +15,8 @@ from typing import Any
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.protocol.requests import validate_request
 from sglang_lite.runtime.inputs import max_prompt_chars
-from sglang_lite.sampling.grammar import GrammarBusy, GrammarCache, grammar_key
+from sglang_lite.sampling.grammar import GrammarBusy, grammar_key
+from sglang_lite.sampling.grammar_process import GrammarChecker, xgrammar_tables
 from sglang_lite.sampling.params import SamplingParams, is_utf8
 from sglang_lite.server.io_struct import ChatPrompt, GenerateInput, RequestError, bad_request
 from sglang_lite.server_args import ServerArgs
@@ -34,13 +35,19 @@ class InputProcessor:
         self.args = args
         self.tokenizer: Any = None  # set at start, as are the config and the grammars
         self.config: SchedulerConfig | None = None  # every rank's, but dp_rank
-        self.grammars: GrammarCache | None = None  # compiles only to check grammars
+        # compiles only to check grammars, in processes a compile past its budget is killed with (the tables
+        # are built at the first grammar, once the config is known)
+        self.grammars = GrammarChecker(
+            lambda: xgrammar_tables(self.tokenizer, self.config.vocab_size),
+            args.grammar_compile_timeout,
+        )
 
     def set_config(self, config: SchedulerConfig) -> None:
         """The ranks' limits, once they are ready (the tokenizer is loaded before they start)."""
         self.config = config
-        budget = self.args.grammar_compile_timeout
-        self.grammars = GrammarCache(self.tokenizer, config.vocab_size, budget_s=budget)
+
+    def shutdown(self) -> None:
+        self.grammars.shutdown()
 
     # ---- tokenising --------------------------------------------------------------------------------------------
     async def encode(
@@ -125,6 +132,15 @@ class InputProcessor:
                 f"({self.args.max_queued_requests})"
             )
 
+    def check_sample_count(self, inputs: list[GenerateInput]) -> None:
+        """Nor may its prompts' samples together (``n`` each) be more than ``--max-queued-requests``."""
+        samples = sum(request.sampling_params.n for request in inputs)
+        if samples > self.args.max_queued_requests:
+            raise bad_request(
+                f"n: {len(inputs)} prompts with their samples make {samples} requests in one, more than "
+                f"--max-queued-requests ({self.args.max_queued_requests})"
+            )
+
     def sampling_params(self, raw: dict[str, Any] | None) -> SamplingParams:
         """SGLang sampling parameters from a request, validated; None values mean the default."""
         if raw is not None and not isinstance(raw, dict):
@@ -164,8 +180,8 @@ class InputProcessor:
             raise bad_request(str(error)) from error
 
     async def check_grammar(self, request: GenerateInput) -> None:
-        """A grammar that cannot compile is a 400 naming its field (compiled on worker threads, once per text; the
-        rank compiles it again, for its own use)."""
+        """A grammar that cannot compile is a 400 naming its field (compiled in worker processes, once per text;
+        the rank compiles it again, for its own use)."""
         key = grammar_key(request.sampling_params)
         if key is None:
             return

@@ -72,6 +72,11 @@ class GenerateRequest(_Request):
     top_logprobs_num: StrictInt | list[StrictInt] = 0
     token_ids_logprob: list[StrictInt] | list[list[StrictInt]] | None = None
     return_text_in_logprobs: StrictBool = False
+    require_reasoning: StrictBool | list[StrictBool] = Field(
+        False,
+        description="With --reasoning-parser: the output starts inside its reasoning, and a grammar "
+        "constrains only what follows the reasoning's end (</think>).",
+    )
     log_metrics: Any = Field(None, description="Accepted; metrics are always recorded.")
     refused: ClassVar = {
         "return_hidden_states": ((None, False), "hidden states are not returned"),
@@ -106,16 +111,29 @@ class JsonSchemaFormat(_Request):
     strict: StrictBool | None = None
 
 
-class ResponseFormat(_Request):
-    """OpenAI ``response_format``: ``text`` (free), ``json_object`` (any JSON object), ``json_schema``."""
+class StructuralTagItem(_Request):
+    begin: StrictStr
+    schema_: dict[str, Any] = Field(alias="schema")
+    end: StrictStr
 
-    type: Literal["text", "json_object", "json_schema"]
+
+class ResponseFormat(_Request):
+    """OpenAI ``response_format``: ``text`` (free), ``json_object`` (any JSON object), ``json_schema``; SGLang's
+    ``structural_tag``: ``structures`` and ``triggers``, or xgrammar's ``format``."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[StructuralTagItem] | None = None
+    triggers: list[StrictStr] | None = None
+    format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError('type json_schema needs json_schema: {"name": ..., "schema": {...}}')
+        legacy = self.structures is not None and self.triggers is not None
+        if self.type == "structural_tag" and legacy == (self.format is not None):
+            raise ValueError("type structural_tag needs structures and triggers, or format")
         return self
 
     def grammar(self) -> dict[str, str]:
@@ -124,6 +142,13 @@ class ResponseFormat(_Request):
             return {"json_schema": '{"type": "object"}'}
         if self.type == "json_schema":
             return {"json_schema": json.dumps(self.json_schema.schema_)}
+        if self.type == "structural_tag" and self.format is not None:
+            return {"structural_tag": json.dumps({"type": "structural_tag", "format": self.format})}
+        if self.type == "structural_tag":
+            structures = [s.model_dump(by_alias=True) for s in self.structures]
+            return {
+                "structural_tag": json.dumps({"structures": structures, "triggers": self.triggers})
+            }
         return {}
 
 

@@ -27,6 +27,7 @@ from sglang_lite.server.openai_tools import (
     check_tools,
     parsing_plan,
     rendered_tools,
+    requires_reasoning,
     tool_call_schema,
 )
 from sglang_lite.server.request_streams import RequestStream
@@ -86,15 +87,14 @@ def add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> Non
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         check_tools(body)
-        forced = tool_call_schema(
-            body
-        )  # tool_choice required or a named function: the output is the calls
+        # tool_choice required or a named function: the output is the calls
+        forced = tool_call_schema(body)
         if forced is not None and (body.response_format is not None or body.regex or body.ebnf):
             raise bad_request(
                 "tool_choice: a required or named tool choice constrains the output; it cannot be "
                 "combined with response_format, regex or ebnf"
             )
-        raw = body.sampling_dict(None)
+        raw = {**body.sampling_dict(None), "require_reasoning": requires_reasoning(args, body)}
         params = manager.sampling_params(
             {**raw, "json_schema": forced} if forced is not None else raw
         )
@@ -104,7 +104,7 @@ def add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> Non
         )
         logprob = LogprobParams(True, -1, body.top_logprobs or 0) if body.logprobs else None
         inputs = _inputs(body, [prompt.ids], params, logprob)
-        parsing = parsing_plan(args, body, prompt.text) if forced is None else None
+        parsing = parsing_plan(args, body, prompt.text, forced=forced is not None)
         shape = Shape(
             "chat.completion",
             served_model_name(args),

@@ -129,9 +129,17 @@ class Shape:
         first: bool,
         logprobs: dict[str, Any] | None,
     ) -> list[dict[str, Any]]:
-        """Constrained tool calls stream as one delta once the list is complete."""
-        self._forced_text[index] = self._forced_text.get(index, "") + text
+        """Constrained tool calls stream as one delta once the list is complete (reasoning before it as it comes)."""
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if self.parsing is not None:
+            parser = self._stream_parsers.setdefault(index, self.parsing.new())
+            parsed = parser.feed(text)
+            if finish_reason is not None:
+                parsed += parser.finish()
+            text = parsed.content
+            if parsed.reasoning:
+                delta["reasoning_content"] = parsed.reasoning
+        self._forced_text[index] = self._forced_text.get(index, "") + text
         if finish_reason is not None:
             message = forced_tool_message(self._forced_text[index])
             calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
@@ -188,6 +196,16 @@ class Shape:
     def _echoed(self, index: int, text: str, first: bool) -> str:
         return self.echo[index // self.n] + text if self.echo is not None and first else text
 
+    def _forced_message(self, text: str) -> dict[str, Any]:
+        """A forced tool call's whole ``message``, its reasoning apart when reasoning is parsed."""
+        if self.parsing is None:
+            return forced_tool_message(text)
+        parsed = self.parsing.new().parse(text)
+        return {
+            **forced_tool_message(parsed.content),
+            "reasoning_content": parsed.reasoning or None,
+        }
+
     def usage_chunk(self, metas: list[dict[str, Any]]) -> dict[str, Any]:
         head = self._head(self.kind + ".chunk" if self.is_chat else self.kind)
         return {**head, "choices": [], "usage": usage(metas, self.n, self.cache_report)}
@@ -205,7 +223,7 @@ class Shape:
                 else CompletionLogprobs(self.texts, self.echo is not None).piece(meta)
             )
         if self.is_chat and self.forced_tools:
-            message = forced_tool_message(text)
+            message = self._forced_message(text)
             reason = "tool_calls" if "tool_calls" in message and reason == "stop" else reason
             return {
                 "index": index,

@@ -10,6 +10,10 @@ is parsed (``--reasoning-parser``, ``--tool-call-parser``), and the OpenAI shape
 - Reasoning is parsed with ``--reasoning-parser``, ``separate_reasoning`` (default true) and thinking on (not
   ``chat_template_kwargs.enable_thinking: false``); it starts inside reasoning when the prompt ends in an open
   ``<think>`` block (Qwen3.5's template with thinking on).
+- With a reasoning parser and thinking on, a grammar (``response_format``, ``regex``, ``ebnf``, a forced tool call)
+  constrains only the answer after ``</think>`` (``require_reasoning``), so ``content`` holds the JSON and
+  ``reasoning_content`` the free reasoning before it. Output cut by ``max_tokens`` before ``</think>`` was never
+  constrained: it is all ``reasoning_content``, ``content`` is empty and ``finish_reason`` is ``length``.
 - ``finish_reason`` is ``tool_calls`` when calls were parsed and the model stopped by itself (``length`` stays).
 """
 
@@ -61,10 +65,20 @@ def rendered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def parsing_plan(args: ServerArgs, body: ChatCompletionRequest, prompt: str) -> ParsingPlan | None:
+def requires_reasoning(args: ServerArgs, body: ChatCompletionRequest) -> bool:
+    """Whether the output starts inside its reasoning, so that a grammar (``response_format``, ``regex``,
+    ``ebnf``, a forced tool call) constrains only the answer after it: with a reasoning parser and thinking on
+    (SGLang's ``require_reasoning`` for its qwen3 parser)."""
     thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False
-    reasoning = args.reasoning_parser is not None and body.separate_reasoning and thinking
-    tools = rendered_tools(body) if args.tool_call_parser else None
+    return args.reasoning_parser is not None and thinking
+
+
+def parsing_plan(
+    args: ServerArgs, body: ChatCompletionRequest, prompt: str, forced: bool = False
+) -> ParsingPlan | None:
+    """``forced``: the output is a forced tool call's JSON (``tool_call_schema``), so only reasoning is parsed."""
+    reasoning = requires_reasoning(args, body) and body.separate_reasoning
+    tools = rendered_tools(body) if args.tool_call_parser and not forced else None
     plan = ParsingPlan(
         reasoning=reasoning,
         starts_in_reasoning=reasoning and prompt_opens_reasoning(prompt),

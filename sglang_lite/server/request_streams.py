@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sglang_lite.protocol.loads import LOAD_SECTIONS
-from sglang_lite.protocol.outputs import ReqOutput, internal_error
+from sglang_lite.protocol.outputs import ReqOutput, request_failure
 from sglang_lite.runtime.client import SchedulerClient
 from sglang_lite.runtime.messages import (
     UNAVAILABLE,
@@ -157,10 +157,12 @@ class StreamRegistry:
         for output in outputs:
             output.meta_info["dp_rank"] = rank
             stream = self.streams.get(output.rid)
-            error = internal_error(output)
-            if stream is not None and error is not None:  # it failed inside the rank, which goes on
+            failure = request_failure(output)
+            if (
+                stream is not None and failure is not None
+            ):  # it failed inside the rank, which goes on
                 self.metrics.finished[rank, finish_kind(output)] += 1
-                stream.queue.put_nowait(RequestError(500, error))
+                stream.queue.put_nowait(RequestError(*failure))
             elif stream is not None:
                 stream.queue.put_nowait(output)
             elif output.finished:  # its client left; the rank confirms the abort

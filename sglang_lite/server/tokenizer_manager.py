@@ -92,6 +92,8 @@ class TokenizerManager:
 
     # ---- lifetime ----------------------------------------------------------------------------------------------
     async def start(self) -> None:
+        if not self.args.skip_tokenizer_init:  # grammars need a tokenizer
+            self.inputs.grammars.prestart()  # imports xgrammar while the ranks load
         self.tokenizer = load_server_tokenizer(self.args)
         self.client = SchedulerClient(
             self.args
@@ -110,6 +112,7 @@ class TokenizerManager:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.inputs.shutdown()
         if self.client is not None:
             self.client.shutdown()
 
@@ -243,6 +246,7 @@ class TokenizerManager:
     ) -> list[ReqOutput]:
         """Runs requests to the end, each joined into one output (``n`` of them in a row for one with parallel
         samples); every one is dispatched before any is awaited, and all abort on failure."""
+        self.inputs.check_sample_count(inputs)
         for request in inputs:
             self.validate(request)
             await self.check_grammar(request)

@@ -315,9 +315,9 @@ def tokens_of(outputs: list) -> list[int]:
     return [t for out in outputs for t in out.new_token_ids]
 
 
-def assert_failed_with(outputs: list, text: str) -> None:
+def assert_failed_with(outputs: list, text: str, status: int = 500) -> None:
     reason = outputs[-1].meta_info["finish_reason"]
-    assert outputs[-1].finished and reason["type"] == "abort" and reason["status_code"] == 500, (
+    assert outputs[-1].finished and reason["type"] == "abort" and reason["status_code"] == status, (
         reason
     )
     assert text in reason["message"], reason
@@ -352,32 +352,21 @@ def test_a_request_whose_sampling_raises_fails_alone(scheduler, monkeypatch):
     assert_empty(scheduler)
 
 
-class DeadEndGrammar:
-    """A grammar that, from its second token on, allows nothing (an all-masked row)."""
-
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
-        self.accepted = 0
-        self.terminated = False
-
-    def fill_bitmask(self, bitmask, row: int) -> None:
-        bitmask[row] = -1 if self.accepted == 0 else 0
-
-    def accept(self, token_id: int) -> None:
-        self.accepted += 1
+# a dead branch: "a" can start it, and then no character can follow (the grammar still admits "b", so it compiles)
+DEAD_END_EBNF = 'root ::= "a" [^\\x00-\\U0010FFFF] | "b"'
 
 
-def test_a_grammar_row_that_allows_no_token_fails_its_request_alone(scheduler):
+def test_a_grammar_row_that_allows_no_token_fails_its_request_alone_with_a_400(scheduler):
     prompt = random_prompts([9], vocab=4000, seed=7)[0]
     reference = reference_tokens(scheduler, prompt)
+    a = scheduler.tokenizer.encode("a", add_special_tokens=False)[0]
     scheduler.add_request("good", prompt, {**GREEDY, "max_new_tokens": 6})
-    scheduler.add_request("bad", prompt, {"max_new_tokens": 6, "temperature": 1.0, "seed": 3})
-    bad = next(r for r in scheduler.queues.waiting if r.rid == "bad")
-    bad.grammar = DeadEndGrammar(scheduler.config.vocab_size)
+    bad = {"max_new_tokens": 6, "ebnf": DEAD_END_EBNF, "logit_bias": {str(a): 100.0}}
+    scheduler.add_request("bad", prompt, bad)
     outputs = drain(scheduler)  # checks the invariants after every step
     assert tokens_of(outputs["good"]) == reference
-    assert_failed_with(outputs["bad"], "grammar allows no next token")
-    assert len(tokens_of(outputs["bad"])) == 1
+    assert_failed_with(outputs["bad"], "grammar allows no next token", status=400)
+    assert tokens_of(outputs["bad"]) == [a]
     assert_empty(scheduler)
 
 

@@ -135,6 +135,16 @@ def small_queue_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
     yield from start_server(tmp_path_factory, "small_queue", flags, api_key="test-key")
 
 
+@pytest.fixture(scope="session")
+def tools_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """dp 1 with the Qwen3.5 parsers: tool calls (qwen3_coder) and reasoning (qwen3)."""
+    yield from start_server(
+        tmp_path_factory,
+        "tools",
+        ["--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3"],
+    )
+
+
 @pytest.fixture(params=["dp1", "dp2"])
 def server(request: pytest.FixtureRequest) -> ServerProcess:
     return request.getfixturevalue(f"server_{request.param}")

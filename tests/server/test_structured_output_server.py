@@ -191,3 +191,70 @@ def test_a_grammar_that_cannot_compile_is_a_400_naming_its_field(
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
     assert needle in message and ".cc:" not in message, message
+
+
+TAG_FORMAT = {
+    "type": "tag",
+    "begin": "<n>",
+    "content": {"type": "regex", "pattern": "[0-9]{2}"},
+    "end": "</n>",
+}
+
+
+def test_a_structural_tag_response_format_constrains_the_output(server_dp1: ServerProcess) -> None:
+    body = {
+        "messages": CHAT,
+        "response_format": {"type": "structural_tag", "format": TAG_FORMAT},
+        "max_tokens": 20,
+        "temperature": 1.0,
+        "seed": 3,
+    }
+    choice = post(server_dp1, "/v1/chat/completions", body).json()["choices"][0]
+    assert re.fullmatch(r"<n>[0-9]{2}</n>", choice["message"]["content"]), choice
+    legacy = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
+        "triggers": ["<f"],
+    }
+    response = post(server_dp1, "/v1/chat/completions", {**body, "response_format": legacy})
+    assert response.status_code == 200, response.text
+    native = {"text": "hi", "sampling_params": {"structural_tag": json.dumps(legacy)}}
+    assert post(server_dp1, "/generate", {**native, "max_new_tokens": 4}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "response_format,needle",
+    [
+        ({"type": "structural_tag"}, "structures and triggers, or format"),
+        ({"type": "structural_tag", "format": {"type": "nope"}}, "structural_tag does not compile"),
+        (
+            {"type": "structural_tag", "structures": [{"begin": "<f>"}], "triggers": ["<f"]},
+            "schema",
+        ),
+        (
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "deep", "schema": {"items": [[[[]]]] * 1}},
+            },
+            "does not compile",
+        ),
+        (
+            {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "deep",
+                    "schema": json.loads('{"type": "array", "items": ' * 80 + "{}" + "}" * 80),
+                },
+            },
+            "nests 81 levels deep, more than 64",
+        ),
+    ],
+)
+def test_a_bad_structural_tag_or_deep_schema_is_a_400(
+    server_dp1: ServerProcess, response_format: dict, needle: str
+) -> None:
+    body = {"messages": CHAT, "response_format": response_format, "max_tokens": 4}
+    response = post(server_dp1, "/v1/chat/completions", body)
+    assert response.status_code == 400 and needle in response.json()["error"]["message"], (
+        response.text
+    )

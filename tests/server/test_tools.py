@@ -7,7 +7,6 @@ response builder; the server tests check rendering, shapes and errors end to end
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -20,7 +19,7 @@ from sglang_lite.server.openai_protocol import ChatCompletionRequest
 from sglang_lite.server.openai_serving import Shape
 from sglang_lite.server.openai_tools import parsing_plan, rendered_tools
 from sglang_lite.server_args import ServerArgs
-from tests.server.conftest import ServerProcess, start_server
+from tests.server.conftest import ServerProcess
 
 WEATHER = {
     "type": "function",
@@ -41,15 +40,6 @@ MODEL_TEXT = (
     "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
 )
 PARSERS = ServerArgs(tool_call_parser="qwen3_coder", reasoning_parser="qwen3")
-
-
-@pytest.fixture(scope="session")
-def tools_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from start_server(
-        tmp_path_factory,
-        "tools",
-        ["--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3"],
-    )
 
 
 def client_of(server: ServerProcess) -> openai.OpenAI:
@@ -305,7 +295,8 @@ def test_required_and_named_tool_choices_force_calls_even_from_random_weights(
     tools_server: ServerProcess, choice
 ) -> None:
     """The output is constrained to a JSON list of the allowed calls, which becomes ``tool_calls``. (Closed
-    parameter schemas: random weights would babble inside free strings until max_tokens.)"""
+    parameter schemas: random weights would babble inside free strings until max_tokens. Thinking off: with it on,
+    the list would follow a </think> that random weights never write; tests/server/test_reasoning_structured.py.)"""
     args = dict(
         model="m",
         messages=USER,
@@ -315,6 +306,7 @@ def test_required_and_named_tool_choices_force_calls_even_from_random_weights(
         temperature=1.0,
         seed=5,
         parallel_tool_calls=False,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     names = {"set_light"} if isinstance(choice, dict) else {"set_light", "stop_alarm"}
     response = client_of(tools_server).chat.completions.create(**args)

@@ -9,10 +9,11 @@ whitespace around it, as is the start of the answer after ``</think>``; output t
 
 from __future__ import annotations
 
+from sglang_lite.sampling.grammar import REASONING_ENDS
 from sglang_lite.server.parsers.base import ParsedText, partial_suffix
 
 THINK_START = "<think>"
-THINK_END = "</think>"
+THINK_END = REASONING_ENDS["qwen3"]  # where a grammar after the reasoning starts too
 # where a parser is in the text: before any think block, inside one, after it
 _START = "start"
 _REASONING = "reasoning"

@@ -1,0 +1,27 @@
+"""The hostile battery, in a fixed order (``hostile.py`` runs it)."""
+
+from __future__ import annotations
+
+from sglang_lite.bench.hostile import Case
+from sglang_lite.bench.hostile_grammars import grammar_cases, template_and_tool_cases
+from sglang_lite.bench.hostile_requests import (
+    body_cases,
+    field_cases,
+    sampling_cases,
+    unicode_cases,
+)
+from sglang_lite.bench.hostile_streams import n_logprob_stream_cases, rid_cases
+
+
+def hostile_cases(vocab: int = 4096) -> list[Case]:
+    """Every case; ``vocab``: the served model's vocabulary size (some cases bias every token)."""
+    return [
+        *body_cases(),
+        *field_cases(),
+        *sampling_cases(vocab),
+        *grammar_cases(),
+        *template_and_tool_cases(),
+        *unicode_cases(),
+        *rid_cases(),
+        *n_logprob_stream_cases(),
+    ]
