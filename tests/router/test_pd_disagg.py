@@ -17,6 +17,7 @@ import time
 import aiohttp
 import pytest
 
+from sglang_lite.server_args import ServerArgs
 from tests.hf_checkpoints import greedy_tokens, make_hf_model, save_checkpoint
 
 from .conftest import Proc, free_port, launch, spawn, wait_until_healthy
@@ -88,14 +89,28 @@ def server(checkpoint: Checkpoint, mode: str, dp_size: int, *extra: str) -> Proc
     return spawn(cmd, port)
 
 
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory):
+# --page-size of the prefill and the decode server: the default on both, pages of one token on both, and sides
+# that differ (a transfer's runs then follow both sides' page boundaries)
+PAGE_SIZES = [(ServerArgs.page_size,) * 2, (1, 1), (ServerArgs.page_size, 1)]
+
+
+@pytest.fixture(scope="module", params=PAGE_SIZES, ids=lambda p: f"pages{p[0]}-{p[1]}")
+def pd(tmp_path_factory, request):
     """A prefill server (dp 1) and a decode server (dp 2) on one checkpoint, shared by the module's tests."""
     checkpoint = Checkpoint(str(tmp_path_factory.mktemp("pd_checkpoint")))
     bootstrap_port = free_port()
+    prefill_pages, decode_pages = (str(p) for p in request.param)
     procs = [
-        server(checkpoint, "prefill", 1, "--disaggregation-bootstrap-port", str(bootstrap_port)),
-        server(checkpoint, "decode", 2),
+        server(
+            checkpoint,
+            "prefill",
+            1,
+            "--disaggregation-bootstrap-port",
+            str(bootstrap_port),
+            "--page-size",
+            prefill_pages,
+        ),
+        server(checkpoint, "decode", 2, "--page-size", decode_pages),
     ]
     try:
         for proc in procs:
@@ -146,12 +161,16 @@ def _through(
                 lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.1
             )
             after = [load["num_prefill_tokens"] for load in await _loads(s, prefill.url)]
-            return results, await _loads(s, decode.url), [a - b for a, b in zip(after, before)]
+            metrics = await get_text(s, decode.url + "/metrics")
+            loads = await _loads(s, decode.url)
+            return results, loads, [a - b for a, b in zip(after, before)], metrics
 
     return run(scenario())
 
 
-def _check(results: list, decode_loads: list, prefilled: list, checkpoint: Checkpoint) -> None:
+def _check(
+    results: list, decode_loads: list, prefilled: list, metrics: str, checkpoint: Checkpoint
+) -> None:
     assert [status for status, _ in results] == [200] * len(PROMPTS), results
     assert [body["output_ids"] for _, body in results] == [checkpoint.greedy(p) for p in PROMPTS]
     assert prefilled == [
@@ -164,6 +183,16 @@ def _check(results: list, decode_loads: list, prefilled: list, checkpoint: Check
     assert all(load["mode"] == "decode" for load in decode_loads)
     received = [load for load in decode_loads if load["kv_transfers_total"]]
     assert received and all(load["kv_transfer_speed_gb_s"] > 0 for load in received)
+    for load in received:  # every transfer landed in one bucket of each histogram; none is pending
+        assert sum(load["kv_transfer_latency_counts"]) == load["kv_transfers_total"]
+        assert sum(load["kv_transfer_size_counts"]) == load["kv_transfers_total"]
+        assert load["kv_transfers_in_flight"] == 0 and load["kv_transfer_latency_ms"] > 0
+        rank = f'dp_rank="{load["dp_rank"]}"'
+        count = (
+            f"sglang_lite_kv_transfer_latency_seconds_count{{{rank}}} {load['kv_transfers_total']}"
+        )
+        assert count in metrics
+        assert f'sglang_lite_kv_transfer_size_bytes_bucket{{{rank},le="+Inf"}}' in metrics
 
 
 def test_pd_through_sglang_lite_router_equals_transformers(pd):

@@ -43,9 +43,12 @@ DISAGG = {
     "decode_retracted_queue_reqs",
     "kv_transfer_speed_gb_s",
     "kv_transfer_latency_ms",
+    "kv_transfers_in_flight",
     "kv_transfers_total",
     "kv_transfer_bytes_total",
     "kv_transfer_seconds_total",
+    "kv_transfer_latency_counts",
+    "kv_transfer_size_counts",
     "num_prefill_tokens",
 }
 QUEUES = {"waiting", "paused", "retracted"}

@@ -46,19 +46,19 @@ class DecodeSide(TransferSide):
         while self.prealloc:
             req = self.prealloc[0]
             n = len(req.input_ids)
-            kv_left = memory.pools.kv.allocator.num_free - self.host.reserved_decode_tokens()
-            if memory.free_rows == 0 or kv_left < n + 1:
+            kv_left = memory.free_tokens - self.host.reserved_decode_tokens()
+            if memory.free_rows == 0 or kv_left < memory.page_tokens(n + 1):
                 return
             self.prealloc.pop(0)
             # penalties and grammars follow its tokens from the first one (the memory's listeners)
-            kv_slots = memory.reserve(req, n)
+            kv_pages = memory.reserve(req, n)
             self.meta[req.state_slot].zero_()
             req.status = ReqStatus.TRANSFERRING
             self.transferring.append(req)
             self.deadlines[req.rid] = time.monotonic() + self.timeout_s
             target = {
                 "layout": self.layout.to_dict(),
-                "kv_slots": kv_slots,
+                "kv_pages": kv_pages,
                 "state_slot": req.state_slot,
                 "meta_row": req.state_slot,
             }
@@ -132,7 +132,8 @@ class DecodeSide(TransferSide):
         return {
             "decode_prealloc_queue_reqs": len(self.prealloc),
             "decode_transfer_queue_reqs": len(self.transferring),
-            **self.transfer_figures(),
+            # reserved and awaiting their data (the prefill side's queue and prefill included)
+            **self.transfer_figures(len(self.transferring)),
         }
 
     def take_notices(self) -> list[dict[str, Any]]:

@@ -9,11 +9,9 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
-import torch
-
-from sglang_lite.disaggregation.layout import PoolLayout, request_blocks
+from sglang_lite.disaggregation.layout import Blocks, PoolLayout, request_blocks
 from sglang_lite.disaggregation.transfer import MooncakeTransfer
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.scheduler.disagg.base import DONE, FAILED, TransferSide
@@ -21,6 +19,30 @@ from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
 
 logger = logging.getLogger(__name__)
 STATUS_RETRIES = 5
+
+
+class _MetaWrite(NamedTuple):
+    session: str
+    slot: int  # the staging row's state slot
+    source: int
+    target: int
+    length: int
+
+
+class _Job(NamedTuple):
+    """One request's transfer, worked out on the scheduler's thread."""
+
+    session: str
+    blocks: Blocks
+    meta: _MetaWrite
+    token: int
+
+
+class _Refused(NamedTuple):
+    """A transfer that cannot be made: only its FAILED status is written."""
+
+    error: Exception
+    meta: _MetaWrite
 
 
 class PrefillSide(TransferSide):
@@ -58,48 +80,59 @@ class PrefillSide(TransferSide):
 
     def on_prefilled(self, req: Req, token: int) -> bool:
         """The prompt is computed and its first token sampled: both are written to the decode rank instead of
-        decoding here (not for a re-prefill after a retraction, which has no room)."""
+        decoding here (not for a re-prefill after a retraction, which has no room). The blocks are worked out
+        here, so that the transfer thread runs little Python (each return to Python waits for the GIL, which the
+        forward holds)."""
         if req.bootstrap_room is None:
             return False
         req.status = ReqStatus.TRANSFERRING
+        try:
+            job = self._job(req, token)
+        except Exception as error:  # the destination does not fit this rank: the write fails
+            job = _Refused(error, self._meta_write(req.transfer_target, req.state_slot))
+        self.inflight.append((req, self._executor.submit(self._send, job)))
+
+    def _job(self, req: Req, token: int) -> _Job:
         target = req.transfer_target
         dst = PoolLayout.from_dict(target["layout"])
-        slots = self.memory.slots_of(req, len(req.input_ids))
-        job = (dst, slots, target, req.state_slot, token)
-        self.inflight.append((req, self._executor.submit(self._send, *job)))
+        self.layout.check_matches(dst)
+        n = len(req.input_ids)
+        pages = self.memory.pages_of(req, n)
+        blocks = request_blocks(
+            self.layout, dst, pages, target["kv_pages"], n, req.state_slot, target["state_slot"]
+        )
+        return _Job(dst.session, blocks, self._meta_write(target, req.state_slot), token)
 
-    def _send(
-        self, dst: PoolLayout, slots: list[int], target: dict[str, Any], slot: int, token: int
-    ) -> None:
-        """On the transfer thread: the data, then the metadata row (status and token) that tells the decode rank."""
-        meta_base, meta_row = dst.meta
-        meta_target = [meta_base + target["meta_row"] * meta_row]
+    def _meta_write(self, target: dict[str, Any], slot: int) -> _MetaWrite:
+        """The write of metadata row ``slot`` (a staging row) into the decode rank's row for the request."""
+        base, row = target["layout"]["meta"]
+        source = self.meta[slot].data_ptr()
+        return _MetaWrite(
+            target["layout"]["session"], slot, source, base + target["meta_row"] * row, row
+        )
+
+    def _send(self, job: _Job | _Refused) -> tuple[int, float]:
+        """On the transfer thread: the data in one batch, then the metadata row (status and token) that tells the
+        decode rank; returns the bytes and seconds of the data."""
+        meta = job.meta
         try:
-            self.layout.check_matches(dst)
+            if isinstance(job, _Refused):
+                raise job.error
             start = time.perf_counter()
-            sent = self.transfer.write(
-                dst.session,
-                *request_blocks(
-                    self.layout, dst, slots, target["kv_slots"], slot, target["state_slot"]
-                ),
-            )
-            self.meta[slot] = torch.tensor(
-                [DONE, token, sent, int((time.perf_counter() - start) * 1e9)]
-            )
+            sent = self.transfer.write(job.session, *job.blocks)
+            seconds = time.perf_counter() - start
+            self._meta_rows[meta.slot] = (DONE, job.token, sent, int(seconds * 1e9))
         except Exception:
-            self.meta[slot] = torch.tensor([FAILED, -1, 0, 0])
-            for attempt in range(
-                STATUS_RETRIES
-            ):  # a write right after a failed batch can fail too: try again
+            self._meta_rows[meta.slot] = (FAILED, -1, 0, 0)
+            for attempt in range(STATUS_RETRIES):  # a write right after a failed batch can fail too
                 try:
-                    self.transfer.write(
-                        dst.session, [self.meta[slot].data_ptr()], meta_target, [meta_row]
-                    )
+                    self.transfer.write(meta.session, [meta.source], [meta.target], [meta.length])
                     break
                 except Exception:
                     time.sleep(0.05 * (attempt + 1))  # the decode side times out if every try fails
             raise
-        self.transfer.write(dst.session, [self.meta[slot].data_ptr()], meta_target, [meta_row])
+        self.transfer.write(meta.session, [meta.source], [meta.target], [meta.length])
+        return sent, seconds
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -127,6 +160,7 @@ class PrefillSide(TransferSide):
                     req, self.failure(f"KV transfer to the decode server failed: {error}")
                 )
             else:
+                self.transfer.stats.record(*future.result())
                 self.host.finish_transferred(req, int(self.meta[req.state_slot, 1]))
 
     # ---- what the scheduler asks -------------------------------------------------------------------------------
@@ -163,10 +197,11 @@ class PrefillSide(TransferSide):
         return [r for r, _ in self.inflight]
 
     def loads(self) -> dict[str, Any]:
+        writing = sum(1 for _, future in self.inflight if not future.done())
         return {
             "prefill_prealloc_queue_reqs": len(self.bootstrap),
             "prefill_inflight_queue_reqs": len(self.inflight),
-            **self.transfer_figures(),
+            **self.transfer_figures(writing),
         }
 
     def take_notices(self) -> list[dict[str, Any]]:
