@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 import time
 from typing import Any, NamedTuple
 
@@ -19,6 +20,7 @@ from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
 
 logger = logging.getLogger(__name__)
 STATUS_RETRIES = 5
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class _MetaWrite(NamedTuple):
@@ -58,6 +60,11 @@ class PrefillSide(TransferSide):
         self.inflight: list[tuple[Req, concurrent.futures.Future]] = []
         self.aborted: set[str] = set()  # inflight requests aborted meanwhile
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
+        # The transfer thread needs the GIL to start a write and to return from it, and the forward's Python holds
+        # it: a waiting thread gets it after the switch interval (5 ms by default), which a write then takes
+        # several times over (docs/pd.md measures it). The interval matters only while another thread waits for
+        # the GIL, so a shorter one costs the forward a handoff per write, not a slice of every step.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
     # ---- queues ------------------------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
