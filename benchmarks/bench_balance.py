@@ -123,6 +123,7 @@ def server_cmd(port: int, args: argparse.Namespace, *extra: str) -> list[str]:
         *SERVER_ARGS,
         "--max-total-tokens",
         str(args.kv_tokens),
+        *(["--page-size", str(args.page_size)] if getattr(args, "page_size", None) else []),
         *extra,
     ]
 
@@ -223,6 +224,10 @@ class InFlightSeries(LoadSeries):
             self.transfer[i] for i in keep
         ) / total
 
+    def mean_outstanding(self, min_total_outstanding: int) -> float:
+        rows = [sum(row) for row in self.outstanding if sum(row) >= min_total_outstanding]
+        return float(np.mean(rows)) if rows else 0.0
+
 
 @dataclass
 class PrefillSeries:
@@ -233,6 +238,9 @@ class PrefillSeries:
     prefill_tokens: list[int] = field(default_factory=list)
     busy: list[bool] = field(default_factory=list)
     cache_hit_rate: list[float] = field(default_factory=list)
+    writing: list[int] = field(
+        default_factory=list
+    )  # transfers being written (kv_transfers_in_flight)
     poll_failures: Counter = field(default_factory=Counter)
 
     def add(self, t: float, per_rank: dict[str, dict]) -> None:
@@ -249,6 +257,12 @@ class PrefillSeries:
             )
         )
         self.cache_hit_rate.append(max(float(e.get("cache_hit_rate", 0.0)) for e in entries))
+        self.writing.append(sum(int(e.get("kv_transfers_in_flight", 0)) for e in entries))
+
+    def mean_writing(self) -> float:
+        """Transfers being written, averaged over the samples where the prefill server had work."""
+        busy = [w for w, b in zip(self.writing, self.busy) if b]
+        return float(np.mean(busy)) if busy else 0.0
 
 
 async def run_policy(
@@ -297,9 +311,14 @@ async def run_policy(
     sampler.series.plot(
         out / f"loads_{policy}.png", title=f"{policy}, concurrency {args.concurrency}"
     )
-    shares[policy] = sampler.series.waiting_shares(args.concurrency // 2)
-    stats = sampler.series.stats(min_total_outstanding=args.concurrency // 2)
+    steady = args.concurrency // 2
     pre = prefill_sampler.series
+    # of the transfer queue, the requests whose data is being written (the prefill server's writes in flight,
+    # over the decode ranks' outstanding requests: means of two samplers, so an estimate)
+    outstanding = sampler.series.mean_outstanding(steady)
+    writing = pre.mean_writing() / outstanding if outstanding else 0.0
+    shares[policy] = (*sampler.series.waiting_shares(steady), writing)
+    stats = sampler.series.stats(min_total_outstanding=steady)
     # everything the calibration fits from, so that --reuse can redo the simulator part without servers
     record = {
         "stats": dataclasses.asdict(stats),
@@ -442,9 +461,13 @@ def pairs_agreeing(real: list[str], sim: list[str]) -> tuple[int, int]:
     return sum(sim.index(a) < sim.index(b) for a, b in pairs), len(pairs)
 
 
-def format_shares(shares: dict[str, tuple[float, float]]) -> str:
-    lines = [f"{'policy':<18}{'in prealloc':>14}{'in transfer':>14}"]
-    lines += [f"{p:<18}{pre:>14.1%}{tra:>14.1%}" for p, (pre, tra) in shares.items()]
+def format_shares(shares: dict[str, tuple[float, ...]]) -> str:
+    """Per policy: in prealloc, in the transfer queue (waiting for the prefill server, being prefilled, or being
+    written), and being written."""
+    lines = [f"{'policy':<18}{'in prealloc':>14}{'in transfer':>14}{'being written':>16}"]
+    for p, (pre, tra, *writing) in shares.items():
+        written = f"{writing[0]:.1%}" if writing else "-"
+        lines.append(f"{p:<18}{pre:>14.1%}{tra:>14.1%}{written:>16}")
     return "\n".join(lines)
 
 
@@ -564,6 +587,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=None, help="default: 12, or 8 under --pd")
     p.add_argument("--sessions", type=int, default=48)
     p.add_argument("--kv-tokens", type=int, default=16384)
+    p.add_argument("--page-size", type=int, default=None, help="the servers' --page-size")
     p.add_argument(
         "--poll-interval", type=float, default=0.5, help="the router's /v1/loads polling period"
     )

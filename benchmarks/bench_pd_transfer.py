@@ -105,6 +105,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode-dp-size", type=int, default=2)
     p.add_argument("--kv-tokens", type=int, default=16384)
+    p.add_argument("--page-size", type=int, default=None, help="the servers' --page-size")
     p.add_argument("--base-port", type=int, default=33000)
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--out", default="bench_pd_transfer_out")

@@ -162,10 +162,16 @@ class ServerMetrics:
                 help_text,
                 {f'dp_rank="{load["dp_rank"]}"': load[field] for load in loads},
             )
+        return "\n".join(lines) + "\n" + self._histograms(loads)
+
+    @staticmethod
+    def _histograms(loads: list[dict[str, Any]]) -> str:
+        """The histograms the ranks keep, from their bucket counts (ranks that keep none are left out)."""
+        lines: list[str] = []
         for name, (counts, total, buckets, help_text) in LOAD_HISTOGRAMS.items():
             lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} histogram"]
             for load in loads:
-                if load.get(counts):  # ranks that transfer
+                if load.get(counts):
                     histogram = Histogram.of_counts(buckets, load[counts], load[total])
                     lines += histogram.lines(f"{PREFIX}_{name}", f'dp_rank="{load["dp_rank"]}"')
         return "\n".join(lines) + "\n"

@@ -122,3 +122,28 @@ def test_transfer_figures_are_moving_averages_and_histograms():
     assert stats.seconds == pytest.approx(0.5 + RECENT_TRANSFERS * 0.001)
     assert sum(stats.latency_counts) == sum(stats.size_counts) == stats.transfers
     assert stats.latency_counts[LATENCY_BUCKETS_S.index(0.001)] == RECENT_TRANSFERS
+
+
+def test_metrics_render_the_transfer_histograms_of_each_rank():
+    from sglang_lite.server.metrics import ServerMetrics
+
+    stats = TransferStats()
+    for seconds, nbytes in ((0.0008, 500_000), (0.004, 600_000), (0.2, 3_000_000)):
+        stats.record(nbytes, seconds)
+    load = {
+        "dp_rank": 1,
+        "kv_transfer_latency_counts": stats.latency_counts,
+        "kv_transfer_size_counts": stats.size_counts,
+        "kv_transfer_seconds_total": stats.seconds,
+        "kv_transfer_bytes_total": stats.bytes,
+    }
+    idle = {"dp_rank": 0, "kv_transfer_latency_counts": [], "kv_transfer_size_counts": []}
+    text = ServerMetrics()._histograms([idle, load])
+    name = "sglang_lite_kv_transfer_latency_seconds"
+    assert f'{name}_bucket{{dp_rank="1",le="0.001"}} 1' in text
+    assert f'{name}_bucket{{dp_rank="1",le="0.005"}} 2' in text
+    assert f'{name}_bucket{{dp_rank="1",le="+Inf"}} 3' in text
+    assert f'{name}_count{{dp_rank="1"}} 3' in text and 'dp_rank="0"' not in text
+    size = "sglang_lite_kv_transfer_size_bytes"
+    assert f'{size}_bucket{{dp_rank="1",le="{2**20}"}} 2' in text
+    assert f'{size}_sum{{dp_rank="1"}} 4100000' in text
