@@ -299,6 +299,40 @@ def test_long_prompts_on_a_reused_pool(pd):
     assert drained
 
 
+def test_requests_whose_first_token_ends_them(pd):
+    """max_new_tokens 1: the first token, sampled on the prefill server, ends the request there as well; its memory
+    must outlive the transfer that reads it (the prefill rank once released it mid-write, then died)."""
+    checkpoint, prefill, decode, bootstrap_port = pd
+    one = {"max_new_tokens": 1, "temperature": 0.0}
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            legs = []
+            for i, prompt in enumerate(PROMPTS):
+                fields = {
+                    "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": bootstrap_port,
+                    "bootstrap_room": 500 + i,
+                    "sampling_params": one,
+                }
+                legs.append(
+                    await asyncio.gather(
+                        _generate(s, prefill.url, prompt, **fields),
+                        _generate(s, decode.url, prompt, **fields),
+                    )
+                )
+            return legs, await wait_for(
+                lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.1
+            )
+
+    legs, drained = run(scenario())
+    for prompt, (prefill_leg, decode_leg) in zip(PROMPTS, legs):
+        assert prefill_leg[0] == 200 and decode_leg[0] == 200, (prefill_leg, decode_leg)
+        assert prefill_leg[1]["output_ids"] == decode_leg[1]["output_ids"]
+        assert decode_leg[1]["output_ids"] == checkpoint.greedy(prompt)[:1]
+    assert drained
+
+
 def test_prefill_server_reuses_cached_prefixes(pd):
     """The prefill server's prefix cache: a prompt extending one it has seen prefills only the new tokens, and the
     decode side still gets the whole KV and state (greedy tokens equal transformers)."""

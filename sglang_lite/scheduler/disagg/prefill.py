@@ -98,6 +98,9 @@ class PrefillSide(TransferSide):
         except Exception as error:  # the destination does not fit this rank: the write fails
             job = _Refused(error, self._meta_write(req.transfer_target, req.state_slot))
         self.inflight.append((req, self._executor.submit(self._send, job)))
+        # the token is not appended here: a first token that ends the request (a stop token, max_new_tokens 1)
+        # would release its memory while the transfer thread reads it; it is appended when the write is done
+        return True
 
     def _job(self, req: Req, token: int) -> _Job:
         target = req.transfer_target
