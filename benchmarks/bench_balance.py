@@ -12,7 +12,8 @@ previous run left in --out.
 With `--pd` it starts one prefill server and one decode server (`--dp-size` decode ranks) instead, behind the
 router in PD mode (`--pd-disaggregation --dp-aware`, the policy set as the decode policy); the sampler polls the
 decode server, whose outstanding requests include its prealloc and transfer queues, and the table also shows the
-share of the decode ranks' in-flight requests that wait on their KV transfer.
+share of the decode ranks' in-flight requests that wait in those queues (the transfer queue: for the prefill
+server, its prefill, then the write) and the share whose data is being written (from the transfers' times).
 
     python benchmarks/bench_balance.py --out /tmp/bench_balance
     python benchmarks/bench_balance.py --pd --dp-size 2 --out /tmp/bench_balance_pd
@@ -224,9 +225,17 @@ class InFlightSeries(LoadSeries):
             self.transfer[i] for i in keep
         ) / total
 
-    def mean_outstanding(self, min_total_outstanding: int) -> float:
-        rows = [sum(row) for row in self.outstanding if sum(row) >= min_total_outstanding]
-        return float(np.mean(rows)) if rows else 0.0
+    def writing_share(self) -> float:
+        """Requests whose data is being written, over all outstanding ones, by Little's law over the run: the
+        transfers' seconds (as the prefill side timed its writes) per second of wall time is how many are being
+        written at a time on average."""
+        if len(self.times) < 2 or not self.outstanding:
+            return 0.0
+        seconds = TRANSFER_TOTALS.index("kv_transfer_seconds_total")
+        written = self.transfer_totals[-1][seconds] - self.transfer_totals[0][seconds]
+        writing = written / (self.times[-1] - self.times[0])
+        outstanding = float(np.mean([sum(row) for row in self.outstanding]))
+        return writing / outstanding if outstanding else 0.0
 
 
 @dataclass
@@ -238,9 +247,6 @@ class PrefillSeries:
     prefill_tokens: list[int] = field(default_factory=list)
     busy: list[bool] = field(default_factory=list)
     cache_hit_rate: list[float] = field(default_factory=list)
-    writing: list[int] = field(
-        default_factory=list
-    )  # transfers being written (kv_transfers_in_flight)
     poll_failures: Counter = field(default_factory=Counter)
 
     def add(self, t: float, per_rank: dict[str, dict]) -> None:
@@ -257,12 +263,6 @@ class PrefillSeries:
             )
         )
         self.cache_hit_rate.append(max(float(e.get("cache_hit_rate", 0.0)) for e in entries))
-        self.writing.append(sum(int(e.get("kv_transfers_in_flight", 0)) for e in entries))
-
-    def mean_writing(self) -> float:
-        """Transfers being written, averaged over the samples where the prefill server had work."""
-        busy = [w for w, b in zip(self.writing, self.busy) if b]
-        return float(np.mean(busy)) if busy else 0.0
 
 
 async def run_policy(
@@ -312,13 +312,9 @@ async def run_policy(
         out / f"loads_{policy}.png", title=f"{policy}, concurrency {args.concurrency}"
     )
     steady = args.concurrency // 2
-    pre = prefill_sampler.series
-    # of the transfer queue, the requests whose data is being written (the prefill server's writes in flight,
-    # over the decode ranks' outstanding requests: means of two samplers, so an estimate)
-    outstanding = sampler.series.mean_outstanding(steady)
-    writing = pre.mean_writing() / outstanding if outstanding else 0.0
-    shares[policy] = (*sampler.series.waiting_shares(steady), writing)
+    shares[policy] = (*sampler.series.waiting_shares(steady), sampler.series.writing_share())
     stats = sampler.series.stats(min_total_outstanding=steady)
+    pre = prefill_sampler.series
     # everything the calibration fits from, so that --reuse can redo the simulator part without servers
     record = {
         "stats": dataclasses.asdict(stats),
@@ -463,7 +459,7 @@ def pairs_agreeing(real: list[str], sim: list[str]) -> tuple[int, int]:
 
 def format_shares(shares: dict[str, tuple[float, ...]]) -> str:
     """Per policy: in prealloc, in the transfer queue (waiting for the prefill server, being prefilled, or being
-    written), and being written."""
+    written), and being written (``InFlightSeries.writing_share``)."""
     lines = [f"{'policy':<18}{'in prealloc':>14}{'in transfer':>14}{'being written':>16}"]
     for p, (pre, tra, *writing) in shares.items():
         written = f"{writing[0]:.1%}" if writing else "-"
