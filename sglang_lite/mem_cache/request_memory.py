@@ -1,5 +1,6 @@
 """The one owner of what requests hold in the pools: a row of ``req_to_token``, a linear-attention state slot,
-the KV slots of their computed positions (recorded in the row), and what they hand to the prefix cache.
+the KV pages of their computed positions (recorded in the row's page table), and what they hand to the prefix
+cache.
 
 Every allocation and every release of request memory happens here, for the scheduler, both PD sides, parallel
 samples and ``generate.py``. KV comes in pages of ``page_size`` positions: a holder's positions fill its pages in
