@@ -12,11 +12,13 @@ previous run left in --out.
 With `--pd` it starts one prefill server and one decode server (`--dp-size` decode ranks) instead, behind the
 router in PD mode (`--pd-disaggregation --dp-aware`, the policy set as the decode policy); the sampler polls the
 decode server, whose outstanding requests include its prealloc and transfer queues, and the table also shows the
-share of the decode ranks' in-flight requests that wait on their KV transfer. `--dp-attention` runs both servers
-as the upstream study deploys them: tensor parallel (`--decode-tp-size`, `--prefill-tp-size`) with DP attention
-(`--dp-size` decode ranks, `--prefill-dp-size` prefill ranks), so the decode ranks meet in the MoE every layer and
-every decode step waits for the busiest rank; the simulator then models them as one lockstep decode server.
-`--repeats N` runs every policy N times (alternating) and reports the spread, the noise of the table.
+share of the decode ranks' in-flight requests that wait in those queues (the transfer queue: for the prefill
+server, its prefill, then the write) and the share whose data is being written (from the transfers' times).
+`--dp-attention` runs both servers as the upstream study deploys them: tensor parallel (`--decode-tp-size`,
+`--prefill-tp-size`) with DP attention (`--dp-size` decode ranks, `--prefill-dp-size` prefill ranks), so the
+decode ranks meet in the MoE every layer and every decode step waits for the busiest rank; the simulator then
+models them as one lockstep decode server. `--repeats N` runs every policy N times (alternating) and reports the
+spread, the noise of the table.
 
     python benchmarks/bench_balance.py --out /tmp/bench_balance
     python benchmarks/bench_balance.py --pd --dp-size 2 --out /tmp/bench_balance_pd
@@ -131,6 +133,7 @@ def server_cmd(port: int, args: argparse.Namespace, *extra: str) -> list[str]:
         *SERVER_ARGS,
         "--max-total-tokens",
         str(args.kv_tokens),
+        *(["--page-size", str(args.page_size)] if getattr(args, "page_size", None) else []),
         *extra,
     ]
 
@@ -246,6 +249,18 @@ class InFlightSeries(LoadSeries):
             self.transfer[i] for i in keep
         ) / total
 
+    def writing_share(self) -> float:
+        """Requests whose data is being written, over all outstanding ones, by Little's law over the run: the
+        transfers' seconds (as the prefill side timed its writes) per second of wall time is how many are being
+        written at a time on average."""
+        if len(self.times) < 2 or not self.outstanding:
+            return 0.0
+        seconds = TRANSFER_TOTALS.index("kv_transfer_seconds_total")
+        written = self.transfer_totals[-1][seconds] - self.transfer_totals[0][seconds]
+        writing = written / (self.times[-1] - self.times[0])
+        outstanding = float(np.mean([sum(row) for row in self.outstanding]))
+        return writing / outstanding if outstanding else 0.0
+
 
 @dataclass
 class PrefillSeries:
@@ -321,8 +336,9 @@ async def run_policy(
     sampler.series.plot(
         out / f"loads_{policy}.png", title=f"{policy}, concurrency {args.concurrency}"
     )
-    shares[policy] = sampler.series.waiting_shares(args.concurrency // 2)
-    stats = sampler.series.stats(min_total_outstanding=args.concurrency // 2)
+    steady = args.concurrency // 2
+    shares[policy] = (*sampler.series.waiting_shares(steady), sampler.series.writing_share())
+    stats = sampler.series.stats(min_total_outstanding=steady)
     pre = prefill_sampler.series
     # everything the calibration fits from, so that --reuse can redo the simulator part without servers
     record = {
@@ -468,9 +484,13 @@ def pairs_agreeing(real: list[str], sim: list[str]) -> tuple[int, int]:
     return sum(sim.index(a) < sim.index(b) for a, b in pairs), len(pairs)
 
 
-def format_shares(shares: dict[str, tuple[float, float]]) -> str:
-    lines = [f"{'policy':<18}{'in prealloc':>14}{'in transfer':>14}"]
-    lines += [f"{p:<18}{pre:>14.1%}{tra:>14.1%}" for p, (pre, tra) in shares.items()]
+def format_shares(shares: dict[str, tuple[float, ...]]) -> str:
+    """Per policy: in prealloc, in the transfer queue (waiting for the prefill server, being prefilled, or being
+    written), and being written (``InFlightSeries.writing_share``)."""
+    lines = [f"{'policy':<18}{'in prealloc':>14}{'in transfer':>14}{'being written':>16}"]
+    for p, (pre, tra, *writing) in shares.items():
+        written = f"{writing[0]:.1%}" if writing else "-"
+        lines.append(f"{p:<18}{pre:>14.1%}{tra:>14.1%}{written:>16}")
     return "\n".join(lines)
 
 
@@ -652,6 +672,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=None, help="default: 12, or 8 under --pd")
     p.add_argument("--sessions", type=int, default=48)
     p.add_argument("--kv-tokens", type=int, default=16384)
+    p.add_argument("--page-size", type=int, default=None, help="the servers' --page-size")
     p.add_argument(
         "--poll-interval", type=float, default=0.5, help="the router's /v1/loads polling period"
     )

@@ -326,6 +326,7 @@ def main() -> None:
     p.add_argument("--long-prompts", type=int, default=8)
     p.add_argument("--decode-dp-size", type=int, default=1)
     p.add_argument("--kv-tokens", type=int, default=16384)
+    p.add_argument("--page-size", type=int, default=None, help="the servers' --page-size")
     p.add_argument(
         "--base-port", type=int, default=32000, help="router port; servers use the next ports"
     )

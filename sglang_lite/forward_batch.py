@@ -27,7 +27,9 @@ class ForwardBatch:
     mode: ForwardMode
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64: position of each new token in its request
-    req_pool_indices: torch.Tensor  # [B] int64: row of each request in req_to_token
+    req_pool_indices: (
+        torch.Tensor
+    )  # [B] int64: row of each request in req_to_token (its page table)
     prefix_lens: list[int]  # tokens of each request already cached before this forward
     extend_lens: list[int]  # new tokens of each request in this forward (1 in DECODE)
     out_cache_loc: torch.Tensor  # [T] int64: KV slot receiving each new token
@@ -111,8 +113,8 @@ def build_forward_batch(
     """The batch of ``token_ids[i]``, the new tokens of request i, which already holds ``prefix_lens[i]``
     computed tokens in request row ``req_rows[i]`` and linear-attention state slot ``state_slots[i]``.
 
-    ``out_cache_loc``: the KV slots of the new tokens, in order, allocated (and recorded in req_to_token) before
-    the batch is built, by ``RequestMemory.alloc_kv`` or ``ModelPools.alloc_kv``.
+    ``out_cache_loc``: the KV slots of the new tokens, in order, allocated (new pages recorded in the rows' page
+    tables) before the batch is built, by ``RequestMemory.alloc_kv`` or ``ModelPools.alloc_kv``.
     """
     extend_lens = [len(t) for t in token_ids]
     assert len(out_cache_loc) == sum(extend_lens), "one KV slot per new token"

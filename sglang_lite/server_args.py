@@ -43,6 +43,8 @@ _HELP = {
     "random_seed": "Seeds the weights of dummy models and the samplers of requests without their own seed.",
     "context_length": "Longest request (prompt + output) in tokens; default: the model's max_position_embeddings.",
     "max_total_tokens": "KV pool size in tokens; default: derived from mem_fraction_static.",
+    "page_size": "Tokens per KV page: the KV pool, the request page tables and the prefix cache work in pages (a PD "
+    "transfer writes a run of consecutive pages as one block).",
     "mem_fraction_static": "Fraction of device memory for weights, KV pool and linear-attention states.",
     "max_running_requests": "Requests decoding at once; also the number of linear-attention state slots. With "
     "--enable-dp-attention the total over the DP ranks (each gets its share).",
@@ -123,6 +125,7 @@ class ServerArgs:
     random_seed: int = 0
     context_length: int | None = None
     max_total_tokens: int | None = None
+    page_size: int = 16
     mem_fraction_static: float = 0.8
     max_running_requests: int = 64
     chunked_prefill_size: int = 2048
@@ -196,7 +199,7 @@ class ServerArgs:
         if self.reasoning_parser is not None:
             self._check_choice("reasoning_parser", REASONING_PARSERS)
         self._check_positive(
-            "max_running_requests", "max_prefill_tokens", "stream_interval", "dp_size"
+            "max_running_requests", "max_prefill_tokens", "stream_interval", "dp_size", "page_size"
         )
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError(f"max_total_tokens must be positive, got {self.max_total_tokens}")

@@ -1,7 +1,9 @@
-"""Paged attention over a token-level KV pool: store, extend (prefill) and decode.
+"""Paged attention: store, extend (prefill) and decode over a KV pool of token slots in pages of ``page_size``.
 
-Each function runs the Triton kernel, the fused C++ CPU kernel (decode, float32) or the PyTorch reference per call
-(see ``kernels/dispatch.py``).
+``page_table`` [R, max_pages] maps (request row, position // page_size) to a page; position p lives in slot
+``page * page_size + p % page_size`` of k_cache, v_cache [N, KV, hd] (with page_size 1 the table maps positions
+to slots). Each function runs the Triton kernel, the fused C++ CPU kernel (decode, float32) or the PyTorch
+reference per call (see ``kernels/dispatch.py``).
 """
 
 from __future__ import annotations
@@ -31,30 +33,32 @@ def extend_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
+    page_table: torch.Tensor,
     req_pool_indices: torch.Tensor,
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     scale: float,
     *,
+    page_size: int = 1,
     backend: str | None = None,
 ) -> torch.Tensor:
     """New tokens ([T, H, hd], packed by request) attend causally to their request's prefix and to themselves."""
-    impl = triton_attention if use_triton(q, backend) else naive
-    return impl.extend_attention(
-        q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, scale
-    )
+    args = (q, k_cache, v_cache, page_table, req_pool_indices, prefix_lens, extend_lens, scale)
+    if use_triton(q, backend):
+        return triton_attention.extend_attention(*args, page_size=page_size)
+    return naive.extend_attention(*args, page_size)
 
 
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
+    page_table: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    page_size: int = 1,
     max_seq_len: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
@@ -62,17 +66,12 @@ def decode_attention(
 
     ``max_seq_len``, when the caller knows it on the host, spares the PyTorch path reading ``seq_lens.max()`` back
     (a sync, and a graph break under torch.compile); the Triton kernel does not need it."""
+    args = (q, k_cache, v_cache, page_table, req_pool_indices, seq_lens, scale)
     if use_native(q, k_cache, v_cache, backend=backend):
-        return cpu.decode_attention(
-            q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale
-        )
+        return cpu.decode_attention(*args, page_size)
     if use_triton(q, backend):
-        return triton_attention.decode_attention(
-            q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale
-        )
-    return naive.decode_attention(
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale, max_seq_len
-    )
+        return triton_attention.decode_attention(*args, page_size=page_size)
+    return naive.decode_attention(*args, max_seq_len, page_size)
 
 
 __all__ = ["store_kv", "extend_attention", "decode_attention"]

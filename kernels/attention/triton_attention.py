@@ -1,7 +1,9 @@
-"""Triton paged attention over a token-level KV pool: store, extend (prefill) and split-K decode.
+"""Triton paged attention: store, extend (prefill) and split-K decode.
 
-Pool: k_cache, v_cache [N, KV, hd]; ``req_to_token[row, pos]`` is the slot of position ``pos`` of request ``row``.
-Every key and value is read through req_to_token, so prefix and new tokens take the same path. Softmax is the
+Pool: k_cache, v_cache [N, KV, hd], rows possibly strided (per-layer views of a pool that keeps a slot's layers
+together), slots in pages of PAGE: position ``pos`` of request ``row`` lives in slot
+``page_table[row, pos // PAGE] * PAGE + pos % PAGE``. Every key and value is read through the page table, so prefix
+and new tokens take the same path. Softmax is the
 online (flash) form in fp32 with exp2; head dims that are not powers of two (80) are masked up to the next one.
 Query head h reads KV head h // (H / KV) (GQA).
 """
@@ -53,8 +55,12 @@ def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
             f"k_cache and v_cache must be equal [N, KV, hd], got {tuple(k_cache.shape)} {k_cache.dtype}, "
             f"{tuple(v_cache.shape)} {v_cache.dtype}"
         )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
+    row = (k_cache.shape[2], 1)
+    if k_cache.stride() != v_cache.stride() or k_cache.stride()[1:] != row:
+        raise ValueError(
+            "k_cache and v_cache must have contiguous [KV, hd] rows and equal strides, got "
+            f"{k_cache.stride()} and {v_cache.stride()}"
+        )
 
 
 def store_kv(
@@ -101,7 +107,7 @@ def _extend_kernel(
     k_cache_ptr,
     v_cache_ptr,
     out_ptr,
-    req_to_token_ptr,
+    page_table_ptr,
     req_pool_ptr,
     prefix_ptr,
     extend_ptr,
@@ -116,6 +122,7 @@ def _extend_kernel(
     stride_cn,
     stride_ch,
     stride_req,
+    PAGE: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -130,7 +137,7 @@ def _extend_kernel(
         return
     prefix = tl.load(prefix_ptr + req)
     q_start = tl.load(q_start_ptr + req)
-    token_map = req_to_token_ptr + tl.load(req_pool_ptr + req).to(tl.int64) * stride_req
+    page_map = page_table_ptr + tl.load(req_pool_ptr + req).to(tl.int64) * stride_req
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query index inside this request's new tokens
     dims = tl.arange(0, BLOCK_D)
     row_ok, dim_ok = rows < extend, dims < head_dim
@@ -149,7 +156,8 @@ def _extend_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_end
-        slots = tl.load(token_map + cols, mask=col_ok, other=0).to(tl.int64)
+        pages = tl.load(page_map + cols // PAGE, mask=col_ok, other=0).to(tl.int64)
+        slots = pages * PAGE + cols % PAGE
         kv_mask = col_ok[:, None] & dim_ok[None, :]
         k = tl.load(
             k_cache_ptr + slots[:, None] * stride_cn + kv_head + dims[None, :],
@@ -183,10 +191,15 @@ def _check_attention_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
+    page_table: torch.Tensor,
     out: torch.Tensor | None,
+    page_size: int,
 ) -> None:
     _check_pool(k_cache, v_cache)
+    if page_size < 1 or k_cache.shape[0] % page_size:
+        raise ValueError(
+            f"page_size must be >= 1 and divide the pool's {k_cache.shape[0]} slots, got {page_size}"
+        )
     if (
         q.dim() != 3
         or q.shape[2] != k_cache.shape[2]
@@ -199,9 +212,9 @@ def _check_attention_args(
         )
     if q.dtype != k_cache.dtype:
         raise ValueError(f"q ({q.dtype}) and the KV pool ({k_cache.dtype}) must share a dtype")
-    if req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
+    if page_table.dim() != 2 or page_table.stride(1) != 1:
         raise ValueError(
-            f"req_to_token must be [R, max_context] with contiguous rows, got {tuple(req_to_token.shape)}"
+            f"page_table must be [R, max_pages] with contiguous rows, got {tuple(page_table.shape)}"
         )
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
         raise ValueError(
@@ -214,16 +227,17 @@ def extend_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
+    page_table: torch.Tensor,
     req_pool_indices: torch.Tensor,
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     scale: float,
     *,
+    page_size: int = 1,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """New tokens ([T, H, hd], packed by request) attend causally to their request's prefix and to themselves."""
-    _check_attention_args(q, k_cache, v_cache, req_to_token, out)
+    _check_attention_args(q, k_cache, v_cache, page_table, out, page_size)
     num_reqs = req_pool_indices.numel()
     if prefix_lens.shape != (num_reqs,) or extend_lens.shape != (num_reqs,):
         raise ValueError(
@@ -245,7 +259,7 @@ def extend_attention(
         k_cache_ptr=k_cache,
         v_cache_ptr=v_cache,
         out_ptr=out,
-        req_to_token_ptr=req_to_token,
+        page_table_ptr=page_table,
         req_pool_ptr=req_pool_indices,
         prefix_ptr=prefix_lens,
         extend_ptr=extend_lens,
@@ -259,7 +273,8 @@ def extend_attention(
         stride_oh=out.stride(1),
         stride_cn=k_cache.stride(0),
         stride_ch=k_cache.stride(1),
-        stride_req=req_to_token.stride(0),
+        stride_req=page_table.stride(0),
+        PAGE=page_size,
         UPCAST=triton_interpreting(),
         PRECISION=dot_precision(q.dtype),
         BLOCK_M=block_m,
@@ -276,7 +291,7 @@ def _decode_split_kernel(
     v_cache_ptr,
     part_out_ptr,
     part_lse_ptr,
-    req_to_token_ptr,
+    page_table_ptr,
     req_pool_ptr,
     seq_lens_ptr,
     scale_log2,
@@ -287,6 +302,7 @@ def _decode_split_kernel(
     stride_cn,
     stride_ch,
     stride_req,
+    PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -303,7 +319,7 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + req * stride_qb + head * stride_qh + dims, mask=dim_ok, other=0.0).to(
         tl.float32
     )
-    token_map = req_to_token_ptr + tl.load(req_pool_ptr + req).to(tl.int64) * stride_req
+    page_map = page_table_ptr + tl.load(req_pool_ptr + req).to(tl.int64) * stride_req
     kv_head = (head // group).to(tl.int64) * stride_ch
     m_i = -float("inf")
     l_i = 0.0
@@ -311,7 +327,8 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < end
-        slots = tl.load(token_map + cols, mask=col_ok, other=0).to(tl.int64)
+        pages = tl.load(page_map + cols // PAGE, mask=col_ok, other=0).to(tl.int64)
+        slots = pages * PAGE + cols % PAGE
         kv_mask = col_ok[:, None] & dim_ok[None, :]
         k = tl.load(
             k_cache_ptr + slots[:, None] * stride_cn + kv_head + dims[None, :],
@@ -367,15 +384,16 @@ def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
+    page_table: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    page_size: int = 1,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per request ([B, H, hd]) over its first ``seq_lens`` (>= 1) cached tokens; split-K then merge."""
-    _check_attention_args(q, k_cache, v_cache, req_to_token, out)
+    _check_attention_args(q, k_cache, v_cache, page_table, out, page_size)
     batch = q.shape[0]
     num_heads, head_dim = q.shape[1:]
     if req_pool_indices.shape != (batch,) or seq_lens.shape != (batch,):
@@ -398,7 +416,7 @@ def decode_attention(
         v_cache_ptr=v_cache,
         part_out_ptr=part_out,
         part_lse_ptr=part_lse,
-        req_to_token_ptr=req_to_token,
+        page_table_ptr=page_table,
         req_pool_ptr=req_pool_indices,
         seq_lens_ptr=seq_lens,
         scale_log2=scale * _LOG2E,
@@ -407,7 +425,8 @@ def decode_attention(
         stride_qh=q.stride(1),
         stride_cn=k_cache.stride(0),
         stride_ch=k_cache.stride(1),
-        stride_req=req_to_token.stride(0),
+        stride_req=page_table.stride(0),
+        PAGE=page_size,
         BLOCK_N=64,
         **common,
     )

@@ -301,14 +301,22 @@ def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
+    page_table: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    page_size: int = 1,
 ) -> torch.Tensor:
     """As ``attention.naive.decode_attention`` over a float32 pool."""
     return _ops().decode_attention(
-        _last_dim_contiguous(q), k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale
+        _last_dim_contiguous(q),
+        k_cache,
+        v_cache,
+        page_table,
+        req_pool_indices,
+        seq_lens,
+        scale,
+        page_size,
     )
 
 

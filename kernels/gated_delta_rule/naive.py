@@ -284,7 +284,9 @@ def fused_recurrent_gated_delta_rule(
     state = (
         ssm_states[run] if run is not None else ssm_states.index_select(0, state_indices).float()
     )
-    flat = state.view(-1, *state.shape[2:])  # [B * HV, dk, dv]
+    # [B * HV, dk, dv]: a view of the pool's run, unless its slots are strided (a pool keeping a slot's layers
+    # together), where it is a copy written back below
+    flat = state.reshape(-1, *state.shape[2:])
     decay = g.float().exp().reshape(-1, 1)
     # [B * HV, 2, dv]
     reads = torch.bmm(torch.stack([kf, qf], dim=-2).view(flat.shape[0], 2, -1), flat)
@@ -294,5 +296,7 @@ def fused_recurrent_gated_delta_rule(
     out = torch.addcmul(reads[:, 1] * decay, torch.linalg.vecdot(kf, qf).reshape(-1, 1), delta)
     flat.mul_(decay.unsqueeze(-1)).baddbmm_(kf.reshape(-1, kf.shape[-1], 1), delta.unsqueeze(1))
     if run is None:
-        ssm_states.index_copy_(0, state_indices, state.to(ssm_states.dtype))
+        ssm_states.index_copy_(0, state_indices, flat.view(state.shape).to(ssm_states.dtype))
+    elif flat.data_ptr() != state.data_ptr():
+        state.copy_(flat.view(state.shape))
     return out.view(v.shape).to(v.dtype)

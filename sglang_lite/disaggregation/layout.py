@@ -1,19 +1,22 @@
 """Where a request's data lives in a rank's pools, as addresses a peer can write to, and which heads they hold.
 
-A decode rank publishes its ``PoolLayout`` (the base address and row size of every KV and state buffer, of its
-metadata rows and of its log-probability area, and the ``PoolShard``: which heads its pools hold) with each
-reservation; every rank of the decode DP rank's attention group publishes one. A prefill rank turns a request's KV
-slots and state slot on both sides into the byte ranges to write into one decode rank (``request_blocks``): the
+A decode rank publishes its ``PoolLayout`` with each reservation: its page size; per kind of data the *regions* a
+slot holds (``row`` bytes at ``base + slot * stride``: the KV pool keeps every full-attention layer's K and V of a
+token slot together, the state pool every GDN layer's conv states of a state slot together and every recurrent
+state together); its metadata rows and its log-probability area; and its ``PoolShard``, the heads its pools hold.
+Every rank of the decode DP rank's attention group publishes one. A prefill rank turns a request's pages and state
+slot on both sides into the byte ranges to write into one decode rank (``request_blocks``, a pure function): the
 heads the two ranks both hold, so that under tensor parallelism each prefill rank writes its own shard into the
-decode ranks that hold the same heads, whatever the two servers' TP sizes. Ranges that continue one another on
-both sides (a run of consecutive slots holding whole rows) become one range.
+decode ranks that hold the same heads, whatever the two servers' TP sizes. Where both ranks hold whole rows, a run
+of positions whose slots are consecutive on both sides (a run of pages, whatever the two page sizes) is one block
+for every layer's K and V, and each state kind one block; a head slice is a few pieces of each slot's row instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,6 +24,9 @@ from sglang_lite.config import ModelConfig
 from sglang_lite.mem_cache.pools import ModelPools
 
 Blocks = tuple[list[int], list[int], list[int]]  # sources, targets, lengths (bytes)
+Piece = tuple[
+    int, int, int
+]  # bytes of a slot's row: offset on the source, offset on the target, length
 # a metadata row of one state slot: one sub-row per prefill rank that writes into it (its source index)
 MAX_SOURCES = 64
 META_FIELDS = 8
@@ -35,6 +41,20 @@ class Meta(IntEnum):
     SOURCES = 3  # prefill ranks that write into the rank (each its own sub-row)
     CACHED = 4  # prompt tokens the prefill server's prefix cache served
     STATUS = 7  # PENDING, DONE or FAILED (scheduler.disagg.base)
+
+
+class Region(NamedTuple):
+    """``row`` bytes of each slot at ``base + slot * stride``."""
+
+    base: int
+    stride: int
+    row: int
+
+    @classmethod
+    def of(cls, buffer: torch.Tensor) -> Region:
+        """Every byte of each slot of ``buffer`` (slots along its first dimension, each one contiguous)."""
+        elem = buffer.element_size()
+        return cls(buffer.data_ptr(), buffer.stride(0) * elem, buffer[0].numel() * elem)
 
 
 @dataclass(frozen=True)
@@ -53,7 +73,8 @@ class HeadRange:
 
 @dataclass(frozen=True)
 class PoolShard:
-    """The heads a rank's pools hold (global head indices) and the bytes one head takes in each buffer."""
+    """The heads a rank's pools hold (global head indices), the bytes one head takes in each buffer, and the layer
+    counts (a slot's row holds every layer of its kind)."""
 
     kv: HeadRange  # full-attention KV heads
     kv_writer: bool  # the first of the ranks that replicate these KV heads: the one that sends them
@@ -63,6 +84,8 @@ class PoolShard:
     conv_key_bytes: int  # conv state rows of one key head: key_head_dim x (kernel - 1)
     conv_value_bytes: int  # conv state rows of one value head: value_head_dim x (kernel - 1)
     ssm_head_bytes: int  # recurrent state of one value head: key_head_dim x value_head_dim (fp32)
+    attention_layers: int
+    gdn_layers: int
 
     @classmethod
     def of(cls, config: ModelConfig, rank: int, size: int, dtype: torch.dtype) -> PoolShard:
@@ -86,6 +109,8 @@ class PoolShard:
             conv_key_bytes=config.linear_key_head_dim * width * elem,
             conv_value_bytes=config.linear_value_head_dim * width * elem,
             ssm_head_bytes=config.linear_key_head_dim * config.linear_value_head_dim * 4,
+            attention_layers=len(config.full_attention_layers),
+            gdn_layers=len(config.linear_attention_layers),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,20 +121,23 @@ class PoolShard:
         ranges = {k: HeadRange(**data[k]) for k in ("kv", "key_heads", "value_heads")}
         return cls(**{**data, **ranges})
 
-    def head_sizes(self) -> tuple[int, int, int, int]:
-        return (self.kv_head_bytes, self.conv_key_bytes, self.conv_value_bytes, self.ssm_head_bytes)
-
-
-def _row(buffer: torch.Tensor) -> tuple[int, int]:
-    return buffer.data_ptr(), buffer[0].numel() * buffer.element_size()
+    def model_sizes(self) -> tuple[int, ...]:
+        """What both sides of a transfer must agree on: the bytes of one head of each kind and the layer counts."""
+        heads = (
+            self.kv_head_bytes,
+            self.conv_key_bytes,
+            self.conv_value_bytes,
+            self.ssm_head_bytes,
+        )
+        return (*heads, self.attention_layers, self.gdn_layers)
 
 
 @dataclass(frozen=True)
 class PoolLayout:
     session: str  # the rank's transfer-engine session, host:port
-    kv: list[tuple[int, int, int]]  # per full-attention layer: K base, V base, bytes per token slot
-    # per Gated DeltaNet layer: conv base, conv row, ssm base, ssm row
-    states: list[tuple[int, int, int, int]]
+    page_size: int  # tokens per KV page
+    kv: list[Region]  # of a token slot (none for a model without full attention)
+    states: list[Region]  # of a state slot: the conv states, the recurrent states
     meta: tuple[int, int]  # the metadata rows of the state slots: base, row bytes
     extras: tuple[int, int]  # the log-probability area: base, bytes
     shard: PoolShard
@@ -123,14 +151,17 @@ class PoolLayout:
         extras: torch.Tensor,
         shard: PoolShard,
     ) -> PoolLayout:
-        kv = [
-            (k.data_ptr(), v.data_ptr(), _row(k)[1])
-            for k, v in zip(pools.kv.k_buffers, pools.kv.v_buffers)
-        ]
-        states = [
-            (*_row(c), *_row(s)) for c, s in zip(pools.states.conv_states, pools.states.ssm_states)
-        ]
-        return cls(session, kv, states, _row(meta), (extras.data_ptr(), extras.numel()), shard)
+        states = pools.states
+        kv = [Region.of(pools.kv.buffer)] if pools.kv.k_buffers else []
+        return cls(
+            session,
+            pools.page_size,
+            kv,
+            [Region.of(states.conv_buffer), Region.of(states.ssm_buffer)],
+            (meta.data_ptr(), meta[0].numel() * meta.element_size()),
+            (extras.data_ptr(), extras.numel()),
+            shard,
+        )
 
     def meta_address(self, row: int, source: int) -> int:
         base, row_bytes = self.meta
@@ -139,10 +170,11 @@ class PoolLayout:
     def to_dict(self) -> dict[str, Any]:
         return {
             "session": self.session,
-            "kv": self.kv,
-            "states": self.states,
-            "meta": self.meta,
-            "extras": self.extras,
+            "page_size": self.page_size,
+            "kv": [list(r) for r in self.kv],
+            "states": [list(r) for r in self.states],
+            "meta": list(self.meta),
+            "extras": list(self.extras),
             "shard": self.shard.to_dict(),
         }
 
@@ -150,22 +182,30 @@ class PoolLayout:
     def from_dict(cls, data: dict[str, Any]) -> PoolLayout:
         return cls(
             data["session"],
-            [tuple(x) for x in data["kv"]],
-            [tuple(x) for x in data["states"]],
+            data["page_size"],
+            [Region(*r) for r in data["kv"]],
+            [Region(*r) for r in data["states"]],
             tuple(data["meta"]),
             tuple(data["extras"]),
             PoolShard.from_dict(data["shard"]),
         )
 
     def check_matches(self, other: PoolLayout) -> None:
-        """The two ranks run the same model: equal layer counts and per-head sizes (their TP may differ)."""
-        mine = (len(self.kv), len(self.states), self.shard.head_sizes())
-        theirs = (len(other.kv), len(other.states), other.shard.head_sizes())
+        """The two ranks run the same model (their TP sizes and page sizes may differ)."""
+        mine, theirs = self.shard.model_sizes(), other.shard.model_sizes()
         if mine != theirs:
             raise ValueError(
-                "the decode rank's pools do not hold the same model as this prefill rank's: "
-                f"(attention layers, GDN layers, bytes per head) {theirs} != {mine}"
+                "the decode rank's pools do not hold the same model as this prefill rank's: (bytes per "
+                f"head of KV, conv keys, conv values, recurrent state; layers) {theirs} != {mine}"
             )
+
+
+class Run(NamedTuple):
+    """Slots ``src .. src + length`` on one side map to ``dst .. dst + length`` on the other."""
+
+    src: int
+    dst: int
+    length: int
 
 
 class _BlockList:
@@ -186,6 +226,17 @@ class _BlockList:
         self.targets.append(target)
         self.lengths.append(length)
 
+    def region(self, s: Region, d: Region, run: Run, pieces: list[Piece]) -> None:
+        """The ``pieces`` of each slot's row of a run: one range for a run of whole rows."""
+        whole = [(0, 0, s.row)] == pieces and s.row == s.stride == d.row == d.stride
+        if whole:
+            self.add(s.base + run.src * s.stride, d.base + run.dst * d.stride, run.length * s.row)
+            return
+        for i in range(run.length):
+            source, target = s.base + (run.src + i) * s.stride, d.base + (run.dst + i) * d.stride
+            for src_offset, dst_offset, length in pieces:
+                self.add(source + src_offset, target + dst_offset, length)
+
     def blocks(self) -> Blocks:
         return self.sources, self.targets, self.lengths
 
@@ -193,96 +244,121 @@ class _BlockList:
 def request_blocks(
     src: PoolLayout,
     dst: PoolLayout,
-    src_slots: list[int],
-    dst_slots: list[int],
+    src_pages: list[int],
+    dst_pages: list[int],
+    num_tokens: int,
     src_state: int,
     dst_state: int,
 ) -> Blocks:
     """Byte ranges that copy what ``src``'s pools hold of a request and ``dst``'s pools hold too: the KV of the
-    heads both hold (``src_slots`` -> ``dst_slots``, token by token; only from the rank that sends replicated
-    heads) and the conv and recurrent states of the GDN heads both hold (one state slot each)."""
-    assert len(src_slots) == len(dst_slots), "KV slots of the two sides disagree"
+    first ``num_tokens`` positions (in ``src_pages`` on one side, ``dst_pages`` on the other) for the heads both
+    hold (only from the rank that sends replicated heads), and the conv and recurrent states (one state slot each)
+    of the GDN heads both hold."""
     out = _BlockList()
-    _kv_blocks(out, src, dst, src_slots, dst_slots)
-    _state_blocks(out, src, dst, src_state, dst_state)
+    kv = _kv_pieces(src.shard, dst.shard)
+    if kv and src.kv:
+        runs = slot_runs(src_pages, src.page_size, dst_pages, dst.page_size, num_tokens)
+        for run in runs:
+            out.region(src.kv[0], dst.kv[0], run, kv)
+    state = Run(src_state, dst_state, 1)
+    for s, d, pieces in zip(src.states, dst.states, _state_pieces(src.shard, dst.shard)):
+        if pieces:
+            out.region(s, d, state, pieces)
     return out.blocks()
 
 
-def _kv_blocks(
-    out: _BlockList, src: PoolLayout, dst: PoolLayout, src_slots: list[int], dst_slots: list[int]
-) -> None:
-    heads = src.shard.kv.overlap(dst.shard.kv) if src.shard.kv_writer else None
-    if heads is None or not src.kv:
-        return
-    size = src.shard.kv_head_bytes
-    src_offset = (heads.first - src.shard.kv.first) * size
-    dst_offset = (heads.first - dst.shard.kv.first) * size
-    whole_rows = heads.count == src.shard.kv.count == dst.shard.kv.count
-    spans = (
-        _spans(src_slots, dst_slots)
-        if whole_rows
-        else [(s, d, 1) for s, d in zip(src_slots, dst_slots)]
-    )
-    for (src_k, src_v, src_row), (dst_k, dst_v, dst_row) in zip(src.kv, dst.kv):
-        for src_base, dst_base in ((src_k, dst_k), (src_v, dst_v)):
-            for s, d, n in spans:
-                out.add(
-                    src_base + s * src_row + src_offset,
-                    dst_base + d * dst_row + dst_offset,
-                    n * heads.count * size,
-                )
+def _kv_pieces(s: PoolShard, d: PoolShard) -> list[Piece]:
+    """A token slot's row is [layers, K and V, the rank's KV heads, head bytes]: the shared heads of each."""
+    heads = s.kv.overlap(d.kv) if s.kv_writer else None
+    if heads is None:
+        return []
+    size = s.kv_head_bytes
+    pieces = [
+        (
+            ((layer * 2 + k_or_v) * s.kv.count + heads.first - s.kv.first) * size,
+            ((layer * 2 + k_or_v) * d.kv.count + heads.first - d.kv.first) * size,
+            heads.count * size,
+        )
+        for layer in range(s.attention_layers)
+        for k_or_v in range(2)
+    ]
+    return _merged(pieces)
 
 
-def _spans(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """(first source slot, first destination slot, length) of each run consecutive on both sides."""
-    spans: list[list[int]] = []
-    for s, d in zip(src, dst):
-        if spans and spans[-1][0] + spans[-1][2] == s and spans[-1][1] + spans[-1][2] == d:
-            spans[-1][2] += 1
-        else:
-            spans.append([s, d, 1])
-    return [(s, d, n) for s, d, n in spans]
-
-
-def _state_blocks(
-    out: _BlockList, src: PoolLayout, dst: PoolLayout, src_state: int, dst_state: int
-) -> None:
-    s, d = src.shard, dst.shard
-    keys = s.key_heads.overlap(d.key_heads)
-    values = s.value_heads.overlap(d.value_heads)
-    for (src_c, src_conv, src_s, src_ssm), (dst_c, dst_conv, dst_s, dst_ssm) in zip(
-        src.states, dst.states
-    ):
-        src_row = src_c + src_state * src_conv
-        dst_row = dst_c + dst_state * dst_conv
-        # the conv state's channels are [q | k | v] of the rank's own heads
+def _state_pieces(s: PoolShard, d: PoolShard) -> tuple[list[Piece], list[Piece]]:
+    """A state slot's conv row is [layers, the rank's q | k | v channels, kernel - 1]; its recurrent row is
+    [layers, the rank's value heads, dk x dv]: the shared heads' parts of each layer."""
+    keys, values = s.key_heads.overlap(d.key_heads), s.value_heads.overlap(d.value_heads)
+    conv: list[Piece] = []
+    ssm: list[Piece] = []
+    src_conv = 2 * s.key_heads.count * s.conv_key_bytes + s.value_heads.count * s.conv_value_bytes
+    dst_conv = 2 * d.key_heads.count * d.conv_key_bytes + d.value_heads.count * d.conv_value_bytes
+    for layer in range(s.gdn_layers):
+        src_row, dst_row = layer * src_conv, layer * dst_conv
         if keys is not None:
-            for part in range(2):
-                out.add(
-                    src_row
-                    + (part * s.key_heads.count + keys.first - s.key_heads.first)
-                    * s.conv_key_bytes,
-                    dst_row
-                    + (part * d.key_heads.count + keys.first - d.key_heads.first)
-                    * d.conv_key_bytes,
-                    keys.count * s.conv_key_bytes,
+            for part in range(2):  # q, then k
+                conv.append(
+                    (
+                        src_row
+                        + (part * s.key_heads.count + keys.first - s.key_heads.first)
+                        * s.conv_key_bytes,
+                        dst_row
+                        + (part * d.key_heads.count + keys.first - d.key_heads.first)
+                        * d.conv_key_bytes,
+                        keys.count * s.conv_key_bytes,
+                    )
                 )
         if values is not None:
-            out.add(
-                src_row
-                + 2 * s.key_heads.count * s.conv_key_bytes
-                + (values.first - s.value_heads.first) * s.conv_value_bytes,
-                dst_row
-                + 2 * d.key_heads.count * d.conv_key_bytes
-                + (values.first - d.value_heads.first) * d.conv_value_bytes,
-                values.count * s.conv_value_bytes,
+            conv.append(
+                (
+                    src_row
+                    + 2 * s.key_heads.count * s.conv_key_bytes
+                    + (values.first - s.value_heads.first) * s.conv_value_bytes,
+                    dst_row
+                    + 2 * d.key_heads.count * d.conv_key_bytes
+                    + (values.first - d.value_heads.first) * d.conv_value_bytes,
+                    values.count * s.conv_value_bytes,
+                )
             )
-            out.add(
-                src_s
-                + src_state * src_ssm
-                + (values.first - s.value_heads.first) * s.ssm_head_bytes,
-                dst_s
-                + dst_state * dst_ssm
-                + (values.first - d.value_heads.first) * d.ssm_head_bytes,
-                values.count * s.ssm_head_bytes,
+            ssm.append(
+                (
+                    (layer * s.value_heads.count + values.first - s.value_heads.first)
+                    * s.ssm_head_bytes,
+                    (layer * d.value_heads.count + values.first - d.value_heads.first)
+                    * d.ssm_head_bytes,
+                    values.count * s.ssm_head_bytes,
+                )
             )
+    return _merged(conv), _merged(ssm)
+
+
+def _merged(pieces: list[Piece]) -> list[Piece]:
+    """Pieces in order, each merged into the last where it continues it on both sides."""
+    out: list[Piece] = []
+    for src_offset, dst_offset, length in pieces:
+        if out and out[-1][0] + out[-1][2] == src_offset and out[-1][1] + out[-1][2] == dst_offset:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + length)
+        else:
+            out.append((src_offset, dst_offset, length))
+    return out
+
+
+def slot_runs(
+    src_pages: list[int], src_size: int, dst_pages: list[int], dst_size: int, num_tokens: int
+) -> list[Run]:
+    """The maximal runs of positions ``0..num_tokens`` whose slots are consecutive on both sides (position p is in
+    slot ``pages[p // size] * size + p % size`` on each)."""
+    runs: list[Run] = []
+    p = 0
+    while p < num_tokens:
+        s = src_pages[p // src_size] * src_size + p % src_size
+        d = dst_pages[p // dst_size] * dst_size + p % dst_size
+        # up to the next page boundary of either side
+        end = min(num_tokens, (p // src_size + 1) * src_size, (p // dst_size + 1) * dst_size)
+        last = runs[-1] if runs else None
+        if last and last.src + last.length == s and last.dst + last.length == d:
+            runs[-1] = last._replace(length=last.length + end - p)
+        else:
+            runs.append(Run(s, d, end - p))
+        p = end
+    return runs

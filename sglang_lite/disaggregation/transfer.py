@@ -2,13 +2,17 @@
 
 Each rank starts one engine (``P2PHANDSHAKE``: peers find each other by ``host:port``, no metadata server), over
 TCP, or RDMA when ``--disaggregation-ib-device`` names a device, and registers its pool buffers once. A prefill rank
-writes into a decode rank's registered memory with batched synchronous writes.
+writes into a decode rank's registered memory with batched synchronous writes: a request's data in one batch, the
+few blocks its layout coalesces it into, then its metadata row (a second write, which must land after the data:
+the engine does not order the blocks of one batch).
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,22 +36,48 @@ def local_hostname(host: str) -> str:
     return host
 
 
+# Prometheus buckets of one request's transfer: its time (seconds) and its size (bytes)
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0, 5.0)
+SIZE_BUCKETS_BYTES = (2**16, 2**18, 2**20, 2**22, 2**24, 2**26, 2**28, 2**30)
+RECENT_TRANSFERS = 32  # the moving averages' window
+
+
+def bucket_counts(bounds: tuple[float, ...]) -> list[int]:
+    return [0] * (len(bounds) + 1)  # the last is +Inf
+
+
 @dataclass
 class TransferStats:
-    """Bytes and seconds of the completed transfers, and the last one's figures."""
+    """The completed transfers of one rank (one per request): totals, moving averages over the last
+    ``RECENT_TRANSFERS``, and histograms of their time and size."""
 
     transfers: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    last_latency_ms: float = 0.0
-    last_speed_gb_s: float = 0.0
+    recent: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=RECENT_TRANSFERS)
+    )
+    latency_counts: list[int] = field(default_factory=lambda: bucket_counts(LATENCY_BUCKETS_S))
+    size_counts: list[int] = field(default_factory=lambda: bucket_counts(SIZE_BUCKETS_BYTES))
 
     def record(self, nbytes: int, seconds: float) -> None:
         self.transfers += 1
         self.bytes += nbytes
         self.seconds += seconds
-        self.last_latency_ms = seconds * 1e3
-        self.last_speed_gb_s = nbytes / max(seconds, 1e-9) / 1e9
+        self.recent.append((nbytes, seconds))
+        self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        self.size_counts[bisect.bisect_left(SIZE_BUCKETS_BYTES, nbytes)] += 1
+
+    @property
+    def latency_ms(self) -> float:
+        """Mean time of the recent transfers."""
+        return sum(s for _, s in self.recent) / len(self.recent) * 1e3 if self.recent else 0.0
+
+    @property
+    def speed_gb_s(self) -> float:
+        """Bytes over seconds of the recent transfers taken together."""
+        seconds = sum(s for _, s in self.recent)
+        return sum(n for n, _ in self.recent) / seconds / 1e9 if seconds > 0 else 0.0
 
 
 class MooncakeTransfer:
@@ -69,6 +99,8 @@ class MooncakeTransfer:
     def register(self, tensors: list[torch.Tensor]) -> None:
         """Registers each tensor's memory once (the pools are allocated up front and never move)."""
         for tensor in tensors:
+            if not tensor.numel():
+                continue
             code = self.engine.register_memory(
                 tensor.data_ptr(), tensor.numel() * tensor.element_size()
             )
@@ -81,17 +113,11 @@ class MooncakeTransfer:
         self.engine.unregister_memory(tensor.data_ptr())
 
     def write(
-        self,
-        session: str,
-        sources: list[int],
-        targets: list[int],
-        lengths: list[int],
+        self, session: str, sources: list[int], targets: list[int], lengths: list[int]
     ) -> int:
-        """Writes each ``lengths[i]`` bytes at local ``sources[i]`` to ``targets[i]`` of the peer ``session``, in
-        batches of at most ``MAX_BATCH_BLOCKS`` (the TCP transport refuses larger ones: seen from ~2,100);
-        returns the bytes written or raises TransferError. The caller records whole transfers in ``stats``."""
-        if not sources:
-            return 0
+        """Writes each ``lengths[i]`` bytes at local ``sources[i]`` to ``targets[i]`` of the peer ``session``: one
+        synchronous batch, or batches of at most ``MAX_BATCH_BLOCKS`` (the TCP transport refuses larger ones:
+        seen from ~2,100); returns the bytes written or raises TransferError."""
         for i in range(0, len(sources), MAX_BATCH_BLOCKS):
             batch = slice(i, i + MAX_BATCH_BLOCKS)
             code = self.engine.batch_transfer_sync_write(

@@ -94,7 +94,8 @@ class Qwen3_5Attention(nn.Module):
     ) -> torch.Tensor:
         k_cache, v_cache = batch.pools.kv_buffers(self.layer_id)
         store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
-        table, rows = batch.pools.req_to_token.req_to_token, batch.req_pool_indices
+        table, rows = batch.pools.req_to_token.page_table, batch.req_pool_indices
+        page_size = batch.pools.page_size
         if batch.is_decode:
             return decode_attention(
                 q,
@@ -104,8 +105,17 @@ class Qwen3_5Attention(nn.Module):
                 rows,
                 batch.seq_lens_t,
                 self.scale,
+                page_size=page_size,
                 max_seq_len=batch.max_seq_len,
             )
         return extend_attention(
-            q, k_cache, v_cache, table, rows, batch.prefix_lens_t, batch.extend_lens_t, self.scale
+            q,
+            k_cache,
+            v_cache,
+            table,
+            rows,
+            batch.prefix_lens_t,
+            batch.extend_lens_t,
+            self.scale,
+            page_size=page_size,
         )

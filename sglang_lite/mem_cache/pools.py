@@ -1,12 +1,13 @@
-"""Memory pools for cached, packed forwards: request rows, a token-level KV pool, linear-attention states.
+"""Memory pools for cached, packed forwards: request rows, a paged KV pool, linear-attention states.
 
-- ``ReqToTokenPool``: one row per running request, mapping its positions to KV slots (``req_to_token``).
-- ``TokenKVPool``: per full-attention layer, K and V of one token per slot ([slots, KV heads, head_dim]).
+- ``ReqToTokenPool``: one row per running request, its page table mapping positions to KV pages.
+- ``TokenKVPool``: K and V of one token per slot ([slots, KV heads, head_dim] per full-attention layer), slots in
+  pages of ``page_size``: a request's positions fill its pages in order, position p at offset p % page_size.
 - ``LinearStatePool``: per Gated DeltaNet layer, the conv state [conv_dim, K-1] and the recurrent state
-  [HV, dk, dv] (fp32) of one request per slot.
+  [HV, dk, dv] (fp32) of one request per slot; a slot's states of all layers of a kind are contiguous.
 Under tensor parallelism a rank's pools hold its own heads only (``ModelConfig.attention_shard``).
-Slot 0 of the KV and state pools is reserved (a dummy for padded batches) and never handed out. Allocation is a
-free list; ``num_used`` counts exactly what is held.
+Page 0 of the KV pool and slot 0 of the state pool are reserved (dummies for padded batches) and never handed out.
+Allocation is a free list (``allocator.py``); ``num_used`` counts exactly what is held.
 """
 
 from __future__ import annotations
@@ -14,69 +15,75 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sglang_lite.config import ModelConfig
 from sglang_lite.distributed import get_parallel_state
+from sglang_lite.mem_cache.allocator import PageAllocator, SlotAllocator
 
-
-class SlotAllocator:
-    """Free list over slots first..first + size - 1 (by default 1..size: slot 0 is reserved)."""
-
-    def __init__(self, size: int, name: str, first: int = 1) -> None:
-        self.size = size
-        self.name = name
-        self._free = list(range(first + size - 1, first - 1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.size - len(self._free)
-
-    def alloc(self, n: int) -> list[int] | None:
-        """n slots, or None when fewer than n are free (nothing is taken then)."""
-        if n > len(self._free):
-            return None
-        taken = self._free[len(self._free) - n :]
-        del self._free[len(self._free) - n :]
-        return taken[::-1]
-
-    def free(self, slots: list[int]) -> None:
-        # kept so that the next alloc hands them out ascending: the KV slots of one request then stay in runs,
-        # which a PD transfer writes as one block each
-        self._free.extend(sorted(slots, reverse=True))
-        assert len(self._free) <= self.size, f"{self.name}: freed more slots than exist"
+__all__ = ["ModelPools", "PageAllocator", "ReqToTokenPool", "SlotAllocator", "TokenKVPool"]
 
 
 class ReqToTokenPool:
-    def __init__(self, max_requests: int, max_context_len: int, device: torch.device) -> None:
-        self.req_to_token = torch.zeros(
-            max_requests + 1, max_context_len, dtype=torch.int64, device=device
-        )
+    """Request rows and their page tables: ``page_table[row, i]`` is the KV page of positions ``i * page_size`` to
+    ``(i + 1) * page_size - 1`` of the request in that row. A host copy (``host``) answers the scheduler's reads
+    without a device round trip; both are written together, only by ``ModelPools.alloc_kv``."""
+
+    def __init__(
+        self, max_requests: int, max_context_len: int, page_size: int, device: torch.device
+    ) -> None:
+        width = -(-max_context_len // page_size)
+        self.page_table = torch.zeros(max_requests + 1, width, dtype=torch.int64, device=device)
+        self.host = np.zeros((max_requests + 1, width), dtype=np.int64)
         self.allocator = SlotAllocator(max_requests, "request rows")
         self.max_context_len = max_context_len
+        self.page_size = page_size
+
+    def pages(self, row: int, start: int, end: int) -> list[int]:
+        """The pages of positions ``start..end`` of ``row`` (``start`` a page boundary)."""
+        return self.host[row, start // self.page_size : -(-end // self.page_size)].tolist()
+
+    def slots(self, row: int, start: int, end: int) -> list[int]:
+        """The KV slots of positions ``start..end`` of ``row``."""
+        positions = np.arange(start, end)
+        pages = self.host[row, positions // self.page_size]
+        return (pages * self.page_size + positions % self.page_size).tolist()
 
 
 class TokenKVPool:
+    """K and V of every full-attention layer for token slots in pages of ``page_size``. One buffer [slots, layers,
+    2, KV heads, head_dim] keeps all layers' K and V of a slot together, so a run of consecutive pages is one
+    contiguous range (one block of a PD transfer); ``k_buffers[i]`` and ``v_buffers[i]`` are layer i's views
+    [slots, KV heads, head_dim] (rows strided). Page 0 (slots 0..page_size - 1) is reserved."""
+
     def __init__(
-        self, config: ModelConfig, num_tokens: int, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
-        shape = (num_tokens + 1, config.num_key_value_heads, config.head_dim)
         n = len(config.full_attention_layers)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
-        self.allocator = SlotAllocator(num_tokens, "KV tokens")
+        shape = ((num_pages + 1) * page_size, n, 2, config.num_key_value_heads, config.head_dim)
+        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_buffers = [self.buffer[:, i, 0] for i in range(n)]
+        self.v_buffers = [self.buffer[:, i, 1] for i in range(n)]
+        self.allocator = PageAllocator(num_pages, "KV pages")
+        self.page_size = page_size
 
     @property
     def bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)
+        return self.buffer.numel() * self.buffer.element_size()
 
 
 class LinearStatePool:
-    """``num_slots`` slots for running requests, then ``num_snapshots`` for the prefix cache's state snapshots."""
+    """``num_slots`` slots for running requests, then ``num_snapshots`` for the prefix cache's state snapshots.
+
+    One conv buffer [rows, layers, conv_dim, K-1] and one recurrent buffer [rows, layers, HV, dk, dv] (fp32): a
+    slot's states of every GDN layer are one contiguous range per kind (two blocks of a PD transfer, whatever the
+    layer count); ``conv_states[i]`` and ``ssm_states[i]`` are layer i's views (slots strided)."""
 
     def __init__(
         self,
@@ -87,18 +94,17 @@ class LinearStatePool:
         num_snapshots: int = 0,
     ) -> None:
         rows = num_slots + num_snapshots + 1
-        conv_shape = (rows, config.conv_dim, config.linear_conv_kernel_dim - 1)
+        n = len(config.linear_attention_layers)
+        conv_shape = (rows, n, config.conv_dim, config.linear_conv_kernel_dim - 1)
         head_shape = (
             config.linear_num_value_heads,
             config.linear_key_head_dim,
             config.linear_value_head_dim,
         )
-        ssm_shape = (rows, *head_shape)
-        n = len(config.linear_attention_layers)
-        self.conv_states = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in range(n)]
-        self.ssm_states = [
-            torch.zeros(ssm_shape, dtype=torch.float32, device=device) for _ in range(n)
-        ]
+        self.conv_buffer = torch.zeros(conv_shape, dtype=dtype, device=device)
+        self.ssm_buffer = torch.zeros((rows, n, *head_shape), dtype=torch.float32, device=device)
+        self.conv_states = [self.conv_buffer[:, i] for i in range(n)]
+        self.ssm_states = [self.ssm_buffer[:, i] for i in range(n)]
         self.allocator = SlotAllocator(num_slots, "linear-attention state slots")
         self.snapshots = SlotAllocator(
             num_snapshots, "prefix-cache state snapshots", first=num_slots + 1
@@ -106,20 +112,22 @@ class LinearStatePool:
 
     def copy_slot(self, src: int, dst: int) -> None:
         """The conv and recurrent states of slot ``src`` into slot ``dst`` (every GDN layer)."""
-        for buf in self.conv_states + self.ssm_states:
-            buf[dst].copy_(buf[src])
+        self.conv_buffer[dst].copy_(self.conv_buffer[src])
+        self.ssm_buffer[dst].copy_(self.ssm_buffer[src])
 
     def alloc(self, n: int) -> list[int] | None:
         """Slots with zeroed states: a new request starts from an empty conv window and recurrent state."""
         slots = self.allocator.alloc(n)
         for slot in slots or ():
-            for buf in self.conv_states + self.ssm_states:
-                buf[slot].zero_()  # a view's memset: 3x cheaper than an indexed write of one slot
+            self.conv_buffer[
+                slot
+            ].zero_()  # a view's memset: 3x cheaper than an indexed write of one slot
+            self.ssm_buffer[slot].zero_()
         return slots
 
     @property
     def bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.conv_states + self.ssm_states)
+        return sum(b.numel() * b.element_size() for b in (self.conv_buffer, self.ssm_buffer))
 
 
 @dataclass
@@ -142,48 +150,97 @@ class ModelPools:
         dtype: torch.dtype,
         device: torch.device | str,
         num_snapshots: int = 0,
+        page_size: int = 1,
     ) -> ModelPools:
+        """Pools of at least ``max_total_tokens`` KV slots, in pages of ``page_size`` tokens."""
         device = torch.device(device)
         config = _local(config)
+        num_pages = -(-max_total_tokens // page_size)
         return cls(
-            req_to_token=ReqToTokenPool(max_running_requests, max_context_len, device),
-            kv=TokenKVPool(config, max_total_tokens, dtype, device),
+            req_to_token=ReqToTokenPool(max_running_requests, max_context_len, page_size, device),
+            kv=TokenKVPool(config, num_pages, page_size, dtype, device),
             states=LinearStatePool(config, max_running_requests, dtype, device, num_snapshots),
             attention_index={layer: i for i, layer in enumerate(config.full_attention_layers)},
             linear_index={layer: i for i, layer in enumerate(config.linear_attention_layers)},
         )
 
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size
+
+    def pages_needed(self, starts: list[int], counts: list[int]) -> int:
+        """New pages for positions ``starts[i]`` to ``starts[i] + counts[i]`` of requests holding ``starts[i]``."""
+        size = self.page_size
+        return sum(-(-(s + c) // size) - -(-s // size) for s, c in zip(starts, counts))
+
     def alloc_kv(self, rows: list[int], starts: list[int], counts: list[int]) -> list[int]:
-        """KV slots for positions ``starts[i]`` to ``starts[i] + counts[i]`` of each request row, recorded in
-        req_to_token; raises MemoryError when the pool cannot hold them. Requests get theirs through
-        ``RequestMemory``; this is the one place slots enter a row."""
-        total = sum(counts)
-        slots = self.kv.allocator.alloc(total)
-        if slots is None:
+        """KV slots for positions ``starts[i]`` to ``starts[i] + counts[i]`` of each request row, in the row's pages
+        (new pages recorded in its page table); raises MemoryError when the pool cannot hold them. Requests get
+        theirs through ``RequestMemory``; this is the one place pages enter a row."""
+        allocator = self.kv.allocator
+        needed = self.pages_needed(starts, counts)
+        if needed > allocator.num_free:
             raise MemoryError(
-                f"KV pool has {self.kv.allocator.num_free} free slots, {total} needed"
+                f"KV pool has {allocator.num_free} free pages of {self.page_size} tokens, {needed} needed"
             )
-        if total == 0:
-            return slots
-        table = self.req_to_token.req_to_token
-        device = table.device
-        per_token_rows = per_token(torch.tensor(rows, device=device), counts)
-        positions = token_positions(starts, counts, device)
-        try:
-            table[per_token_rows, positions] = torch.tensor(slots, dtype=table.dtype, device=device)
-        except Exception:  # a position past the row (a caller's bug): the slots are not lost
-            self.kv.allocator.free(slots)
-            raise
-        return slots
+        table = self.req_to_token
+        where: list[tuple[int, int]] = []  # (row, page index) of each new page
+        pages: list[int] = []
+        for row, start, count in zip(rows, starts, counts):
+            first, end = -(-start // self.page_size), -(-(start + count) // self.page_size)
+            if end > first:
+                last = int(table.host[row, first - 1]) if first else None
+                pages += allocator.alloc(end - first, after=last)
+                where += [(row, i) for i in range(first, end)]
+        if pages:
+            try:
+                self._record(where, pages)
+            except Exception:  # a position past the row (a caller's bug): the pages are not lost
+                self.kv.allocator.free(pages)
+                raise
+        return self._slots(rows, starts, counts)
+
+    def map_pages(self, row: int, first: int, pages: list[int]) -> None:
+        """Points the row's page indices ``first..`` at ``pages`` (pages it reads and does not own: the prefix
+        cache's, or a parent's)."""
+        self._record([(row, first + i) for i in range(len(pages))], pages)
+
+    def _record(self, where: list[tuple[int, int]], pages: list[int]) -> None:
+        if not pages:
+            return
+        table = self.req_to_token
+        rows, index = (np.array(x, dtype=np.int64) for x in zip(*where))
+        table.host[rows, index] = pages
+        device = table.page_table.device
+        table.page_table[torch.from_numpy(rows).to(device), torch.from_numpy(index).to(device)] = (
+            torch.tensor(pages, dtype=torch.int64, device=device)
+        )
+
+    def _slots(self, rows: list[int], starts: list[int], counts: list[int]) -> list[int]:
+        if all(n == 1 for n in counts):  # a decode step
+            positions = np.asarray(starts, dtype=np.int64)
+            token_rows = np.asarray(rows, dtype=np.int64)
+        else:
+            positions = np.concatenate(
+                [np.arange(s, s + c, dtype=np.int64) for s, c in zip(starts, counts)] or [[]]
+            ).astype(np.int64)
+            token_rows = np.repeat(np.asarray(rows, dtype=np.int64), counts)
+        pages = self.req_to_token.host[token_rows, positions // self.page_size]
+        return (pages * self.page_size + positions % self.page_size).tolist()
+
+    def free_kv(self, slots: list[int]) -> None:
+        """Frees the pages of the slots of positions at the end of requests (those an ``alloc_kv`` returned, or a
+        tail of them): the pages that start among them, which hold no earlier position."""
+        size = self.page_size
+        self.kv.allocator.free([s // size for s in slots if s % size == 0])
 
     def copy_kv(self, src: list[int], dst: list[int]) -> None:
         """Copies the keys and values of slots ``src`` into slots ``dst``, in every full-attention layer."""
         if not src or not self.kv.k_buffers:
             return
-        src_index = torch.tensor(src, device=self.kv.k_buffers[0].device)
-        dst_index = torch.tensor(dst, device=src_index.device)
-        for buffer in (*self.kv.k_buffers, *self.kv.v_buffers):
-            buffer[dst_index] = buffer[src_index]
+        buffer = self.kv.buffer
+        src_index = torch.tensor(src, device=buffer.device)
+        buffer[torch.tensor(dst, device=buffer.device)] = buffer[src_index]
 
     def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self.attention_index[layer_id]

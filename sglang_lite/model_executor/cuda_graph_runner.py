@@ -1,10 +1,10 @@
 """CUDA-graph capture and replay of decode steps, one graph per captured batch size.
 
 Decode batches are padded up to the next captured size. Static input buffers are refilled before each replay;
-padding rows point at the reserved dummies (request row 0, KV slot 0, state slot 0), so they never touch a real
-request. The alternate-stream overlaps of the model's plan are recorded into the graphs. With ``auto`` both
-variants (overlap on and off) are captured and timed per batch size, and the faster one is kept
-(``choose_overlap_per_batch_size``).
+padding rows point at the reserved dummies (request row 0, whose page table points at the reserved KV page 0, KV
+slot 0, state slot 0), so they never touch a real request. The alternate-stream overlaps of the model's plan are
+recorded into the graphs. With ``auto`` both variants (overlap on and off) are captured and timed per batch size,
+and the faster one is kept (``choose_overlap_per_batch_size``).
 
 ``use_graphs=False`` runs the same static-buffer path eagerly: that is how the padding logic is tested on the CPU.
 """

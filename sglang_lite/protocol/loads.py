@@ -71,9 +71,12 @@ SECTIONS: dict[str, tuple[str | None, tuple[str | tuple[str, str], ...]]] = {
             "decode_retracted_queue_reqs",
             "kv_transfer_speed_gb_s",
             "kv_transfer_latency_ms",
+            "kv_transfers_in_flight",
             "kv_transfers_total",
             "kv_transfer_bytes_total",
             "kv_transfer_seconds_total",
+            "kv_transfer_latency_counts",
+            "kv_transfer_size_counts",
             "num_prefill_tokens",
         ),
     ),
@@ -129,12 +132,18 @@ class SchedulerLoads:
     decode_prealloc_queue_reqs: int = 0  # waiting for KV slots and a state slot to reserve
     decode_transfer_queue_reqs: int = 0  # reserved, waiting for the prefill side's data
     decode_retracted_queue_reqs: int = 0
-    # of the last transfer, written (prefill) or received (decode)
+    # moving averages over the recent transfers written (prefill) or received (decode), as the prefill side timed
+    # them: bytes over seconds, mean seconds
     kv_transfer_speed_gb_s: float = 0.0
     kv_transfer_latency_ms: float = 0.0
+    kv_transfers_in_flight: int = (
+        0  # prefill: writes not done; decode: reservations awaiting their data
+    )
     kv_transfers_total: int = 0
     kv_transfer_bytes_total: int = 0
     kv_transfer_seconds_total: float = 0.0
+    kv_transfer_latency_counts: list[int] = dataclasses.field(default_factory=list)  # per bucket
+    kv_transfer_size_counts: list[int] = dataclasses.field(default_factory=list)  # per bucket
     num_prefill_tokens: int = 0  # tokens run through prefill forwards since start
 
     def to_dict(self, include: tuple[str, ...] = LOAD_SECTIONS) -> dict[str, Any]:

@@ -66,6 +66,7 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
         dtype,
         args.device,
         resolve_state_snapshots(args, model.config, dtype, max_total_tokens),
+        page_size=args.page_size,
     )
     memory = create_request_memory(pools)
     return Scheduler(

@@ -49,9 +49,10 @@ def resolve_max_total_tokens(
     """Explicit ``max_total_tokens``, else what the budget holds after the running requests' state slots and,
     with the prefix cache, the snapshot pool's share (``mamba_full_memory_ratio`` of the KV pool's memory),
     capped at what could be used: every request row filled to the context length, and with the prefix cache as
-    much again for cached prefixes."""
+    much again for cached prefixes. Rounded up to whole pages."""
+    size = args.page_size
     if args.max_total_tokens is not None:
-        return args.max_total_tokens
+        return -(-args.max_total_tokens // size) * size
     budget = device_budget_bytes(args.device, args.mem_fraction_static)
     budget -= args.max_running_requests * ModelPools.bytes_per_request_state(config, dtype)
     per_token = max(ModelPools.bytes_per_token(config, dtype), 1)
@@ -66,7 +67,7 @@ def resolve_max_total_tokens(
             f"the KV pool would hold only {tokens} tokens, less than the context length {context_length}; raise "
             "mem_fraction_static, lower max_running_requests or context_length, or set max_total_tokens"
         )
-    return int(tokens)
+    return -(-int(tokens) // size) * size
 
 
 def resolve_state_snapshots(

@@ -1,5 +1,6 @@
 """Decode batches and retraction: every decoding request runs one token a step; when the KV pool cannot hold
-that step, unused cached prefixes go first, then the newest requests are retracted (all they hold is freed and
+that step (a new page for each request whose last page is full), unused cached prefixes go first, then the newest
+requests are retracted (all they hold is freed and
 they wait again, their output so far kept for re-prefill). ``new_token_ratio`` follows how it goes."""
 
 from __future__ import annotations
@@ -39,12 +40,18 @@ class DecodeManager:
         running = self.queues.running
         if not running:
             return None
-        self.memory.make_room(
-            len(running)
-        )  # unused cached prefixes go before any request is retracted
-        while self.memory.pools.kv.allocator.num_free < len(self.queues.running):
+        # unused cached prefixes go before any request is retracted; a retracted request's KV goes to the cache on
+        # its way out, unused from then on
+        self.memory.make_room(self._pages_needed())
+        while self.memory.free_pages < self._pages_needed():
             self._retract(self._victim())
+            self.memory.make_room(self._pages_needed())
         return ScheduleBatch.decode(self.queues.running)
+
+    def _pages_needed(self) -> int:
+        """New KV pages the next step takes: one for each running request whose last page is full."""
+        running = self.queues.running
+        return self.memory.pages_needed(running, [1] * len(running))
 
     def reserved_decode_tokens(self) -> int:
         """KV slots the running requests are expected to need for their remaining output."""

@@ -66,7 +66,7 @@ def report_loads(
     graph_bytes: int = 0,
 ) -> SchedulerLoads:
     # unused cached prefixes are free space, as upstream counts them
-    used = memory.pools.kv.allocator.num_used - memory.evictable_tokens
+    used = memory.used_tokens
     total = config.max_total_tokens
     pools = memory.pools
     return SchedulerLoads(

@@ -41,14 +41,20 @@ def reserved_decode_tokens(req: PolicyRequest, ratio: float) -> int:
     return math.ceil(req.remaining_new_tokens * ratio)
 
 
+def page_tokens(tokens: int, page_size: int) -> int:
+    """The KV slots ``tokens`` new positions may take: whole pages (a request's pages are its own)."""
+    return -(-tokens // page_size) * page_size
+
+
 @dataclass(frozen=True)
 class PrefillBudget:
-    kv_free: int  # free KV slots now
+    kv_free: int  # free KV slots now (whole pages)
     admit_free: int  # free KV slots minus what running and chunked requests are expected to need
     batch_tokens: int  # max tokens in one prefill forward
     chunk_size: int  # max tokens of one request in one forward
     free_rows: int  # request rows (and state slots) free
     new_token_ratio: float
+    page_size: int = 1  # KV slots come in pages: a request's prompt takes whole pages
 
 
 def plan_prefill(
@@ -78,7 +84,8 @@ def _admit_waiting(
     admit_free = budget.admit_free
     rows = budget.free_rows
     for req in waiting:
-        cost = req.num_to_compute + reserved_decode_tokens(req, budget.new_token_ratio)
+        prompt = page_tokens(req.num_to_compute, budget.page_size)
+        cost = prompt + reserved_decode_tokens(req, budget.new_token_ratio)
         if rows == 0 or tokens_left == 0 or cost > admit_free:
             break
         n = min(req.num_to_compute, budget.chunk_size, tokens_left)

@@ -60,7 +60,8 @@ class PrefillManager:
     def budget(self, reserved: int, ratio: float) -> PrefillBudget:
         chunked = self.queues.chunked
         if chunked is not None:
-            reserved += chunked.num_to_compute + reserved_decode_tokens(chunked, ratio)
+            rest = self.memory.page_tokens(chunked.num_to_compute)
+            reserved += rest + reserved_decode_tokens(chunked, ratio)
         kv_free = self.memory.kv_free
         return PrefillBudget(
             kv_free=kv_free,
@@ -69,6 +70,7 @@ class PrefillManager:
             chunk_size=self.config.chunk_size,
             free_rows=self.memory.free_rows,
             new_token_ratio=ratio,
+            page_size=self.memory.page_size,
         )
 
     def _admit(self, req: Req) -> None:

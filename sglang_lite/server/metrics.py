@@ -7,6 +7,8 @@ import bisect
 from collections import Counter, defaultdict
 from typing import Any
 
+from sglang_lite.disaggregation.transfer import LATENCY_BUCKETS_S, SIZE_BUCKETS_BYTES
+
 PREFIX = "sglang_lite"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # (sub-object of the rank's /v1/loads entry, or None for a core figure; figure)
@@ -61,6 +63,24 @@ def _figure(load: dict[str, Any], key: str | None, name: str) -> Any:
     return (load if key is None else load[key])[name]
 
 
+# histograms the ranks keep (PD: one observation per request's transfer, figures of the entry's disaggregation
+# sub-object): metric -> (counts figure, sum figure, bucket bounds, help)
+LOAD_HISTOGRAMS = {
+    "kv_transfer_latency_seconds": (
+        "kv_transfer_latency_counts",
+        "kv_transfer_seconds_total",
+        LATENCY_BUCKETS_S,
+        "Time of each PD request's KV and GDN-state transfer, as the prefill side timed its write.",
+    ),
+    "kv_transfer_size_bytes": (
+        "kv_transfer_size_counts",
+        "kv_transfer_bytes_total",
+        SIZE_BUCKETS_BYTES,
+        "Bytes of each PD request's KV and GDN-state transfer.",
+    ),
+}
+
+
 class Histogram:
     def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
         self.buckets = buckets
@@ -70,6 +90,13 @@ class Histogram:
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sum += value
+
+    @classmethod
+    def of_counts(cls, buckets: tuple[float, ...], counts: list[int], total: float) -> Histogram:
+        histogram = cls(buckets)
+        histogram.counts = list(counts)
+        histogram.sum = total
+        return histogram
 
     def lines(self, name: str, labels: str) -> list[str]:
         out, cumulative = [], 0
@@ -147,6 +174,19 @@ class ServerMetrics:
                 help_text,
                 {f'dp_rank="{load["dp_rank"]}"': _figure(load, key, figure) for load in loads},
             )
+        return "\n".join(lines) + "\n" + self._histograms(loads)
+
+    @staticmethod
+    def _histograms(loads: list[dict[str, Any]]) -> str:
+        """The histograms the ranks keep, from their bucket counts (ranks that keep none are left out)."""
+        lines: list[str] = []
+        for name, (counts, total, buckets, help_text) in LOAD_HISTOGRAMS.items():
+            lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} histogram"]
+            for load in loads:
+                pd = load.get("disaggregation") or {}
+                if pd.get(counts):
+                    histogram = Histogram.of_counts(buckets, pd[counts], pd[total])
+                    lines += histogram.lines(f"{PREFIX}_{name}", f'dp_rank="{load["dp_rank"]}"')
         return "\n".join(lines) + "\n"
 
     @staticmethod

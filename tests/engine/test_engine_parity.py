@@ -83,12 +83,20 @@ def test_engine_concurrent_requests_match_transformers(checkpoints, kind):
     )
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_small_pool_retracts_and_every_request_matches(checkpoints, kind):
-    """80 KV tokens hold about two of these requests; admission reserves nothing, so decode must retract."""
+@pytest.mark.parametrize(
+    "kind,page_size", [("moe", 1), ("moe", ServerArgs.page_size), ("dense", ServerArgs.page_size)]
+)
+def test_small_pool_retracts_and_every_request_matches(checkpoints, kind, page_size):
+    """80 KV tokens hold about two of these requests; admission reserves nothing, so decode must retract (a
+    request whose last page is full needs a new page for its next token)."""
     checkpoint = checkpoints[kind]
     prompts = random_prompts(LENGTHS, seed=1)
-    args = small_chunks(checkpoint.path, max_total_tokens=80, schedule_conservativeness=0.0)
+    args = small_chunks(
+        checkpoint.path,
+        max_total_tokens=80,
+        schedule_conservativeness=0.0,
+        page_size=page_size,
+    )
     with Engine(**args) as engine:
         results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         loads = engine.get_loads()

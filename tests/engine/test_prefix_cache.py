@@ -17,9 +17,14 @@ from tests.engine.conftest import random_prompts
 
 NEW_TOKENS = 6
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+# pages of one token, and the default: hits reach the token either way (a prefix ending inside a page keeps a
+# copy of its last page with its snapshot)
+PAGE_SIZES = [1, ServerArgs.page_size]
 
 
-def scheduler(path: str, cache: bool, max_total_tokens: int = 2048, chunk: int = 16):
+def scheduler(
+    path: str, cache: bool, max_total_tokens: int = 2048, chunk: int = 16, page_size: int = 1
+):
     return create_scheduler(
         ServerArgs(
             model_path=path,
@@ -29,6 +34,7 @@ def scheduler(path: str, cache: bool, max_total_tokens: int = 2048, chunk: int =
             max_running_requests=4,
             chunked_prefill_size=chunk,
             max_prefill_tokens=32,
+            page_size=page_size,
         )
     )
 
@@ -62,12 +68,14 @@ def shared_prefix_requests() -> list[tuple[str, list[int]]]:
     ]
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense"])
-def test_cache_on_and_off_give_transformers_tokens(checkpoints, kind):
+@pytest.mark.parametrize(
+    "kind,page_size", [("moe", 1), ("moe", ServerArgs.page_size), ("dense", ServerArgs.page_size)]
+)
+def test_cache_on_and_off_give_transformers_tokens(checkpoints, kind, page_size):
     checkpoint = checkpoints[kind]
     requests = shared_prefix_requests()
-    with_cache = run(scheduler(checkpoint.path, cache=True), requests)
-    without = run(scheduler(checkpoint.path, cache=False), requests)
+    with_cache = run(scheduler(checkpoint.path, cache=True, page_size=page_size), requests)
+    without = run(scheduler(checkpoint.path, cache=False, page_size=page_size), requests)
     for rid, prompt in requests:
         expected = checkpoint.greedy(prompt, NEW_TOKENS)
         assert with_cache[rid][0] == expected == without[rid][0], rid
@@ -81,14 +89,17 @@ def test_cache_on_and_off_give_transformers_tokens(checkpoints, kind):
     )  # the prefix up to a snapshot before its last token
 
 
-def test_concurrent_requests_on_one_prefix_and_a_tiny_pool(checkpoints):
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_concurrent_requests_on_one_prefix_and_a_tiny_pool(checkpoints, page_size):
     """Requests sharing a prefix run at once, in a pool so small that cached prefixes are evicted (and requests
-    retracted) to make room; tokens stay exact and every slot is accounted for after each step."""
+    retracted) to make room; tokens stay exact and every page is accounted for after each step."""
     checkpoint = checkpoints["moe"]
     base, a, b = random_prompts([30, 12, 12], seed=3)
     warm = [("warm", base)]
     together = [("a", base + a), ("b", base + b), ("c", base + a[:4]), ("d", list(base))]
-    sched = scheduler(checkpoint.path, cache=True, max_total_tokens=128, chunk=8)
+    sched = scheduler(
+        checkpoint.path, cache=True, max_total_tokens=128, chunk=8, page_size=page_size
+    )
     out = run(sched, warm)
     out |= run(sched, together, together=True)
     for rid, prompt in warm + together:
@@ -100,7 +111,8 @@ def test_concurrent_requests_on_one_prefix_and_a_tiny_pool(checkpoints):
     assert sched.pools.kv.allocator.num_used == 0 and sched.pools.states.snapshots.num_used == 0
 
 
-def test_a_next_turn_that_rewrites_the_prompt_end_reuses_an_aligned_snapshot():
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_a_next_turn_that_rewrites_the_prompt_end_reuses_an_aligned_snapshot(page_size):
     """A chat template renders the end of a prompt (its generation prompt) differently once the turn is history, so
     the next turn diverges a few tokens before the prompt's end. The chunk that finishes a long prompt stops at the
     last multiple of SNAPSHOT_ALIGN, whose snapshot the next turn then reuses (the built-in model: long context)."""
@@ -114,6 +126,7 @@ def test_a_next_turn_that_rewrites_the_prompt_end_reuses_an_aligned_snapshot():
                 disable_radix_cache=not cache,
                 max_total_tokens=4096,
                 max_running_requests=4,
+                page_size=page_size,
             )
         )
 

@@ -27,18 +27,20 @@ class Clock:
         return self.now
 
 
-def cache_with(num_snapshots: int) -> tuple[RadixCache, ModelPools]:
+def cache_with(num_snapshots: int, page_size: int = 1) -> tuple[RadixCache, ModelPools]:
     pools = ModelPools.create(
-        ModelConfig.from_hf(TINY), 256, 2, 64, torch.float32, "cpu", num_snapshots
+        ModelConfig.from_hf(TINY), 256, 2, 64, torch.float32, "cpu", num_snapshots, page_size
     )
     return RadixCache(pools, pools.states.snapshots, clock=Clock()), pools
 
 
 def insert(cache: RadixCache, pools: ModelPools, tokens: list[int], slot: int = 1):
-    """Caches ``tokens`` with fresh KV slots (a request's) and a snapshot of state slot ``slot``."""
-    kv = pools.kv.allocator.alloc(len(tokens))
-    node, _, duplicates = cache.insert(tokens, kv, slot)
-    pools.kv.allocator.free(duplicates)
+    """Caches ``tokens`` with fresh KV pages (a request's, released right after) and a snapshot of state slot
+    ``slot``; the node ending the prefix's whole pages."""
+    size = pools.page_size
+    pages = pools.kv.allocator.alloc(-(-len(tokens) // size))
+    node, _, duplicates = cache.insert(tokens, pages, slot)
+    pools.kv.allocator.free(duplicates + pages[len(tokens) // size :])
     return node
 
 
@@ -51,10 +53,9 @@ def test_a_new_snapshot_frees_the_least_recently_used_one_and_its_node_keeps_the
     assert inner.snapshot is None and cache.snapshots_evicted == 1
     assert cache.num_tokens == 17  # every token's KV stays
     assert cache.match(list(range(10)) + [7], 10)[0] == 0  # no snapshot ends there any more
-    length, node, kv = cache.match(list(range(10)) + [50, 51, 52, 60], 13)
-    assert (
-        length == 13 and node.snapshot is not None and len(kv) == 13
-    )  # through the inner node's KV
+    hit = cache.match(list(range(10)) + [50, 51, 52, 60], 13)
+    # through the inner node's KV
+    assert hit.length == 13 and hit.node.snapshot is not None and len(hit.pages) == 13
 
 
 def test_kv_eviction_takes_leaves_without_a_snapshot_first():
@@ -65,7 +66,7 @@ def test_kv_eviction_takes_leaves_without_a_snapshot_first():
     )  # takes the only snapshot slot: [1..4] keeps its KV, no snapshot
     assert bare.snapshot is None
     cache.match([1, 2, 3, 4, 5], 4)  # the snapshot-less leaf is now the most recently used
-    assert bare.last_access > cache.root.children[7].last_access
+    assert bare.last_access > cache.root.children[(7,)].last_access
     free = pools.kv.allocator.num_free
     cache.evict(
         free + 1
@@ -99,3 +100,29 @@ def test_state_pool_flags_are_checked():
         ServerArgs(max_running_requests=4, max_mamba_cache_size=4)
     with pytest.raises(ValueError, match="mamba_full_memory_ratio must be >= 0"):
         ServerArgs(mamba_full_memory_ratio=-1.0)
+
+
+def test_a_prefix_ending_inside_a_page_is_a_tail_with_a_copy_of_its_kv():
+    """Pages of 4: a 10-token prefix is two whole pages and a tail of 2 tokens with its own page (a copy of the
+    request's KV there); a match reaches the tail's last token, and evicting its snapshot frees its page."""
+    cache, pools = cache_with(2, page_size=4)
+    pools.kv.buffer.copy_(torch.randn(pools.kv.buffer.shape))
+    request = pools.kv.allocator.alloc(3)
+    node, path, duplicates = cache.insert(list(range(10)), request, 1)
+    assert path == request[:2] and not duplicates and len(node.tokens) == 8
+    (tail,) = node.tails.values()
+    assert tail.tokens == [8, 9] and tail.snapshot is not None and tail.pages != request[2:]
+    copied = pools.kv.buffer[tail.pages[0] * 4 : tail.pages[0] * 4 + 2]
+    assert torch.equal(copied, pools.kv.buffer[request[2] * 4 : request[2] * 4 + 2])
+    pools.kv.allocator.free(
+        request[2:]
+    )  # the request ends: its own page goes, the tail's copy stays
+    hit = cache.match(list(range(10)) + [77], 10)
+    assert (hit.length, hit.node, hit.pages, hit.tail) == (10, node, request[:2], tail)
+    assert (
+        cache.match(list(range(10)), 9).length == 0
+    )  # the tail ends past max_len; no snapshot at 8
+    assert cache.num_tokens == 12  # two whole pages and the tail's
+    assert cache.evict_snapshot() and not node.tails
+    assert cache.num_tokens == 8 and pools.kv.allocator.num_used == 2
+    assert cache.flush() == 8 and pools.kv.allocator.num_used == 0

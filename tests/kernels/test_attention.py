@@ -18,25 +18,49 @@ def _randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> to
 
 
 class Pool:
-    """A NaN-filled KV pool with each request's positions scattered over random slots; slot 0 stays unused (and
-    NaN) and is where padding entries of req_to_token point, as in SGLang."""
+    """A NaN-filled KV pool in pages of ``page_size`` slots, each request's pages scattered at random; page 0 stays
+    unused (and NaN) and is where padding entries of the page table point, as in SGLang. ``paired``: K and V are
+    views of one buffer holding a slot's K and V side by side (strided rows, as ``ModelPools`` lays them out)."""
 
     def __init__(
-        self, lens: list[int], num_kv: int, head_dim: int, dtype: torch.dtype, seed: int = 0
+        self,
+        lens: list[int],
+        num_kv: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        seed: int = 0,
+        page_size: int = 1,
+        paired: bool = False,
     ):
-        num_slots = sum(lens) + 50
-        self.k_cache = poison_(torch.empty(num_slots, num_kv, head_dim, dtype=dtype))
-        self.v_cache = poison_(torch.empty(num_slots, num_kv, head_dim, dtype=dtype))
+        self.page_size = page_size
+        counts = [-(-n // page_size) for n in lens]  # pages per request
+        num_pages = sum(counts) + 50 // page_size + 2
+        shape = (num_pages * page_size, num_kv, head_dim)
+        if paired:
+            both = poison_(torch.empty(shape[0], 2, *shape[1:], dtype=dtype))
+            self.k_cache, self.v_cache = both[:, 0], both[:, 1]
+        else:
+            self.k_cache = poison_(torch.empty(shape, dtype=dtype))
+            self.v_cache = poison_(torch.empty(shape, dtype=dtype))
         gen = torch.Generator().manual_seed(seed)
-        slots = torch.randperm(num_slots - 1, generator=gen)[: sum(lens)] + 1
+        pages = torch.randperm(num_pages - 1, generator=gen)[: sum(counts)] + 1
         # request rows are shuffled inside a larger table so that req_pool_indices matter
         self.rows = torch.randperm(len(lens) + 2, generator=gen)[: len(lens)]
-        self.req_to_token = torch.zeros(len(lens) + 2, max(lens, default=0) + 8, dtype=torch.int32)
-        for row, n, start in zip(self.rows.tolist(), lens, _starts(lens)):
-            self.req_to_token[row, :n] = slots[start : start + n].int()
+        self.page_table = torch.zeros(len(lens) + 2, max(counts, default=0) + 8, dtype=torch.int32)
+        for row, n, start in zip(self.rows.tolist(), counts, _starts(counts)):
+            self.page_table[row, :n] = pages[start : start + n].int()
 
     def slots(self, i: int, begin: int, end: int) -> torch.Tensor:
-        return self.req_to_token[self.rows[i], begin:end].long()
+        positions = torch.arange(begin, end)
+        pages = self.page_table[self.rows[i], positions // self.page_size].long()
+        return pages * self.page_size + positions % self.page_size
+
+    def kwargs(self) -> dict:
+        return {"page_size": self.page_size}
+
+
+# (page_size, paired K and V): token slots; pages of an awkward size; pages of 16 in the engine's layout
+PAGINGS = [(1, False), (3, True), (16, True)]
 
 
 def _starts(lens: list[int]) -> list[int]:
@@ -54,9 +78,10 @@ def _explicit_attention(q, keys, values, prefix: int, scale: float) -> torch.Ten
     return (probs @ v).transpose(0, 1)
 
 
-def _extend_batch(prefix_lens, extend_lens, heads, num_kv, head_dim, dtype):
+def _extend_batch(prefix_lens, extend_lens, heads, num_kv, head_dim, dtype, paging=(1, False)):
     """Pool with every prefix and new token stored through store_kv, and the packed new-token queries."""
-    pool = Pool([p + e for p, e in zip(prefix_lens, extend_lens)], num_kv, head_dim, dtype)
+    lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    pool = Pool(lens, num_kv, head_dim, dtype, page_size=paging[0], paired=paging[1])
     for i, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
         keys = _randn(p + e, num_kv, head_dim, dtype=dtype, seed=i)
         values = _randn(p + e, num_kv, head_dim, dtype=dtype, seed=100 + i)
@@ -77,25 +102,27 @@ EXTEND_CASES = [
 ]
 
 
+@pytest.mark.parametrize("paging", PAGINGS)
 @pytest.mark.parametrize("prefix_lens,extend_lens,heads,num_kv,head_dim,dtype", EXTEND_CASES)
 def test_extend_attention(
-    nan_allocations, prefix_lens, extend_lens, heads, num_kv, head_dim, dtype
+    nan_allocations, prefix_lens, extend_lens, heads, num_kv, head_dim, dtype, paging
 ):
     pool, q, prefix, extend = _extend_batch(
-        prefix_lens, extend_lens, heads, num_kv, head_dim, dtype
+        prefix_lens, extend_lens, heads, num_kv, head_dim, dtype, paging
     )
     args = (
         q,
         pool.k_cache,
         pool.v_cache,
-        pool.req_to_token,
+        pool.page_table,
         pool.rows,
         prefix,
         extend,
         head_dim**-0.5,
     )
-    want = naive.extend_attention(*args)
-    assert_rel_close(attention.extend_attention(*args, backend="triton"), want, dtype)
+    want = attention.extend_attention(*args, **pool.kwargs(), backend="torch")
+    got = attention.extend_attention(*args, **pool.kwargs(), backend="triton")
+    assert_rel_close(got, want, dtype)
     # the reference itself, request by request, against the explicit softmax(QK^T)V
     for i, (p, e, start) in enumerate(zip(prefix_lens, extend_lens, _starts(extend_lens))):
         slots = pool.slots(i, 0, p + e)
@@ -112,7 +139,7 @@ def test_extend_attention_varlen_matches_per_request_launches():
         q,
         pool.k_cache,
         pool.v_cache,
-        pool.req_to_token,
+        pool.page_table,
         pool.rows,
         prefix,
         extend,
@@ -124,7 +151,7 @@ def test_extend_attention_varlen_matches_per_request_launches():
             q[start : start + e],
             pool.k_cache,
             pool.v_cache,
-            pool.req_to_token,
+            pool.page_table,
             pool.rows[i : i + 1],
             prefix[i : i + 1],
             extend[i : i + 1],
@@ -138,13 +165,13 @@ def test_extend_attention_writes_every_element_of_a_given_out():
     pool, q, prefix, extend = _extend_batch([3, 0], [65, 1], 4, 2, 80, torch.float32)
     out = poison_(torch.empty_like(q))
     got = triton_attention.extend_attention(
-        q, pool.k_cache, pool.v_cache, pool.req_to_token, pool.rows, prefix, extend, 0.1, out=out
+        q, pool.k_cache, pool.v_cache, pool.page_table, pool.rows, prefix, extend, 0.1, out=out
     )
     assert got is out
     assert_rel_close(
         out,
         naive.extend_attention(
-            q, pool.k_cache, pool.v_cache, pool.req_to_token, pool.rows, prefix, extend, 0.1
+            q, pool.k_cache, pool.v_cache, pool.page_table, pool.rows, prefix, extend, 0.1
         ),
         torch.float32,
     )
@@ -166,9 +193,10 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("paging", PAGINGS)
 @pytest.mark.parametrize("seq_lens,heads,num_kv,head_dim,dtype", DECODE_CASES)
-def test_decode_attention(nan_allocations, seq_lens, heads, num_kv, head_dim, dtype):
-    pool = Pool(seq_lens, num_kv, head_dim, dtype)
+def test_decode_attention(nan_allocations, seq_lens, heads, num_kv, head_dim, dtype, paging):
+    pool = Pool(seq_lens, num_kv, head_dim, dtype, page_size=paging[0], paired=paging[1])
     for i, n in enumerate(seq_lens):
         keys = _randn(n, num_kv, head_dim, dtype=dtype, seed=i)
         values = _randn(n, num_kv, head_dim, dtype=dtype, seed=50 + i)
@@ -180,17 +208,26 @@ def test_decode_attention(nan_allocations, seq_lens, heads, num_kv, head_dim, dt
         q,
         pool.k_cache,
         pool.v_cache,
-        pool.req_to_token,
+        pool.page_table,
         pool.rows,
         torch.tensor(seq_lens),
         head_dim**-0.5,
     )
-    want = naive.decode_attention(*args)
-    assert_rel_close(attention.decode_attention(*args, backend="triton"), want, dtype)
+    want = attention.decode_attention(*args, **pool.kwargs(), backend="torch")
+    assert_rel_close(
+        attention.decode_attention(*args, **pool.kwargs(), backend="triton"), want, dtype
+    )
     # the host-known maximum (what the engine passes) reads the same padded window as the read-back
     assert torch.equal(
-        attention.decode_attention(*args, max_seq_len=max(seq_lens), backend="torch"), want
+        attention.decode_attention(
+            *args, **pool.kwargs(), max_seq_len=max(seq_lens), backend="torch"
+        ),
+        want,
     )
+    if dtype == torch.float32:  # the fused C++ kernel serves float32 pools
+        assert_rel_close(
+            attention.decode_attention(*args, **pool.kwargs(), backend="native"), want, dtype
+        )
     for i, n in enumerate(seq_lens):
         slots = pool.slots(i, 0, n)
         explicit = _explicit_attention(

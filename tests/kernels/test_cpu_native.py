@@ -235,23 +235,24 @@ def test_bad_cu_seqlens_is_an_error_naming_it():
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("heads, kv_heads, hd", [(8, 2, 64), (4, 4, 16), (6, 2, 72)])
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
-def test_decode_attention(seed, heads, kv_heads, hd, table_dtype):
-    pool, rows, context = 600, 6, 80
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+def test_decode_attention(seed, heads, kv_heads, hd, table_dtype, page_size):
+    pool, rows, context = 640, 6, 80
     k_cache, v_cache = (
         _randn(pool, kv_heads, hd, seed=seed),
         _randn(pool, kv_heads, hd, seed=seed + 1),
     )
+    pages = context // page_size
     table = (
-        torch.randperm(pool, generator=_gen(seed + 2))[: rows * context]
-        .view(rows, context)
+        torch.randperm(pool // page_size, generator=_gen(seed + 2))[: rows * pages]
+        .view(rows, pages)
         .to(table_dtype)
     )
     req_rows, seq_lens = torch.tensor([4, 0, 5, 2]), torch.tensor([1, 80, 17, 64])
     q = _randn(4, heads, hd, seed=seed + 3)
-    got = attention.decode_attention(
-        q, k_cache, v_cache, table, req_rows, seq_lens, hd**-0.5, backend="native"
-    )
-    want = attention_ref.decode_attention(q, k_cache, v_cache, table, req_rows, seq_lens, hd**-0.5)
+    args = (q, k_cache, v_cache, table, req_rows, seq_lens, hd**-0.5)
+    got = attention.decode_attention(*args, page_size=page_size, backend="native")
+    want = attention_ref.decode_attention(*args, page_size=page_size)
     assert_rel_close(got, want, F32)
 
 

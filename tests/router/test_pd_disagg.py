@@ -17,6 +17,7 @@ import time
 import aiohttp
 import pytest
 
+from sglang_lite.server_args import ServerArgs
 from tests.hf_checkpoints import greedy_tokens, make_hf_model, save_checkpoint
 
 from .conftest import Proc, free_port, launch, spawn, wait_until_healthy
@@ -88,14 +89,28 @@ def server(checkpoint: Checkpoint, mode: str, dp_size: int, *extra: str) -> Proc
     return spawn(cmd, port)
 
 
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory):
+# --page-size of the prefill and the decode server: the default on both, pages of one token on both, and sides
+# that differ (a transfer's runs then follow both sides' page boundaries)
+PAGE_SIZES = [(ServerArgs.page_size,) * 2, (1, 1), (ServerArgs.page_size, 1)]
+
+
+@pytest.fixture(scope="module", params=PAGE_SIZES, ids=lambda p: f"pages{p[0]}-{p[1]}")
+def pd(tmp_path_factory, request):
     """A prefill server (dp 1) and a decode server (dp 2) on one checkpoint, shared by the module's tests."""
     checkpoint = Checkpoint(str(tmp_path_factory.mktemp("pd_checkpoint")))
     bootstrap_port = free_port()
+    prefill_pages, decode_pages = (str(p) for p in request.param)
     procs = [
-        server(checkpoint, "prefill", 1, "--disaggregation-bootstrap-port", str(bootstrap_port)),
-        server(checkpoint, "decode", 2),
+        server(
+            checkpoint,
+            "prefill",
+            1,
+            "--disaggregation-bootstrap-port",
+            str(bootstrap_port),
+            "--page-size",
+            prefill_pages,
+        ),
+        server(checkpoint, "decode", 2, "--page-size", decode_pages),
     ]
     try:
         for proc in procs:
@@ -153,12 +168,16 @@ def _through(
                 load["disaggregation"]["num_prefill_tokens"]
                 for load in await _loads(s, prefill.url)
             ]
-            return results, await _loads(s, decode.url), [a - b for a, b in zip(after, before)]
+            metrics = await get_text(s, decode.url + "/metrics")
+            loads = await _loads(s, decode.url)
+            return results, loads, [a - b for a, b in zip(after, before)], metrics
 
     return run(scenario())
 
 
-def _check(results: list, decode_loads: list, prefilled: list, checkpoint: Checkpoint) -> None:
+def _check(
+    results: list, decode_loads: list, prefilled: list, metrics: str, checkpoint: Checkpoint
+) -> None:
     assert [status for status, _ in results] == [200] * len(PROMPTS), results
     assert [body["output_ids"] for _, body in results] == [checkpoint.greedy(p) for p in PROMPTS]
     assert prefilled == [
@@ -167,8 +186,25 @@ def _check(results: list, decode_loads: list, prefilled: list, checkpoint: Check
     decode_pd = [load["disaggregation"] for load in decode_loads]
     assert [pd["num_prefill_tokens"] for pd in decode_pd] == [0, 0]  # never on the decode server
     assert all(pd["mode"] == "decode" for pd in decode_pd)
-    received = [pd for pd in decode_pd if pd["kv_transfers_total"]]
-    assert received and all(pd["kv_transfer_speed_gb_s"] > 0 for pd in received)
+    received = [
+        (load["dp_rank"], pd)
+        for load, pd in zip(decode_loads, decode_pd)
+        if pd["kv_transfers_total"]
+    ]
+    assert received and all(pd["kv_transfer_speed_gb_s"] > 0 for _, pd in received)
+    for (
+        dp_rank,
+        pd,
+    ) in received:  # every transfer landed in one bucket of each histogram; none is pending
+        assert sum(pd["kv_transfer_latency_counts"]) == pd["kv_transfers_total"]
+        assert sum(pd["kv_transfer_size_counts"]) == pd["kv_transfers_total"]
+        assert pd["kv_transfers_in_flight"] == 0 and pd["kv_transfer_latency_ms"] > 0
+        rank = f'dp_rank="{dp_rank}"'
+        count = (
+            f"sglang_lite_kv_transfer_latency_seconds_count{{{rank}}} {pd['kv_transfers_total']}"
+        )
+        assert count in metrics
+        assert f'sglang_lite_kv_transfer_size_bytes_bucket{{{rank},le="+Inf"}}' in metrics
 
 
 def test_pd_through_sglang_lite_router_equals_transformers(pd):
@@ -272,6 +308,40 @@ def test_long_prompts_on_a_reused_pool(pd):
     for prompt, (prefill_leg, decode_leg) in zip(prompts, results):
         assert prefill_leg[0] == 200 and decode_leg[0] == 200, (prefill_leg, decode_leg)
         assert decode_leg[1]["output_ids"] == checkpoint.greedy(prompt)
+    assert drained
+
+
+def test_requests_whose_first_token_ends_them(pd):
+    """max_new_tokens 1: the first token, sampled on the prefill server, ends the request there as well; its memory
+    must outlive the transfer that reads it (the prefill rank once released it mid-write, then died)."""
+    checkpoint, prefill, decode, bootstrap_port = pd
+    one = {"max_new_tokens": 1, "temperature": 0.0}
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            legs = []
+            for i, prompt in enumerate(PROMPTS):
+                fields = {
+                    "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": bootstrap_port,
+                    "bootstrap_room": 500 + i,
+                    "sampling_params": one,
+                }
+                legs.append(
+                    await asyncio.gather(
+                        _generate(s, prefill.url, prompt, **fields),
+                        _generate(s, decode.url, prompt, **fields),
+                    )
+                )
+            return legs, await wait_for(
+                lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.1
+            )
+
+    legs, drained = run(scenario())
+    for prompt, (prefill_leg, decode_leg) in zip(PROMPTS, legs):
+        assert prefill_leg[0] == 200 and decode_leg[0] == 200, (prefill_leg, decode_leg)
+        assert prefill_leg[1]["output_ids"] == decode_leg[1]["output_ids"]
+        assert decode_leg[1]["output_ids"] == checkpoint.greedy(prompt)[:1]
     assert drained
 
 

@@ -28,18 +28,18 @@ CONFIG = ModelConfig.from_hf(
         }
     )
 )
-SLOTS = 64
+PAGES = 64
 PROMPT = 11
 
 
 class Rank:
-    """One rank's pools, holding its shard of an attention group of ``size``."""
+    """One rank's pools (pages of ``page_size`` tokens), holding its shard of an attention group of ``size``."""
 
-    def __init__(self, rank: int, size: int, fill: float) -> None:
+    def __init__(self, rank: int, size: int, fill: float, page_size: int = 1) -> None:
         local = CONFIG.attention_shard(size)
         self.pools = ModelPools(
-            ReqToTokenPool(2, 32, "cpu"),
-            TokenKVPool(local, SLOTS, torch.float32, "cpu"),
+            ReqToTokenPool(2, 32, page_size, "cpu"),
+            TokenKVPool(local, PAGES, page_size, torch.float32, "cpu"),
             LinearStatePool(local, 4, torch.float32, "cpu"),
             {i: n for n, i in enumerate(CONFIG.full_attention_layers)},
             {i: n for n, i in enumerate(CONFIG.linear_attention_layers)},
@@ -51,8 +51,12 @@ class Rank:
         self.layout = PoolLayout.of(f"rank{rank}:0", self.pools, meta, extras, self.shard)
 
     def _buffers(self) -> list[torch.Tensor]:
-        kv, states = self.pools.kv, self.pools.states
-        return kv.k_buffers + kv.v_buffers + states.conv_states + states.ssm_states
+        states = self.pools.states
+        return [self.pools.kv.buffer, states.conv_buffer, states.ssm_buffer]
+
+    def slots(self, pages: list[int]) -> list[int]:
+        size = self.pools.page_size
+        return [pages[p // size] * size + p % size for p in range(PROMPT)]
 
     def write(self, full: dict, slots: list[int], state: int) -> None:
         for name, buffers in self._views().items():
@@ -120,19 +124,25 @@ def _apply(blocks: tuple[list[int], list[int], list[int]]) -> int:
 @pytest.mark.parametrize(
     "prefill_size,decode_size", [(1, 1), (2, 2), (1, 2), (2, 1), (1, 4), (4, 2), (4, 1)]
 )
-def test_every_decode_rank_gets_exactly_its_heads(prefill_size: int, decode_size: int) -> None:
+@pytest.mark.parametrize("page_sizes", [(1, 1), (4, 2)], ids=["pages1", "pages4-2"])
+def test_every_decode_rank_gets_exactly_its_heads(
+    prefill_size: int, decode_size: int, page_sizes: tuple[int, int]
+) -> None:
     full = _full_request()
-    src_slots = [3, 4, 5, 9, 10, 20, 21, 22, 23, 40, 41]  # runs of different lengths
-    dst_slots = [7, 8, 9, 10, 30, 31, 32, 50, 51, 52, 60]
+    src_size, dst_size = page_sizes
+    # pages with gaps on both sides, so the runs differ in length
+    src_pages = [3, 4, 9, 10, 20, 21, 22, 23, 40, 41, 42][: -(-PROMPT // src_size)]
+    dst_pages = [7, 8, 9, 10, 30, 31, 32, 50, 51, 52, 60][: -(-PROMPT // dst_size)]
     src_state, dst_state = 2, 3
-    prefill = [Rank(r, prefill_size, fill=0.0) for r in range(prefill_size)]
-    decode = [Rank(r, decode_size, fill=float("nan")) for r in range(decode_size)]
+    prefill = [Rank(r, prefill_size, 0.0, src_size) for r in range(prefill_size)]
+    decode = [Rank(r, decode_size, float("nan"), dst_size) for r in range(decode_size)]
+    src_slots, dst_slots = prefill[0].slots(src_pages), decode[0].slots(dst_pages)
     for rank in prefill:
         rank.write(full, src_slots, src_state)
     for src in prefill:
         for dst in decode:
             blocks = request_blocks(
-                src.layout, dst.layout, src_slots, dst_slots, src_state, dst_state
+                src.layout, dst.layout, src_pages, dst_pages, PROMPT, src_state, dst_state
             )
             _apply(blocks)
     for dst in decode:
@@ -141,28 +151,24 @@ def test_every_decode_rank_gets_exactly_its_heads(prefill_size: int, decode_size
             for g, w in zip(got[name], want[name]):
                 assert torch.equal(g, w), (name, dst.shard)
         # nothing outside the request's slots and state slot was written
-        untouched = [s for s in range(SLOTS + 1) if s not in dst_slots]
-        assert all(
-            b[untouched].isnan().all() for b in dst.pools.kv.k_buffers + dst.pools.kv.v_buffers
-        )
-        states = dst.pools.states
-        others = [s for s in range(states.conv_states[0].shape[0]) if s != dst_state]
-        assert all(b[others].isnan().all() for b in states.conv_states + states.ssm_states)
+        kv, states = dst.pools.kv.buffer, dst.pools.states
+        untouched = [s for s in range(kv.shape[0]) if s not in dst_slots]
+        assert kv[untouched].isnan().all()
+        others = [s for s in range(states.conv_buffer.shape[0]) if s != dst_state]
+        assert states.conv_buffer[others].isnan().all() and states.ssm_buffer[others].isnan().all()
 
 
 def test_whole_rows_coalesce_and_sliced_heads_go_token_by_token() -> None:
-    src_slots, dst_slots = list(range(1, 9)), list(range(11, 19))  # one run on both sides
-    same = request_blocks(
-        Rank(0, 1, 0.0).layout, Rank(0, 1, 0.0).layout, src_slots, dst_slots, 1, 1
-    )
+    pages = list(range(1, PROMPT + 1))  # one run on both sides
+    one, other = Rank(0, 1, 0.0), Rank(1, 2, 0.0)
+    same = request_blocks(one.layout, one.layout, pages, pages, PROMPT, 1, 1)
+    # every layer's K and V of the run one block; each state kind of every GDN layer one block
+    assert len(same[0]) == 3
+    sliced = request_blocks(one.layout, other.layout, pages, pages, PROMPT, 1, 1)
     n_attn, n_gdn = len(CONFIG.full_attention_layers), len(CONFIG.linear_attention_layers)
-    # K and V one block per layer; each GDN layer's conv row and recurrent state one block each
-    assert len(same[0]) == 2 * n_attn + 2 * n_gdn
-    sliced = request_blocks(
-        Rank(0, 1, 0.0).layout, Rank(1, 2, 0.0).layout, src_slots, dst_slots, 1, 1
-    )
-    # one KV head of two, per token; the conv state's q, k and v parts and the recurrent state apart
-    assert len(sliced[0]) == 2 * n_attn * len(src_slots) + 4 * n_gdn
+    # one KV head of two, per token and layer, K and V apart; per GDN layer the conv state's q, k and v parts and
+    # the recurrent state
+    assert len(sliced[0]) == 2 * n_attn * PROMPT + 4 * n_gdn
 
 
 def test_replicated_kv_heads_are_sent_once() -> None:
@@ -177,7 +183,7 @@ def test_replicated_kv_heads_are_sent_once() -> None:
         False,
     ]
     written = sum(
-        sum(request_blocks(Rank(r, 4, 0.0).layout, decode.layout, slots, slots, 1, 1)[2])
+        sum(request_blocks(Rank(r, 4, 0.0).layout, decode.layout, slots, slots, 3, 1, 1)[2])
         for r in range(4)
     )
     held = sum(t.numel() * 4 for ts in decode.read(slots, 1).values() for t in ts)

@@ -1,35 +1,113 @@
-"""PD transport pieces without a second server: slots come back in runs, runs become few blocks, and a transfer
-of many blocks goes out in batches the TCP transport accepts."""
+"""PD transport pieces without a second server: KV pages come in runs, runs on both sides become few blocks (KV and
+states alike, whatever the page sizes of the two sides), a transfer of many blocks goes out in batches the TCP
+transport accepts, and the transfer figures are moving averages and histograms."""
 
 from __future__ import annotations
 
-from sglang_lite.disaggregation.layout import HeadRange, PoolLayout, PoolShard, request_blocks
-from sglang_lite.disaggregation.transfer import MAX_BATCH_BLOCKS, MooncakeTransfer, TransferStats
-from sglang_lite.mem_cache.pools import SlotAllocator
+from pathlib import Path
+
+import pytest
+import torch
+
+import sglang_lite
+from sglang_lite.config import ModelConfig
+from sglang_lite.disaggregation.layout import (
+    HeadRange,
+    PoolLayout,
+    PoolShard,
+    Region,
+    request_blocks,
+    slot_runs,
+)
+from sglang_lite.disaggregation.transfer import (
+    LATENCY_BUCKETS_S,
+    MAX_BATCH_BLOCKS,
+    RECENT_TRANSFERS,
+    MooncakeTransfer,
+    TransferStats,
+)
+from sglang_lite.mem_cache.allocator import PageAllocator
+from sglang_lite.mem_cache.pools import ModelPools
+
+TINY = Path(sglang_lite.__file__).parent / "assets" / "tiny_qwen3_5_moe"
 
 
-def test_freed_slots_come_back_ascending():
-    allocator = SlotAllocator(64, "kv")
-    first = allocator.alloc(40)
-    assert first == list(range(1, 41))
-    allocator.free(first)
-    again = allocator.alloc(40)
-    assert again == sorted(again) and again[-1] - again[0] == 39  # one run, not 40 single slots
+def test_pages_come_in_runs_and_a_growing_request_keeps_its_run():
+    allocator = PageAllocator(64, "kv")
+    first = allocator.alloc(10)
+    assert first == list(range(1, 11))
+    other = allocator.alloc(3)
+    allocator.free(first[2:6])  # a hole of 4 pages
+    assert allocator.alloc(5) == list(range(14, 19))  # the first run long enough, not the hole
+    assert allocator.alloc(2, after=other[-1]) == [3, 4]  # busy after 13: the first fit, the hole
+    assert allocator.alloc(2, after=4) == [5, 6]  # right after page 4, where that request grows
+    assert allocator.alloc(1, after=18) == [19]
+    assert allocator.alloc(1, after=13) == [20]  # 14 is taken: the lowest free page
 
 
-def test_request_blocks_coalesce_runs_on_both_sides():
-    # one rank each side: one KV head of 8 bytes, one GDN key head (q and k: 4 + 4 conv bytes), one value head
-    # (8 conv bytes, 32 recurrent-state bytes)
-    whole = HeadRange(0, 1)
-    shard = PoolShard(whole, True, whole, whole, 8, 4, 8, 32)
-    src = PoolLayout("a:1", [(1000, 5000, 8)], [(9000, 16, 9500, 32)], (0, 32), (0, 0), shard)
-    dst = PoolLayout("b:2", [(2000, 6000, 8)], [(7000, 16, 7500, 32)], (0, 32), (0, 0), shard)
-    sources, targets, lengths = request_blocks(src, dst, [3, 4, 5, 9], [10, 11, 12, 13], 2, 5)
-    # K of the run 3-5 -> 10-12 and of slot 9 -> 13, the same for V, then the conv row (q, k and v parts merge)
-    # and the recurrent state of the state slots
-    assert sources == [1024, 1072, 5024, 5072, 9032, 9564]
-    assert targets == [2080, 2104, 6080, 6104, 7080, 7660]
-    assert lengths == [24, 8, 24, 8, 16, 32]
+def test_a_fragmented_pool_gives_the_fewest_runs():
+    allocator = PageAllocator(12, "kv")
+    allocator.alloc(12)
+    allocator.free([2, 3, 5, 8, 9, 10])  # runs of 2, 1 and 3
+    pages = allocator.alloc(5)
+    assert pages == [2, 3, 8, 9, 10]  # the two longest runs
+    assert allocator.num_free == 1 and allocator.alloc(2) is None and allocator.num_free == 1
+
+
+def test_slot_runs_follow_pages_on_both_sides():
+    # 10 positions; pages of 4 on one side (pages 5, 6, 9) and of 2 on the other (pages 20-24)
+    runs = slot_runs([5, 6, 9], 4, [20, 21, 22, 23, 24], 2, 10)
+    assert runs == [(20, 40, 8), (36, 48, 2)]  # pages 5-6 are adjacent, 9 is not
+    assert slot_runs([3, 4, 5], 1, [7, 8, 10], 1, 3) == [(3, 7, 2), (5, 10, 1)]
+
+
+# one rank of one on each side: one layer of each kind, one KV head of 4 bytes (K and V: 8 bytes a slot), one GDN
+# key head (q and k: 4 + 4 conv bytes) and one value head (8 conv bytes: a 16-byte conv row)
+ONE = HeadRange(0, 1)
+WHOLE = PoolShard(ONE, True, ONE, ONE, 4, 4, 8, 32, attention_layers=1, gdn_layers=1)
+
+
+def layout(session: str, page_size: int, kv: list[Region], states: list[Region]) -> PoolLayout:
+    return PoolLayout(session, page_size, kv, states, (0, 32), (0, 0), WHOLE)
+
+
+def test_request_blocks_write_a_run_and_each_state_kind_as_one_block():
+    src = layout("a:1", 4, [Region(1000, 8, 8)], [Region(9000, 16, 16)])
+    dst = layout("b:2", 4, [Region(2000, 8, 8)], [Region(7000, 16, 16)])
+    sources, targets, lengths = request_blocks(src, dst, [1, 2, 7], [3, 4, 5], 10, 2, 5)
+    # positions 0-7 in pages 1-2 -> 3-4 (one run), 8-9 in page 7 -> 5, then the state slot 2 -> 5
+    assert sources == [1000 + 4 * 8, 1000 + 28 * 8, 9000 + 2 * 16]
+    assert targets == [2000 + 12 * 8, 2000 + 20 * 8, 7000 + 5 * 16]
+    assert lengths == [8 * 8, 2 * 8, 16]
+
+
+def test_a_region_holding_part_of_each_slot_is_written_slot_by_slot():
+    """A region whose rows are a part of each slot's bytes (row < stride) is not contiguous over a run."""
+    src = layout("a:1", 1, [Region(1000, 32, 8)], [])
+    dst = layout("b:2", 1, [Region(2000, 32, 8)], [])
+    assert request_blocks(src, dst, [4, 5], [9, 10], 2, 0, 0) == (
+        [1000 + 4 * 32, 1000 + 5 * 32],
+        [2000 + 9 * 32, 2000 + 10 * 32],
+        [8, 8],
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_pools_layout_gives_one_kv_block_per_run_and_two_state_blocks(page_size):
+    """The real pools: every layer's K and V of a slot are one region, every GDN layer's conv states of a state
+    slot one, the recurrent states another; a request on one run of pages moves as three blocks."""
+    config = ModelConfig.from_hf(TINY)
+    pools = ModelPools.create(config, 256, 2, 128, torch.float32, "cpu", page_size=page_size)
+    meta, extras = torch.zeros(3, 4, dtype=torch.int64), torch.zeros(8, dtype=torch.uint8)
+    shard = PoolShard.of(config, 0, 1, torch.float32)
+    pool_layout = PoolLayout.of("a:1", pools, meta, extras, shard)
+    assert PoolLayout.from_dict(pool_layout.to_dict()) == pool_layout
+    assert [r.row for r in pool_layout.kv] == [ModelPools.bytes_per_token(config, torch.float32)]
+    state_bytes = sum(r.row for r in pool_layout.states)
+    assert state_bytes == ModelPools.bytes_per_request_state(config, torch.float32)
+    pages = pools.kv.allocator.alloc(-(-100 // page_size))
+    blocks = request_blocks(pool_layout, pool_layout, pages, pages, 100, 1, 2)
+    assert len(blocks[0]) == 3 and sum(blocks[2]) == 100 * pool_layout.kv[0].row + state_bytes
 
 
 class RecordingEngine:
@@ -43,10 +121,51 @@ class RecordingEngine:
 
 
 def test_large_transfers_are_split_into_accepted_batches():
-    transfer = MooncakeTransfer.__new__(
-        MooncakeTransfer
-    )  # the batching logic only, no engine to start
-    transfer.engine, transfer.stats = RecordingEngine(), TransferStats()
+    transfer = MooncakeTransfer.__new__(MooncakeTransfer)  # the batching only, no engine to start
+    transfer.engine = RecordingEngine()
     n = 2 * MAX_BATCH_BLOCKS + 7
     assert transfer.write("peer:1", list(range(n)), list(range(n)), [4] * n) == 4 * n
     assert transfer.engine.batches == [MAX_BATCH_BLOCKS, MAX_BATCH_BLOCKS, 7]
+    transfer.write("peer:1", [1, 2, 3], [4, 5, 6], [8, 8, 8])
+    assert transfer.engine.batches[-1] == 3  # a request's few blocks: one batch
+
+
+def test_transfer_figures_are_moving_averages_and_histograms():
+    stats = TransferStats()
+    stats.record(1_000_000, 0.5)  # an old slow one
+    for _ in range(RECENT_TRANSFERS):
+        stats.record(2_000_000, 0.001)
+    assert stats.latency_ms == pytest.approx(1.0)
+    assert stats.speed_gb_s == pytest.approx(2.0)
+    assert stats.transfers == RECENT_TRANSFERS + 1
+    assert stats.seconds == pytest.approx(0.5 + RECENT_TRANSFERS * 0.001)
+    assert sum(stats.latency_counts) == sum(stats.size_counts) == stats.transfers
+    assert stats.latency_counts[LATENCY_BUCKETS_S.index(0.001)] == RECENT_TRANSFERS
+
+
+def test_metrics_render_the_transfer_histograms_of_each_rank():
+    from sglang_lite.server.metrics import ServerMetrics
+
+    stats = TransferStats()
+    for seconds, nbytes in ((0.0008, 500_000), (0.004, 600_000), (0.2, 3_000_000)):
+        stats.record(nbytes, seconds)
+    pd = {
+        "kv_transfer_latency_counts": stats.latency_counts,
+        "kv_transfer_size_counts": stats.size_counts,
+        "kv_transfer_seconds_total": stats.seconds,
+        "kv_transfer_bytes_total": stats.bytes,
+    }
+    load = {"dp_rank": 1, "disaggregation": pd}
+    idle = {
+        "dp_rank": 0,
+        "disaggregation": {"kv_transfer_latency_counts": [], "kv_transfer_size_counts": []},
+    }
+    text = ServerMetrics()._histograms([idle, load])
+    name = "sglang_lite_kv_transfer_latency_seconds"
+    assert f'{name}_bucket{{dp_rank="1",le="0.001"}} 1' in text
+    assert f'{name}_bucket{{dp_rank="1",le="0.005"}} 2' in text
+    assert f'{name}_bucket{{dp_rank="1",le="+Inf"}} 3' in text
+    assert f'{name}_count{{dp_rank="1"}} 3' in text and 'dp_rank="0"' not in text
+    size = "sglang_lite_kv_transfer_size_bytes"
+    assert f'{size}_bucket{{dp_rank="1",le="{2**20}"}} 2' in text
+    assert f'{size}_sum{{dp_rank="1"}} 4100000' in text

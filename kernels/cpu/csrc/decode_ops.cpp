@@ -301,8 +301,8 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
 // Per (request, KV head): its keys and values are gathered into contiguous rows, then scores = (scale q) K^T and
 // out = softmax(scores) V run as two small blocked matmuls over the group's query heads.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                            const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& page_table, const at::Tensor& req_pool_indices,
+                            const at::Tensor& seq_lens, double scale, int64_t page_size) {
   check_float(q, "q", 3);
   check_float(k_cache, "k_cache", 3);
   check_float(v_cache, "v_cache", 3);
@@ -310,31 +310,33 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == hd && heads % kv_heads == 0,
               "k_cache and v_cache must be [N, KV, ", hd, "] with KV dividing ", heads, " heads, got ",
               k_cache.sizes(), " and ", v_cache.sizes());
-  TORCH_CHECK(req_to_token.dim() == 2 && req_to_token.stride(1) == 1 &&
-                  (req_to_token.scalar_type() == at::kLong || req_to_token.scalar_type() == at::kInt),
-              "req_to_token must be an int32 or int64 [R, C] tensor, contiguous in its rows");
+  TORCH_CHECK(page_table.dim() == 2 && page_table.stride(1) == 1 &&
+                  (page_table.scalar_type() == at::kLong || page_table.scalar_type() == at::kInt),
+              "page_table must be an int32 or int64 [R, C] tensor, contiguous in its rows");
+  TORCH_CHECK(page_size >= 1, "page_size must be >= 1, got ", page_size);
   Index rows(req_pool_indices, "req_pool_indices"), lens(seq_lens, "seq_lens");
   TORCH_CHECK(req_pool_indices.numel() == batch && seq_lens.numel() == batch,
               "req_pool_indices and seq_lens must hold one entry per query");
-  const int64_t pool = k_cache.size(0), context = req_to_token.size(1);
-  check_slots(rows, batch, req_to_token.size(0), "req_pool_indices");
+  const int64_t pool = k_cache.size(0), context = page_table.size(1) * page_size;
+  check_slots(rows, batch, page_table.size(0), "req_pool_indices");
   int64_t longest = 0;
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= context, "seq_lens[", b, "] = ", lens[b], " must be in [1, ", context, "]");
     longest = std::max(longest, lens[b]);
   }
-  const bool wide = req_to_token.scalar_type() == at::kLong;
-  const void* table = req_to_token.data_ptr();
-  const int64_t table_row = req_to_token.stride(0);
-  auto slot_of = [&](int64_t row, int64_t t) {
-    const int64_t at = row * table_row + t;
-    return wide ? static_cast<const int64_t*>(table)[at] : int64_t(static_cast<const int32_t*>(table)[at]);
+  const bool wide = page_table.scalar_type() == at::kLong;
+  const void* table = page_table.data_ptr();
+  const int64_t table_row = page_table.stride(0);
+  auto slot_of = [&](int64_t row, int64_t t) {  // position t: offset t % page_size of page t / page_size
+    const int64_t at = row * table_row + t / page_size;
+    const int64_t page = wide ? static_cast<const int64_t*>(table)[at] : int64_t(static_cast<const int32_t*>(table)[at]);
+    return page * page_size + t % page_size;
   };
   for (int64_t b = 0; b < batch; ++b) {  // a bad slot would read outside the pool
     for (int64_t t = 0; t < lens[b]; ++t) {
       const int64_t slot = slot_of(rows[b], t);
-      TORCH_CHECK(slot >= 0 && slot < pool, "req_to_token[", rows[b], ", ", t, "] = ", slot,
-                  " is outside the KV pool of ", pool, " slots");
+      TORCH_CHECK(slot >= 0 && slot < pool, "page_table[", rows[b], ", ", t / page_size, "] puts position ", t,
+                  " in slot ", slot, ", outside the KV pool of ", pool, " slots");
     }
   }
   at::Tensor out = at::empty({batch, heads, hd}, q.options());
@@ -619,8 +621,8 @@ TORCH_LIBRARY(sglang_lite_cpu, m) {
         "Tensor state_indices, float scale, bool use_qk_l2norm) -> Tensor");
   m.def("gemma_rmsnorm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("gated_rmsnorm(Tensor o, Tensor z, Tensor weight, float eps) -> Tensor");
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor req_pool_indices, "
-        "Tensor seq_lens, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor req_pool_indices, "
+        "Tensor seq_lens, float scale, int page_size) -> Tensor");
   m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor weight) -> Tensor");
   m.def("moe_route(Tensor router_logits, Tensor? shared_logits, int top_k, bool renormalize, int shared_id) "

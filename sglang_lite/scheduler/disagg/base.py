@@ -145,8 +145,7 @@ class NullSide:
 
 
 def _pool_buffers(pools: ModelPools) -> list[torch.Tensor]:
-    kv = pools.kv.k_buffers + pools.kv.v_buffers
-    return kv + pools.states.conv_states + pools.states.ssm_states
+    return [pools.kv.buffer, pools.states.conv_buffer, pools.states.ssm_buffer]
 
 
 class AttentionGroup:
@@ -204,6 +203,7 @@ class TransferSide:
         self.group = group
         rows = pools.states.allocator.size + 1
         self.meta = torch.zeros(rows, MAX_SOURCES, META_FIELDS, dtype=torch.int64)
+        self._meta_rows = self.meta.numpy()  # the same memory, written without torch's dispatch
         self.extras = ExtrasArea(extras_bytes)
         transfer.register([*_pool_buffers(pools), self.meta, self.extras.buffer])
         self.layout = PoolLayout.of(
@@ -247,12 +247,16 @@ class TransferSide:
     def on_prefilled(self, req: Req, token: int) -> bool:
         return False
 
-    def transfer_figures(self) -> dict[str, float]:
+    def transfer_figures(self, in_flight: int) -> dict[str, Any]:
+        """The transfers' figures of the loads: moving averages over the recent ones, totals, histograms."""
         stats = self.transfer.stats
         return {
-            "kv_transfer_speed_gb_s": stats.last_speed_gb_s,
-            "kv_transfer_latency_ms": stats.last_latency_ms,
+            "kv_transfer_speed_gb_s": stats.speed_gb_s,
+            "kv_transfer_latency_ms": stats.latency_ms,
+            "kv_transfers_in_flight": in_flight,
             "kv_transfer_bytes_total": stats.bytes,
             "kv_transfer_seconds_total": stats.seconds,
             "kv_transfers_total": stats.transfers,
+            "kv_transfer_latency_counts": list(stats.latency_counts),
+            "kv_transfer_size_counts": list(stats.size_counts),
         }

@@ -68,16 +68,16 @@ class DecodeSide(TransferSide):
         while self.prealloc:
             req = self.prealloc[0]
             n = len(req.input_ids)
-            kv_left = memory.pools.kv.allocator.num_free - self.host.reserved_decode_tokens()
+            kv_left = memory.free_tokens - self.host.reserved_decode_tokens()
             need = extras_size(req.logprob, n)
-            if memory.free_rows == 0 or kv_left < n + 1:
+            if memory.free_rows == 0 or kv_left < memory.page_tokens(n + 1):
                 return
             offset = self.extras.alloc(need)
             if offset is None:
                 return
             self.prealloc.pop(0)
             # penalties and grammars follow its tokens from the first one (the memory's listeners)
-            kv_slots = memory.reserve(req, n)
+            kv_pages = memory.reserve(req, n)
             self.meta[req.state_slot].zero_()
             req.status = ReqStatus.TRANSFERRING
             self.transferring.append(req)
@@ -85,7 +85,7 @@ class DecodeSide(TransferSide):
             self.reserved_extras[req.rid] = (offset, need)
             target = {
                 "layouts": self.group_layouts,
-                "kv_slots": kv_slots,
+                "kv_pages": kv_pages,
                 "state_slot": req.state_slot,
                 "meta_row": req.state_slot,
                 "extras": [offset, need],
@@ -186,7 +186,8 @@ class DecodeSide(TransferSide):
         return {
             "decode_prealloc_queue_reqs": len(self.prealloc),
             "decode_transfer_queue_reqs": len(self.transferring),
-            **self.transfer_figures(),
+            # reserved and awaiting their data (the prefill side's queue and prefill included)
+            **self.transfer_figures(len(self.transferring)),
         }
 
     def take_notices(self) -> list[dict[str, Any]]:

@@ -10,32 +10,48 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from sglang_lite.disaggregation.extras import ExtrasArea, extras_size
 from sglang_lite.disaggregation.extras import encode as encode_extras
-from sglang_lite.disaggregation.layout import MAX_SOURCES, Meta, PoolLayout, request_blocks
+from sglang_lite.disaggregation.layout import (
+    MAX_SOURCES,
+    META_FIELDS,
+    Blocks,
+    Meta,
+    PoolLayout,
+    request_blocks,
+)
 from sglang_lite.scheduler.disagg.base import DONE, FAILED, PENDING, TransferSide
 from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
 
 logger = logging.getLogger(__name__)
 STATUS_RETRIES = 5
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-@dataclass(frozen=True)
-class _Job:
-    """One request's transfer, as the scheduler thread hands it to the transfer thread."""
+class _Write(NamedTuple):
+    """One decode rank's share of a request's transfer."""
 
-    target: dict[str, Any]
-    slots: list[int]  # the request's KV slots here, one per prompt position
-    state_slot: int
+    session: str
+    blocks: Blocks
+    meta: int  # the address of this rank's metadata sub-row there
+    extras: int | None  # where the log-probabilities go there (the group's first rank sends them)
+
+
+class _Job(NamedTuple):
+    """One request's transfer, worked out on the scheduler's thread."""
+
+    writes: list[_Write]
+    slot: int  # the request's state slot: its staging metadata row here
     token: int
     cached: int  # prompt tokens the prefix cache served
-    extras: torch.Tensor | None  # the log-probabilities' bytes (the group's first rank sends them)
+    extras: torch.Tensor | None  # the log-probabilities' bytes
+    refused: Exception | None  # the destination does not fit this rank: only FAILED is written
 
 
 class PrefillSide(TransferSide):
@@ -55,6 +71,11 @@ class PrefillSide(TransferSide):
         self.inflight: list[tuple[Req, concurrent.futures.Future]] = []
         self.aborted: set[str] = set()  # inflight requests aborted meanwhile
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
+        # The transfer thread needs the GIL to start a write and to return from it, and the forward's Python holds
+        # it: a waiting thread gets it after the switch interval (5 ms by default), which a write then takes
+        # several times over (docs/pd.md measures it). The interval matters only while another thread waits for
+        # the GIL, so a shorter one costs the forward a handoff per write, not a slice of every step.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
     # ---- queues ------------------------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -77,60 +98,67 @@ class PrefillSide(TransferSide):
 
     def on_prefilled(self, req: Req, token: int) -> bool:
         """The prompt is computed and its first token sampled: both are written to the decode rank instead of
-        decoding here (not for a re-prefill after a retraction, which has no room)."""
+        decoding here (not for a re-prefill after a retraction, which has no room). The token is appended when the
+        write is done (one that ended the request would free its memory while the transfer thread reads it). The
+        blocks are worked out here, so that the transfer thread runs little Python (each return to Python waits
+        for the GIL, which the forward holds)."""
         if req.bootstrap_room is None:
             return False
         req.status = ReqStatus.TRANSFERRING
-        prompt_len = len(req.input_ids)
-        sends_extras = self.group.rank == 0 and extras_size(req.logprob, prompt_len)
-        job = _Job(
-            req.transfer_target,
-            self.memory.slots_of(req, prompt_len),
-            req.state_slot,
-            token,
-            req.prompt_tokens_from_cache,
-            # taken now: the request's own output takes the entries later
-            encode_extras(req.logprob_record.entries, req.logprob, prompt_len)
-            if sends_extras
-            else None,
-        )
+        n = len(req.input_ids)
+        sends_extras = self.group.rank == 0 and extras_size(req.logprob, n)
+        # taken now: the request's own output takes the entries later
+        extras = encode_extras(req.logprob_record.entries, req.logprob, n) if sends_extras else None
+        layouts = [PoolLayout.from_dict(d) for d in req.transfer_target["layouts"]]
+        refused = None
+        try:
+            writes = [self._write_of(req, dst, extras is not None) for dst in layouts]
+        except Exception as error:  # the destination does not fit this rank: the write fails
+            refused = error
+            writes = [self._write_of(req, dst, False, data=False) for dst in layouts]
+        job = _Job(writes, req.state_slot, token, req.prompt_tokens_from_cache, extras, refused)
         self.inflight.append((req, self._executor.submit(self._send, job)))
         return True
 
-    # ---- the transfer thread -----------------------------------------------------------------------------------
-    def _send(self, job: _Job) -> int:
-        """The data into every decode rank of the group, then this rank's metadata sub-row in each; returns the
-        first token."""
-        layouts = [PoolLayout.from_dict(d) for d in job.target["layouts"]]
-        try:
-            start = time.perf_counter()
-            sent = [self._write_data(job, dst) for dst in layouts]
-            nanos = int((time.perf_counter() - start) * 1e9)
-        except Exception:
-            for dst in layouts:
-                self._write_meta(job, dst, FAILED, 0, 0, retries=STATUS_RETRIES)
-            raise
-        self.transfer.stats.record(sum(sent), nanos / 1e9)
-        for dst, nbytes in zip(layouts, sent):
-            self._write_meta(job, dst, DONE, nbytes, nanos)
-        return job.token
-
-    def _write_data(self, job: _Job, dst: PoolLayout) -> int:
+    def _write_of(self, req: Req, dst: PoolLayout, extras: bool, data: bool = True) -> _Write:
+        target = req.transfer_target
+        meta = dst.meta_address(target["meta_row"], self.group.rank)
+        where = dst.extras[0] + target["extras"][0] if extras else None
+        if not data:
+            return _Write(dst.session, ([], [], []), meta, None)
         self.layout.check_matches(dst)
-        target = job.target
-        sources, targets, lengths = request_blocks(
-            self.layout, dst, job.slots, target["kv_slots"], job.state_slot, target["state_slot"]
+        n = len(req.input_ids)
+        pages = self.memory.pages_of(req, n)
+        blocks = request_blocks(
+            self.layout, dst, pages, target["kv_pages"], n, req.state_slot, target["state_slot"]
         )
-        if job.extras is not None:
-            offset, size = target["extras"]
-            assert job.extras.numel() == size, (
-                "the two sides size the log-probabilities differently"
-            )
-            local = self._stage(job.extras)
-            sources.append(local)
-            targets.append(dst.extras[0] + offset)
-            lengths.append(size)
-        return self.transfer.write(dst.session, sources, targets, lengths)
+        return _Write(dst.session, blocks, meta, where)
+
+    # ---- the transfer thread -----------------------------------------------------------------------------------
+    def _send(self, job: _Job) -> tuple[int, int, float]:
+        """The data into every decode rank of the group, then this rank's metadata sub-row in each; returns the
+        first token, and the bytes and seconds of the data."""
+        try:
+            if job.refused is not None:
+                raise job.refused
+            start = time.perf_counter()
+            sent = [self._write_data(job, write) for write in job.writes]
+            seconds = time.perf_counter() - start
+        except Exception:
+            for write in job.writes:
+                self._write_meta(job, write, (FAILED, 0, 0), retries=STATUS_RETRIES)
+            raise
+        for write, nbytes in zip(job.writes, sent):
+            self._write_meta(job, write, (DONE, nbytes, int(seconds * 1e9)))
+        return job.token, sum(sent), seconds
+
+    def _write_data(self, job: _Job, write: _Write) -> int:
+        sources, targets, lengths = (list(x) for x in write.blocks)
+        if write.extras is not None:
+            sources.append(self._stage(job.extras))
+            targets.append(write.extras)
+            lengths.append(job.extras.numel())
+        return self.transfer.write(write.session, sources, targets, lengths)
 
     def _stage(self, data: torch.Tensor) -> int:
         """``data`` in this rank's registered extras area (one transfer at a time uses it); its address."""
@@ -142,24 +170,18 @@ class PrefillSide(TransferSide):
         return self.extras.buffer.data_ptr()
 
     def _write_meta(
-        self, job: _Job, dst: PoolLayout, status: int, nbytes: int, nanos: int, retries: int = 1
+        self, job: _Job, write: _Write, outcome: tuple[int, int, int], retries: int = 1
     ) -> None:
-        row = self.meta[job.state_slot, 0]  # staging: this rank's sub-row as written there
-        row.zero_()
-        values = {
-            Meta.TOKEN: job.token,
-            Meta.BYTES: nbytes,
-            Meta.NANOS: nanos,
-            Meta.SOURCES: self.group.size,
-            Meta.CACHED: job.cached,
-            Meta.STATUS: status,
-        }
-        for field, value in values.items():
-            row[field] = value
-        address = dst.meta_address(job.target["meta_row"], self.group.rank)
+        """This rank's sub-row (staged in its own row 0 of the request's slot) into the decode rank's."""
+        status, nbytes, nanos = outcome
+        row = self._meta_rows[job.slot, 0]
+        row[:] = 0
+        row[[Meta.TOKEN, Meta.BYTES, Meta.NANOS]] = (job.token, nbytes, nanos)
+        row[[Meta.SOURCES, Meta.CACHED, Meta.STATUS]] = (self.group.size, job.cached, status)
+        source = self.meta[job.slot, 0].data_ptr()
         for attempt in range(retries):  # a write right after a failed batch can fail too: try again
             try:
-                self.transfer.write(dst.session, [row.data_ptr()], [address], [row.numel() * 8])
+                self.transfer.write(write.session, [source], [write.meta], [META_FIELDS * 8])
                 return
             except Exception:
                 if attempt + 1 == retries:
@@ -193,7 +215,9 @@ class PrefillSide(TransferSide):
             logger.error("KV transfer of %s failed: %s", req.rid, error)
             self.host.end(req, self.failure(f"KV transfer to the decode server failed: {error}"))
         else:
-            self.host.finish_transferred(req, future.result())
+            token, nbytes, seconds = future.result()
+            self.transfer.stats.record(nbytes, seconds)
+            self.host.finish_transferred(req, token)
 
     def _expire(self) -> None:
         """Requests whose destination did not come in time fail; destinations whose request never came go."""
@@ -247,10 +271,11 @@ class PrefillSide(TransferSide):
         return [r for r, _ in self.inflight]
 
     def loads(self) -> dict[str, Any]:
+        writing = sum(1 for _, future in self.inflight if not future.done())
         return {
             "prefill_prealloc_queue_reqs": len(self.bootstrap),
             "prefill_inflight_queue_reqs": len(self.inflight),
-            **self.transfer_figures(),
+            **self.transfer_figures(writing),
         }
 
     def take_notices(self) -> list[dict[str, Any]]:
