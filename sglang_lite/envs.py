@@ -121,6 +121,14 @@ SGLANG_CPU_KERNEL_CACHE = EnvStr(
     "",
     "Where the fused C++ CPU kernels are built (default ~/.cache/sglang_lite/cpu_kernels).",
 )
+SGLANG_CPU_BF16_DOT = EnvChoice(
+    "SGLANG_CPU_BF16_DOT",
+    "auto",
+    ("auto", "widen"),
+    "bf16 weights in the C++ CPU kernels: auto takes AVX512-BF16's vdpbf16ps for two rows or more where the CPU "
+    "has it (activations rounded to bf16); widen widens every weight to float32 in registers, float32 activations "
+    "(the path of CPUs without it).",
+)
 TRITON_INTERPRET = EnvBool(
     "TRITON_INTERPRET",
     False,

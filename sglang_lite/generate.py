@@ -23,7 +23,7 @@ def greedy_generate(
     """Greedy continuation of one prompt; stops at the model's end-of-sequence tokens."""
     device = model.lm_head.weight.device
     total = len(prompt_ids) + max_new_tokens
-    pools = ModelPools.create(model.config, total, 1, total, model.lm_head.weight.dtype, device)
+    pools = ModelPools.create(model.config, total, 1, total, model.compute_dtype, device)
     memory = RequestMemory(pools)
     holding = Holding(list(prompt_ids))
     memory.admit(holding)

@@ -35,10 +35,12 @@ _HELP = {
     "tokenizer_path": "Tokenizer folder (or hub id); defaults to the model folder.",
     "revision": "Hub revision (branch, tag or commit) when model_path is a Hugging Face hub id.",
     "load_format": "auto: read the checkpoint weights; dummy: random weights of the checkpoint's shapes.",
-    "quantization": "fp8: a block-FP8 checkpoint's weights stay FP8 on a GPU (dequantized at load on the CPU), and "
+    "quantization": "fp8: a block-FP8 checkpoint's weights stay FP8 (on the CPU those whose 128-blocks align, read "
+    "by the C++ kernels; the rest dequantized at load), and "
     "a bf16/fp16/fp32 checkpoint is quantized at load into 128x128 e4m3 blocks (online FP8); none: dequantize an "
     "FP8 checkpoint into --dtype at load; default: what the checkpoint's config says.",
-    "dtype": "Weight and activation dtype; auto: the checkpoint's on GPU, float32 on CPU.",
+    "dtype": "Weight and activation dtype; auto: the checkpoint's on GPU; on CPU float32 activations, a bf16 "
+    "checkpoint's weights kept bf16 (read by the C++ kernels).",
     "device": "Torch device to run on.",
     "random_seed": "Seeds the weights of dummy models and the samplers of requests without their own seed.",
     "context_length": "Longest request (prompt + output) in tokens; default: the model's max_position_embeddings.",

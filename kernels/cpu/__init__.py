@@ -19,144 +19,31 @@ why once. ``SGLANG_KERNEL_BACKEND=torch`` turns these kernels off for a run.
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
-import shutil
-import sys
-import threading
 
 import torch
 
 from sglang_lite import envs
 
-logger = logging.getLogger(__name__)
-
-_SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_COMPILED = (
-    "decode_ops.cpp",
-    "prefill_ops.cpp",
-)  # the rest of csrc/ (headers) is included by these
-_LIBRARY = "sglang_lite_cpu_ops"
-# -fopenmp: at::parallel_for's OpenMP region is inlined from the headers; the library it links (libgomp.so.1) is
-# the one torch has already loaded, so both share torch's thread pool.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
-
-_lock = threading.Lock()
-_loaded: bool | None = None  # None: not tried yet
-_error = ""
-
-
-def available() -> bool:
-    """True when the kernels are built and loaded (building them on the first call)."""
-    global _loaded, _error
-    if _loaded is not None:  # asked before every op: no lock once decided
-        return _loaded
-    with _lock:
-        if _loaded is None:
-            try:
-                _build_and_load()
-                _loaded = True
-            except Exception as exc:  # noqa: BLE001 - any build failure means: run the references
-                _loaded, _error = False, f"{type(exc).__name__}: {exc}"
-                logger.warning(
-                    "fused CPU kernels unavailable, the CPU runs the PyTorch references: %s", _error
-                )
-        return _loaded
-
-
-def prepare() -> str:
-    """Build (or load) the kernels now unless a run forces another backend, so that an engine starting on the CPU
-    pays the first build at start rather than in its first request; says which path float32 models will take."""
-    if envs.SGLANG_KERNEL_BACKEND.get() in ("torch", "triton"):
-        return f"off (SGLANG_KERNEL_BACKEND={envs.SGLANG_KERNEL_BACKEND.get()})"
-    return "on" if available() else f"off, the PyTorch references run ({_error})"
-
-
-def require() -> None:
-    """Raise, with the build's reason, when the kernels cannot be built (``SGLANG_KERNEL_BACKEND=native``)."""
-    if not available():
-        raise RuntimeError(f"the fused CPU kernels (kernels/cpu) could not be built: {_error}")
-
-
-def _build_and_load() -> None:
-    from torch.utils import cpp_extension
-
-    _put_ninja_on_path()
-    build_dir = build_directory()
-    sources = stage_sources(build_dir)
-    if not os.path.exists(os.path.join(build_dir, _LIBRARY + ".so")):
-        logger.warning("building the C++ CPU kernels (once, ~30-60 s) into %s", build_dir)
-    cpp_extension.load(
-        name=_LIBRARY,
-        sources=sources,
-        build_directory=build_dir,
-        extra_cflags=_CFLAGS,
-        extra_ldflags=_LDFLAGS,
-        is_python_module=False,
-        verbose=False,
-    )
-
-
-def build_directory(source_dir: str = _SOURCE_DIR) -> str:
-    """The cache folder of the build of ``source_dir``'s sources: named by their content, never by their path."""
-    return os.path.join(_cache_root(), _build_key(source_dir))
-
-
-def stage_sources(build_dir: str, source_dir: str = _SOURCE_DIR) -> list[str]:
-    """Copy the sources into ``build_dir/src`` (once: an unchanged file keeps its mtime, so ninja does not rebuild)
-    and return the paths to compile, which lie in the cache whatever checkout they came from."""
-    staged = os.path.join(build_dir, "src")
-    os.makedirs(staged, exist_ok=True)
-    for name in sorted(os.listdir(source_dir)):
-        target = os.path.join(staged, name)
-        if not os.path.exists(
-            target
-        ):  # the folder's name is the content's hash: a file there is this one
-            partial = f"{target}.{os.getpid()}.tmp"
-            shutil.copyfile(os.path.join(source_dir, name), partial)
-            os.replace(partial, target)  # atomic: a concurrent build sees the whole file or none
-    return [os.path.join(staged, name) for name in _COMPILED]
-
-
-def _cache_root() -> str:
-    configured = envs.SGLANG_CPU_KERNEL_CACHE.get()
-    return configured or os.path.join(
-        os.path.expanduser("~"), ".cache", "sglang_lite", "cpu_kernels"
-    )
-
-
-def _build_key(source_dir: str) -> str:
-    """Sources (headers included, by name and content), flags, the torch installation (its headers and libraries
-    are on the build's command line) and the CPU's features: a build made for another machine, another torch or
-    from other sources is never loaded."""
-    digest = hashlib.sha256()
-    for name in sorted(os.listdir(source_dir)):
-        with open(os.path.join(source_dir, name), "rb") as f:
-            digest.update(name.encode() + f.read())
-    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    digest.update(
-        " ".join(_CFLAGS + _LDFLAGS + [torch.__version__, torch_dir, sys.version]).encode()
-    )
-    digest.update(_cpu_features().encode())
-    return digest.hexdigest()[:16]
-
-
-def _cpu_features() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-
-
-def _put_ninja_on_path() -> None:
-    """cpp_extension runs ``ninja`` from PATH; pip's copy (a dependency) sits beside this Python, which a virtual
-    environment run without activation does not have on PATH."""
-    beside = os.path.dirname(sys.executable)
-    if not shutil.which("ninja") and shutil.which("ninja", path=beside):
-        os.environ["PATH"] = beside + os.pathsep + os.environ.get("PATH", "")
+from .blocks import (  # noqa: F401 - the decode blocks, one call each
+    AttentionHeads,
+    GdnHeads,
+    Norm,
+    Weight,
+    attention_decode_block,
+    gdn_decode_block,
+    mlp_decode_block,
+    moe_decode_block,
+)
+from .build import (  # noqa: F401 - the package's build interface
+    _build_and_load,
+    available,
+    build_directory,
+    enabled,
+    prepare,
+    require,
+    stage_sources,
+)
 
 
 def _ops():
@@ -320,29 +207,65 @@ def decode_attention(
     )
 
 
-# Where the fused linear beats MKL (the figures: docs/performance.md). An [in, out] weight: from 1 to a few hundred
-# rows at every width from 16 columns on; at thousands of rows the two are even, and on a weight of fewer than 16
-# columns MKL wins (it parallelises over the rows, the kernel over the columns). An [out, in] weight (a tied LM head,
-# which is the embedding): up to 16 rows.
+# Where the fused linear beats MKL on float32 weights (the figures: docs/performance.md). An [in, out] weight: from 1
+# to a few hundred rows at every width from 16 columns on; at thousands of rows the two are even, and on a weight of
+# fewer than 16 columns MKL wins (it parallelises over the rows, the kernel over the columns). An [out, in] weight (a
+# tied LM head, which is the embedding): up to 16 rows. bf16 and FP8 weights, which MKL does not take beside float32
+# activations, run here at every size.
 LINEAR_MAX_ROWS = 256
 LINEAR_MAX_ROWS_OUT_IN = 16
 LINEAR_MIN_COLUMNS = 16
+WIDENED_WEIGHTS = (torch.bfloat16, torch.float8_e4m3fn)
+FP8_BLOCK_COLUMNS = 128  # FP8 scale blocks must span a multiple of this many output columns
 
 
-def takes_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The shapes and layouts ``linear`` serves: an [N, K] weight of N >= 16 stored [in, out] and up to
-    LINEAR_MAX_ROWS rows, or stored [out, in] (contiguous) and up to LINEAR_MAX_ROWS_OUT_IN rows."""
-    if weight.dim() != 2 or weight.shape[0] < LINEAR_MIN_COLUMNS:
+def dpbf16() -> bool:
+    """Whether bf16 weights may take vdpbf16ps (``SGLANG_CPU_BF16_DOT``; the kernels ignore it on CPUs without the
+    instruction). Asked for every call: the unset variable is the quick case."""
+    if envs.SGLANG_CPU_BF16_DOT.name not in os.environ:
+        return True
+    return envs.SGLANG_CPU_BF16_DOT.get() == "auto"
+
+
+def has_dpbf16() -> bool:
+    """Whether the kernels were built with AVX512-BF16's vdpbf16ps (the CPU has it)."""
+    return bool(_ops().has_dpbf16())
+
+
+def takes_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> bool:
+    """The shapes and layouts ``linear`` serves: float32 weights [N, K] of N >= 16 stored [in, out] and up to
+    LINEAR_MAX_ROWS rows, or stored [out, in] (contiguous) and up to LINEAR_MAX_ROWS_OUT_IN rows; bf16 weights in
+    either layout at any row count; FP8 weights (with ``scale`` for ``block``) stored [in, out] in scale blocks of a
+    multiple of 128 output columns."""
+    if weight.dim() != 2 or not weight.is_cpu:
         return False
     rows = x.shape[0] if x.dim() == 2 else x.numel() // max(x.shape[-1], 1)
+    if weight.dtype in WIDENED_WEIGHTS:
+        if scale is not None or weight.dtype != torch.bfloat16:
+            input_major = weight.stride(0) == 1 and weight.shape[0] > 1
+            return input_major and block is not None and block[0] % FP8_BLOCK_COLUMNS == 0
+        return weight.stride(0) == 1 or weight.stride(1) == 1
+    if weight.dtype != torch.float32 or weight.shape[0] < LINEAR_MIN_COLUMNS:
+        return False
     if weight.stride(0) == 1:
         return 0 < rows <= LINEAR_MAX_ROWS
     return weight.stride(1) == 1 and 0 < rows <= LINEAR_MAX_ROWS_OUT_IN
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight^T`` for float32 x [M, K] and weight [N, K] as ``takes_linear`` accepts them."""
-    return _ops().linear_rows(_last_dim_contiguous(x), weight)
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """``x @ weight^T`` for float32 x [M, K] and weight [N, K] as ``takes_linear`` accepts them (an FP8 weight
+    times its block scales)."""
+    return _ops().linear_rows(_last_dim_contiguous(x), weight, scale, block or [], dpbf16())
 
 
 def moe_route(
@@ -364,21 +287,35 @@ def moe_route(
 MOE_CHUNK_TOKENS = 1024
 
 
+def takes_moe(w13: torch.Tensor, block: tuple[int, int] | None = None) -> bool:
+    """Experts ``fused_moe`` serves: float32 or bf16 in either layout; FP8 stored [in, out] in scale blocks of a
+    multiple of 128 output columns."""
+    if w13.dtype in (torch.float32, torch.bfloat16):
+        return True
+    input_major = w13.dtype == torch.float8_e4m3fn and w13.stride(1) == 1
+    return input_major and block is not None and block[0] % FP8_BLOCK_COLUMNS == 0
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """As ``moe.naive.fused_moe`` for float32 x and experts, in either weight layout."""
+    """As ``moe.naive.fused_moe`` for float32 x and experts as ``takes_moe`` accepts them; FP8 experts are
+    multiplied by their block scales in registers (x stays float32)."""
     x = _last_dim_contiguous(x)
     topk_weights = _float(topk_weights)
     topk_ids = topk_ids.contiguous()
+    extra = (w13_scale, w2_scale, block or [], dpbf16())
     if x.shape[0] <= MOE_CHUNK_TOKENS:
-        return _ops().fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return _ops().fused_moe(x, w13, w2, topk_weights, topk_ids, *extra)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     for start in range(0, x.shape[0], MOE_CHUNK_TOKENS):
         rows = slice(start, start + MOE_CHUNK_TOKENS)
-        out[rows] = _ops().fused_moe(x[rows], w13, w2, topk_weights[rows], topk_ids[rows])
+        out[rows] = _ops().fused_moe(x[rows], w13, w2, topk_weights[rows], topk_ids[rows], *extra)
     return out

@@ -1,11 +1,11 @@
-"""Bias-free linear layers: ``x @ weight^T``.
+"""Bias-free linear layers: ``x @ weight^T``, the weight float32, bf16, or FP8 with block scales.
 
-On the CPU, float32 inputs of a few rows (decode batches, short prompts) take the fused C++ kernel
-(``kernels.cpu.takes_linear`` says which): MKL packs the whole weight for each call, which at a few rows keeps it
-far below the GEMM peak, and reads an [out, in] weight far below the memory bandwidth at batch 1
-(docs/performance.md).
+On the CPU, float32 inputs take the fused C++ kernel (``kernels.cpu.takes_linear`` says which): with float32
+weights at a few rows (decode batches, short prompts), where MKL packs the whole weight for each call, which keeps
+it far below the GEMM peak, and reads an [out, in] weight far below the memory bandwidth at batch 1
+(docs/performance.md); with bf16 or FP8 weights at any size, each weight widened to float32 in registers.
 ``model_executor/weight_layout.py`` stores every projection [in, out] for it. Everything else, GPUs included, is
-``F.linear``; ``backend`` forces one (see ``kernels/dispatch.py``).
+``F.linear`` on weights widened to x's dtype first; ``backend`` forces one (see ``kernels/dispatch.py``).
 """
 
 from __future__ import annotations
@@ -17,13 +17,24 @@ from ..dispatch import use_native
 from . import naive
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
-    """x [..., K], weight [N, K] -> [..., N]."""
-    if cpu.takes_linear(x, weight) and use_native(x, weight, backend=backend):
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """x [..., K], weight [N, K] -> [..., N] in x's dtype. A weight of another dtype than x's is widened to it (in
+    registers on the CPU); an FP8 weight is ``weight * weight_scale`` over blocks of ``block`` = (bn, bk), with
+    ``weight_scale`` float32 [ceil(N / bn), ceil(K / bk)]: a weight-only dequantisation, x is not quantized (unlike
+    ``w8a8_block_fp8_matmul``)."""
+    if cpu.takes_linear(x, weight, weight_scale, block) and use_native(x, backend=backend):
         if x.dim() == 2:
-            return cpu.linear(x, weight)
-        return cpu.linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
-    return naive.linear(x, weight)
+            return cpu.linear(x, weight, weight_scale, block)
+        flat = cpu.linear(x.reshape(-1, x.shape[-1]), weight, weight_scale, block)
+        return flat.view(*x.shape[:-1], weight.shape[0])
+    return naive.linear(x, weight, weight_scale, block)
 
 
 __all__ = ["linear"]

@@ -56,16 +56,21 @@ def fused_moe(
 ) -> torch.Tensor:
     """``sum_i w_i * down_e(silu(gate_e(x)) * up_e(x))`` over each token's selected experts (any k' columns).
 
-    Block-FP8 experts: w13 [E, 2I, H] and w2 [E, H, I] in an FP8 dtype with float32 scales ``w13_scale``
-    [E, ceil(2I / bn), ceil(H / bk)] and ``w2_scale`` [E, ceil(H / bn), ceil(I / bk)] for ``block`` (bn, bk);
-    activations are quantized per token group of bk columns (see ``kernels/quant``).
+    Experts in another dtype than x's are widened to it (in registers by the CPU's C++ kernel). Block-FP8 experts:
+    w13 [E, 2I, H] and w2 [E, H, I] in an FP8 dtype with float32 scales ``w13_scale`` [E, ceil(2I / bn),
+    ceil(H / bk)] and ``w2_scale`` [E, ceil(H / bn), ceil(I / bk)] for ``block`` (bn, bk). On a GPU and in the
+    reference, activations are quantized per token group of bk columns (see ``kernels/quant``); the CPU's C++ kernel
+    keeps them float32 and dequantizes the weights in registers (the dequantized model's products).
     """
+    native = use_native(x, backend=backend) and cpu.takes_moe(w13, block)
+    if native and w13.dtype == w2.dtype:
+        return cpu.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
     if w13_scale is not None:
         impl = triton_moe_fp8 if use_triton(x, backend) else naive
         fp8 = impl.fused_moe if impl is triton_moe_fp8 else naive.fused_moe_fp8
         return fp8(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
-    if use_native(x, w13, w2, backend=backend):
-        return cpu.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    if w13.dtype != x.dtype:
+        w13, w2 = w13.to(x.dtype), w2.to(x.dtype)
     impl = triton_moe if use_triton(x, backend) else naive
     return impl.fused_moe(x, w13, w2, topk_weights, topk_ids)
 

@@ -12,6 +12,7 @@ from torch import nn
 from sglang_lite.config import ModelConfig
 from sglang_lite.distributed import attn_all_reduce, get_parallel_state
 from sglang_lite.forward_batch import ForwardBatch
+from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.kernels import decode_attention, extend_attention, fused_qk_gemma_rmsnorm, store_kv
 from sglang_lite.layers.linear import (
     Linear,
@@ -20,6 +21,8 @@ from sglang_lite.layers.linear import (
     Split,
     input_columns,
     packed_rows,
+    quant_block,
+    weight_of,
 )
 from sglang_lite.layers.norm import GemmaRMSNorm
 from sglang_lite.layers.rotary import RotaryEmbedding
@@ -77,6 +80,46 @@ class Qwen3_5Attention(nn.Module):
         out = self._attend(q, k, v, batch)
         # gated per head, then heads merged: gate is a strided view, which a merge first would have copied
         return attn_all_reduce(self.o_proj((out * torch.sigmoid(gate)).flatten(1)))
+
+    def prepare_decode_block(self, norm: GemmaRMSNorm) -> None:
+        """Gathers what ``decode_block`` reads: ``norm`` (the layer's input norm) and this mixer's weights as they
+        are laid out now (the runner calls this after ``weight_layout``)."""
+        rotary = self._rotary[0]
+        self._decode_args = (
+            cpu_kernels.Norm(norm.weight, norm.eps),
+            weight_of(self.qkv_proj),
+            (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps),
+            weight_of(self.o_proj),
+            (rotary.cos_sin_cache, rotary.rotary_dim),
+        )
+        self._decode_heads = cpu_kernels.AttentionHeads(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.scale
+        )
+        self._decode_quant = quant_block(self.qkv_proj, self.o_proj)
+
+    def decode_block(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, dpbf16: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input norm and this mixer over a decode batch in one C++ call: (output, residual)."""
+        requests = (
+            batch.pools.req_to_token.page_table,
+            batch.req_pool_indices,
+            batch.seq_lens_t,
+            batch.positions,
+            batch.out_cache_loc,
+        )
+        out, residual = cpu_kernels.attention_decode_block(
+            hidden,
+            residual,
+            *self._decode_args,
+            batch.pools.kv_buffers(self.layer_id),
+            requests,
+            self._decode_heads,
+            batch.pools.page_size,
+            self._decode_quant,
+            dpbf16,
+        )
+        return attn_all_reduce(out), residual
 
     def _qk_norm(
         self, q: torch.Tensor, k: torch.Tensor, ctx: OverlapContext

@@ -21,6 +21,7 @@ from sglang_lite.kernels import (
     fused_gdn_gating,
     fused_recurrent_gated_delta_rule,
 )
+from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.layers.linear import (
     Linear,
     PackedLinear,
@@ -29,8 +30,10 @@ from sglang_lite.layers.linear import (
     Split,
     input_columns,
     packed_rows,
+    quant_block,
+    weight_of,
 )
-from sglang_lite.layers.norm import GatedRMSNorm
+from sglang_lite.layers.norm import GatedRMSNorm, GemmaRMSNorm
 from sglang_lite.streams.runtime import overlap
 
 
@@ -126,6 +129,40 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             )
         o = self.norm(o, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
         return attn_all_reduce(self.out_proj(o.reshape(num_tokens, self.value_dim)))
+
+    def prepare_decode_block(self, norm: GemmaRMSNorm) -> None:
+        """Gathers what ``decode_block`` reads: ``norm`` (the layer's input norm) and this mixer's weights as they
+        are laid out now (the runner calls this after ``weight_layout``)."""
+        self._decode_args = (
+            cpu_kernels.Norm(norm.weight, norm.eps),
+            weight_of(self.in_proj_qkvz),
+            weight_of(self.in_proj_ba),
+            self.conv1d.weight.squeeze(1),
+            self.A_log,
+            self.dt_bias,
+            cpu_kernels.Norm(self.norm.weight, self.norm.eps),
+            weight_of(self.out_proj),
+        )
+        self._decode_heads = cpu_kernels.GdnHeads(
+            self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        )
+        self._decode_quant = quant_block(self.in_proj_qkvz, self.in_proj_ba, self.out_proj)
+
+    def decode_block(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, dpbf16: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input norm and this mixer over a decode batch in one C++ call: (output, residual)."""
+        out, residual = cpu_kernels.gdn_decode_block(
+            hidden,
+            residual,
+            *self._decode_args,
+            batch.pools.state_buffers(self.layer_id),
+            batch.state_slots,
+            self._decode_heads,
+            self._decode_quant,
+            dpbf16,
+        )
+        return attn_all_reduce(out), residual
 
     def _conv(
         self, qkv: torch.Tensor, conv_states: torch.Tensor, batch: ForwardBatch

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from sglang_lite.kernels import linear
+from sglang_lite.kernels.cpu import Weight
 
 
 @dataclass(frozen=True)
@@ -89,3 +90,13 @@ def packed_rows(
 def input_columns(param: str, split: Split, total: int) -> ShardMap:
     """A row-parallel weight [out, in]: this rank reads its columns of the input dimension."""
     return {} if split.parts == 1 else {param: [Shard(param, (), (slice(None), split.rows(total)))]}
+
+
+def weight_of(layer: nn.Module) -> Weight:
+    """A projection's weight for the CPU's decode blocks, with its block scales when it is FP8."""
+    return Weight(layer.weight, getattr(layer, "weight_scale_inv", None))
+
+
+def quant_block(*layers: nn.Module) -> tuple[int, int] | None:
+    """The FP8 block of the first of ``layers`` kept FP8 (``layers/quant.py``), or None."""
+    return next((tuple(layer.block) for layer in layers if hasattr(layer, "block")), None)

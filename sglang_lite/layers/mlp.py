@@ -14,6 +14,7 @@ from torch import nn
 
 from sglang_lite.config import ModelConfig, shard_size
 from sglang_lite.distributed import get_parallel_state
+from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.kernels import fused_moe, moe_route
 from sglang_lite.layers.linear import (
     NO_SPLIT,
@@ -24,7 +25,10 @@ from sglang_lite.layers.linear import (
     Split,
     input_columns,
     packed_rows,
+    quant_block,
+    weight_of,
 )
+from sglang_lite.layers.norm import GemmaRMSNorm
 from sglang_lite.streams.runtime import PLAIN, OverlapContext, overlap
 
 
@@ -51,6 +55,21 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, ctx: OverlapContext = PLAIN) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def prepare_decode_block(self, norm: GemmaRMSNorm) -> None:
+        """Gathers what ``decode_block`` reads: ``norm`` (the post-attention norm) and the weights as laid out now."""
+        self._decode_args = (
+            cpu_kernels.Norm(norm.weight, norm.eps),
+            weight_of(self.gate_up_proj),
+            weight_of(self.down_proj),
+            quant_block(self.gate_up_proj, self.down_proj),
+        )
+
+    def decode_block(
+        self, hidden: torch.Tensor, residual: torch.Tensor, dpbf16: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The post-attention norm and this MLP over a decode batch in one C++ call: (partial sum, residual)."""
+        return cpu_kernels.mlp_decode_block(hidden, residual, *self._decode_args, dpbf16)
 
 
 def shared_expert_fusion_supported(config: ModelConfig) -> tuple[bool, str]:
@@ -163,6 +182,32 @@ class Qwen3_5SparseMoeBlock(nn.Module):
                 Shard("experts.w2", (row, slice(None), slice(0, n)), cols)
             ],
         }
+
+    def prepare_decode_block(self, norm: GemmaRMSNorm) -> None:
+        """Gathers what ``decode_block`` reads: ``norm`` (the post-attention norm) and the weights as laid out now.
+        Expert parallelism takes the modules' path (its pairs are filtered first)."""
+        assert self.ep_size == 1, "the decode block runs every expert of the layer"
+        experts = self.experts
+        shared, shared_layers = None, []
+        if not self.fuse_shared_expert:
+            shared_layers = [self.shared_expert.gate_up_proj, self.shared_expert.down_proj]
+            shared = tuple(weight_of(layer) for layer in shared_layers)
+        self._decode_args = (
+            cpu_kernels.Norm(norm.weight, norm.eps),
+            (self.gate.weight, self.shared_expert_gate.weight),
+            cpu_kernels.Weight(experts.w13, getattr(experts, "w13_scale_inv", None)),
+            cpu_kernels.Weight(experts.w2, getattr(experts, "w2_scale_inv", None)),
+            shared,
+            self.top_k,
+            self.num_experts if self.fuse_shared_expert else -1,
+            getattr(self, "block", None) or quant_block(*shared_layers),
+        )
+
+    def decode_block(
+        self, hidden: torch.Tensor, residual: torch.Tensor, dpbf16: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The post-attention norm and this block over a decode batch in one C++ call: (partial sum, residual)."""
+        return cpu_kernels.moe_decode_block(hidden, residual, *self._decode_args, dpbf16)
 
     def forward(self, x: torch.Tensor, ctx: OverlapContext = PLAIN) -> torch.Tensor:
         if self.fuse_shared_expert:

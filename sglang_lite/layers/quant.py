@@ -5,8 +5,9 @@ float32 ``weight_scale_inv`` (one per block; real weight = weight * scale); onli
 checkpoint into the same layout at load. On a GPU the loader swaps the projections it finds quantized for these
 layers (``convert_to_fp8``) before filling them: the weight parameter holds FP8 data, its companion
 ``<name>_scale_inv`` the scales of the parameter's own blocks, and the forward runs the block-FP8 GEMM (activations
-quantized per token group on the fly). On the CPU nothing is converted: the loader dequantizes into the compute
-dtype instead.
+quantized per token group on the fly). The CPU's engine converts them too (where the blocks align) and its C++
+kernels dequantize each weight in registers, activations kept float32; ``load_model`` alone dequantizes at load
+there.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sglang_lite.kernels import fused_moe, w8a8_block_fp8_matmul
+from sglang_lite.kernels import fused_moe, linear, w8a8_block_fp8_matmul
 from sglang_lite.layers.linear import PackedLinear
 from sglang_lite.layers.mlp import Qwen3_5SparseMoeBlock
 
@@ -52,7 +53,10 @@ class Fp8Linear(nn.Module):
     row_slices = PackedLinear.row_slices
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return w8a8_block_fp8_matmul(x, self.weight, self.weight_scale_inv, self.block)
+        if x.is_cuda:
+            return w8a8_block_fp8_matmul(x, self.weight, self.weight_scale_inv, self.block)
+        # the CPU's C++ kernel dequantizes the weight in registers; x stays as it is (a weight-only product)
+        return linear(x, self.weight, self.weight_scale_inv, self.block)
 
     def extra_repr(self) -> str:
         return (

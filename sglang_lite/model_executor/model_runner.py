@@ -11,6 +11,7 @@ from sglang_lite.forward_batch import ForwardBatch, ForwardMode, build_forward_b
 from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.model_executor.cuda_graph_runner import CudaGraphRunner
+from sglang_lite.model_executor.decode_blocks import enable_decode_blocks
 from sglang_lite.model_executor.weight_layout import store_input_major
 from sglang_lite.server_args import ServerArgs
 
@@ -22,7 +23,8 @@ class ModelRunner:
 
     On a GPU it captures CUDA graphs of decode batches. On the CPU it stores the weights [in, out] and builds the
     fused C++ kernels before the first request; the kernel dispatch then takes them for float32 calls in decode
-    and prefill alike (GDN prefill, conv1d, linear layers, the fused MoE in chunks; see ``kernels/dispatch.py``).
+    and prefill alike (GDN prefill, conv1d, linear layers, the fused MoE in chunks; see ``kernels/dispatch.py``),
+    and decode steps run one C++ call per block (``decode_blocks.py``).
     """
 
     def __init__(self, model: torch.nn.Module, pools: ModelPools, args: ServerArgs) -> None:
@@ -45,6 +47,10 @@ class ModelRunner:
             logger.debug(
                 "fused C++ CPU kernels (float32 decode and prefill ops): %s",
                 cpu_kernels.prepare(),
+            )
+            logger.debug(
+                "decode steps as one C++ call per block: %s",
+                enable_decode_blocks(model, args.enable_torch_compile),
             )
         # Decode steps only: prefill walks variable-length requests with host-side loops, which would keep
         # recompiling. dynamic=True lets one graph serve every batch size after the first few.

@@ -10,7 +10,8 @@ weight is stored transposed: the parameter keeps its [out, in] shape as a view o
 loading is done by then, and every shape stays.
 
 The experts' ``w13`` and ``w2`` are stored [in, out] too: the fused C++ MoE vectorises the same way and runs faster
-on them than on [out, in] ones, and MKL's batched GEMMs of the reference do not mind.
+on them than on [out, in] ones, and MKL's batched GEMMs of the reference do not mind. bf16 and FP8 weights are
+stored the same way (the C++ kernels read FP8 ones only so; their block scales keep their layout).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from sglang_lite.layers.quant import Fp8Linear
 from sglang_lite.layers.vocab import ParallelLMHead
 
 
@@ -40,7 +42,7 @@ def store_input_major(model: nn.Module) -> int:
 def _projection_weights(model: nn.Module) -> list[torch.Tensor]:
     weights = []
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, ParallelLMHead)):
+        if isinstance(module, (nn.Linear, ParallelLMHead, Fp8Linear)):
             weights.append(module.weight)
         elif name.endswith("experts") and hasattr(module, "w13"):
             weights += [module.w13, module.w2]

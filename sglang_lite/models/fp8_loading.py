@@ -174,14 +174,35 @@ def check_alignment(files: Files, targets: Targets, params: dict, block: tuple[i
         info = files[name]
         for shard in targets[name]:
             param = params[shard.param]
-            if not _is_fp8(param):
-                continue
-            param_shape = tuple(param.shape)
-            src = _spans(_full_index(shard.source, info.shape), info.shape)
-            dest = _spans(_full_index(shard.index, param_shape), param_shape)
-            ends = zip(src, dest, info.shape[-2:], param_shape[-2:], block)
-            if not all(_aligned(s, d, s_end, d_end, size) for s, d, s_end, d_end, size in ends):
+            if _is_fp8(param) and not _shard_aligned(info, shard, tuple(param.shape), block):
+                param_shape = tuple(param.shape)
+                src = _spans(_full_index(shard.source, info.shape), info.shape)
+                dest = _spans(_full_index(shard.index, param_shape), param_shape)
                 raise _misaligned(info, shard.param, param_shape, src, dest, block)
+
+
+def aligned_parameters(
+    files: Files, targets: Targets, params: dict, candidates: set[str], block: tuple[int, int]
+) -> set[str]:
+    """The ``candidates`` every shard of which covers whole blocks of its checkpoint tensor and of the parameter:
+    those can be kept FP8 (``check_alignment`` would refuse the others)."""
+    misaligned = {
+        shard.param
+        for name, info in files.items()
+        for shard in targets[name]
+        if shard.param in candidates
+        and not _shard_aligned(info, shard, tuple(params[shard.param].shape), block)
+    }
+    return candidates - misaligned
+
+
+def _shard_aligned(
+    info: TensorInfo, shard: Shard, param_shape: tuple[int, ...], block: tuple[int, int]
+) -> bool:
+    src = _spans(_full_index(shard.source, info.shape), info.shape)
+    dest = _spans(_full_index(shard.index, param_shape), param_shape)
+    ends = zip(src, dest, info.shape[-2:], param_shape[-2:], block)
+    return all(_aligned(s, d, s_end, d_end, size) for s, d, s_end, d_end, size in ends)
 
 
 def _misaligned(

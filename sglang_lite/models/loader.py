@@ -14,11 +14,15 @@ from torch import nn
 from sglang_lite import assets
 from sglang_lite.config import ModelConfig, quantization_config_in_use
 from sglang_lite.kernels import fp8_dtype
+from sglang_lite.layers.mlp import Qwen3_5SparseMoeBlock
+from sglang_lite.layers.vocab import VocabParallelEmbedding
 from sglang_lite.models.qwen3_5 import Qwen3_5ForCausalLM, model_class_for
 from sglang_lite.models.weights import load_checkpoint
 from sglang_lite.server_args import LOAD_FORMATS, QUANTIZATIONS, ServerArgs, server_args_or_default
 
 logger = logging.getLogger(__name__)
+
+FP8_MISALIGNED = ("error", "dequantize")
 
 
 def load_model(
@@ -30,6 +34,8 @@ def load_model(
     server_args: ServerArgs | None = None,
     quantization: str | None = None,
     fp8_weights: bool | None = None,
+    weight_dtype: torch.dtype | None = None,
+    fp8_misaligned: str = "error",
 ) -> Qwen3_5ForCausalLM:
     """Builds the model described by ``path/config.json`` (None: the built-in tiny model, trained on the Python
     standard library by scripts/train_tiny_model.py).
@@ -40,6 +46,11 @@ def load_model(
     checkpoint as it is, or quantizes a high-precision one at load (online FP8: 128x128 e4m3 blocks, as the FP8
     checkpoints); ``"none"`` dequantizes an FP8 checkpoint into ``dtype`` at load. ``fp8_weights``: keep the
     quantized projections in FP8 (default: on a GPU; on the CPU they are dequantized, exactly, into ``dtype``).
+    A kept projection's shards must cover whole blocks of the parameter (``fp8_misaligned="error"``: a
+    ``CheckpointError`` otherwise), or, with ``"dequantize"``, the projections that do not are dequantized instead.
+    ``weight_dtype``: the projections' weights (linear layers, experts, embedding, LM head) in this dtype while
+    activations, norms and states stay in ``dtype`` (the CPU keeps a bf16 checkpoint's weights bf16 this way: its
+    C++ kernels widen them in registers).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -49,7 +60,9 @@ def load_model(
     quantization = quantization or args.quantization
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    model = create_model(config, dtype, device, server_args)
+    if fp8_misaligned not in FP8_MISALIGNED:
+        raise ValueError(f"fp8_misaligned must be one of {FP8_MISALIGNED}, got {fp8_misaligned!r}")
+    model = create_model(config, dtype, device, server_args, weight_dtype)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         return model.eval()
@@ -76,6 +89,7 @@ def load_model(
         # "none" still checks an FP8 checkpoint's scales against its config
         config.quantization or quant,
         fp8_dtype(device) if keep_fp8 else None,
+        fp8_misaligned == "dequantize",
     )
     return model.eval()
 
@@ -85,13 +99,35 @@ def create_model(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
     server_args: ServerArgs | None = None,
+    weight_dtype: torch.dtype | None = None,
 ) -> Qwen3_5ForCausalLM:
-    """The model class for ``config``, built on ``device`` in ``dtype`` (A_log kept fp32), weights uninitialised."""
+    """The model class for ``config``, built on ``device`` in ``dtype`` (A_log kept fp32), the projections' weights
+    in ``weight_dtype`` when given, weights uninitialised."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with _default_dtype(dtype), torch.device(device):
         model = model_class_for(config)(config, server_args)
     _keep_fp32(model)
+    if weight_dtype is not None and weight_dtype != dtype:
+        for weight in projection_weights(model):
+            weight.data = weight.data.to(weight_dtype)
     return model
+
+
+def projection_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The weights the projections multiply by: every linear layer's, the embedding's and LM head's (one parameter
+    when tied), each MoE block's experts ``w13`` and ``w2``. Not the norms, conv1d and the GDN's decay rates, nor
+    the MoE routers (``gate``, ``shared_expert_gate``: a few KB a layer whose float32 product keeps each token's
+    choice of experts as the float32 model makes it)."""
+    routers = set()
+    found: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        if isinstance(module, Qwen3_5SparseMoeBlock):
+            routers.update((id(module.gate.weight), id(module.shared_expert_gate.weight)))
+            found.setdefault(id(module.experts.w13), module.experts.w13)
+            found.setdefault(id(module.experts.w2), module.experts.w2)
+        if isinstance(module, (nn.Linear, VocabParallelEmbedding)):
+            found.setdefault(id(module.weight), module.weight)
+    return [weight for key, weight in found.items() if key not in routers]
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from torch import nn
 from sglang_lite.config import ModelConfig, shard_size
 from sglang_lite.distributed import DPTokens, get_parallel_state, world_all_reduce
 from sglang_lite.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.layers.attention import Qwen3_5Attention
 from sglang_lite.layers.gdn import Qwen3_5GatedDeltaNet
 from sglang_lite.layers.linear import Split
@@ -69,6 +70,22 @@ class Qwen3_5DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.run_mlp(hidden, batch), residual
 
+    def prepare_decode_blocks(self) -> None:
+        """Readies ``decode_blocks``: each block gathers its norm's and its weights as they are laid out now."""
+        getattr(self, self.mixer_name).prepare_decode_block(self.input_layernorm)
+        self.mlp.prepare_decode_block(self.post_attention_layernorm)
+
+    def decode_blocks(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, dpbf16: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` of a decode batch on the CPU as two C++ calls: the input norm with the mixer, the
+        post-attention norm with the MLP (``kernels/cpu/blocks.py``)."""
+        hidden, residual = getattr(self, self.mixer_name).decode_block(
+            hidden, residual, batch, dpbf16
+        )
+        hidden, residual = self.mlp.decode_block(hidden, residual, dpbf16)
+        return world_all_reduce(hidden), residual
+
     def run_mlp(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The MLP summed over the ranks that share it: all of this rank's world."""
         if batch.dp_tokens is None:
@@ -88,18 +105,27 @@ class Qwen3_5Model(nn.Module):
             for i in range(config.num_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.use_decode_blocks = (
+            False  # set by the runner on the CPU (model_executor/decode_blocks.py)
+        )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if get_parallel_state().config.dp_attention:
             batch.dp_tokens = DPTokens(batch.num_tokens, batch.input_ids.device)
-        hidden, residual = self.embed_tokens(batch.input_ids), None
+        # the embedding may be stored in a narrower dtype (bf16 weights on the CPU): activations are the norms'
+        hidden, residual = self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype), None
         # DP attention, a DP rank with nothing to run: it joins every layer's MLP
         if batch.num_tokens == 0:
             for layer in self.layers:
                 hidden = layer.run_mlp(hidden, batch)
             return hidden
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, batch)
+        if self.use_decode_blocks and batch.is_decode and batch.dp_tokens is None:
+            dpbf16 = cpu_kernels.dpbf16()
+            for layer in self.layers:
+                hidden, residual = layer.decode_blocks(hidden, residual, batch, dpbf16)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, batch)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -124,6 +150,11 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activations' dtype (and the pools'): the norms', whatever dtype the projections' weights are kept in."""
+        return self.model.norm.weight.dtype
 
     @torch.no_grad()
     def forward_batch(
@@ -150,9 +181,8 @@ class Qwen3_5ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full causal forward without a cache: input_ids [B, T] -> logits [B, T, vocab]."""
         num_seqs, seq_len = input_ids.shape
-        dtype = self.model.embed_tokens.weight.dtype
         pools = ModelPools.create(
-            self.config, num_seqs * seq_len, num_seqs, seq_len, dtype, input_ids.device
+            self.config, num_seqs * seq_len, num_seqs, seq_len, self.compute_dtype, input_ids.device
         )
         rows = pools.req_to_token.allocator.alloc(num_seqs)
         slots = pools.states.alloc(num_seqs)

@@ -79,11 +79,13 @@ def load_checkpoint(
     tied_lm_head: bool,
     quant: QuantConfig | None = None,
     fp8_dtype: torch.dtype | None = None,
+    dequantize_misaligned: bool = False,
 ) -> None:
     """Fills ``model`` from the checkpoint at ``path``. ``quant``: the checkpoint's quantization_config (its
     quantized tensors are checked against it), or an ``online`` one (``config.ONLINE_FP8``: quantize the
     high-precision checkpoint at load); ``fp8_dtype``: keep the quantized projections in this FP8 format (None:
-    dequantize them into the model's dtype)."""
+    dequantize them into the model's dtype); ``dequantize_misaligned``: dequantize those whose shards do not cover
+    whole blocks of the parameter instead of refusing them."""
     online = quant is not None and quant.online
     files = _model_tensors(path, tied_lm_head)
     fused = any(name.endswith("mlp.experts.gate_up_proj") for name in files)
@@ -101,6 +103,10 @@ def load_checkpoint(
     _check_shapes(files, targets, params)
     if quantized and fp8_dtype is not None:
         fp8_params = fp8_loading.fp8_parameters(files, targets, quantized)
+        if dequantize_misaligned:
+            fp8_params = fp8_loading.aligned_parameters(
+                files, targets, params, fp8_params, quant.block_size
+            )
         convert_to_fp8(model, fp8_params, quant.block_size, fp8_dtype)
         params = dict(model.named_parameters())
         fp8_loading.check_alignment(files, targets, params, quant.block_size)

@@ -19,8 +19,10 @@ from sglang_lite.models.loader import load_model
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.runtime.memory import (
     resolve_dtype,
+    resolve_fp8_weights,
     resolve_max_total_tokens,
     resolve_state_snapshots,
+    resolve_weight_dtype,
 )
 from sglang_lite.sampling.grammar import reasoning_end_ids
 from sglang_lite.scheduler.disagg import AttentionGroup, DisaggSide, NullSide, create_side
@@ -44,12 +46,16 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
     """One rank's scheduler. The model reads the server arguments itself, through ``get_global_server_args()``
     (the upstream contract: the rank process sets them once, model code reads them lazily)."""
     dtype = resolve_dtype(args)
+    fp8_weights, fp8_misaligned = resolve_fp8_weights(args)
     model = load_model(
         args.model_dir,
         dtype=dtype,
         device=args.device,
         load_format=args.load_format,
         seed=args.random_seed,
+        weight_dtype=resolve_weight_dtype(args, dtype),
+        fp8_weights=fp8_weights,
+        fp8_misaligned=fp8_misaligned,
     )
     context_length = args.context_length or model.config.max_position_embeddings
     max_total_tokens = resolve_max_total_tokens(args, model.config, dtype, context_length)

@@ -1,15 +1,19 @@
-"""Sizing: the compute dtype and how many KV tokens fit the memory budget."""
+"""Sizing: the compute dtype, the weights' formats, and how many KV tokens fit the memory budget."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import torch
 
 from sglang_lite.config import ModelConfig
+from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -21,6 +25,29 @@ def resolve_dtype(args: ServerArgs) -> torch.dtype:
     if not args.device.startswith("cuda"):
         return torch.float32
     return FLOAT_DTYPES.get(_checkpoint_dtype(args.model_dir), torch.bfloat16)
+
+
+def resolve_weight_dtype(args: ServerArgs, dtype: torch.dtype) -> torch.dtype:
+    """The projections' weights: in the compute dtype, except on the CPU at ``--dtype auto``, where a bf16
+    checkpoint's stay bf16 when the C++ kernels build: they widen each weight in registers (float32 activations and
+    accumulation), and a decode step, which waits on reading the weights, reads half the bytes."""
+    if args.dtype != "auto" or args.device.startswith("cuda") or dtype != torch.float32:
+        return dtype
+    if _checkpoint_dtype(args.model_dir) != "bfloat16" or not cpu_kernels.enabled():
+        return dtype
+    logger.info(
+        "CPU: the checkpoint's bf16 weights stay bf16 (the C++ kernels read them); activations float32"
+    )
+    return torch.bfloat16
+
+
+def resolve_fp8_weights(args: ServerArgs) -> tuple[bool | None, str]:
+    """``load_model``'s ``fp8_weights`` and ``fp8_misaligned``: a GPU keeps quantized projections FP8 (a shard that
+    cuts a block is refused); the CPU keeps those whose blocks align when its C++ kernels build (they dequantize FP8
+    weights in registers) and dequantizes the others at load."""
+    if args.device.startswith("cuda") or not cpu_kernels.enabled():
+        return None, "error"
+    return True, "dequantize"
 
 
 def _checkpoint_dtype(model_dir: str) -> str | None:

@@ -104,12 +104,12 @@ def test_tp_sizes_of_the_two_sides_give_the_same_tokens(servers, prefill: str, d
 
 
 async def _corrupting_relay(real_port: int) -> tuple[web.AppRunner, int]:
-    """A bootstrap server in front of the real one that aims every KV slot outside the decode ranks' memory: the
+    """A bootstrap server in front of the real one that aims every KV page outside the decode ranks' memory: the
     transfer engine refuses the prefill side's writes (the metadata rows stay writable)."""
 
     async def target(request: web.Request) -> web.Response:
         body = await request.json()
-        body["target"]["kv_slots"] = [10**9 + slot for slot in body["target"]["kv_slots"]]
+        body["target"]["kv_pages"] = [10**9 + page for page in body["target"]["kv_pages"]]
         async with aiohttp.ClientSession() as s:
             url = f"http://127.0.0.1:{real_port}/pd/target"
             async with s.post(url, json=body) as response:

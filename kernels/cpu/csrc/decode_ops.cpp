@@ -1,11 +1,14 @@
-// Fused float32 CPU kernels for the decode step of Qwen3.5, and the linear layers and fused MoE that its prefill
-// takes too (kernels/cpu/__init__.py builds and loads this file).
+// Fused float32 CPU kernels for the decode step of Qwen3.5: conv update, gating, the recurrent gated delta rule, the
+// norms, paged attention and the MoE's routing (kernels/cpu/__init__.py builds and loads this file; the linear
+// layers and the fused MoE are in linear_ops.cpp and moe_ops.cpp).
 //
 // Each op computes what its plain-PyTorch reference in kernels/<family>/naive.py computes, in one pass over its
 // operands instead of the reference's 5-15 dispatched ops: on the CPU a decode step is made of small ops, and the
 // dispatch of each one costs more than its arithmetic. Rows may be strided (views of packed projections); the last
 // dimension of every float tensor must be contiguous. Work is split over at::parallel_for (torch's OpenMP pool).
 #include "common.h"
+#include "gemm.h"
+#include "ops.h"
 
 #include <torch/library.h>
 
@@ -16,9 +19,7 @@
 #include <tuple>
 #include <vector>
 
-namespace {
-
-using namespace sgl_cpu;
+namespace sgl_cpu {
 
 // ---- causal conv1d, one decode token per request ----------------------------------------------------------------
 
@@ -38,23 +39,10 @@ void conv_step(float* state, const float* w, const float* x, float* out, int64_t
   }
 }
 
-at::Tensor causal_conv1d_update(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& conv_states,
-                                const at::Tensor& state_indices, bool silu) {
-  check_float(x, "x", 2);
-  check_float(weight, "weight", 2);
-  check_float(conv_states, "conv_states", 3);
-  const int64_t batch = x.size(0), dim = x.size(1), taps = weight.size(1), width = taps - 1;
-  TORCH_CHECK(weight.size(0) == dim && weight.is_contiguous(), "weight must be a contiguous [", dim, ", K] tensor");
-  TORCH_CHECK(conv_states.size(1) == dim && conv_states.size(2) == width, "conv_states must be [S, ", dim, ", ",
-              width, "], got ", conv_states.sizes());
-  Index slots(state_indices, "state_indices");
-  TORCH_CHECK(state_indices.numel() == batch, "state_indices must hold one slot per row of x");
-  check_slots(slots, batch, conv_states.size(0), "state_indices");
-  at::Tensor out = at::empty({batch, dim}, x.options());
-  const float *xs = x.data_ptr<float>(), *w = weight.data_ptr<float>();
-  float *states = conv_states.data_ptr<float>(), *o = out.data_ptr<float>();
-  const int64_t x_row = x.stride(0), s_slot = conv_states.stride(0), s_chan = conv_states.stride(1);
-  const bool packed = conv_states.stride(2) == 1 && s_chan == width;
+void conv_update_core(const float* xs, int64_t x_row, int64_t batch, int64_t dim, const float* w, int64_t taps,
+                      float* states, const Index& slots, int64_t s_slot, int64_t s_chan, bool silu, float* o) {
+  const int64_t width = taps - 1;
+  const bool packed = s_chan == width;
   at::parallel_for(0, batch, grain(dim * taps), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       float* row = o + b * dim;
@@ -79,10 +67,42 @@ at::Tensor causal_conv1d_update(const at::Tensor& x, const at::Tensor& weight, c
       }
     }
   });
+}
+
+void check_conv_update(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& conv_states,
+                       const at::Tensor& state_indices) {
+  check_float(x, "x", 2);
+  check_float(weight, "weight", 2);
+  check_float(conv_states, "conv_states", 3);
+  const int64_t batch = x.size(0), dim = x.size(1), width = weight.size(1) - 1;
+  TORCH_CHECK(weight.size(0) == dim && weight.is_contiguous(), "weight must be a contiguous [", dim, ", K] tensor");
+  TORCH_CHECK(conv_states.size(1) == dim && conv_states.size(2) == width, "conv_states must be [S, ", dim, ", ",
+              width, "], got ", conv_states.sizes());
+  TORCH_CHECK(state_indices.numel() == batch, "state_indices must hold one slot per row of x");
+  check_slots(Index(state_indices, "state_indices"), batch, conv_states.size(0), "state_indices");
+}
+
+at::Tensor causal_conv1d_update(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& conv_states,
+                                const at::Tensor& state_indices, bool silu) {
+  check_conv_update(x, weight, conv_states, state_indices);
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  conv_update_core(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), weight.data_ptr<float>(), weight.size(1),
+                   conv_states.data_ptr<float>(), Index(state_indices, "state_indices"), conv_states.stride(0),
+                   conv_states.stride(1), silu, out.data_ptr<float>());
   return out;
 }
 
 // ---- gated delta rule: gating and the recurrent decode step -----------------------------------------------------
+
+void gdn_gating_core(const float* a, int64_t a_row, const float* b, int64_t b_row, int64_t tokens, int64_t heads,
+                     const float* A_log, const float* dt_bias, float* g, float* beta) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      g[t * heads + h] = -std::exp(A_log[h]) * softplus(a[t * a_row + h] + dt_bias[h]);
+      beta[t * heads + h] = sigmoid(b[t * b_row + h]);
+    }
+  }
+}
 
 std::tuple<at::Tensor, at::Tensor> gdn_gating(const at::Tensor& A_log, const at::Tensor& a, const at::Tensor& dt_bias,
                                               const at::Tensor& b) {
@@ -95,15 +115,8 @@ std::tuple<at::Tensor, at::Tensor> gdn_gating(const at::Tensor& A_log, const at:
               "a and b must be [T, H] and A_log, dt_bias [H]; got a ", a.sizes(), ", b ", b.sizes(), ", A_log ",
               A_log.sizes(), ", dt_bias ", dt_bias.sizes());
   at::Tensor g = at::empty({tokens, heads}, a.options()), beta = at::empty({tokens, heads}, a.options());
-  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
-  const float *alog = A_log.data_ptr<float>(), *bias = dt_bias.data_ptr<float>();
-  float *gp = g.data_ptr<float>(), *betap = beta.data_ptr<float>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t h = 0; h < heads; ++h) {
-      gp[t * heads + h] = -std::exp(alog[h]) * softplus(ap[t * a.stride(0) + h] + bias[h]);
-      betap[t * heads + h] = sigmoid(bp[t * b.stride(0) + h]);
-    }
-  }
+  gdn_gating_core(a.data_ptr<float>(), a.stride(0), b.data_ptr<float>(), b.stride(0), tokens, heads,
+                  A_log.data_ptr<float>(), dt_bias.data_ptr<float>(), g.data_ptr<float>(), beta.data_ptr<float>());
   return {g, beta};
 }
 
@@ -145,34 +158,59 @@ void delta_rule_step(float* state, const float* q, const float* k, const float* 
   }
 }
 
-at::Tensor gated_delta_rule_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                                   const at::Tensor& beta, const at::Tensor& ssm_states,
-                                   const at::Tensor& state_indices, double scale, bool use_qk_l2norm) {
-  const GdnShapes shapes = check_gdn_operands(q, k, v, g, beta, ssm_states);
+void delta_rule_decode_core(const Rows& qs, const Rows& ks, const Rows& vs, const float* g, int64_t g_row,
+                             const float* beta, int64_t beta_row, const GdnShapes& shapes, float* states,
+                             const Index& slots, int64_t s_slot, int64_t s_head, float scale, bool l2norm, float* o) {
   const int64_t batch = shapes.tokens, hk = shapes.hk, dk = shapes.dk, hv = shapes.hv, dv = shapes.dv;
-  Index slots(state_indices, "state_indices");
-  TORCH_CHECK(state_indices.numel() == batch, "state_indices must hold one slot per request");
-  check_slots(slots, batch, ssm_states.size(0), "state_indices");
-  at::Tensor out = at::empty({batch, hv, dv}, v.options());
   const int64_t groups = hv / hk;
-  const Rows qs(q), ks(k), vs(v);
-  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
-  float *states = ssm_states.data_ptr<float>(), *o = out.data_ptr<float>();
-  const int64_t s_slot = ssm_states.stride(0), s_head = ssm_states.stride(1);
   at::parallel_for(0, batch * hv, grain(2 * dk * dv), [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(2 * dk + 2 * dv);
     float *kn = scratch.data(), *qn = kn + dk, *reads_k = qn + dk, *reads_q = reads_k + dv;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / hv, h = i % hv, key_row = b * hk + h / groups;
-      delta_rule_step(states + slots[b] * s_slot + h * s_head, qs[key_row], ks[key_row], vs[i],
-                      gp[b * g.stride(0) + h], bp[b * beta.stride(0) + h], dk, dv, static_cast<float>(scale),
-                      use_qk_l2norm, kn, qn, reads_k, reads_q, o + i * dv);
+      delta_rule_step(states + slots[b] * s_slot + h * s_head, qs[key_row], ks[key_row], vs[i], g[b * g_row + h],
+                      beta[b * beta_row + h], dk, dv, scale, l2norm, kn, qn, reads_k, reads_q, o + i * dv);
     }
   });
+}
+
+at::Tensor gated_delta_rule_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                   const at::Tensor& beta, const at::Tensor& ssm_states,
+                                   const at::Tensor& state_indices, double scale, bool use_qk_l2norm) {
+  const GdnShapes shapes = check_gdn_operands(q, k, v, g, beta, ssm_states);
+  Index slots(state_indices, "state_indices");
+  TORCH_CHECK(state_indices.numel() == shapes.tokens, "state_indices must hold one slot per request");
+  check_slots(slots, shapes.tokens, ssm_states.size(0), "state_indices");
+  at::Tensor out = at::empty({shapes.tokens, shapes.hv, shapes.dv}, v.options());
+  delta_rule_decode_core(Rows(q), Rows(k), Rows(v), g.data_ptr<float>(), g.stride(0), beta.data_ptr<float>(),
+                         beta.stride(0), shapes, ssm_states.data_ptr<float>(), slots, ssm_states.stride(0),
+                         ssm_states.stride(1), static_cast<float>(scale), use_qk_l2norm, out.data_ptr<float>());
   return out;
 }
 
 // ---- RMSNorms ---------------------------------------------------------------------------------------------------
+
+// Gemma RMSNorm of rows of n: y = x * rsqrt(mean(x^2) + eps) * (1 + w), x the row plus its residual row when given
+// (that sum written to `sum`); y and sum contiguous.
+void gemma_norm_core(const Rows& xs, const Rows* residual, int64_t rows, int64_t n, const float* w, float eps, float* y,
+                     float* sum) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* in = xs[r];
+      if (residual != nullptr) {
+        float* s = sum + r * n;
+        const float* res = (*residual)[r];
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) s[j] = in[j] + res[j];
+        in = s;
+      }
+      const float inv = 1.0f / std::sqrt(sum_of_squares(in, n) / static_cast<float>(n) + eps);
+      float* out = y + r * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) out[j] = in[j] * inv * (1.0f + w[j]);
+    }
+  });
+}
 
 // Gemma RMSNorm of every row of x [A, B, n] (x + residual first, when given): x * rsqrt(mean(x^2) + eps) * (1 + w).
 // Returns the normalised rows and, with a residual, the sum (both contiguous, shaped like x).
@@ -194,25 +232,22 @@ std::tuple<at::Tensor, at::Tensor> gemma_rmsnorm(const at::Tensor& x_in, const a
   at::Tensor sum = at::empty(add ? x_in.sizes() : at::IntArrayRef{0}, x.options());  // empty: no residual
   const Rows xs(x);
   const c10::optional<Rows> rs = add ? c10::optional<Rows>(Rows(*residual)) : c10::nullopt;
-  const float* w = weight.data_ptr<float>();
-  float *yp = y.data_ptr<float>(), *sp = add ? sum.data_ptr<float>() : nullptr;
+  gemma_norm_core(xs, add ? &*rs : nullptr, rows, n, weight.data_ptr<float>(), static_cast<float>(eps),
+                  y.data_ptr<float>(), add ? sum.data_ptr<float>() : nullptr);
+  return {y, sum};
+}
+
+// Gated RMSNorm of rows of n with their gates: y = w * o * rsqrt(mean(o^2) + eps) * silu(z), y contiguous.
+void gated_norm_core(const Rows& os, const Rows& zs, int64_t rows, int64_t n, const float* w, float eps, float* y) {
   at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* in = xs[r];
-      if (add) {
-        float* s = sp + r * n;
-        const float* res = (*rs)[r];
+      const float *in = os[r], *gate = zs[r];
+      const float inv = 1.0f / std::sqrt(sum_of_squares(in, n) / static_cast<float>(n) + eps);
+      float* out = y + r * n;
 #pragma omp simd
-        for (int64_t j = 0; j < n; ++j) s[j] = in[j] + res[j];
-        in = s;
-      }
-      const float inv = 1.0f / std::sqrt(sum_of_squares(in, n) / static_cast<float>(n) + static_cast<float>(eps));
-      float* out = yp + r * n;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) out[j] = in[j] * inv * (1.0f + w[j]);
+      for (int64_t j = 0; j < n; ++j) out[j] = in[j] * inv * w[j] * (gate[j] * sigmoid(gate[j]));
     }
   });
-  return {y, sum};
 }
 
 // Gated RMSNorm of every row of o [A, B, n] with its gate z: w * o * rsqrt(mean(o^2) + eps) * silu(z).
@@ -225,88 +260,19 @@ at::Tensor gated_rmsnorm(const at::Tensor& o_in, const at::Tensor& z_in, const a
   TORCH_CHECK(z.sizes() == o.sizes(), "z must be shaped like o ", o.sizes(), ", got ", z.sizes());
   TORCH_CHECK(weight.size(0) == n, "weight must have ", n, " elements, got ", weight.size(0));
   at::Tensor y = at::empty(o_in.sizes(), o.options());
-  const Rows os(o), zs(z);
-  const float* w = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float *in = os[r], *gate = zs[r];
-      const float inv = 1.0f / std::sqrt(sum_of_squares(in, n) / static_cast<float>(n) + static_cast<float>(eps));
-      float* out = yp + r * n;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) out[j] = in[j] * inv * w[j] * (gate[j] * sigmoid(gate[j]));
-    }
-  });
+  gated_norm_core(Rows(o), Rows(z), rows, n, weight.data_ptr<float>(), static_cast<float>(eps), y.data_ptr<float>());
   return y;
-}
-
-// ---- linear layers of a few rows ----------------------------------------------------------------------------------
-
-// y = x W^T for x [M, K] and W an [N, K] view of [K, N] row-major memory (weight_layout's [in, out] storage), M
-// small: MKL packs the whole weight for every call, which at a few rows (the LM head of a decode batch) keeps it far
-// below the GEMM peak. Here each thread takes blocks of 32 output columns and runs every row through them while the
-// block's K x 32 weights stay in cache; a last block of 16 and single columns finish N.
-at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight) {
-  check_float(x, "x", 2);
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
-              "weight must be a float32 CPU matrix, got ", weight.scalar_type(), " ", weight.sizes());
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, "weight must be [N, ", K, "], got ", weight.sizes());
-  TORCH_CHECK(weight.stride(0) == 1 || weight.stride(1) == 1, "weight must be contiguous along one of its "
-              "dimensions, got strides ", weight.strides());
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float *xs = x.data_ptr<float>(), *w = weight.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  if (weight.stride(0) != 1 || N == 1) {  // [out, in] rows (a tied LM head is the embedding): dot products
-    const int64_t wn = weight.stride(0), lda = x.stride(0);
-    at::parallel_for(0, (N + 63) / 64, grain(M * K * 64 / 4), [&](int64_t begin, int64_t end) {
-      for (int64_t blk = begin; blk < end; ++blk) {
-        const int64_t n0 = blk * 64, width = std::min<int64_t>(64, N - n0);
-        matmul_wt(xs, lda, M, w + n0 * wn, wn, 1, width, K, o + n0, N);
-      }
-    });
-    return out;
-  }
-  const int64_t lda = x.stride(0), ldw = weight.stride(1);
-  int64_t n = 0;
-  // One row reads each weight once, from memory: blocks of 512 columns (128 where that leaves too few blocks for the
-  // threads) stream runs of 4 weight rows at a time: the LM head at batch 1, weights out of cache, reads at the
-  // machine's read bandwidth, above MKL; register-blocked 32-column blocks, reading short runs far apart, fell below
-  // MKL (docs/performance.md).
-  if (M == 1) {
-    const bool wide = N >= 512 * 2 * at::get_num_threads();
-    const int64_t width = wide ? 512 : 128, blocks = N / width;
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t blk = begin; blk < end; ++blk) {
-        if (wide) {
-          one_row_times_columns<32>(xs, w + blk * width, ldw, K, o + blk * width);
-        } else {
-          one_row_times_columns<8>(xs, w + blk * width, ldw, K, o + blk * width);
-        }
-      }
-    });
-    n = blocks * width;
-  }
-  const int64_t first_block = n / 32, blocks = N / 32;
-  at::parallel_for(first_block, blocks, grain(M * K * 32 / 4), [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) all_rows_times_columns<2>(xs, lda, M, w + blk * 32, ldw, K, o + blk * 32, N);
-  });
-  rows_times_weight_columns(xs, lda, M, w, ldw, K, blocks * 32, N, o, N);  // the last N % 32 columns
-  return out;
 }
 
 // ---- paged decode attention --------------------------------------------------------------------------------------
 
-// One query per request over its first seq_lens[b] cached tokens; the KV heads are shared by groups of query heads.
-// Per (request, KV head): its keys and values are gathered into contiguous rows, then scores = (scale q) K^T and
-// out = softmax(scores) V run as two small blocked matmuls over the group's query heads.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& page_table, const at::Tensor& req_pool_indices,
-                            const at::Tensor& seq_lens, double scale, int64_t page_size) {
-  check_float(q, "q", 3);
+// Checks what decode attention reads (every slot of every request inside the pool); returns the longest request.
+int64_t check_decode_attention(int64_t batch, int64_t heads, int64_t hd, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& page_table,
+                               const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, int64_t page_size) {
   check_float(k_cache, "k_cache", 3);
   check_float(v_cache, "v_cache", 3);
-  const int64_t batch = q.size(0), heads = q.size(1), hd = q.size(2), kv_heads = k_cache.size(1);
+  const int64_t kv_heads = k_cache.size(1);
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == hd && heads % kv_heads == 0,
               "k_cache and v_cache must be [N, KV, ", hd, "] with KV dividing ", heads, " heads, got ",
               k_cache.sizes(), " and ", v_cache.sizes());
@@ -319,44 +285,41 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
               "req_pool_indices and seq_lens must hold one entry per query");
   const int64_t pool = k_cache.size(0), context = page_table.size(1) * page_size;
   check_slots(rows, batch, page_table.size(0), "req_pool_indices");
+  const TokenTable table(page_table, page_size);
   int64_t longest = 0;
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= context, "seq_lens[", b, "] = ", lens[b], " must be in [1, ", context, "]");
     longest = std::max(longest, lens[b]);
-  }
-  const bool wide = page_table.scalar_type() == at::kLong;
-  const void* table = page_table.data_ptr();
-  const int64_t table_row = page_table.stride(0);
-  auto slot_of = [&](int64_t row, int64_t t) {  // position t: offset t % page_size of page t / page_size
-    const int64_t at = row * table_row + t / page_size;
-    const int64_t page = wide ? static_cast<const int64_t*>(table)[at] : int64_t(static_cast<const int32_t*>(table)[at]);
-    return page * page_size + t % page_size;
-  };
-  for (int64_t b = 0; b < batch; ++b) {  // a bad slot would read outside the pool
-    for (int64_t t = 0; t < lens[b]; ++t) {
-      const int64_t slot = slot_of(rows[b], t);
+    for (int64_t t = 0; t < lens[b]; ++t) {  // a bad slot would read outside the pool
+      const int64_t slot = table(rows[b], t);
       TORCH_CHECK(slot >= 0 && slot < pool, "page_table[", rows[b], ", ", t / page_size, "] puts position ", t,
                   " in slot ", slot, ", outside the KV pool of ", pool, " slots");
     }
   }
-  at::Tensor out = at::empty({batch, heads, hd}, q.options());
-  const int64_t group = heads / kv_heads;
-  const Rows qs(q);
+  return longest;
+}
+
+// One query per request (rows b * heads + h of qs) over its first seq_lens[b] cached tokens; the KV heads are shared
+// by groups of query heads. Per (request, KV head): its keys and values are gathered into contiguous rows, then
+// scores = (scale q) K^T and out = softmax(scores) V run as two small blocked matmuls over the group's query heads.
+// out [batch, heads, hd] contiguous.
+void decode_attention_core(const Rows& qs, int64_t batch, int64_t heads, int64_t hd, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const TokenTable& table, const Index& rows,
+                           const Index& lens, int64_t longest, float scale, float* o) {
+  const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
   const float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
   const int64_t k_slot = k_cache.stride(0), k_head = k_cache.stride(1);
   const int64_t v_slot = v_cache.stride(0), v_head = v_cache.stride(1);
-  float* o = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries(group * hd), scores(group * longest), keys(longest * hd), values(longest * hd);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / kv_heads, h = i % kv_heads, len = lens[b], row = rows[b];
       for (int64_t j = 0; j < group; ++j) {
         const float* src = qs[b * heads + h * group + j];
-        for (int64_t d = 0; d < hd; ++d) queries[j * hd + d] = src[d] * sc;
+        for (int64_t d = 0; d < hd; ++d) queries[j * hd + d] = src[d] * scale;
       }
       for (int64_t t = 0; t < len; ++t) {  // keys transposed ([hd, len]): both products run along contiguous rows
-        const int64_t slot = slot_of(row, t);
+        const int64_t slot = table(row, t);
         const float* key = kc + slot * k_slot + h * k_head;
         for (int64_t d = 0; d < hd; ++d) keys[d * len + t] = key[d];
         std::copy_n(vc + slot * v_slot + h * v_head, hd, values.data() + t * hd);
@@ -375,33 +338,30 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       matmul_wt(scores.data(), len, group, values.data(), 1, hd, hd, len, o + (b * heads + h * group) * hd, hd);
     }
   });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& page_table, const at::Tensor& req_pool_indices,
+                            const at::Tensor& seq_lens, double scale, int64_t page_size) {
+  check_float(q, "q", 3);
+  const int64_t batch = q.size(0), heads = q.size(1), hd = q.size(2);
+  const int64_t longest = check_decode_attention(batch, heads, hd, k_cache, v_cache, page_table, req_pool_indices,
+                                                 seq_lens, page_size);
+  at::Tensor out = at::empty({batch, heads, hd}, q.options());
+  decode_attention_core(Rows(q), batch, heads, hd, k_cache, v_cache, TokenTable(page_table, page_size),
+                        Index(req_pool_indices, "req_pool_indices"), Index(seq_lens, "seq_lens"), longest,
+                        static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
 
 // ---- MoE routing -------------------------------------------------------------------------------------------------
 
-// Per token: softmax over the router logits [T, E], the top_k largest probabilities (descending; ties to the lower
-// id), renormalised to sum to 1 when asked; with shared_logits [T, 1], one more column: the fused shared expert
-// (id shared_id) with weight sigmoid(shared logit). Returns (weights float32 [T, k'], ids int32 [T, k']).
-std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, const c10::optional<at::Tensor>& shared,
-                                             int64_t top_k, bool renormalize, int64_t shared_id) {
-  check_float(router_logits, "router_logits", 2);
-  const int64_t tokens = router_logits.size(0), experts = router_logits.size(1);
-  TORCH_CHECK(top_k >= 1 && top_k <= experts, "top_k must be in [1, ", experts, "], got ", top_k);
-  const bool with_shared = shared.has_value();
-  if (with_shared) {
-    check_float(*shared, "shared_logits", 2);
-    TORCH_CHECK(shared->size(0) == tokens && shared->size(1) == 1, "shared_logits must be [", tokens,
-                ", 1], got ", shared->sizes());
-  }
+// Routing of rows of router logits (row apart), top_k and, with shared logits (shared_row apart), the shared
+// expert's column: weights [T, k'] and ids [T, k'] contiguous.
+void moe_route_core(const float* logits, int64_t row, int64_t tokens, int64_t experts, const float* shared_p,
+                    int64_t shared_row, int64_t top_k, bool renormalize, int64_t shared_id, float* wp, int32_t* ip) {
+  const bool with_shared = shared_p != nullptr;
   const int64_t width = top_k + (with_shared ? 1 : 0);
-  at::Tensor weights = at::empty({tokens, width}, router_logits.options());
-  at::Tensor ids = at::empty({tokens, width}, router_logits.options().dtype(at::kInt));
-  const float* logits = router_logits.data_ptr<float>();
-  const float* shared_p = with_shared ? shared->data_ptr<float>() : nullptr;
-  const int64_t row = router_logits.stride(0), shared_row = with_shared ? shared->stride(0) : 0;
-  float* wp = weights.data_ptr<float>();
-  int32_t* ip = ids.data_ptr<int32_t>();
   at::parallel_for(0, tokens, grain(experts * top_k), [&](int64_t begin, int64_t end) {
     std::vector<float> probs(experts);
     std::vector<char> taken(experts);
@@ -432,186 +392,34 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, co
       }
     }
   });
+}
+
+// Per token: softmax over the router logits [T, E], the top_k largest probabilities (descending; ties to the lower
+// id), renormalised to sum to 1 when asked; with shared_logits [T, 1], one more column: the fused shared expert
+// (id shared_id) with weight sigmoid(shared logit). Returns (weights float32 [T, k'], ids int32 [T, k']).
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, const c10::optional<at::Tensor>& shared,
+                                             int64_t top_k, bool renormalize, int64_t shared_id) {
+  check_float(router_logits, "router_logits", 2);
+  const int64_t tokens = router_logits.size(0), experts = router_logits.size(1);
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "top_k must be in [1, ", experts, "], got ", top_k);
+  const bool with_shared = shared.has_value();
+  if (with_shared) {
+    check_float(*shared, "shared_logits", 2);
+    TORCH_CHECK(shared->size(0) == tokens && shared->size(1) == 1, "shared_logits must be [", tokens,
+                ", 1], got ", shared->sizes());
+  }
+  const int64_t width = top_k + (with_shared ? 1 : 0);
+  at::Tensor weights = at::empty({tokens, width}, router_logits.options());
+  at::Tensor ids = at::empty({tokens, width}, router_logits.options().dtype(at::kInt));
+  moe_route_core(router_logits.data_ptr<float>(), router_logits.stride(0), tokens, experts,
+                 with_shared ? shared->data_ptr<float>() : nullptr, with_shared ? shared->stride(0) : 0, top_k,
+                 renormalize, shared_id, weights.data_ptr<float>(), ids.data_ptr<int32_t>());
   return {weights, ids};
 }
 
-// ---- fused MoE ---------------------------------------------------------------------------------------------------
+}  // namespace sgl_cpu
 
-// sum over each token's selected experts of weight * down(silu(gate(x)) * up(x)). Pairs (token, slot) are grouped
-// by expert and run through both projections (below, by the weights' layout), one output row per pair; a last pass
-// sums each token's k rows in slot order.
-constexpr int64_t kMoeChunk = 8;
-constexpr int64_t kMklRows = 128;  // rows of one expert from which MKL's GEMM runs it
-
-// Both projections for weights in any other layout: each work item runs up to kMoeChunk rows of one expert through
-// both (its weights then come from cache).
-void experts_by_row_chunks(const float* xs, int64_t x_row, const at::Tensor& w13, const at::Tensor& w2,
-                           const std::vector<int64_t>& starts, const std::vector<int64_t>& order, int64_t top_k,
-                           int64_t hidden, int64_t inter, float* rows) {
-  const int64_t experts = static_cast<int64_t>(starts.size()) - 1;
-  const float *w13p = w13.data_ptr<float>(), *w2p = w2.data_ptr<float>();
-  std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first position in order)
-  for (int64_t e = 0; e < experts; ++e) {
-    for (int64_t i = starts[e]; i < starts[e + 1]; i += kMoeChunk) items.emplace_back(e, i);
-  }
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> a(kMoeChunk * hidden), gate_up(kMoeChunk * 2 * inter), out(kMoeChunk * hidden);
-    for (int64_t item = begin; item < end; ++item) {
-      const auto [e, first] = items[item];
-      const int64_t count = std::min(kMoeChunk, starts[e + 1] - first);
-      for (int64_t r = 0; r < count; ++r) {
-        const float* src = xs + (order[first + r] / top_k) * x_row;
-        std::copy(src, src + hidden, a.data() + r * hidden);
-      }
-      matmul_wt(a.data(), hidden, count, w13p + e * w13.stride(0), w13.stride(1), w13.stride(2), 2 * inter, hidden,
-                gate_up.data(), 2 * inter);
-      for (int64_t r = 0; r < count; ++r) silu_and_mul(gate_up.data() + r * 2 * inter, inter);
-      matmul_wt(gate_up.data(), 2 * inter, count, w2p + e * w2.stride(0), w2.stride(1), w2.stride(2), hidden, inter,
-                out.data(), hidden);
-      for (int64_t r = 0; r < count; ++r) {
-        std::copy(out.data() + r * hidden, out.data() + (r + 1) * hidden, rows + order[first + r] * hidden);
-      }
-    }
-  });
-}
-
-// Both projections of every expert hit, for weights stored [in, out] (w13 [H, 2I] and w2 [I, H] row-major per
-// expert): the pairs' token rows are copied in expert order, then each work item runs one expert's rows through one
-// block of output columns (register-blocked, the block's weights in cache), so the threads share every expert even
-// when a few tokens hit a few experts (decode at batch 1: 5 experts on 2 threads).
-void experts_input_major(const float* xs, int64_t x_row, const float* w13, int64_t w13_expert, int64_t w13_row,
-                         const float* w2, int64_t w2_expert, int64_t w2_row, const std::vector<int64_t>& starts,
-                         const std::vector<int64_t>& order, int64_t top_k, int64_t hidden, int64_t inter,
-                         float* rows) {
-  const int64_t pairs = static_cast<int64_t>(order.size()), experts = static_cast<int64_t>(starts.size()) - 1;
-  std::vector<float> gathered(pairs * hidden), gate_up(pairs * 2 * inter), expert_out(pairs * hidden);
-  at::parallel_for(0, pairs, grain(hidden), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* src = xs + (order[i] / top_k) * x_row;
-      std::copy(src, src + hidden, gathered.data() + i * hidden);
-    }
-  });
-  // Experts of many rows (a prefill's) go to MKL's GEMM, one expert at a time (faster at the mid shape than every
-  // expert in the work items below, and no slower at H 512); the rest are shared out as work items.
-  std::vector<int64_t> hit, big;
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t count = starts[e + 1] - starts[e];
-    if (count >= kMklRows) {
-      big.push_back(e);
-    } else if (count > 0) {
-      hit.push_back(e);
-    }
-  }
-  const int64_t hits = static_cast<int64_t>(hit.size());
-  int64_t most_rows = 0;
-  for (int64_t e : hit) most_rows = std::max(most_rows, starts[e + 1] - starts[e]);
-  auto gemm = [&](const float* in, int64_t lda, int64_t depth, const float* w, int64_t w_expert, int64_t w_row,
-                  int64_t width, float* out) {
-    const auto options = at::TensorOptions().dtype(at::kFloat);
-    for (int64_t e : big) {
-      const int64_t first = starts[e], count = starts[e + 1] - first;
-      at::Tensor a = at::from_blob(const_cast<float*>(in + first * lda), {count, depth}, {lda, 1}, options);
-      at::Tensor b = at::from_blob(const_cast<float*>(w + e * w_expert), {depth, width}, {w_row, 1}, options);
-      at::Tensor c = at::from_blob(out + first * width, {count, width}, {width, 1}, options);
-      at::mm_out(c, a, b);
-    }
-  };
-  // Items (expert hit, column block); the last block of each expert takes the columns left over. Experts of one or
-  // two rows (decode at small batches) read each weight once: 128-column blocks read 512 B runs of each weight row
-  // (32-column ones ran the batch-1 MoE slower); more rows reuse each block's weights from cache.
-  const bool wide = most_rows <= 2;
-  const int64_t block = wide ? 128 : 64;
-  auto project = [&](const float* in, int64_t lda, int64_t depth, const float* w, int64_t w_expert, int64_t w_row,
-                     int64_t width, float* out) {
-    const int64_t blocks = std::max<int64_t>(1, width / block);
-    at::parallel_for(0, hits * blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t e = hit[item / blocks], j = item % blocks, first = starts[e], count = starts[e + 1] - first;
-        const int64_t n0 = j * block, n1 = j + 1 == blocks ? width : n0 + block;
-        const float* a = in + first * lda;
-        float* c = out + first * width;
-        if (wide && count == 1 && n1 - n0 == 128) {
-          one_row_times_columns<8>(a, w + e * w_expert + n0, w_row, depth, c + n0);
-        } else if (wide) {
-          rows_times_weight_columns<8>(a, lda, count, w + e * w_expert, w_row, depth, n0, n1, c, width);
-        } else {
-          rows_times_weight_columns<4>(a, lda, count, w + e * w_expert, w_row, depth, n0, n1, c, width);
-        }
-      }
-    });
-  };
-  gemm(gathered.data(), hidden, hidden, w13, w13_expert, w13_row, 2 * inter, gate_up.data());
-  project(gathered.data(), hidden, hidden, w13, w13_expert, w13_row, 2 * inter, gate_up.data());
-  at::parallel_for(0, pairs, grain(inter), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) silu_and_mul(gate_up.data() + i * 2 * inter, inter);
-  });
-  gemm(gate_up.data(), 2 * inter, inter, w2, w2_expert, w2_row, hidden, expert_out.data());  // the gate half
-  project(gate_up.data(), 2 * inter, inter, w2, w2_expert, w2_row, hidden, expert_out.data());
-  at::parallel_for(0, pairs, grain(hidden), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      std::copy(expert_out.data() + i * hidden, expert_out.data() + (i + 1) * hidden, rows + order[i] * hidden);
-    }
-  });
-}
-
-at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                     const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
-  check_float(x, "x", 2);
-  check_float(topk_weights, "topk_weights", 2);
-  TORCH_CHECK(w13.device().is_cpu() && w13.scalar_type() == at::kFloat && w13.dim() == 3, "w13 must be a float32 "
-              "CPU tensor [E, 2I, H], got ", w13.scalar_type(), " ", w13.sizes());
-  TORCH_CHECK(w2.device().is_cpu() && w2.scalar_type() == at::kFloat && w2.dim() == 3, "w2 must be a float32 CPU "
-              "tensor [E, H, I], got ", w2.scalar_type(), " ", w2.sizes());
-  const int64_t tokens = x.size(0), hidden = x.size(1), experts = w13.size(0), inter = w2.size(2);
-  TORCH_CHECK(w13.size(1) == 2 * inter && w13.size(2) == hidden && w2.size(0) == experts && w2.size(1) == hidden,
-              "w13 [E, 2I, H] and w2 [E, H, I] do not match x [T, ", hidden, "]: w13 ", w13.sizes(), ", w2 ",
-              w2.sizes());
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == tokens && topk_weights.sizes() == topk_ids.sizes(),
-              "topk_ids and topk_weights must both be [", tokens, ", k], got ", topk_ids.sizes(), " and ",
-              topk_weights.sizes());
-  TORCH_CHECK(topk_ids.is_contiguous(), "topk_ids must be contiguous");
-  const int64_t top_k = topk_ids.size(1), pairs = tokens * top_k;
-  Index ids(topk_ids.view({-1}), "topk_ids");
-  check_slots(ids, pairs, experts, "topk_ids");
-  std::vector<int64_t> starts(experts + 1, 0), order(pairs);
-  for (int64_t p = 0; p < pairs; ++p) ++starts[ids[p] + 1];
-  for (int64_t e = 0; e < experts; ++e) starts[e + 1] += starts[e];
-  std::vector<int64_t> fill(starts.begin(), starts.end() - 1);
-  for (int64_t p = 0; p < pairs; ++p) order[fill[ids[p]]++] = p;
-  // rows: each pair's expert output, at its pair index (token * top_k + slot)
-  at::Tensor pair_rows = at::empty({pairs, hidden}, x.options());
-  const float *xs = x.data_ptr<float>(), *w13p = w13.data_ptr<float>(), *w2p = w2.data_ptr<float>();
-  float* rows = pair_rows.data_ptr<float>();
-  const int64_t x_row = x.stride(0);
-  if (w13.stride(1) == 1 && w2.stride(1) == 1) {
-    experts_input_major(xs, x_row, w13p, w13.stride(0), w13.stride(2), w2p, w2.stride(0), w2.stride(2), starts, order,
-                        top_k, hidden, inter, rows);
-  } else {
-    experts_by_row_chunks(xs, x_row, w13, w2, starts, order, top_k, hidden, inter, rows);
-  }
-  at::Tensor result = at::empty({tokens, hidden}, x.options());
-  float* res = result.data_ptr<float>();
-  const float* wts = topk_weights.data_ptr<float>();
-  const int64_t w_row = topk_weights.stride(0), w_col = topk_weights.stride(1);
-  at::parallel_for(0, tokens, grain(hidden * top_k), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* o = res + t * hidden;
-      const float w0 = wts[t * w_row];
-      const float* r0 = rows + t * top_k * hidden;
-#pragma omp simd
-      for (int64_t j = 0; j < hidden; ++j) o[j] = r0[j] * w0;
-      for (int64_t slot = 1; slot < top_k; ++slot) {
-        const float w = wts[t * w_row + slot * w_col];
-        const float* r = rows + (t * top_k + slot) * hidden;
-#pragma omp simd
-        for (int64_t j = 0; j < hidden; ++j) o[j] += r[j] * w;
-      }
-    }
-  });
-  return result;
-}
-
-}  // namespace
+using namespace sgl_cpu;
 
 TORCH_LIBRARY(sglang_lite_cpu, m) {
   m.def("causal_conv1d_update(Tensor x, Tensor weight, Tensor(a!) conv_states, Tensor state_indices, bool silu) "
@@ -623,8 +431,6 @@ TORCH_LIBRARY(sglang_lite_cpu, m) {
   m.def("gated_rmsnorm(Tensor o, Tensor z, Tensor weight, float eps) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor req_pool_indices, "
         "Tensor seq_lens, float scale, int page_size) -> Tensor");
-  m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) -> Tensor");
-  m.def("linear_rows(Tensor x, Tensor weight) -> Tensor");
   m.def("moe_route(Tensor router_logits, Tensor? shared_logits, int top_k, bool renormalize, int shared_id) "
         "-> (Tensor, Tensor)");
 }
@@ -636,7 +442,5 @@ TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) {
   m.impl("gemma_rmsnorm", &gemma_rmsnorm);
   m.impl("gated_rmsnorm", &gated_rmsnorm);
   m.impl("decode_attention", &decode_attention);
-  m.impl("fused_moe", &fused_moe);
-  m.impl("linear_rows", &linear_rows);
   m.impl("moe_route", &moe_route);
 }

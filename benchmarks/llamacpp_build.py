@@ -1,0 +1,146 @@
+"""llama.cpp for ``bench_llamacpp.py``: built once from the ``llama-cpp-python`` sdist (which vendors llama.cpp,
+its GGUF converter and ``gguf-py``), cached under the user's cache folder, and the converter run on a checkpoint.
+
+    python benchmarks/llamacpp_build.py [--version 0.3.36]   # build now (~10 min on 2 cores), say where
+
+The build needs cmake and a C++ compiler; without them it stops with a message saying which is missing. The sdist
+is fetched with pip (``pip download --no-binary :all:``) the first time, into the same cache folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+
+DEFAULT_VERSION = "0.3.36"
+TOOLS = ("llama-bench", "llama-batched-bench")
+
+
+class BuildError(RuntimeError):
+    """llama.cpp could not be fetched or built; the message says what to install or do."""
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    source: str  # vendor/llama.cpp of the sdist
+    bin_dir: str
+    version: str
+
+    def tool(self, name: str) -> str:
+        return os.path.join(self.bin_dir, name)
+
+    @property
+    def converter(self) -> str:
+        return os.path.join(self.source, "convert_hf_to_gguf.py")
+
+
+def cache_dir(version: str) -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "sglang_lite", f"llama.cpp-{version}")
+
+
+def ensure_llamacpp(version: str = DEFAULT_VERSION, jobs: int = 2) -> LlamaCpp:
+    """The cached build of llama.cpp as vendored in ``llama-cpp-python==version``, built first when missing."""
+    root = cache_dir(version)
+    built = LlamaCpp(
+        os.path.join(root, "src", "vendor", "llama.cpp"),
+        os.path.join(root, "build", "bin"),
+        version,
+    )
+    if all(os.path.exists(built.tool(t)) for t in TOOLS) and os.path.exists(built.converter):
+        return built
+    _check_toolchain()
+    os.makedirs(root, exist_ok=True)
+    if not os.path.exists(built.converter):
+        _unpack(_download(version, root), os.path.join(root, "src"))
+    print(f"building llama.cpp {version} ({', '.join(TOOLS)}) into {root} once; ~10 min on 2 cores")
+    build = os.path.join(root, "build")
+    _run(["cmake", "-S", built.source, "-B", build, *_cmake_options()])
+    _run(["nice", "-n", "10", "cmake", "--build", build, "-j", str(jobs), "--target", *TOOLS])
+    missing = [t for t in TOOLS if not os.path.exists(built.tool(t))]
+    if missing:
+        raise BuildError(f"the llama.cpp build finished without {missing} in {built.bin_dir}")
+    return built
+
+
+def _cmake_options() -> list[str]:
+    return [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_SERVER=OFF",
+        "-DBUILD_SHARED_LIBS=OFF",
+    ]
+
+
+def _check_toolchain() -> None:
+    missing = [name for name in ("cmake",) if shutil.which(name) is None]
+    if not any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):
+        missing.append("a C++ compiler (g++ or clang++)")
+    if missing:
+        raise BuildError(
+            "building llama.cpp for this benchmark needs "
+            + " and ".join(missing)
+            + " on PATH (Debian/Ubuntu: apt-get install cmake g++); nothing was built"
+        )
+
+
+def _download(version: str, root: str) -> str:
+    sdist = os.path.join(root, f"llama_cpp_python-{version}.tar.gz")
+    if os.path.exists(sdist):
+        return sdist
+    print(f"fetching the llama-cpp-python {version} sdist (llama.cpp vendored) with pip")
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+    _run([*command, "-d", root, f"llama-cpp-python=={version}"])
+    if not os.path.exists(sdist):
+        raise BuildError(f"pip download did not leave {sdist}")
+    return sdist
+
+
+def _unpack(sdist: str, target: str) -> None:
+    """The sdist's vendor/llama.cpp (sources, converter, gguf-py) into ``target``/vendor/llama.cpp."""
+    prefix = os.path.basename(sdist).removesuffix(".tar.gz") + "/"
+    partial = target + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    with tarfile.open(sdist) as tar:
+        members = []
+        for member in tar.getmembers():
+            if member.name.startswith(prefix + "vendor/llama.cpp/"):
+                member.name = member.name.removeprefix(prefix)
+                members.append(member)
+        tar.extractall(partial, members=members, filter="data")
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(partial, target)
+
+
+def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(command, check=True, **kwargs)
+    except FileNotFoundError as exc:
+        raise BuildError(f"{command[0]} is not installed: {exc}") from None
+    except subprocess.CalledProcessError as exc:
+        raise BuildError(
+            f"{' '.join(command[:4])} ... failed with status {exc.returncode}"
+        ) from None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--version", default=DEFAULT_VERSION, help="llama-cpp-python sdist version")
+    version = parser.parse_args().version
+    try:
+        built = ensure_llamacpp(version)
+    except BuildError as exc:
+        raise SystemExit(f"llama.cpp: {exc}") from None
+    print(f"llama.cpp {built.version}: {built.bin_dir} (converter {built.converter})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The blocks of a decode step on the CPU, each one C++ call (``csrc/layer_ops.cpp``): a layer's input norm with its
+mixer (Gated DeltaNet or gated attention), its post-attention norm with its MLP (MoE or dense).
+
+Through the modules a decode layer is ~30 dispatched ops whose Python and dispatcher costs, at batch 1, exceed their
+arithmetic; each block runs the same C++ ops back to back and computes what its modules compute, from the same
+weights (float32, bf16 or FP8 ones, as ``kernels.linear`` takes them) and pools. Every block returns (output,
+residual): the residual is the pre-norm sum the next norm adds to (``residual`` None: the layer's input is its own,
+as in the first layer). Tensor-parallel reductions stay outside, between the blocks.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .build import available
+
+
+class Weight(NamedTuple):
+    """A projection's weight [out, in] (float32, bf16 or FP8, as ``kernels.linear`` takes it) and, for FP8, its
+    block scales."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+
+
+class Norm(NamedTuple):
+    weight: torch.Tensor
+    eps: float
+
+
+class GdnHeads(NamedTuple):
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+
+class AttentionHeads(NamedTuple):
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+
+
+def _ops():
+    return torch.ops.sglang_lite_cpu
+
+
+def _block(block: tuple[int, int] | None) -> list[int]:
+    return list(block) if block else []
+
+
+def supported() -> bool:
+    """Whether the blocks can run (the C++ kernels build)."""
+    return available()
+
+
+def gdn_decode_block(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm: Norm,
+    qkvz: Weight,
+    ba: Weight,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    gated_norm: Norm,
+    out: Weight,
+    states: tuple[torch.Tensor, torch.Tensor],
+    state_slots: torch.Tensor,
+    heads: GdnHeads,
+    block: tuple[int, int] | None,
+    dpbf16: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [B, H] -> (out_proj's output [B, H], residual). ``conv_weight`` [conv_dim, K]; ``states``: the conv
+    states [S, conv_dim, K-1] and recurrent states [S, HV, dk, dv] (float32, updated in place at
+    ``state_slots``)."""
+    return _ops().gdn_decode_block(
+        hidden,
+        residual,
+        *norm,
+        *qkvz,
+        *ba,
+        conv_weight,
+        A_log,
+        dt_bias,
+        *gated_norm,
+        *out,
+        *states,
+        state_slots,
+        *heads,
+        _block(block),
+        dpbf16,
+    )
+
+
+def attention_decode_block(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm: Norm,
+    qkv: Weight,
+    qk_norms: tuple[torch.Tensor, torch.Tensor, float],
+    o: Weight,
+    rotary: tuple[torch.Tensor, int],
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    batch: tuple[torch.Tensor, ...],
+    heads: AttentionHeads,
+    page_size: int,
+    block: tuple[int, int] | None,
+    dpbf16: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [B, H] -> (o_proj's output [B, H], residual). ``qk_norms``: the q and k norm weights and their eps;
+    ``rotary``: the cos/sin table [P, rotary_dim] and rotary_dim; ``kv_cache``: this layer's K and V pools (the new
+    tokens written at ``out_cache_loc``); ``batch``: page_table (pages of ``page_size`` tokens), req_pool_indices,
+    seq_lens, positions, out_cache_loc."""
+    return _ops().attention_decode_block(
+        hidden,
+        residual,
+        *norm,
+        *qkv,
+        *qk_norms,
+        *o,
+        *rotary,
+        *kv_cache,
+        *batch,
+        *heads,
+        page_size,
+        _block(block),
+        dpbf16,
+    )
+
+
+def moe_decode_block(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    norm: Norm,
+    gates: tuple[torch.Tensor, torch.Tensor],
+    w13: Weight,
+    w2: Weight,
+    shared: tuple[Weight, Weight] | None,
+    top_k: int,
+    shared_id: int,
+    block: tuple[int, int] | None,
+    dpbf16: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [B, H] -> (the MoE's output, residual). ``gates``: the router's and the shared expert gate's weights;
+    ``shared_id`` >= 0: the shared expert is that row of the experts, else ``shared`` holds its gate_up and down."""
+    gate_up, down = shared if shared is not None else (Weight(None), Weight(None))
+    return _ops().moe_decode_block(
+        hidden,
+        residual,
+        *norm,
+        *gates,
+        *w13,
+        *w2,
+        *gate_up,
+        *down,
+        top_k,
+        shared_id,
+        _block(block),
+        dpbf16,
+    )
+
+
+def mlp_decode_block(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    norm: Norm,
+    gate_up: Weight,
+    down: Weight,
+    block: tuple[int, int] | None,
+    dpbf16: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [B, H] -> (down(silu(gate) * up), residual)."""
+    return _ops().mlp_decode_block(hidden, residual, *norm, *gate_up, *down, _block(block), dpbf16)

@@ -1,0 +1,152 @@
+"""Building and loading the C++ CPU kernels (``kernels/cpu/csrc``): compiled with torch's ``cpp_extension`` on first
+use into a cache folder named by the sources, flags, torch installation and CPU, and loaded from there afterwards
+(``kernels/cpu/__init__.py`` says why and how)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+
+import torch
+
+from sglang_lite import envs
+
+logger = logging.getLogger(__name__)
+
+_SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_COMPILED = (
+    "decode_ops.cpp",
+    "linear_ops.cpp",
+    "layer_ops.cpp",
+    "moe_ops.cpp",
+    "prefill_ops.cpp",
+)  # the rest of csrc/ (headers) is included by these
+_LIBRARY = "sglang_lite_cpu_ops"
+# -fopenmp: at::parallel_for's OpenMP region is inlined from the headers; the library it links (libgomp.so.1) is
+# the one torch has already loaded, so both share torch's thread pool.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+_error = ""
+
+
+def available() -> bool:
+    """True when the kernels are built and loaded (building them on the first call)."""
+    global _loaded, _error
+    if _loaded is not None:  # asked before every op: no lock once decided
+        return _loaded
+    with _lock:
+        if _loaded is None:
+            try:
+                _build_and_load()
+                _loaded = True
+            except Exception as exc:  # noqa: BLE001 - any build failure means: run the references
+                _loaded, _error = False, f"{type(exc).__name__}: {exc}"
+                logger.warning(
+                    "fused CPU kernels unavailable, the CPU runs the PyTorch references: %s", _error
+                )
+        return _loaded
+
+
+def prepare() -> str:
+    """Build (or load) the kernels now unless a run forces another backend, so that an engine starting on the CPU
+    pays the first build at start rather than in its first request; says which path float32 models will take."""
+    if envs.SGLANG_KERNEL_BACKEND.get() in ("torch", "triton"):
+        return f"off (SGLANG_KERNEL_BACKEND={envs.SGLANG_KERNEL_BACKEND.get()})"
+    return "on" if available() else f"off, the PyTorch references run ({_error})"
+
+
+def enabled() -> bool:
+    """Whether this run takes the kernels: they build (now, if not yet) and no other backend is forced."""
+    return envs.SGLANG_KERNEL_BACKEND.get() not in ("torch", "triton") and available()
+
+
+def require() -> None:
+    """Raise, with the build's reason, when the kernels cannot be built (``SGLANG_KERNEL_BACKEND=native``)."""
+    if not available():
+        raise RuntimeError(f"the fused CPU kernels (kernels/cpu) could not be built: {_error}")
+
+
+def _build_and_load() -> None:
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    build_dir = build_directory()
+    sources = stage_sources(build_dir)
+    if not os.path.exists(os.path.join(build_dir, _LIBRARY + ".so")):
+        logger.warning("building the C++ CPU kernels (once, ~30-60 s) into %s", build_dir)
+    cpp_extension.load(
+        name=_LIBRARY,
+        sources=sources,
+        build_directory=build_dir,
+        extra_cflags=_CFLAGS,
+        extra_ldflags=_LDFLAGS,
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def build_directory(source_dir: str = _SOURCE_DIR) -> str:
+    """The cache folder of the build of ``source_dir``'s sources: named by their content, never by their path."""
+    return os.path.join(_cache_root(), _build_key(source_dir))
+
+
+def stage_sources(build_dir: str, source_dir: str = _SOURCE_DIR) -> list[str]:
+    """Copy the sources into ``build_dir/src`` (once: an unchanged file keeps its mtime, so ninja does not rebuild)
+    and return the paths to compile, which lie in the cache whatever checkout they came from."""
+    staged = os.path.join(build_dir, "src")
+    os.makedirs(staged, exist_ok=True)
+    for name in sorted(os.listdir(source_dir)):
+        target = os.path.join(staged, name)
+        if not os.path.exists(
+            target
+        ):  # the folder's name is the content's hash: a file there is this one
+            partial = f"{target}.{os.getpid()}.tmp"
+            shutil.copyfile(os.path.join(source_dir, name), partial)
+            os.replace(partial, target)  # atomic: a concurrent build sees the whole file or none
+    return [os.path.join(staged, name) for name in _COMPILED]
+
+
+def _cache_root() -> str:
+    configured = envs.SGLANG_CPU_KERNEL_CACHE.get()
+    return configured or os.path.join(
+        os.path.expanduser("~"), ".cache", "sglang_lite", "cpu_kernels"
+    )
+
+
+def _build_key(source_dir: str) -> str:
+    """Sources (headers included, by name and content), flags, the torch installation (its headers and libraries
+    are on the build's command line) and the CPU's features: a build made for another machine, another torch or
+    from other sources is never loaded."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(source_dir)):
+        with open(os.path.join(source_dir, name), "rb") as f:
+            digest.update(name.encode() + f.read())
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    digest.update(
+        " ".join(_CFLAGS + _LDFLAGS + [torch.__version__, torch_dir, sys.version]).encode()
+    )
+    digest.update(_cpu_features().encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; pip's copy (a dependency) sits beside this Python, which a virtual
+    environment run without activation does not have on PATH."""
+    beside = os.path.dirname(sys.executable)
+    if not shutil.which("ninja") and shutil.which("ninja", path=beside):
+        os.environ["PATH"] = beside + os.pathsep + os.environ.get("PATH", "")

@@ -1,0 +1,577 @@
+// Products of a few rows of float32 activations with a weight matrix stored [in, out] (row k of W^T contiguous over
+// the output columns), whose elements are float32, bf16 or e4m3 (FP8) with one float32 scale per block: each weight
+// is widened to float32 in registers and every product accumulates in float32, so a 16-bit or 8-bit weight costs
+// half or a quarter of the bytes a float32 one does, which is what a decode step waits on.
+//
+// bf16 weights of two rows or more may instead take AVX512-BF16's vdpbf16ps (two products per float32 lane per
+// instruction, twice the float32 FMA's rate): the activations are then rounded to bf16 too, as llama.cpp rounds
+// them. The widening path stays the definition and the path on CPUs without the instruction.
+#pragma once
+
+#include "common.h"
+
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace sgl_cpu {
+
+// ---- weight element types: each widens 16 consecutive weights to float32 ---------------------------------------
+
+struct F32Weight {
+  using T = float;
+  static constexpr bool kScaled = false;
+  static vec16 load(const float* p) { return load16(p); }
+  static float at(const float* p) { return *p; }
+};
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Round to nearest even, as vcvtneps2bf16 does; NaN stays NaN.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// bf16 is the upper half of a float32: widening is a shift.
+struct Bf16Weight {
+  using T = uint16_t;
+  static constexpr bool kScaled = false;
+  static vec16 load(const uint16_t* p) {
+#if defined(__AVX512F__)  // one vpmovzxwd and one shift (the generic form compiles to 256-bit halves)
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    vec16 v;
+    std::memcpy(&v, &f, sizeof(v));
+    return v;
+#else
+    u16x16 h;
+    std::memcpy(&h, p, sizeof(h));
+    const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+    vec16 v;
+    std::memcpy(&v, &bits, sizeof(v));
+    return v;
+#endif
+  }
+  static float at(const uint16_t* p) { return bf16_to_float(*p); }
+};
+
+// e4m3fn (sign, 4 exponent bits of bias 7, 3 mantissa bits) moved to float16's bit positions reads as its value times
+// 2^-8 exactly, subnormals included; vcvtph2ps widens that to float32, and kUnbias, folded into the block scales,
+// restores the value. The NaN pattern (0x7f) reads as a finite 480: checkpoints hold no NaN weights.
+struct Fp8Weight {
+  using T = uint8_t;
+  static constexpr bool kScaled = true;
+  static constexpr float kUnbias = 256.0f;
+  static vec16 load(const uint8_t* p) {
+#if defined(__AVX512F__)
+    const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
+    const __m512 f = _mm512_cvtph_ps(half);
+    vec16 v;
+    std::memcpy(&v, &f, sizeof(v));
+    return v;
+#else
+    vec16 v;
+    for (int i = 0; i < 16; ++i) v[i] = at(p + i);
+    return v;
+#endif
+  }
+  static float at(const uint8_t* p) {  // the same value times 2^-8
+    const int exponent = (*p >> 3) & 15, mantissa = *p & 7;
+    const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -17)
+                                          : std::ldexp(static_cast<float>(8 + mantissa), exponent - 18);
+    return (*p & 0x80) ? -magnitude : magnitude;
+  }
+};
+
+// ---- block scales -------------------------------------------------------------------------------------------------
+
+// The scales of one group of output columns (all inside one block of bn columns): one per bk rows of K.
+struct KScales {
+  const float* row = nullptr;
+  int64_t stride = 0, block = 0;
+  float factor = 1.0f;
+  float at(int64_t k_block) const { return row[k_block * stride] * factor; }
+};
+
+// The scales of a whole [N, K] weight (W = w * scale over each bn x bk block); empty for unscaled weights.
+struct WeightScales {
+  const float* data = nullptr;
+  int64_t n_stride = 0, k_stride = 0, bn = 0, bk = 0;
+  float factor = 1.0f;
+  KScales columns(int64_t n0) const {
+    return data == nullptr ? KScales{} : KScales{data + (n0 / bn) * n_stride, k_stride, bk, factor};
+  }
+};
+
+// The k range [k0, k1) of the scale block that starts at k0 (all of K for unscaled weights), and its scale.
+template <class W>
+inline int64_t k_block_end(const KScales& s, int64_t k0, int64_t K) {
+  return W::kScaled ? std::min(K, k0 + s.block) : K;
+}
+
+template <class W>
+inline float k_block_scale(const KScales& s, int64_t k0) {
+  return W::kScaled ? s.at(k0 / s.block) : 1.0f;
+}
+
+// ---- widening products --------------------------------------------------------------------------------------------
+
+// C[t, 0:16 NV] = sum_k A[t, k] W[k, 0:16 NV] for TB rows t: TB NV accumulators in registers, each W row segment
+// loaded (and widened) once for all TB rows; a scaled weight's block scale multiplies the activation instead.
+template <class W, int TB, int NV>
+void rows_times_columns(const float* A, int64_t lda, const typename W::T* Wp, int64_t ldw, int64_t K, float* C,
+                        int64_t ldc, const KScales& s) {
+  vec16 acc[TB][NV];
+  for (int t = 0; t < TB; ++t) {
+    for (int v = 0; v < NV; ++v) acc[t][v] = vec16{};
+  }
+  for (int64_t k0 = 0; k0 < K;) {
+    const int64_t k1 = k_block_end<W>(s, k0, K);
+    const float scale = k_block_scale<W>(s, k0);
+    for (int64_t k = k0; k < k1; ++k) {
+      vec16 w[NV];
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) w[v] = W::load(Wp + k * ldw + 16 * v);
+#pragma GCC unroll 16
+      for (int t = 0; t < TB; ++t) {
+        const float a = W::kScaled ? A[t * lda + k] * scale : A[t * lda + k];
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; ++v) acc[t][v] += a * w[v];
+      }
+    }
+    k0 = k1;
+  }
+  for (int t = 0; t < TB; ++t) {
+    for (int v = 0; v < NV; ++v) store16(C + t * ldc + 16 * v, acc[t][v]);
+  }
+}
+
+// Rows of a weight read ahead of their use by the one-row products: a row's run in a block of columns is short and
+// far from the next row's, and without being asked for early the loads wait on memory one run at a time.
+constexpr int64_t kPrefetchRows = 12;
+
+// y[0:16 NV] = x W[:, 0:16 NV] for one row x, the weight read from memory: four weight rows at a time, each as one
+// run of 16 NV elements (four streams the prefetchers follow), the accumulators in registers / L1.
+template <class W, int NV>
+void one_row_times_columns(const float* x, const typename W::T* Wp, int64_t ldw, int64_t K, float* y,
+                           const KScales& s) {
+  vec16 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = vec16{};
+  for (int64_t k0 = 0; k0 < K;) {
+    const int64_t k1 = k_block_end<W>(s, k0, K);
+    const float scale = k_block_scale<W>(s, k0);
+    int64_t k = k0;
+    for (; k + 4 <= k1; k += 4) {
+      const float a0 = x[k] * scale, a1 = x[k + 1] * scale, a2 = x[k + 2] * scale, a3 = x[k + 3] * scale;
+      const typename W::T *w0 = Wp + k * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
+      if constexpr (!std::is_same_v<W, F32Weight>) {  // short runs of narrow weights: ask for them early
+        for (int r = 0; r < 4; ++r) {
+          const char* ahead = reinterpret_cast<const char*>(w0 + (kPrefetchRows + r) * ldw);
+          for (int64_t b = 0; b < NV * 16 * static_cast<int64_t>(sizeof(typename W::T)); b += 64) {
+            __builtin_prefetch(ahead + b, 0, 3);
+          }
+        }
+      }
+#pragma GCC unroll 16  // widened weights (NV <= 16): the accumulators stay in registers
+      for (int v = 0; v < NV; ++v) {
+        acc[v] += a0 * W::load(w0 + 16 * v) + a1 * W::load(w1 + 16 * v) + a2 * W::load(w2 + 16 * v) +
+                  a3 * W::load(w3 + 16 * v);
+      }
+    }
+    for (; k < k1; ++k) {
+      for (int v = 0; v < NV; ++v) acc[v] += (x[k] * scale) * W::load(Wp + k * ldw + 16 * v);
+    }
+    k0 = k1;
+  }
+  for (int v = 0; v < NV; ++v) store16(y + 16 * v, acc[v]);
+}
+
+// Every row of A through one block of 16 NV columns, RB rows at a time: RB NV accumulators stay in registers (16:
+// 8 rows of 32 columns, 4 of 64, 2 of 128).
+template <class W, int NV>
+void all_rows_times_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw, int64_t K,
+                            float* C, int64_t ldc, const KScales& s) {
+  constexpr int RB = NV <= 2 ? 8 : (NV <= 4 ? 4 : (NV <= 8 ? 2 : 1));
+  int64_t t = 0;
+  for (; t + RB <= M; t += RB) rows_times_columns<W, RB, NV>(A + t * lda, lda, Wp, ldw, K, C + t * ldc, ldc, s);
+  const float* a = A + t * lda;
+  float* c = C + t * ldc;
+  switch (M - t) {
+    case 7: return rows_times_columns<W, (RB > 7 ? 7 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s);
+    case 6: return rows_times_columns<W, (RB > 6 ? 6 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s);
+    case 5: return rows_times_columns<W, (RB > 5 ? 5 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s);
+    case 4: return rows_times_columns<W, (RB > 4 ? 4 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s);
+    case 3: return rows_times_columns<W, (RB > 3 ? 3 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s);
+    case 2: return rows_times_columns<W, (RB > 2 ? 2 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s);
+    case 1: return rows_times_columns<W, 1, NV>(a, lda, Wp, ldw, K, c, ldc, s);
+    default: return;
+  }
+}
+
+// One output column n of every row of A (the scalar tail of a weight whose width is not a multiple of 16).
+template <class W>
+void rows_times_one_column(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw, int64_t K,
+                           int64_t n, float* C, int64_t ldc, const KScales& s) {
+  for (int64_t t = 0; t < M; ++t) {
+    float acc = 0.0f;
+    for (int64_t k0 = 0; k0 < K;) {
+      const int64_t k1 = k_block_end<W>(s, k0, K);
+      const float scale = k_block_scale<W>(s, k0);
+      for (int64_t k = k0; k < k1; ++k) acc += (A[t * lda + k] * scale) * W::at(Wp + k * ldw + n);
+      k0 = k1;
+    }
+    C[t * ldc + n] = acc;
+  }
+}
+
+// C[:, n0:n1] = A W[:, n0:n1] for every row of A (M rows): blocks of 16 NV columns (wide blocks read longer runs of
+// each weight row, for one or two rows of A), then of 32 and 16, then single columns. Scaled weights: n0 must start
+// a block of 16 NV columns inside one scale block (bn a multiple of 128).
+template <class W, int NV = 2>
+void rows_times_weight_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw, int64_t K,
+                               int64_t n0, int64_t n1, float* C, int64_t ldc, const WeightScales& sc) {
+  int64_t n = n0;
+  for (; n + 16 * NV <= n1; n += 16 * NV) {
+    all_rows_times_columns<W, NV>(A, lda, M, Wp + n, ldw, K, C + n, ldc, sc.columns(n));
+  }
+  for (; n + 32 <= n1; n += 32) all_rows_times_columns<W, 2>(A, lda, M, Wp + n, ldw, K, C + n, ldc, sc.columns(n));
+  if (n + 16 <= n1) {
+    all_rows_times_columns<W, 1>(A, lda, M, Wp + n, ldw, K, C + n, ldc, sc.columns(n));
+    n += 16;
+  }
+  for (; n < n1; ++n) rows_times_one_column<W>(A, lda, M, Wp, ldw, K, n, C, ldc, sc.columns(n));
+}
+
+// ---- vdpbf16ps: bf16 activations and weights, float32 accumulators ---------------------------------------------------
+
+// Rows of A rounded to bf16, each padded with a zero to an even length: read as uint32, entry kp of a row is the
+// pair (A[t, 2kp], A[t, 2kp + 1]) that vdpbf16ps multiplies with a pair of weight rows.
+struct Bf16Pairs {
+  std::vector<uint16_t> data;
+  int64_t pairs = 0;  // per row
+  const uint32_t* row(int64_t t) const { return reinterpret_cast<const uint32_t*>(data.data()) + t * pairs; }
+};
+
+inline void to_bf16_pairs(const float* A, int64_t lda, int64_t M, int64_t K, Bf16Pairs& out) {
+  out.pairs = (K + 1) / 2;
+  out.data.assign(M * 2 * out.pairs, 0);
+  for (int64_t t = 0; t < M; ++t) {
+    uint16_t* dst = out.data.data() + t * 2 * out.pairs;
+    const float* src = A + t * lda;
+#pragma omp simd
+    for (int64_t k = 0; k < K; ++k) dst[k] = float_to_bf16(src[k]);
+  }
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kHaveDpbf16 = true;
+
+// C[t, 0:32] for TB rows from bf16 weight rows taken in pairs: unpacklo/hi_epi16 of rows k and k + 1 interleave
+// them within each 128-bit lane, so `lo` accumulates columns {0-3, 8-11, 16-19, 24-27} and `hi` the others; the
+// store puts them back in order. An odd K's last row pairs with zeros (the activations' padding is zero too).
+// The pairs of rows of a block of 32 bf16 weight columns as vdpbf16ps operands, read from the weight itself ...
+struct DirectPairs {
+  const uint16_t* w;
+  int64_t ldw, K;
+  void at(int64_t kp, __m512bh& lo, __m512bh& hi) const {
+    const uint16_t* w0 = w + 2 * kp * ldw;
+    const __m512i r0 = _mm512_loadu_si512(w0);
+    const __m512i r1 = 2 * kp + 1 < K ? _mm512_loadu_si512(w0 + ldw) : _mm512_setzero_si512();
+    lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
+    hi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+  }
+};
+
+// ... or from a contiguous copy of them, interleaved once (pack_pairs) for a block that many rows go through: rows
+// of the weight a whole row apart map to few cache sets (a 6144-column bf16 weight: one L1 set), and every group of
+// rows would fetch the block again from L2 or beyond (the figures: docs/performance.md).
+struct PackedPairs {
+  const uint16_t* p;
+  void at(int64_t kp, __m512bh& lo, __m512bh& hi) const {
+    lo = (__m512bh)_mm512_loadu_si512(p + kp * 64);
+    hi = (__m512bh)_mm512_loadu_si512(p + kp * 64 + 32);
+  }
+};
+
+inline const uint16_t* pack_pairs(const DirectPairs& src, int64_t pairs) {
+  thread_local std::vector<uint16_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < pairs * 64) buffer.resize(pairs * 64);
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    __m512bh lo, hi;
+    src.at(kp, lo, hi);
+    _mm512_storeu_si512(buffer.data() + kp * 64, (__m512i)lo);
+    _mm512_storeu_si512(buffer.data() + kp * 64 + 32, (__m512i)hi);
+  }
+  return buffer.data();
+}
+
+template <int TB, class Pairs>
+void rows_times_32_columns_dp(const Bf16Pairs& A, int64_t t0, const Pairs& w, float* C, int64_t ldc) {
+  __m512 lo[TB], hi[TB];
+  for (int t = 0; t < TB; ++t) lo[t] = hi[t] = _mm512_setzero_ps();
+  const uint32_t* rows[TB];
+  for (int t = 0; t < TB; ++t) rows[t] = A.row(t0 + t);
+  for (int64_t kp = 0; kp < A.pairs; ++kp) {
+    __m512bh wl, wh;
+    w.at(kp, wl, wh);
+    for (int t = 0; t < TB; ++t) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(rows[t][kp]));
+      lo[t] = _mm512_dpbf16_ps(lo[t], a, wl);
+      hi[t] = _mm512_dpbf16_ps(hi[t], a, wh);
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int t = 0; t < TB; ++t) {
+    _mm512_storeu_ps(C + t * ldc, _mm512_permutex2var_ps(lo[t], first, hi[t]));
+    _mm512_storeu_ps(C + t * ldc + 16, _mm512_permutex2var_ps(lo[t], second, hi[t]));
+  }
+}
+
+template <class Pairs>
+void all_rows_times_32_columns_dp(const Bf16Pairs& A, int64_t first_row, int64_t M, const Pairs& w, float* C,
+                                  int64_t ldc) {
+  int64_t t = 0;
+  for (; t + 8 <= M; t += 8) rows_times_32_columns_dp<8>(A, first_row + t, w, C + t * ldc, ldc);
+  const int64_t r = first_row + t;
+  float* c = C + t * ldc;
+  switch (M - t) {
+    case 7: return rows_times_32_columns_dp<7>(A, r, w, c, ldc);
+    case 6: return rows_times_32_columns_dp<6>(A, r, w, c, ldc);
+    case 5: return rows_times_32_columns_dp<5>(A, r, w, c, ldc);
+    case 4: return rows_times_32_columns_dp<4>(A, r, w, c, ldc);
+    case 3: return rows_times_32_columns_dp<3>(A, r, w, c, ldc);
+    case 2: return rows_times_32_columns_dp<2>(A, r, w, c, ldc);
+    case 1: return rows_times_32_columns_dp<1>(A, r, w, c, ldc);
+    default: return;
+  }
+}
+
+// y[0:32 NV] = x W[:, 0:32 NV] for one row x, as bf16 pairs, and bf16 weight rows taken two at a time (interleaved
+// as above), each read once from memory, kPrefetchRows ahead (half the instructions of widening; the figures:
+// docs/performance.md).
+constexpr int64_t kPrefetchPairs = kPrefetchRows / 2;
+
+template <int NV>
+void one_row_times_columns_dp(const uint32_t* x, int64_t pairs, const uint16_t* Wp, int64_t ldw, int64_t K,
+                              float* y) {
+  __m512 lo[NV], hi[NV];
+#pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v) lo[v] = hi[v] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* w0 = Wp + 2 * kp * ldw;
+    const uint16_t* ahead = w0 + 2 * kPrefetchPairs * ldw;  // prefetches never fault, past the end included
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + 32 * v), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + ldw + 32 * v), _MM_HINT_T0);
+    }
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp]));
+    const bool paired = 2 * kp + 1 < K;
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      const __m512i r0 = _mm512_loadu_si512(w0 + 32 * v);
+      const __m512i r1 = paired ? _mm512_loadu_si512(w0 + ldw + 32 * v) : _mm512_setzero_si512();
+      lo[v] = _mm512_dpbf16_ps(lo[v], a, (__m512bh)_mm512_unpacklo_epi16(r0, r1));
+      hi[v] = _mm512_dpbf16_ps(hi[v], a, (__m512bh)_mm512_unpackhi_epi16(r0, r1));
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+#pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v) {
+    _mm512_storeu_ps(y + 32 * v, _mm512_permutex2var_ps(lo[v], first, hi[v]));
+    _mm512_storeu_ps(y + 32 * v + 16, _mm512_permutex2var_ps(lo[v], second, hi[v]));
+  }
+}
+
+// Rows first_row .. first_row + M of A through one block of 32 columns, 8 rows at a time (16 accumulators); the
+// block packed first when more than one group of rows reads it.
+inline void all_rows_times_32_columns_dp(const Bf16Pairs& A, int64_t first_row, int64_t M, const uint16_t* Wp,
+                                         int64_t ldw, int64_t K, float* C, int64_t ldc) {
+  const DirectPairs direct{Wp, ldw, K};
+  if (M <= 8) return all_rows_times_32_columns_dp(A, first_row, M, direct, C, ldc);
+  all_rows_times_32_columns_dp(A, first_row, M, PackedPairs{pack_pairs(direct, A.pairs)}, C, ldc);
+}
+#else
+constexpr bool kHaveDpbf16 = false;
+
+inline void all_rows_times_32_columns_dp(const Bf16Pairs&, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
+                                         float*, int64_t) {
+  TORCH_CHECK(false, "vdpbf16ps is not available on this CPU");
+}
+#endif
+
+// C[:, n0:n1] = A W[:, n0:n1] for bf16 weights: blocks of 32 columns through vdpbf16ps from the rows' bf16 pairs
+// (P, from first_row), the last (n1 - n0) % 32 columns widened from the float32 rows of A.
+inline void rows_times_weight_columns_dp(const Bf16Pairs& P, int64_t first_row, const float* A, int64_t lda,
+                                         int64_t M, const uint16_t* Wp, int64_t ldw, int64_t K, int64_t n0,
+                                         int64_t n1, float* C, int64_t ldc) {
+  int64_t n = n0;
+  for (; n + 32 <= n1; n += 32) all_rows_times_32_columns_dp(P, first_row, M, Wp + n, ldw, K, C + n, ldc);
+  rows_times_weight_columns<Bf16Weight>(A, lda, M, Wp, ldw, K, n, n1, C, ldc, WeightScales{});
+}
+
+// ---- the weight tensors' types ----------------------------------------------------------------------------------
+
+// Calls fn(W{}) with the weight type of t: float32, bfloat16 or float8_e4m3fn.
+template <class Fn>
+void visit_weight_type(const at::Tensor& t, const char* name, Fn&& fn) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return fn(F32Weight{});
+    case at::kBFloat16: return fn(Bf16Weight{});
+    case at::kFloat8_e4m3fn: return fn(Fp8Weight{});
+    default:
+      TORCH_CHECK(false, name, " must be float32, bfloat16 or float8_e4m3fn, got ", t.scalar_type());
+  }
+}
+
+template <class W>
+const typename W::T* weight_data(const at::Tensor& t) {
+  return static_cast<const typename W::T*>(t.data_ptr());
+}
+
+// The block scales of matrix `index` of a weight [..., N, K] in (bn, bk) blocks: scale [..., ceil(N / bn),
+// ceil(K / bk)] float32 (index 0 of a 2-D one). Unscaled weight types take none.
+template <class W>
+WeightScales weight_scales(const c10::optional<at::Tensor>& scale, const at::Tensor& weight, at::IntArrayRef block,
+                           int64_t index = 0) {
+  if (!W::kScaled) {
+    TORCH_CHECK(!scale.has_value(), "only FP8 weights take block scales, got a ", weight.scalar_type(), " weight");
+    return WeightScales{};
+  }
+  TORCH_CHECK(scale.has_value() && block.size() == 2, "FP8 weights need their block scales and a block [bn, bk]");
+  const int64_t bn = block[0], bk = block[1], N = weight.size(-2), K = weight.size(-1);
+  TORCH_CHECK(bn > 0 && bn % 128 == 0 && bk > 0, "FP8 blocks must be [bn, bk] with bn a multiple of 128, got [", bn,
+              ", ", bk, "]");
+  const at::Tensor& s = *scale;
+  TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == at::kFloat && s.dim() == weight.dim() &&
+                  s.size(-2) == (N + bn - 1) / bn && s.size(-1) == (K + bk - 1) / bk,
+              "the block scales of a ", weight.sizes(), " weight in [", bn, ", ", bk,
+              "] blocks must be float32 [..., ", (N + bn - 1) / bn, ", ", (K + bk - 1) / bk, "], got ",
+              s.scalar_type(), " ", s.sizes());
+  const float* data = s.data_ptr<float>() + (s.dim() == 3 ? index * s.stride(0) : 0);
+  return WeightScales{data, s.stride(-2), s.stride(-1), bn, bk, Fp8Weight::kUnbias};
+}
+
+// ---- small matmuls of a weight in any layout (the experts' as loaded, attention's, [out, in] linear rows) -------
+
+// Columns n0 .. n0 + width of C = A W^T for TB rows, W^T's row k contiguous over n (width <= 64; FULL: exactly 64,
+// a constant trip count, so the block's accumulators stay in registers).
+template <class W, int TB, bool FULL>
+void contiguous_n_block(const float* A, int64_t lda, const typename W::T* Wp, int64_t wk, int64_t K, float* C,
+                        int64_t ldc, int64_t width) {
+  constexpr int64_t NB = 64;
+  const int64_t cols = FULL ? NB : width;
+  float acc[TB][NB];
+  for (int t = 0; t < TB; ++t) {
+    for (int64_t j = 0; j < cols; ++j) acc[t][j] = 0.0f;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const typename W::T* w = Wp + k * wk;
+    for (int t = 0; t < TB; ++t) {
+      const float a = A[t * lda + k];
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) acc[t][j] += a * W::at(w + j);
+    }
+  }
+  for (int t = 0; t < TB; ++t) std::copy(acc[t], acc[t] + cols, C + t * ldc);
+}
+
+template <class W, int TB>
+void matmul_rows_contiguous_n(const float* A, int64_t lda, const typename W::T* Wp, int64_t wk, int64_t N, int64_t K,
+                              float* C, int64_t ldc) {  // wn == 1: row k of W^T is contiguous over n
+  constexpr int64_t NB = 64;
+  int64_t n0 = 0;
+  for (; n0 + NB <= N; n0 += NB) contiguous_n_block<W, TB, true>(A, lda, Wp + n0, wk, K, C + n0, ldc, NB);
+  if (n0 < N) contiguous_n_block<W, TB, false>(A, lda, Wp + n0, wk, K, C + n0, ldc, N - n0);
+}
+
+template <class W, int TB>
+void matmul_rows_contiguous_k(const float* A, int64_t lda, const typename W::T* Wp, int64_t wn, int64_t N, int64_t K,
+                              float* C, int64_t ldc) {  // wk == 1: row n of W is contiguous over k
+  constexpr int64_t RB = 4, KB = 16;
+  const int64_t k_main = K - K % KB;
+  int64_t n0 = 0;
+  for (; n0 + RB <= N; n0 += RB) {
+    float acc[TB][RB][KB] = {};
+    for (int64_t k0 = 0; k0 < k_main; k0 += KB) {
+      for (int r = 0; r < RB; ++r) {
+        const typename W::T* w = Wp + (n0 + r) * wn + k0;
+        for (int t = 0; t < TB; ++t) {
+          const float* a = A + t * lda + k0;
+#pragma omp simd
+          for (int64_t j = 0; j < KB; ++j) acc[t][r][j] += a[j] * W::at(w + j);
+        }
+      }
+    }
+    for (int t = 0; t < TB; ++t) {
+      for (int r = 0; r < RB; ++r) {
+        float total = 0.0f;
+        for (int64_t j = 0; j < KB; ++j) total += acc[t][r][j];
+        for (int64_t k = k_main; k < K; ++k) total += A[t * lda + k] * W::at(Wp + (n0 + r) * wn + k);
+        C[t * ldc + n0 + r] = total;
+      }
+    }
+  }
+  for (int t = 0; t < TB; ++t) {
+    for (int64_t n = n0; n < N; ++n) {
+      float acc = 0.0f;
+      const typename W::T* w = Wp + n * wn;
+      const float* a = A + t * lda;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t k = 0; k < K; ++k) acc += a[k] * W::at(w + k);
+      C[t * ldc + n] = acc;
+    }
+  }
+}
+
+template <class W, int TB>
+void matmul_block(const float* A, int64_t lda, const typename W::T* Wp, int64_t wn, int64_t wk, int64_t N, int64_t K,
+                  float* C, int64_t ldc) {
+  if (wn == 1) return matmul_rows_contiguous_n<W, TB>(A, lda, Wp, wk, N, K, C, ldc);
+  if (wk == 1) return matmul_rows_contiguous_k<W, TB>(A, lda, Wp, wn, N, K, C, ldc);
+  for (int t = 0; t < TB; ++t) {
+    for (int64_t n = 0; n < N; ++n) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += A[t * lda + k] * W::at(Wp + n * wn + k * wk);
+      C[t * ldc + n] = acc;
+    }
+  }
+}
+
+// C[t, n] = sum_k A[t, k] W[n, k] for a few rows t, W an [N, K] view with strides (wn, wk) of unscaled weights. The
+// two layouts the engine stores (kernels' [out, in] and weight_layout's [in, out] under the same shape) each get a
+// register-blocked loop that vectorises along W's contiguous dimension; other strides take the plain loop.
+template <class W = F32Weight>
+void matmul_wt(const float* A, int64_t lda, int64_t rows, const typename W::T* Wp, int64_t wn, int64_t wk, int64_t N,
+               int64_t K, float* C, int64_t ldc) {
+  static_assert(!W::kScaled, "block-scaled weights take the [in, out] products");
+  constexpr int64_t TB = 4;
+  int64_t t = 0;
+  for (; t + TB <= rows; t += TB) matmul_block<W, TB>(A + t * lda, lda, Wp, wn, wk, N, K, C + t * ldc, ldc);
+  const float* a = A + t * lda;
+  float* c = C + t * ldc;
+  switch (rows - t) {
+    case 3: return matmul_block<W, 3>(a, lda, Wp, wn, wk, N, K, c, ldc);
+    case 2: return matmul_block<W, 2>(a, lda, Wp, wn, wk, N, K, c, ldc);
+    case 1: return matmul_block<W, 1>(a, lda, Wp, wn, wk, N, K, c, ldc);
+    default: return;
+  }
+}
+
+}  // namespace sgl_cpu

@@ -1,0 +1,317 @@
+// The blocks of a decode step, each in one call: a layer's input norm with its mixer (the Gated DeltaNet or gated
+// attention), and its post-attention norm with its MLP (the MoE block or the dense one).
+//
+// Through the modules a decode layer is ~30 dispatched ops, each a Python call and a trip through the dispatcher
+// that at batch 1 cost more than its arithmetic; here the same C++ ops run back to back. Each block computes what its
+// modules compute (layers/gdn.py, attention.py, mlp.py; the norms of models/qwen3_5.py) from the same weights and
+// pools, and returns (output, residual): the residual is the pre-norm sum the next norm adds to.
+#include "common.h"
+#include "ops.h"
+
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace sgl_cpu {
+
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+
+// How every projection of a block runs: FP8 block size (empty: none) and whether bf16 weights may take vdpbf16ps.
+struct Projections {
+  at::IntArrayRef block;
+  bool dpbf16;
+  void operator()(const float* x, int64_t lda, int64_t rows, int64_t K, const at::Tensor& weight,
+                  const OptTensor& scale, float* out) const {
+    linear_core(x, lda, rows, K, weight, scale, block, dpbf16, out);
+  }
+};
+
+// Scratch of a block, reused from call to call (the blocks run on the calling thread, one at a time; the kernels
+// they call keep their own).
+float* workspace(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+void check_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t width) {
+  check_float(t, name, 2);
+  TORCH_CHECK(t.is_contiguous() && t.size(0) == rows && t.size(1) == width, name, " must be a contiguous [", rows,
+              ", ", width, "] tensor, got ", t.sizes());
+}
+
+// A block's input norm: hidden [B, H] (+ residual, when the layer has one yet) normalised into `normed`; returns the
+// residual for the next norm (the sum, or hidden itself in the first layer).
+at::Tensor pre_norm(const at::Tensor& hidden, const OptTensor& residual, const at::Tensor& weight, double eps,
+                    float* normed) {
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  check_rows(hidden, "hidden", rows, width);
+  check_float(weight, "norm weight", 1);
+  TORCH_CHECK(weight.size(0) == width, "the norm weight must have ", width, " elements, got ", weight.size(0));
+  const Rows xs(hidden.data_ptr<float>(), 1, width, 0);
+  if (!residual.has_value()) {
+    gemma_norm_core(xs, nullptr, rows, width, weight.data_ptr<float>(), static_cast<float>(eps), normed, nullptr);
+    return hidden;
+  }
+  check_rows(*residual, "residual", rows, width);
+  at::Tensor sum = at::empty({rows, width}, hidden.options());
+  const Rows rs(residual->data_ptr<float>(), 1, width, 0);
+  gemma_norm_core(xs, &rs, rows, width, weight.data_ptr<float>(), static_cast<float>(eps), normed,
+                  sum.data_ptr<float>());
+  return sum;
+}
+
+// down(silu(gate) * up) of rows x [B, H] into out [B, H], gate and up packed in one projection of 2I columns;
+// `gate_up` is scratch of B * 2I floats.
+void gated_mlp(const float* x, int64_t rows, int64_t hidden, const at::Tensor& gate_up_w, const OptTensor& gate_up_s,
+               const at::Tensor& down_w, const OptTensor& down_s, const Projections& project, float* gate_up,
+               float* out) {
+  const int64_t inter = gate_up_w.size(0) / 2;
+  project(x, hidden, rows, hidden, gate_up_w, gate_up_s, gate_up);
+  for (int64_t r = 0; r < rows; ++r) silu_and_mul(gate_up + r * 2 * inter, inter);
+  project(gate_up, 2 * inter, rows, inter, down_w, down_s, out);
+}
+
+// Partial NeoX rotary, in place, of the first rotary_dim dims of rows [T, heads, hd] (contiguous); cos_sin
+// [positions, rotary_dim] holds cos then sin.
+void rotate(float* x, int64_t tokens, int64_t heads, int64_t hd, const Index& pos, const at::Tensor& cos_sin,
+            int64_t rotary_dim) {
+  const int64_t half = rotary_dim / 2;
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_sin.size(0), "positions[", t, "] = ", pos[t], " is past the ",
+                cos_sin.size(0), " positions of the rotary table");
+    const float *cos = cos_sin.data_ptr<float>() + pos[t] * cos_sin.stride(0), *sin = cos + half;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + (t * heads + h) * hd;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * cos[i] - x2 * sin[i];
+        v[i + half] = x2 * cos[i] + x1 * sin[i];
+      }
+    }
+  }
+}
+
+// Rows [T, heads, hd] (rows apart by `row`, heads by `head`) into the pool's slots loc[t].
+void store_rows(const float* src, int64_t row, int64_t head, int64_t tokens, int64_t heads, int64_t hd,
+                const at::Tensor& cache, const Index& loc) {
+  float* dst = cache.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(loc[t] >= 0 && loc[t] < cache.size(0), "out_cache_loc[", t, "] = ", loc[t],
+                " is outside the KV pool of ", cache.size(0), " slots");
+    for (int64_t h = 0; h < heads; ++h) {
+      std::copy_n(src + t * row + h * head, hd, dst + loc[t] * cache.stride(0) + h * cache.stride(1));
+    }
+  }
+}
+
+}  // namespace
+
+// The Gated DeltaNet layer of a decode step (layers/gdn.py): input norm, in_proj_qkvz and in_proj_ba, the conv
+// update and the recurrent gated delta rule (states updated in place in the pools' slots), the gated norm, out_proj.
+std::tuple<at::Tensor, at::Tensor> gdn_decode_block(
+    const at::Tensor& hidden, const OptTensor& residual, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& qkvz_w, const OptTensor& qkvz_s, const at::Tensor& ba_w, const OptTensor& ba_s,
+    const at::Tensor& conv_weight, const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& gated_norm_w,
+    double gated_norm_eps, const at::Tensor& out_w, const OptTensor& out_s, const at::Tensor& conv_states,
+    const at::Tensor& ssm_states, const at::Tensor& state_slots, int64_t key_heads, int64_t value_heads,
+    int64_t key_dim, int64_t value_dim, at::IntArrayRef block, bool dpbf16) {
+  const Projections project{block, dpbf16};
+  const int64_t batch = hidden.size(0), width = hidden.size(1);
+  const int64_t keys = key_heads * key_dim, values = value_heads * value_dim, conv_dim = 2 * keys + values;
+  const int64_t qkvz_width = conv_dim + values;
+  TORCH_CHECK(qkvz_w.size(0) == qkvz_width && ba_w.size(0) == 2 * value_heads && out_w.size(1) == values,
+              "in_proj_qkvz, in_proj_ba and out_proj do not match the heads: ", qkvz_w.sizes(), ", ", ba_w.sizes(),
+              ", ", out_w.sizes());
+  const GdnShapes shapes{batch, key_heads, key_dim, value_heads, value_dim};
+  check_float(ssm_states, "ssm_states", 4);
+  TORCH_CHECK(ssm_states.size(1) == value_heads && ssm_states.size(2) == key_dim &&
+                  ssm_states.size(3) == value_dim && ssm_states.stride(2) == value_dim,
+              "ssm_states must be [S, ", value_heads, ", ", key_dim, ", ", value_dim, "] with contiguous states (slots "
+              "and heads may be strided), got ", ssm_states.sizes());
+  TORCH_CHECK(A_log.numel() == value_heads && dt_bias.numel() == value_heads && gated_norm_w.numel() == value_dim,
+              "A_log, dt_bias and the gated norm's weight do not match the heads");
+  float* normed = workspace(batch * (width + qkvz_width + 2 * value_heads + conv_dim + 2 * value_heads + 2 * values));
+  float* qkvz = normed + batch * width;
+  float* ba = qkvz + batch * qkvz_width;
+  float* conv = ba + batch * 2 * value_heads;
+  float* gates = conv + batch * conv_dim;  // g, then beta
+  float* o = gates + batch * 2 * value_heads;
+  float* o_normed = o + batch * values;
+  at::Tensor res = pre_norm(hidden, residual, norm_weight, eps, normed);
+  project(normed, width, batch, width, qkvz_w, qkvz_s, qkvz);
+  project(normed, width, batch, width, ba_w, ba_s, ba);
+  check_conv_update(at::from_blob(qkvz, {batch, conv_dim}, {qkvz_width, 1}), conv_weight, conv_states, state_slots);
+  TORCH_CHECK(ssm_states.size(0) == conv_states.size(0), "conv_states and ssm_states must hold the same slots");
+  const Index slots(state_slots, "state_slots");
+  conv_update_core(qkvz, qkvz_width, batch, conv_dim, conv_weight.data_ptr<float>(), conv_weight.size(1),
+                   conv_states.data_ptr<float>(), slots, conv_states.stride(0), conv_states.stride(1), true, conv);
+  gdn_gating_core(ba + value_heads, 2 * value_heads, ba, 2 * value_heads, batch, value_heads, A_log.data_ptr<float>(),
+                  dt_bias.data_ptr<float>(), gates, gates + batch * value_heads);
+  delta_rule_decode_core(Rows(conv, key_heads, conv_dim, key_dim), Rows(conv + keys, key_heads, conv_dim, key_dim),
+                         Rows(conv + 2 * keys, value_heads, conv_dim, value_dim), gates, value_heads,
+                         gates + batch * value_heads, value_heads, shapes, ssm_states.data_ptr<float>(), slots,
+                         ssm_states.stride(0), ssm_states.stride(1),
+                         static_cast<float>(1.0 / std::sqrt(static_cast<double>(key_dim))), true, o);
+  gated_norm_core(Rows(o, value_heads, values, value_dim), Rows(qkvz + conv_dim, value_heads, qkvz_width, value_dim),
+                  batch * value_heads, value_dim, gated_norm_w.data_ptr<float>(), static_cast<float>(gated_norm_eps),
+                  o_normed);
+  at::Tensor out = at::empty({batch, width}, hidden.options());
+  project(o_normed, values, batch, values, out_w, out_s, out.data_ptr<float>());
+  return {out, res};
+}
+
+// The gated attention layer of a decode step (layers/attention.py): input norm, qkv_proj (each query head with its
+// gate), per-head q and k norms, partial NeoX rotary, the new keys and values into the pool, paged attention over
+// each request's tokens, the sigmoid gate, o_proj.
+std::tuple<at::Tensor, at::Tensor> attention_decode_block(
+    const at::Tensor& hidden, const OptTensor& residual, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& qkv_w, const OptTensor& qkv_s, const at::Tensor& q_norm_w, const at::Tensor& k_norm_w,
+    double head_eps, const at::Tensor& o_w, const OptTensor& o_s, const at::Tensor& cos_sin_cache,
+    int64_t rotary_dim, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& page_table,
+    const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, const at::Tensor& positions,
+    const at::Tensor& out_cache_loc, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
+    int64_t page_size, at::IntArrayRef block, bool dpbf16) {
+  const Projections project{block, dpbf16};
+  const int64_t batch = hidden.size(0), width = hidden.size(1), hd = head_dim;
+  const int64_t queries = heads * hd, kvs = kv_heads * hd, qkv_width = 2 * queries + 2 * kvs;
+  TORCH_CHECK(qkv_w.size(0) == qkv_width && o_w.size(1) == queries, "qkv_proj and o_proj do not match the heads: ",
+              qkv_w.sizes(), ", ", o_w.sizes());
+  TORCH_CHECK(q_norm_w.numel() == hd && k_norm_w.numel() == hd, "the q and k norms must have ", hd, " elements");
+  check_float(cos_sin_cache, "cos_sin_cache", 2);
+  TORCH_CHECK(rotary_dim <= hd && rotary_dim % 2 == 0 && cos_sin_cache.size(1) == rotary_dim,
+              "cos_sin_cache must be [P, ", rotary_dim, "] with an even rotary_dim <= ", hd);
+  TORCH_CHECK(positions.numel() == batch && out_cache_loc.numel() == batch, "positions and out_cache_loc must hold "
+              "one entry per request");
+  const int64_t longest = check_decode_attention(batch, heads, hd, k_cache, v_cache, page_table, req_pool_indices,
+                                                 seq_lens, page_size);
+  float* normed = workspace(batch * (width + qkv_width + queries + kvs + queries));
+  float* qkv = normed + batch * width;
+  float* q = qkv + batch * qkv_width;
+  float* k = q + batch * queries;
+  float* attended = k + batch * kvs;
+  at::Tensor res = pre_norm(hidden, residual, norm_weight, eps, normed);
+  project(normed, width, batch, width, qkv_w, qkv_s, qkv);
+  const float head_eps_f = static_cast<float>(head_eps);
+  gemma_norm_core(Rows(qkv, heads, qkv_width, 2 * hd), nullptr, batch * heads, hd, q_norm_w.data_ptr<float>(),
+                  head_eps_f, q, nullptr);
+  gemma_norm_core(Rows(qkv + 2 * queries, kv_heads, qkv_width, hd), nullptr, batch * kv_heads, hd,
+                  k_norm_w.data_ptr<float>(), head_eps_f, k, nullptr);
+  const Index pos(positions, "positions"), loc(out_cache_loc, "out_cache_loc");
+  rotate(q, batch, heads, hd, pos, cos_sin_cache, rotary_dim);
+  rotate(k, batch, kv_heads, hd, pos, cos_sin_cache, rotary_dim);
+  store_rows(k, kvs, hd, batch, kv_heads, hd, k_cache, loc);
+  store_rows(qkv + 2 * queries + kvs, qkv_width, hd, batch, kv_heads, hd, v_cache, loc);
+  decode_attention_core(Rows(q, heads, queries, hd), batch, heads, hd, k_cache, v_cache,
+                        TokenTable(page_table, page_size),
+                        Index(req_pool_indices, "req_pool_indices"), Index(seq_lens, "seq_lens"), longest,
+                        static_cast<float>(scale), attended);
+  for (int64_t r = 0; r < batch * heads; ++r) {  // times sigmoid(gate), the second half of each head's [q | gate]
+    const float* gate = qkv + (r / heads) * qkv_width + (r % heads) * 2 * hd + hd;
+    float* row = attended + r * hd;
+#pragma omp simd
+    for (int64_t d = 0; d < hd; ++d) row[d] *= sigmoid(gate[d]);
+  }
+  at::Tensor out = at::empty({batch, width}, hidden.options());
+  project(attended, queries, batch, queries, o_w, o_s, out.data_ptr<float>());
+  return {out, res};
+}
+
+// The MoE block (layers/mlp.py): post-attention norm, the router's softmax top-k (renormalised), the experts; the
+// shared expert as expert `shared_id` of the fused experts (weight sigmoid(shared_expert_gate(x))), or, with
+// shared_id < 0, its own gated MLP times that sigmoid, added.
+std::tuple<at::Tensor, at::Tensor> moe_decode_block(
+    const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& gate_w, const at::Tensor& shared_gate_w, const at::Tensor& w13, const OptTensor& w13_s,
+    const at::Tensor& w2, const OptTensor& w2_s, const OptTensor& shared_gate_up_w, const OptTensor& shared_gate_up_s,
+    const OptTensor& shared_down_w, const OptTensor& shared_down_s, int64_t top_k, int64_t shared_id,
+    at::IntArrayRef block, bool dpbf16) {
+  const Projections project{block, dpbf16};
+  const int64_t batch = hidden.size(0), width = hidden.size(1), experts = gate_w.size(0);
+  const bool fused = shared_id >= 0;
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "top_k must be in [1, ", experts, "], got ", top_k);
+  TORCH_CHECK(shared_gate_w.size(0) == 1 && (!fused || shared_id < w13.size(0)),
+              "the shared expert's gate must be [1, H] and its id one of the experts'");
+  TORCH_CHECK(fused || (shared_gate_up_w.has_value() && shared_down_w.has_value()),
+              "a separate shared expert needs its gate_up and down weights");
+  check_experts(w13, w2, width);
+  const int64_t k = top_k + (fused ? 1 : 0);
+  const int64_t shared_inter = fused ? 0 : shared_gate_up_w->size(0) / 2;
+  float* normed = workspace(batch * (width + experts + 1 + k + width + 2 * shared_inter));
+  float* router = normed + batch * width;
+  float* shared_logit = router + batch * experts;
+  float* weights = shared_logit + batch;
+  float* shared = weights + batch * k;
+  std::vector<int32_t> ids(batch * k);
+  float* shared_gate_up = shared + batch * width;
+  at::Tensor res = pre_norm(hidden, residual, norm_weight, eps, normed);
+  project(normed, width, batch, width, gate_w, c10::nullopt, router);
+  project(normed, width, batch, width, shared_gate_w, c10::nullopt, shared_logit);
+  moe_route_core(router, experts, batch, experts, fused ? shared_logit : nullptr, 1, top_k, true, shared_id, weights,
+                 ids.data());
+  at::Tensor out = at::empty({batch, width}, hidden.options());
+  float* o = out.data_ptr<float>();
+  fused_moe_core(normed, width, batch, width, w13, w2, w13_s, w2_s, block, Index(ids.data()), weights, k, 1, k, dpbf16,
+                 o);
+  if (!fused) {
+    gated_mlp(normed, batch, width, *shared_gate_up_w, shared_gate_up_s, *shared_down_w, shared_down_s, project,
+              shared_gate_up, shared);
+    for (int64_t r = 0; r < batch; ++r) {
+      const float gate = sigmoid(shared_logit[r]);
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) o[r * width + j] += gate * shared[r * width + j];
+    }
+  }
+  return {out, res};
+}
+
+// The dense MLP block: post-attention norm, down(silu(gate) * up).
+std::tuple<at::Tensor, at::Tensor> mlp_decode_block(const at::Tensor& hidden, const at::Tensor& residual,
+                                                    const at::Tensor& norm_weight, double eps,
+                                                    const at::Tensor& gate_up_w, const OptTensor& gate_up_s,
+                                                    const at::Tensor& down_w, const OptTensor& down_s,
+                                                    at::IntArrayRef block, bool dpbf16) {
+  const Projections project{block, dpbf16};
+  const int64_t batch = hidden.size(0), width = hidden.size(1), inter = gate_up_w.size(0) / 2;
+  float* normed = workspace(batch * (width + 2 * inter));
+  at::Tensor res = pre_norm(hidden, residual, norm_weight, eps, normed);
+  at::Tensor out = at::empty({batch, width}, hidden.options());
+  gated_mlp(normed, batch, width, gate_up_w, gate_up_s, down_w, down_s, project, normed + batch * width,
+            out.data_ptr<float>());
+  return {out, res};
+}
+
+}  // namespace sgl_cpu
+
+TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
+  m.def("gdn_decode_block(Tensor hidden, Tensor? residual, Tensor norm_weight, float eps, Tensor qkvz_w, "
+        "Tensor? qkvz_s, Tensor ba_w, Tensor? ba_s, Tensor conv_weight, Tensor A_log, Tensor dt_bias, "
+        "Tensor gated_norm_w, float gated_norm_eps, Tensor out_w, Tensor? out_s, Tensor(a!) conv_states, "
+        "Tensor(b!) ssm_states, Tensor state_slots, int key_heads, int value_heads, int key_dim, int value_dim, "
+        "int[] block, bool dpbf16) -> (Tensor, Tensor)");
+  m.def("attention_decode_block(Tensor hidden, Tensor? residual, Tensor norm_weight, float eps, Tensor qkv_w, "
+        "Tensor? qkv_s, Tensor q_norm_w, Tensor k_norm_w, float head_eps, Tensor o_w, Tensor? o_s, "
+        "Tensor cos_sin_cache, int rotary_dim, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor page_table, "
+        "Tensor req_pool_indices, Tensor seq_lens, Tensor positions, Tensor out_cache_loc, int heads, "
+        "int kv_heads, int head_dim, float scale, int page_size, int[] block, bool dpbf16) -> (Tensor, Tensor)");
+  m.def("moe_decode_block(Tensor hidden, Tensor residual, Tensor norm_weight, float eps, Tensor gate_w, "
+        "Tensor shared_gate_w, Tensor w13, Tensor? w13_s, Tensor w2, Tensor? w2_s, Tensor? shared_gate_up_w, "
+        "Tensor? shared_gate_up_s, Tensor? shared_down_w, Tensor? shared_down_s, int top_k, int shared_id, "
+        "int[] block, bool dpbf16) -> (Tensor, Tensor)");
+  m.def("mlp_decode_block(Tensor hidden, Tensor residual, Tensor norm_weight, float eps, Tensor gate_up_w, "
+        "Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] block, bool dpbf16) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) {
+  m.impl("gdn_decode_block", &sgl_cpu::gdn_decode_block);
+  m.impl("attention_decode_block", &sgl_cpu::attention_decode_block);
+  m.impl("moe_decode_block", &sgl_cpu::moe_decode_block);
+  m.impl("mlp_decode_block", &sgl_cpu::mlp_decode_block);
+}

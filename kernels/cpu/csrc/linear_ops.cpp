@@ -1,0 +1,161 @@
+// Linear layers of float32 rows on the CPU, with float32, bf16 or block-FP8 weights (gemm.h widens each in
+// registers): every projection and the LM head of a decode step, and a prefill's when its weights are 16- or 8-bit.
+#include "common.h"
+#include "gemm.h"
+#include "ops.h"
+
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace sgl_cpu {
+
+namespace {
+
+// Rows of a prefill run in panels of this many, so that a panel of activations stays in L2 while every column
+// block of the weight passes over it.
+constexpr int64_t kPanelRows = 256;
+
+// y = x W^T for one row x (rounded to bf16) and bf16 W [N, K] stored [in, out]: blocks of 256 columns (128 where
+// that leaves too few blocks for the threads) through vdpbf16ps, the last N % 32 columns widened.
+#if defined(__AVX512BF16__)
+void one_row_bf16_dp(const float* xs, int64_t K, const uint16_t* w, int64_t ldw, int64_t N, float* o) {
+  Bf16Pairs pairs;
+  to_bf16_pairs(xs, K, 1, K, pairs);
+  const bool wide = N >= 256 * 2 * at::get_num_threads();
+  const int64_t width = wide ? 256 : 128, blocks = N / width;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * width;
+      if (wide) {
+        one_row_times_columns_dp<8>(pairs.row(0), pairs.pairs, w + n0, ldw, K, o + n0);
+      } else {
+        one_row_times_columns_dp<4>(pairs.row(0), pairs.pairs, w + n0, ldw, K, o + n0);
+      }
+    }
+  });
+  rows_times_weight_columns_dp(pairs, 0, xs, K, 1, w, ldw, K, blocks * width, N, o, N);
+}
+#else
+void one_row_bf16_dp(const float*, int64_t, const uint16_t*, int64_t, int64_t, float*) {
+  TORCH_CHECK(false, "vdpbf16ps is not available on this CPU");
+}
+#endif
+
+// y = x W^T for W [N, K] stored [in, out] (row k of W^T contiguous, ldw apart).
+template <class W>
+void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, int64_t N,
+                   const WeightScales& sc, bool dpbf16, float* o) {
+  int64_t n = 0;
+  // One row reads each weight once, from memory: blocks of 512 columns (128 where that leaves too few blocks for
+  // the threads, or the weight has 128-column scale blocks) stream runs of 4 weight rows at a time; register-blocked
+  // 32-column blocks, reading short runs far apart, fell below MKL (docs/performance.md).
+  if constexpr (std::is_same_v<W, Bf16Weight> && kHaveDpbf16) {
+    if (M == 1 && dpbf16) return one_row_bf16_dp(xs, K, w, ldw, N, o);
+  }
+  if (M == 1) {
+    constexpr int kWideVectors = std::is_same_v<W, F32Weight> ? 32 : 16;
+    const bool wide = !W::kScaled && N >= 16 * kWideVectors * 2 * at::get_num_threads();
+    const int64_t width = wide ? 16 * kWideVectors : 128, blocks = N / width;
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t n0 = blk * width;
+        if (wide) {
+          one_row_times_columns<W, kWideVectors>(xs, w + n0, ldw, K, o + n0, sc.columns(n0));
+        } else {
+          one_row_times_columns<W, 8>(xs, w + n0, ldw, K, o + n0, sc.columns(n0));
+        }
+      }
+    });
+    n = blocks * width;
+  }
+  const int64_t first_block = n / 32, blocks = N / 32;
+  if constexpr (std::is_same_v<W, Bf16Weight>) {
+    if (dpbf16 && M > 1) {
+      Bf16Pairs pairs;
+      to_bf16_pairs(xs, lda, M, K, pairs);
+      for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
+        const int64_t rows = std::min(kPanelRows, M - m0);
+        at::parallel_for(first_block, blocks, grain(rows * K * 32 / 8), [&](int64_t begin, int64_t end) {
+          for (int64_t blk = begin; blk < end; ++blk) {
+            all_rows_times_32_columns_dp(pairs, m0, rows, w + blk * 32, ldw, K, o + m0 * N + blk * 32, N);
+          }
+        });
+      }
+      rows_times_weight_columns<W>(xs, lda, M, w, ldw, K, blocks * 32, N, o, N, sc);  // the last N % 32 columns
+      return;
+    }
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
+    const int64_t rows = std::min(kPanelRows, M - m0);
+    const float* panel = xs + m0 * lda;
+    at::parallel_for(first_block, blocks, grain(rows * K * 32 / 4), [&](int64_t begin, int64_t end) {
+      for (int64_t blk = begin; blk < end; ++blk) {
+        all_rows_times_columns<W, 2>(panel, lda, rows, w + blk * 32, ldw, K, o + m0 * N + blk * 32, N,
+                                     sc.columns(blk * 32));
+      }
+    });
+  }
+  rows_times_weight_columns<W>(xs, lda, M, w, ldw, K, blocks * 32, N, o, N, sc);  // the last N % 32 columns
+}
+
+// y = x W^T for W [N, K] stored [out, in] (a tied LM head is the embedding): dot products along K.
+template <class W>
+void linear_out_in(const float* xs, int64_t lda, int64_t M, int64_t K, const typename W::T* w, int64_t wn, int64_t N,
+                   float* o) {
+  at::parallel_for(0, (N + 63) / 64, grain(M * K * 64 / 4), [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * 64, width = std::min<int64_t>(64, N - n0);
+      matmul_wt<W>(xs, lda, M, w + n0 * wn, wn, 1, width, K, o + n0, N);
+    }
+  });
+}
+
+}  // namespace
+
+// y = x W^T into out [M, N] (contiguous) for x's rows (lda apart) and W as linear_rows takes it.
+void linear_core(const float* xs, int64_t lda, int64_t M, int64_t K, const at::Tensor& weight,
+                 const c10::optional<at::Tensor>& scale, at::IntArrayRef block, bool dpbf16, float* o) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "weight must be a CPU matrix, got ", weight.sizes());
+  const int64_t N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K, "weight must be [N, ", K, "], got ", weight.sizes());
+  TORCH_CHECK(weight.stride(0) == 1 || weight.stride(1) == 1, "weight must be contiguous along one of its "
+              "dimensions, got strides ", weight.strides());
+  visit_weight_type(weight, "weight", [&](auto type) {
+    using W = decltype(type);
+    const WeightScales scales = weight_scales<W>(scale, weight, block);
+    if (weight.stride(0) != 1 || N == 1) {
+      if constexpr (W::kScaled) {
+        TORCH_CHECK(false, "FP8 weights must be stored [in, out] (model_executor/weight_layout.py)");
+      } else {
+        linear_out_in<W>(xs, lda, M, K, weight_data<W>(weight), weight.stride(0), N, o);
+      }
+      return;
+    }
+    linear_in_out<W>(xs, lda, M, K, weight_data<W>(weight), weight.stride(1), N, scales, dpbf16 && kHaveDpbf16, o);
+  });
+}
+
+// y = x W^T for x [M, K] float32 and W [N, K] float32, bf16 or FP8 (with its block scales), stored [in, out]
+// (weight_layout's layout: each thread takes blocks of 32 output columns and runs every row of a panel through them
+// while the block's weights stay in cache) or [out, in] (unscaled weights only). MKL packs the whole weight for every
+// call, which at a few rows keeps it far below the GEMM peak; it takes no 16- or 8-bit weights at all.
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                       at::IntArrayRef block, bool dpbf16) {
+  check_float(x, "x", 2);
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  linear_core(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), weight, scale, block, dpbf16,
+              out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace sgl_cpu
+
+TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
+  m.def("linear_rows(Tensor x, Tensor weight, Tensor? scale, int[] block, bool dpbf16) -> Tensor");
+  m.def("has_dpbf16() -> bool", []() { return sgl_cpu::kHaveDpbf16; });
+}
+
+TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) { m.impl("linear_rows", &sgl_cpu::linear_rows); }

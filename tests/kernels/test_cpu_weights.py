@@ -1,0 +1,191 @@
+"""The C++ CPU kernels on bf16 and block-FP8 weights (widened to float32 in registers, or bf16 through vdpbf16ps)
+against the float32 reference on the widened or dequantized weights, over awkward shapes and both layouts.
+
+Outputs are allocated in C++, out of reach of the NaN poisoning: each case runs twice on fresh inputs of the same
+shape, so an element left unwritten would hold the first run's value and fail the second comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sglang_lite.kernels import cpu, fused_moe, linear
+from sglang_lite.kernels.moe import naive as moe_ref
+from sglang_lite.kernels.quant.naive import dequantize_blocks, quantize_blocks
+
+from .utils import assert_rel_close
+
+F32 = torch.float32
+BF16 = torch.bfloat16
+FP8 = torch.float8_e4m3fn
+BLOCK = (128, 128)
+MODES = ["auto", "widen"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    cpu.require()
+
+
+@pytest.fixture(params=MODES)
+def bf16_dot(request, monkeypatch) -> str:
+    """Both bf16 paths: vdpbf16ps where the CPU has it (auto), and the widening path every CPU runs."""
+    monkeypatch.setenv("SGLANG_CPU_BF16_DOT", request.param)
+    return request.param
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _input_major(w: torch.Tensor) -> torch.Tensor:
+    """The same values stored [in, out] under their [out, in] shape, as weight_layout stores them on the CPU."""
+    return w.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _bf16_exact(x: torch.Tensor) -> torch.Tensor:
+    """float32 values a bf16 holds exactly: vdpbf16ps rounds nothing of them."""
+    return x.to(BF16).to(F32)
+
+
+def _twice(run, make_inputs):
+    """Runs ``run`` on two fresh sets of inputs of the same shape; returns both (outputs, inputs)."""
+    return [(run(*inputs), inputs) for inputs in (make_inputs(0), make_inputs(100))]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 33, 300])
+@pytest.mark.parametrize("columns", [16, 17, 48, 300, 1100])
+@pytest.mark.parametrize("depth", [7, 64, 100])
+@pytest.mark.parametrize("layout", ["in_out", "out_in"])
+def test_linear_bf16(bf16_dot, rows, columns, depth, layout):
+    """Row counts around the blocks of 8 rows and the 256-row panels, widths around the 512-, 128-, 32- and
+    16-column blocks and a scalar tail, odd depths (a weight row without a pair); activations bf16-exact, so both
+    paths must give the float32 product of the widened weight."""
+
+    def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = _bf16_exact(_randn(rows, depth + 3, seed=seed))[:, 1 : 1 + depth]  # strided rows
+        w = _randn(columns, depth, seed=seed + 1).to(BF16)
+        return x, _input_major(w) if layout == "in_out" else w
+
+    for got, (x, w) in _twice(linear, inputs):
+        assert got.dtype == F32
+        assert_rel_close(got, F.linear(x, w.float()), F32)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 33])
+def test_linear_bf16_activation_precision(bf16_dot, rows):
+    """The widening path keeps float32 activations (float32 accuracy); vdpbf16ps rounds them to bf16 (bf16
+    accuracy, and visibly so where the CPU has it; a width of whole 32-column blocks, which all take it)."""
+    x, w = _randn(rows, 256, seed=0), _input_major(_randn(1088, 256, seed=1).to(BF16))
+    got, want = linear(x, w), F.linear(x, w.float())
+    rounded = bf16_dot == "auto" and cpu.has_dpbf16()
+    assert_rel_close(got, want, BF16 if rounded else F32)
+    if rounded:
+        assert_rel_close(got, F.linear(_bf16_exact(x), w.float()), F32, "rounded activations")
+        assert not torch.allclose(got, want, rtol=0, atol=1e-6)
+
+
+def _fp8_weight(n: int, k: int, seed: int, stack: int | None = None):
+    """An FP8 weight [n, k] (or [stack, n, k]) with its 128x128 block scales, some elements forced to zero, -0 and
+    the subnormals 2^-9 and -7 * 2^-9 of e4m3 (times the block's scale)."""
+    shape = (n, k) if stack is None else (stack, n, k)
+    q, scale = quantize_blocks(_randn(*shape, seed=seed), BLOCK, FP8)
+    bits = q.view(torch.uint8).clone()
+    flat = bits.view(-1)
+    for i, pattern in enumerate((0x00, 0x80, 0x01, 0x87)):
+        flat[i * 7 :: 53] = pattern
+    return bits.view(FP8), scale
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33, 300])
+@pytest.mark.parametrize("columns, depth", [(128, 128), (300, 200), (1024, 64), (640, 129)])
+def test_linear_fp8(rows, columns, depth):
+    """Block-FP8 weights stored [in, out] against the float32 product of the dequantized weight: partial last
+    blocks in both dimensions, 512-wide column runs of one row, signed zeros and subnormals."""
+
+    def inputs(seed: int):
+        q, scale = _fp8_weight(columns, depth, seed)
+        return _randn(rows, depth, seed=seed + 1), _input_major(q), scale
+
+    def run(x, q, scale):
+        return linear(x, q, scale, BLOCK)
+
+    for got, (x, q, scale) in _twice(run, inputs):
+        assert_rel_close(got, F.linear(x, dequantize_blocks(q, scale, BLOCK)), F32)
+
+
+def test_fp8_linear_in_out_in_layout_takes_the_reference():
+    """An FP8 weight stored [out, in], or in blocks the kernel does not take, runs the dequantizing reference."""
+    q, scale = _fp8_weight(256, 128, seed=0)
+    x = _randn(3, 128, seed=1)
+    assert not cpu.takes_linear(x, q, scale, BLOCK)
+    assert not cpu.takes_linear(x, _input_major(q), scale, (64, 64))
+    assert cpu.takes_linear(x, _input_major(q), scale, BLOCK)
+    want = F.linear(x, dequantize_blocks(q, scale, BLOCK))
+    assert_rel_close(linear(x, q, scale, BLOCK), want, F32)
+
+
+def _routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    return torch.rand(tokens, top_k, generator=gen), ids.to(torch.int32)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5, 33, 300])
+@pytest.mark.parametrize("layout", ["in_out", "out_in"])
+@pytest.mark.parametrize("hidden, inter", [(72, 40), (258, 64)])
+def test_fused_moe_bf16(bf16_dot, tokens, layout, hidden, inter):
+    """bf16 experts against the float32 reference on the widened weights, bf16-exact tokens (the hidden activation
+    between the projections is rounded by vdpbf16ps: bf16 accuracy there); experts of many rows (300 tokens) too."""
+    experts, top_k = 9, 3
+
+    def inputs(seed: int):
+        w13 = (_randn(experts, 2 * inter, hidden, seed=seed) / 8).to(BF16)
+        w2 = (_randn(experts, hidden, inter, seed=seed + 1) / 8).to(BF16)
+        if layout == "in_out":
+            w13, w2 = _input_major(w13), _input_major(w2)
+        return (
+            _bf16_exact(_randn(tokens, hidden, seed=seed + 2)),
+            w13,
+            w2,
+            *_routing(tokens, experts, top_k, seed),
+        )
+
+    rounded = bf16_dot == "auto" and cpu.has_dpbf16() and layout == "in_out" and tokens * top_k > 1
+    for got, (x, w13, w2, weights, ids) in _twice(fused_moe, inputs):
+        want = moe_ref.fused_moe(x, w13.float(), w2.float(), weights, ids)
+        assert_rel_close(got, want, BF16 if rounded else F32)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 33, 300])
+def test_fused_moe_fp8(tokens):
+    """Block-FP8 experts stored [in, out] against the float32 reference on the dequantized experts (the C++ kernel
+    keeps the activations float32): 2I = 384 rows of w13 in three 128-row blocks, H = 200 in a partial one."""
+    experts, top_k, hidden, inter = 6, 2, 200, 192
+
+    def inputs(seed: int):
+        q13, s13 = _fp8_weight(2 * inter, hidden, seed, stack=experts)
+        q2, s2 = _fp8_weight(hidden, inter, seed + 1, stack=experts)
+        x = _randn(tokens, hidden, seed=seed + 2)
+        return x, q13, s13, q2, s2, *_routing(tokens, experts, top_k, seed)
+
+    def run(x, q13, s13, q2, s2, weights, ids):
+        w13, w2 = _input_major(q13), _input_major(q2)
+        return fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2, block=BLOCK)
+
+    for got, (x, q13, s13, q2, s2, weights, ids) in _twice(run, inputs):
+        w13, w2 = dequantize_blocks(q13, s13, BLOCK), dequantize_blocks(q2, s2, BLOCK)
+        assert_rel_close(got, moe_ref.fused_moe(x, w13, w2, weights, ids), F32)
+
+
+def test_mixed_weight_dtypes_are_an_error_naming_them():
+    with pytest.raises(RuntimeError, match="must be CPU tensors of one dtype"):
+        cpu.fused_moe(
+            torch.zeros(1, 8),
+            torch.zeros(2, 6, 8, dtype=BF16),
+            torch.zeros(2, 8, 3),
+            torch.ones(1, 1),
+            torch.zeros(1, 1, dtype=torch.int32),
+        )

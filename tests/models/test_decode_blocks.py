@@ -1,0 +1,127 @@
+"""Decode steps on the CPU as one C++ call per block (``model_executor/decode_blocks.py``) compute what the modules
+compute: the same logits every step and the same pools after it, for GDN and attention layers, MoE blocks with a
+fused or a separate shared expert and dense MLPs, float32, bf16 and FP8 weights, requests of different lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_lite import load_model
+from sglang_lite.forward_batch import ForwardMode, build_forward_batch
+from sglang_lite.kernels import cpu
+from sglang_lite.mem_cache.pools import ModelPools
+from sglang_lite.model_executor.decode_blocks import enable_decode_blocks
+from sglang_lite.model_executor.weight_layout import store_input_major
+from tests.hf_checkpoints import make_hf_model, save_checkpoint
+from tests.kernels.utils import assert_rel_close
+
+PROMPT_LENS = [5, 1, 23]
+STEPS = 4
+FP8_SHAPE = dict(  # every packed projection on 128-row blocks, so that each stays FP8
+    hidden_size=256,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=128,
+    vocab_size=300,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    cpu.require()
+
+
+def _model(path: str, blocks: bool, **load) -> torch.nn.Module:
+    """The model as the runner prepares it on the CPU, with or without the decode blocks."""
+    model = load_model(path, **load)
+    store_input_major(model)
+    if blocks:
+        assert enable_decode_blocks(model, torch_compile=False) == "on"
+    return model
+
+
+def _run(model: torch.nn.Module, page_size: int) -> tuple[list[torch.Tensor], ModelPools]:
+    """Prefill of three prompts, then STEPS decode steps of the three (greedy); every step's logits."""
+    config = model.config
+    pools = ModelPools.create(config, 256, 4, 64, model.compute_dtype, "cpu", page_size=page_size)
+    rows, slots = pools.req_to_token.allocator.alloc(3), pools.states.alloc(3)
+    gen = torch.Generator().manual_seed(0)
+    tokens = [
+        torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS
+    ]
+    lens, mode = [0, 0, 0], ForwardMode.EXTEND
+    steps = []
+    for _ in range(STEPS + 1):
+        counts = [len(t) for t in tokens]
+        batch = build_forward_batch(
+            pools, mode, tokens, lens, rows, slots, "cpu", pools.alloc_kv(rows, lens, counts)
+        )
+        logits = model.forward_batch(batch)
+        steps.append(logits)
+        lens = [n + c for n, c in zip(lens, counts)]
+        tokens, mode = [[int(t)] for t in logits.argmax(-1)], ForwardMode.DECODE
+    return steps, pools
+
+
+def _assert_same_steps(path: str, page_size: int = 1, **load) -> None:
+    want, want_pools = _run(_model(path, blocks=False, **load), page_size)
+    got, got_pools = _run(_model(path, blocks=True, **load), page_size)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_rel_close(g, w, torch.float32, f"logits of step {step}")
+    for name in ("conv_states", "ssm_states"):
+        for g, w in zip(getattr(got_pools.states, name), getattr(want_pools.states, name)):
+            assert_rel_close(g, w, torch.float32, name)
+    for g, w in zip(got_pools.kv.k_buffers, want_pools.kv.k_buffers):
+        assert_rel_close(g, w, torch.float32, "keys")
+
+
+@pytest.mark.parametrize(
+    "kind, overrides, fused_shared",
+    [
+        ("moe", {}, False),  # shared expert of another width: beside the experts
+        ("moe", dict(moe_intermediate_size=16), True),  # the same width: one more expert
+        ("dense", dict(tie_word_embeddings=True), False),
+    ],
+    ids=["moe-separate-shared", "moe-fused-shared", "dense-tied"],
+)
+@pytest.mark.parametrize("weights", ["float32", "bf16"])
+@pytest.mark.parametrize(
+    "page_size", [1, 16]
+)  # the attention block reads keys through the page table
+def test_decode_blocks_match_the_modules(
+    tmp_path, monkeypatch, kind, overrides, fused_shared, weights, page_size
+):
+    monkeypatch.setenv("SGLANG_CPU_BF16_DOT", "widen")  # the same products both ways, bf16 too
+    hf = make_hf_model(moe=kind == "moe", seed=2, **overrides)
+    path = save_checkpoint(hf, str(tmp_path))
+    load = dict(weight_dtype=torch.bfloat16 if weights == "bf16" else None)
+    mlp = _model(path, blocks=False, **load).model.layers[0].mlp
+    assert getattr(mlp, "fuse_shared_expert", False) == fused_shared
+    _assert_same_steps(path, page_size, **load)
+
+
+def test_decode_blocks_with_fp8_weights(tmp_path):
+    """Online FP8 keeps every aligned projection FP8 (routers and in_proj_ba stay high precision)."""
+    hf = make_hf_model(moe=True, seed=4, **FP8_SHAPE)
+    path = save_checkpoint(hf, str(tmp_path))
+    load = dict(quantization="fp8", fp8_weights=True, fp8_misaligned="dequantize")
+    model = _model(path, blocks=False, **load)
+    assert model.model.layers[0].mlp.experts.w13.dtype == torch.float8_e4m3fn
+    assert model.model.layers[0].linear_attn.in_proj_qkvz.weight.dtype == torch.float8_e4m3fn
+    _assert_same_steps(path, **load)
+
+
+def test_decode_blocks_say_why_they_stay_off(tmp_path):
+    path = save_checkpoint(make_hf_model(moe=True, seed=1), str(tmp_path))
+    model = load_model(path)
+    assert enable_decode_blocks(model, torch_compile=True).startswith("off (torch.compile")
+    bf16_model = load_model(path, dtype=torch.bfloat16)
+    assert "activations in torch.bfloat16" in enable_decode_blocks(bf16_model, torch_compile=False)
+    assert not bf16_model.model.use_decode_blocks
