@@ -100,10 +100,11 @@ def test_pd_with_real_servers_counts_both_sides_and_returns_decode(procs, dp_pai
                 )
                 for _ in range(6)
             ]
-            assert await wait_for(lambda: _total(s, router.url, 12), timeout=10), await in_flight(
-                s, router.url
-            )
-            during = await in_flight(s, router.url)
+            seen: list[
+                dict[str, int]
+            ] = []  # the snapshot that had every leg in flight (legs end at their own pace)
+            assert await wait_for(lambda: _total(s, router.url, 12, seen), timeout=10), seen[-3:]
+            during = seen[-1]
             results = await asyncio.gather(*streams)
             released = await wait_for(lambda: _zero(s, router.url), timeout=5)
             batch = {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 1}}
@@ -134,8 +135,9 @@ def test_pd_with_real_servers_counts_both_sides_and_returns_decode(procs, dp_pai
     ]  # both legs of every request (6 streams, 2 batched prompts) reached their server
 
 
-async def _total(s: aiohttp.ClientSession, url: str, n: int) -> bool:
-    return sum((await in_flight(s, url)).values()) == n
+async def _total(s: aiohttp.ClientSession, url: str, n: int, seen: list[dict[str, int]]) -> bool:
+    seen.append(await in_flight(s, url))
+    return sum(seen[-1].values()) == n
 
 
 async def _zero(s: aiohttp.ClientSession, url: str) -> bool:
