@@ -100,9 +100,8 @@ def test_pd_with_real_servers_counts_both_sides_and_returns_decode(procs, dp_pai
                 )
                 for _ in range(6)
             ]
-            seen: list[
-                dict[str, int]
-            ] = []  # the snapshot that had every leg in flight (legs end at their own pace)
+            # keep the snapshot that had every leg in flight: the legs end at their own pace
+            seen: list[dict[str, int]] = []
             assert await wait_for(lambda: _total(s, router.url, 12, seen), timeout=10), seen[-3:]
             during = seen[-1]
             results = await asyncio.gather(*streams)
