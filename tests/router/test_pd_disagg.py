@@ -9,7 +9,6 @@ bounded in time, and free the decode side's reservation.
 from __future__ import annotations
 
 import asyncio
-import re
 import socket
 import sys
 import time
@@ -20,8 +19,9 @@ import pytest
 from sglang_lite.server_args import ServerArgs
 from tests.hf_checkpoints import greedy_tokens, make_hf_model, save_checkpoint
 
-from .conftest import Proc, free_port, launch, spawn, wait_until_healthy
-from .helpers import get_json, get_text, parse_counter, run, wait_for
+from .conftest import Proc, free_port, spawn, wait_until_healthy
+from .helpers import get_text, run, wait_for
+from .pd_helpers import drained, generate, leave_after_first_event, loads, pd_router
 
 try:
     import mooncake.engine  # noqa: F401
@@ -125,30 +125,7 @@ def pd(tmp_path_factory, request):
 async def _generate(
     s: aiohttp.ClientSession, url: str, prompt: list[int], **extra
 ) -> tuple[int, dict]:
-    body = {"input_ids": prompt, "sampling_params": GREEDY, **extra}
-    async with s.post(
-        url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=60)
-    ) as response:
-        return response.status, await response.json(content_type=None)
-
-
-async def _loads(s: aiohttp.ClientSession, url: str) -> list[dict]:
-    return (await get_json(s, url + "/v1/loads?include=all"))["loads"]
-
-
-async def _drained(s: aiohttp.ClientSession, *urls: str) -> bool:
-    core = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens")
-    pd = (
-        "prefill_prealloc_queue_reqs",
-        "prefill_inflight_queue_reqs",
-        "decode_prealloc_queue_reqs",
-        "decode_transfer_queue_reqs",
-    )
-    loads = [load for url in urls for load in await _loads(s, url)]
-    return all(
-        all(load[q] == 0 for q in core) and all(load["disaggregation"][q] == 0 for q in pd)
-        for load in loads
-    )
+    return await generate(s, url, prompt, GREEDY, **extra)
 
 
 def _through(
@@ -157,20 +134,18 @@ def _through(
     async def scenario():
         async with aiohttp.ClientSession() as s:
             before = [
-                load["disaggregation"]["num_prefill_tokens"]
-                for load in await _loads(s, prefill.url)
+                load["disaggregation"]["num_prefill_tokens"] for load in await loads(s, prefill.url)
             ]
             results = await asyncio.gather(*(_generate(s, router.url, p) for p in PROMPTS))
             assert await wait_for(
-                lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.1
+                lambda: drained(s, prefill.url, decode.url), timeout=20, interval=0.1
             )
             after = [
-                load["disaggregation"]["num_prefill_tokens"]
-                for load in await _loads(s, prefill.url)
+                load["disaggregation"]["num_prefill_tokens"] for load in await loads(s, prefill.url)
             ]
             metrics = await get_text(s, decode.url + "/metrics")
-            loads = await _loads(s, decode.url)
-            return results, loads, [a - b for a, b in zip(after, before)], metrics
+            decode_loads = await loads(s, decode.url)
+            return results, decode_loads, [a - b for a, b in zip(after, before)], metrics
 
     return run(scenario())
 
@@ -209,30 +184,12 @@ def _check(
 
 def test_pd_through_sglang_lite_router_equals_transformers(pd):
     checkpoint, prefill, decode, bootstrap_port = pd
-    router = launch(
-        [
-            sys.executable,
-            "-m",
-            "sglang_lite.router",
-            "--port",
-            "0",
-            "--log-level",
-            "info",
-            "--pd-disaggregation",
-            "--prefill",
-            prefill.url,
-            str(bootstrap_port),
-            "--decode",
-            decode.url,
-            "--dp-aware",
-            "--decode-policy",
-            "power_of_two",
-            "--p2c-load-metric",
-            "least_requests",
-            "--worker-startup-check-interval",
-            "0.1",
-        ],
-        re.compile(r"router listening on http://127\.0\.0\.1:(\d+)"),
+    router = pd_router(
+        prefill.url,
+        bootstrap_port,
+        decode.url,
+        *("--log-level", "info", "--dp-aware", "--decode-policy", "power_of_two"),
+        *("--p2c-load-metric", "least_requests"),
     )
     try:
         _check(*_through(router, checkpoint, prefill, decode), checkpoint)
@@ -301,14 +258,14 @@ def test_long_prompts_on_a_reused_pool(pd):
                 )
                 results.append(legs)
             return results, await wait_for(
-                lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.1
+                lambda: drained(s, prefill.url, decode.url), timeout=20, interval=0.1
             )
 
-    results, drained = run(scenario())
+    results, settled = run(scenario())
     for prompt, (prefill_leg, decode_leg) in zip(prompts, results):
         assert prefill_leg[0] == 200 and decode_leg[0] == 200, (prefill_leg, decode_leg)
         assert decode_leg[1]["output_ids"] == checkpoint.greedy(prompt)
-    assert drained
+    assert settled
 
 
 def test_requests_whose_first_token_ends_them(pd):
@@ -334,15 +291,15 @@ def test_requests_whose_first_token_ends_them(pd):
                     )
                 )
             return legs, await wait_for(
-                lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.1
+                lambda: drained(s, prefill.url, decode.url), timeout=20, interval=0.1
             )
 
-    legs, drained = run(scenario())
+    legs, settled = run(scenario())
     for prompt, (prefill_leg, decode_leg) in zip(PROMPTS, legs):
         assert prefill_leg[0] == 200 and decode_leg[0] == 200, (prefill_leg, decode_leg)
         assert prefill_leg[1]["output_ids"] == decode_leg[1]["output_ids"]
         assert decode_leg[1]["output_ids"] == checkpoint.greedy(prompt)[:1]
-    assert drained
+    assert settled
 
 
 def test_prefill_server_reuses_cached_prefixes(pd):
@@ -394,12 +351,12 @@ def test_decode_server_refuses_requests_without_bootstrap_and_duplicate_rooms(pd
             await asyncio.sleep(0.5)
             duplicate = await _generate(s, decode.url, PROMPTS[1], **fields)
             timed_out = await first
-            drained = await wait_for(
-                lambda: _drained(s, decode.url), timeout=TIMEOUT_S + 10, interval=0.2
+            settled = await wait_for(
+                lambda: drained(s, decode.url), timeout=TIMEOUT_S + 10, interval=0.2
             )
-            return plain, duplicate, timed_out, drained
+            return plain, duplicate, timed_out, settled
 
-    plain, duplicate, timed_out, drained = run(scenario())
+    plain, duplicate, timed_out, settled = run(scenario())
     assert plain[0] == 400 and "bootstrap_room" in plain[1]["error"]["message"]
     assert (
         duplicate[0] == 400
@@ -410,7 +367,7 @@ def test_decode_server_refuses_requests_without_bootstrap_and_duplicate_rooms(pd
         timed_out[0] == 500
         and f"did not finish within {TIMEOUT_S} s" in timed_out[1]["error"]["message"]
     )
-    assert drained
+    assert settled
 
 
 def test_unreachable_prefill_server_fails_the_decode_request_at_once(pd):
@@ -427,62 +384,24 @@ def test_unreachable_prefill_server_fails_the_decode_request_at_once(pd):
                 bootstrap_port=dead,
                 bootstrap_room=7,
             )
-            return result, await wait_for(lambda: _drained(s, decode.url), timeout=10, interval=0.2)
+            return result, await wait_for(lambda: drained(s, decode.url), timeout=10, interval=0.2)
 
-    (status, body), drained = run(scenario())
+    (status, body), settled = run(scenario())
     assert (
         status == 500
         and f"bootstrap server at 127.0.0.1:{dead} is unreachable" in body["error"]["message"]
     )
-    assert drained
+    assert settled
 
 
 def test_client_abort_reaches_both_sides(pd):
     checkpoint, prefill, decode, bootstrap_port = pd
-    router = launch(
-        [
-            sys.executable,
-            "-m",
-            "sglang_lite.router",
-            "--port",
-            "0",
-            "--pd-disaggregation",
-            "--prefill",
-            prefill.url,
-            str(bootstrap_port),
-            "--decode",
-            decode.url,
-            "--worker-startup-check-interval",
-            "0.1",
-        ],
-        re.compile(r"router listening on http://127\.0\.0\.1:(\d+)"),
-    )
-
-    async def aborts(s: aiohttp.ClientSession) -> float:
-        metrics = await get_text(s, decode.url + "/metrics")
-        return sum(
-            parse_counter(metrics, "sglang_lite_requests_finished_total", reason="abort").values()
-        )
-
-    async def scenario():
-        async with aiohttp.ClientSession() as s:
-            before = await aborts(s)
-            body = {
-                "input_ids": PROMPTS[4],
-                "stream": True,
-                "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
-            }
-            async with s.post(router.url + "/generate", json=body) as response:
-                async for _ in response.content:  # the first event: decoding has started
-                    break
-            # the client left: the decode request is aborted, the prefill leg too; everything drains
-            drained = await wait_for(
-                lambda: _drained(s, prefill.url, decode.url), timeout=20, interval=0.2
-            )
-            return drained, await aborts(s) - before
-
+    router = pd_router(prefill.url, bootstrap_port, decode.url)
     try:
-        drained, aborted = run(scenario())
-        assert drained and aborted == 1  # ended by the abort, not by running its 200 tokens out
+        # the client left: the decode request is aborted, the prefill leg too; everything drains
+        ok, aborted = run(
+            leave_after_first_event(router.url, PROMPTS[4], 200, prefill.url, decode.url)
+        )
+        assert ok and aborted == 1  # ended by the abort, not by running its 200 tokens out
     finally:
         router.kill()

@@ -8,7 +8,6 @@ prefill side's cache hits travel with the transfer, both servers answer /health_
 from __future__ import annotations
 
 import asyncio
-import re
 import sys
 
 import aiohttp
@@ -17,9 +16,9 @@ from transformers import Qwen3_5MoeForCausalLM
 
 from sglang_lite import assets
 
-from .conftest import free_port, launch, spawn
+from .conftest import free_port, spawn
 from .helpers import get_json, run, wait_for
-from .pd_helpers import Reference, drained, generate, loads, pd_server
+from .pd_helpers import Reference, drained, generate, loads, pd_router, pd_server
 from .test_pd_disagg import _wait_port
 
 NEW_TOKENS = 6
@@ -39,7 +38,6 @@ COMMON = [
     "--log-level",
     "warning",
 ]
-ROUTER_READY = re.compile(r"router listening on http://127\.0\.0\.1:(\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +67,7 @@ def pd(load: dict) -> dict:
 
 
 def _router(prefill, decode, bootstrap: int | None, *flags: str):
-    port = [str(bootstrap)] if bootstrap is not None else []
-    return launch(
-        [
-            *(sys.executable, "-m", "sglang_lite.router", "--port", "0", "--pd-disaggregation"),
-            *("--prefill", prefill.url, *port, "--decode", decode.url),
-            *("--worker-startup-check-interval", "0.1", *flags),
-        ],
-        ROUTER_READY,
-    )
+    return pd_router(prefill.url, bootstrap, decode.url, *flags)
 
 
 def test_greedy_tokens_through_the_dp_aware_router_and_every_decode_rank_serves(cluster):

@@ -7,8 +7,6 @@ client that leaves."""
 from __future__ import annotations
 
 import asyncio
-import re
-import sys
 
 import aiohttp
 import pytest
@@ -17,9 +15,9 @@ from transformers import Qwen3_5MoeForCausalLM
 
 from sglang_lite import assets
 
-from .conftest import free_port, launch
-from .helpers import get_text, parse_counter, run, wait_for
-from .pd_helpers import Reference, drained, generate, pd_server
+from .conftest import free_port
+from .helpers import run, wait_for
+from .pd_helpers import Reference, drained, generate, leave_after_first_event, pd_router, pd_server
 
 NEW_TOKENS = 6
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
@@ -182,37 +180,9 @@ def test_an_unreachable_prefill_server_fails_the_decode_request_at_once(servers)
 def test_a_client_abort_reaches_both_tp_sides(servers) -> None:
     _, procs, ports = servers
     p, d = procs["P2"], procs["D2"]
-    router = launch(
-        [
-            *(sys.executable, "-m", "sglang_lite.router", "--port", "0", "--pd-disaggregation"),
-            *("--prefill", p.url, str(ports["P2"]), "--decode", d.url),
-            *("--worker-startup-check-interval", "0.1"),
-        ],
-        re.compile(r"router listening on http://127\.0\.0\.1:(\d+)"),
-    )
-
-    async def aborts(s: aiohttp.ClientSession) -> float:
-        metrics = await get_text(s, d.url + "/metrics")
-        return sum(
-            parse_counter(metrics, "sglang_lite_requests_finished_total", reason="abort").values()
-        )
-
-    async def scenario():
-        async with aiohttp.ClientSession() as s:
-            before = await aborts(s)
-            body = {
-                "input_ids": PROMPTS[1],
-                "stream": True,
-                "sampling_params": {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True},
-            }
-            async with s.post(router.url + "/generate", json=body) as response:
-                async for _ in response.content:  # the first event: decoding has started
-                    break
-            ok = await wait_for(lambda: drained(s, p.url, d.url), timeout=30)
-            return ok, await aborts(s) - before
-
+    router = pd_router(p.url, ports["P2"], d.url)
     try:
-        ok, aborted = run(scenario())
+        ok, aborted = run(leave_after_first_event(router.url, PROMPTS[1], 500, p.url, d.url))
     finally:
         router.kill()
     assert ok and aborted == 1  # ended by the abort, not by running its 500 tokens out
