@@ -268,6 +268,11 @@ def linear(
     return _ops().linear_rows(_last_dim_contiguous(x), weight, scale, block or [], dpbf16())
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of float32 [B, V] logits (int64 [B]; NaN counts as the maximum, as torch's)."""
+    return _ops().argmax_rows(_last_dim_contiguous(logits))
+
+
 def moe_route(
     router_logits: torch.Tensor,
     shared_logits: torch.Tensor | None,

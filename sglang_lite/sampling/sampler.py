@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from sglang_lite.kernels import cpu
+from sglang_lite.kernels.dispatch import use_native
 from sglang_lite.sampling.params import SamplingParams
 
 
@@ -46,10 +48,14 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of [B, V] logits: the first index of each row's maximum, NaN counting as the
     maximum, as torch's.
 
-    On the CPU torch's argmax over a long last dimension is not vectorised (``amax`` is), so there each row's
-    maximum is found by blocks with ``amax``, and the argmax runs only within the first block that holds it:
-    faster from a few rows on, and even with torch's at one row of a small vocabulary
-    (``benchmarks/bench_greedy_argmax.py``; the figures: docs/performance.md)."""
+    On the CPU torch's argmax over a long last dimension is not vectorised (``amax`` is): float32 logits go to the
+    C++ kernel (one vectorised pass for the maximum, one to its first index: one call in place of the ~10 small ops
+    below, which a decode step at batch 1 feels). Without it each row's maximum is found by blocks with ``amax``,
+    and the argmax runs only within the first block that holds it: faster from a few rows on, and even with
+    torch's at one row of a small vocabulary (``benchmarks/bench_greedy_argmax.py``; the figures:
+    docs/performance.md)."""
+    if use_native(logits):
+        return cpu.argmax_rows(logits)
     rows, vocab = logits.shape
     block = _ARGMAX_BLOCK
     if logits.device.type != "cpu" or vocab < 4 * block or logits.stride(-1) != 1:

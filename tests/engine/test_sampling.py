@@ -61,8 +61,11 @@ def test_greedy_and_top_k_1_take_the_argmax():
     "kind", ["random", "ties", "nan", "all -inf", "max in the short last block"]
 )
 @pytest.mark.parametrize("vocab", [1024, 1000, 4097, 32000])
-def test_blocked_argmax_equals_torch_argmax(kind, vocab):
-    """The CPU's blocked argmax returns torch's index: the first maximum, NaN counting as the maximum."""
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_cpu_argmax_equals_torch_argmax(kind, vocab, backend, monkeypatch):
+    """The CPU's argmax (the C++ kernel, or the blocked one of PyTorch ops) returns torch's index: the first
+    maximum, NaN counting as the maximum."""
+    monkeypatch.setenv("SGLANG_KERNEL_BACKEND", backend)
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(5, vocab, generator=gen)
     if kind == "ties":

@@ -417,6 +417,37 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, co
   return {weights, ids};
 }
 
+// The first index of each row's maximum of [B, V] float32 logits (rows may be strided), NaN counting as the maximum:
+// torch's argmax(dim=-1). One vectorised pass for the maximum (and whether a NaN is there), one to its first index.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  check_float(logits, "logits", 2);
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  TORCH_CHECK(vocab > 0, "logits must have at least one column");
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* base = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = base + r * stride;
+      float best = -std::numeric_limits<float>::infinity();
+      int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+      for (int64_t v = 0; v < vocab; ++v) {
+        best = std::max(best, row[v]);
+        nan |= row[v] != row[v];
+      }
+      int64_t at = 0;
+      if (nan) {
+        while (row[at] == row[at]) ++at;
+      } else {
+        while (row[at] != best) ++at;
+      }
+      o[r] = at;
+    }
+  });
+  return out;
+}
+
 }  // namespace sgl_cpu
 
 using namespace sgl_cpu;
@@ -433,10 +464,12 @@ TORCH_LIBRARY(sglang_lite_cpu, m) {
         "Tensor seq_lens, float scale, int page_size) -> Tensor");
   m.def("moe_route(Tensor router_logits, Tensor? shared_logits, int top_k, bool renormalize, int shared_id) "
         "-> (Tensor, Tensor)");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) {
   m.impl("causal_conv1d_update", &causal_conv1d_update);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("gdn_gating", &gdn_gating);
   m.impl("gated_delta_rule_decode", &gated_delta_rule_decode);
   m.impl("gemma_rmsnorm", &gemma_rmsnorm);
