@@ -418,7 +418,49 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, co
 }
 
 // The first index of each row's maximum of [B, V] float32 logits (rows may be strided), NaN counting as the maximum:
-// torch's argmax(dim=-1). One vectorised pass for the maximum (and whether a NaN is there), one to its first index.
+// torch's argmax(dim=-1). One pass 16 columns at a time for the maximum and whether a NaN is there, one to its first
+// index.
+static int64_t argmax_row(const float* row, int64_t vocab) {
+  typedef int32_t ivec16 __attribute__((vector_size(64)));
+  const float lowest = -std::numeric_limits<float>::infinity();
+  vec16 top = {};
+  top += lowest;
+  ivec16 nan = {};
+  int64_t v = 0;
+  for (; v + 16 <= vocab; v += 16) {
+    const vec16 x = load16(row + v);
+    top = x > top ? x : top;
+    nan |= x != x;
+  }
+  float best = lowest;
+  bool any_nan = false;
+  for (int lane = 0; lane < 16; ++lane) {
+    best = std::max(best, top[lane]);
+    any_nan |= nan[lane] != 0;
+  }
+  for (; v < vocab; ++v) {
+    best = std::max(best, row[v]);
+    any_nan |= row[v] != row[v];
+  }
+  // the first 16 columns that hold it, then the column
+  vec16 target = {};
+  target += best;
+  int64_t at = 0;
+  for (; at + 16 <= vocab; at += 16) {
+    const vec16 x = load16(row + at);
+    const ivec16 hit = any_nan ? (x != x) : (x == target);
+    int32_t found = 0;
+    for (int lane = 0; lane < 16; ++lane) found |= hit[lane];
+    if (found) break;
+  }
+  if (any_nan) {
+    while (row[at] == row[at]) ++at;
+  } else {
+    while (row[at] != best) ++at;
+  }
+  return at;
+}
+
 at::Tensor argmax_rows(const at::Tensor& logits) {
   check_float(logits, "logits", 2);
   const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
@@ -427,23 +469,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   const float* base = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, grain(vocab), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = base + r * stride;
-      float best = -std::numeric_limits<float>::infinity();
-      int nan = 0;
-#pragma omp simd reduction(max : best) reduction(| : nan)
-      for (int64_t v = 0; v < vocab; ++v) {
-        best = std::max(best, row[v]);
-        nan |= row[v] != row[v];
-      }
-      int64_t at = 0;
-      if (nan) {
-        while (row[at] == row[at]) ++at;
-      } else {
-        while (row[at] != best) ++at;
-      }
-      o[r] = at;
-    }
+    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(base + r * stride, vocab);
   });
   return out;
 }
