@@ -173,7 +173,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         hidden = (self.model if body is None else body)(batch)
         if batch.num_tokens == 0:
             return hidden.new_empty((0, self.config.vocab_size))
-        if not all_logits:
+        if not all_logits and not batch.is_decode:  # decode: one token a request, every one a last
             hidden = hidden[batch.last_token_indices]
         return self.lm_head(hidden)
 
