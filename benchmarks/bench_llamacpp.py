@@ -134,7 +134,11 @@ def llama_batched(llama: LlamaCpp, gguf: str, args: argparse.Namespace) -> float
 
 
 def _seconds(engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """One call's seconds, its prompts prefilled in full: the prefix cache is emptied first (the same prompts run
+    twice, once for the prefill alone and once with the decode steps; a cached prompt would shorten the second's
+    prefill and count as decode speed)."""
     params = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+    engine.flush_cache()
     start = time.perf_counter()
     results = engine.generate(input_ids=prompts, sampling_params=params)
     assert all(len(r["output_ids"]) == new_tokens for r in results)

@@ -211,7 +211,10 @@ def hf_generate(model: torch.nn.Module, prompts: list[list[int]], output_len: in
 
 
 def engine_generate(engine, prompts: list[list[int]], output_len: int) -> None:
+    """The Engine's call, its prompts prefilled in full as transformers' are: the same prompts run several times
+    (repeats, the one-token call), so the prefix cache is emptied first."""
     params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
+    engine.flush_cache()
     results = engine.generate(input_ids=prompts, sampling_params=params)
     assert all(len(r["output_ids"]) == output_len for r in results)
 
