@@ -82,8 +82,8 @@ def under_load(
 ) -> tuple[list[list[dict]], list[list[dict]]]:
     """One stream on the victim rank, two on the other; the thread reading the victim's stream sends ``signum`` to
     the victim rank's process as soon as it has read its first event, so that stream cannot have finished however
-    fast the rank generates or the threads were scheduled. Returns the events of the victim's stream and of the
-    others'."""
+    fast the rank generates (unless the client thread is starved until the rank has finished: see
+    ``caught_mid_stream``). Returns the events of the victim's stream and of the others'."""
     pid = rank_pids(server)[victim]
     ranks = [victim, 1 - victim, 1 - victim]
     starts = [threading.Event() for _ in ranks]
@@ -133,17 +133,38 @@ def assert_clean_split(failed: list[list[dict]], finished: list[list[dict]]) -> 
         assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 
+ATTEMPTS = 3
+
+
+def caught_mid_stream(
+    server: ServerProcess, victim: int, signum: int
+) -> tuple[int, list[list[dict]], list[list[dict]]]:
+    """``under_load`` until the signal caught the victim's stream mid-way; the victim's old pid and the streams.
+
+    The signal goes at the victim stream's first event as the client reads it; a client thread starved for long
+    enough on a loaded host reads it after the rank has generated every token, and the stream then finishes whole
+    while the rank is stopped or killed idle. That attempt is checked for what it is (a whole answer; the rank still
+    goes down and comes back) and the scenario runs again."""
+    for _ in range(ATTEMPTS):
+        old_pid = rank_pids(server)[victim]
+        failed, finished = under_load(server, victim, signum)
+        if "error" in failed[0][-1]:
+            return old_pid, failed, finished
+        assert len(failed[0][-1]["output_ids"]) == NEW_TOKENS, failed[0][-1]
+        assert_clean_split([], finished)
+        assert_recovered(server, victim, old_pid)
+    raise AssertionError(f"the victim's stream finished before the signal in {ATTEMPTS} attempts")
+
+
 def test_a_killed_rank_fails_only_its_requests_and_comes_back(chaos_server: ServerProcess) -> None:
-    old_pid = rank_pids(chaos_server)[1]
-    failed, finished = under_load(chaos_server, 1, signal.SIGKILL)
+    old_pid, failed, finished = caught_mid_stream(chaos_server, 1, signal.SIGKILL)
     assert_clean_split(failed, finished)
     assert_recovered(chaos_server, 1, old_pid)
 
 
 def test_a_hung_rank_is_killed_and_restarted(chaos_server: ServerProcess) -> None:
     wait_health(chaos_server, 200, 150)
-    old_pid = rank_pids(chaos_server)[0]
-    failed, finished = under_load(chaos_server, 0, signal.SIGSTOP)
+    old_pid, failed, finished = caught_mid_stream(chaos_server, 0, signal.SIGSTOP)
     assert_clean_split(failed, finished)
     assert "hung" in failed[0][-1]["error"]["message"]
     assert_recovered(chaos_server, 0, old_pid)
