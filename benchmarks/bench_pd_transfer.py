@@ -32,7 +32,9 @@ def rank_totals(decode_url: str) -> dict[int, dict[str, float]]:
     loads = httpx.get(f"{decode_url}/v1/loads", params={"include": "all"}, timeout=5).json()[
         "loads"
     ]
-    return {load["dp_rank"]: {k: float(load.get(k, 0)) for k in FIGURES} for load in loads}
+    return {
+        load["dp_rank"]: {k: float(load["disaggregation"][k]) for k in FIGURES} for load in loads
+    }
 
 
 def per_rank(before: dict, after: dict) -> dict[int, dict[str, float]]:
