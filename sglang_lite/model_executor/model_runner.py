@@ -69,6 +69,18 @@ class ModelRunner:
         body = self.compiled_body if batch.is_decode else None
         return self.model.forward_batch(batch, all_logits, body)
 
+    def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The final hidden state [T, hidden] of every new token (eagerly): what speculation's MTP head takes."""
+        return self.model.forward_hidden(batch)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP head over ``batch`` (the tokens after the positions whose hidden states are ``hidden``): its
+        hidden state [T, hidden], for the LM head and the next draft step."""
+        return self.model.mtp(batch, hidden)
+
     def forward_idle(self) -> None:
         """An empty forward: under DP attention, a DP rank with nothing to run joins the other ranks' MLPs."""
         device = self.model.lm_head.weight.device

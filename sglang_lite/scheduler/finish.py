@@ -22,8 +22,14 @@ logger = logging.getLogger(__name__)
 
 class RequestEnder:
     def __init__(
-        self, memory: RequestMemory, queues: RequestQueues, grammar_queue: GrammarQueue
+        self,
+        memory: RequestMemory,
+        queues: RequestQueues,
+        grammar_queue: GrammarQueue,
+        report_speculation: bool = False,
     ) -> None:
+        """``report_speculation``: ``meta_info`` carries the request's verify steps and accepted drafts."""
+        self.report_speculation = report_speculation
         self.memory = memory
         self.queues = queues
         self.grammar_queue = grammar_queue
@@ -125,6 +131,9 @@ class RequestEnder:
             "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
             "num_retractions": req.num_retractions,
         }
+        if self.report_speculation:  # SGLang's name, and the drafts those steps accepted
+            meta["spec_verify_ct"] = req.spec_verify_ct
+            meta["spec_accepted_tokens"] = req.spec_accepted_drafts
         if req.finished:
             meta["e2e_latency"] = time.monotonic() - req.arrival_time
         if req.logprob is not None and req.logprob.return_logprob:
