@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_lite import assets
+from sglang_lite.utils import speculative_flags
 
 if TYPE_CHECKING:
     from sglang_lite.distributed.parallel_state import ParallelConfig
@@ -28,9 +29,6 @@ TRANSFER_BACKENDS = ("mooncake",)
 TOOL_CALL_PARSERS = ("qwen3_coder", "qwen25")  # SGLang's names; sglang_lite/server/parsers/
 REASONING_PARSERS = ("qwen3",)
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# SGLang's names; EAGLE is accepted as NEXTN's alias for Qwen3.5 (its MTP head is the draft model)
-SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE")
-DEFAULT_SPECULATIVE_STEPS = 3
 
 _HELP = {
     "model_path": "Checkpoint folder or Hugging Face hub id (org/name); empty = the built-in tiny Qwen3.5 MoE model "
@@ -113,15 +111,13 @@ _HELP = {
     "parsed.",
     "reasoning_parser": "Move <think> reasoning into reasoning_content: qwen3 (Qwen3, Qwen3.5); unset: left in "
     "content.",
-    "speculative_algorithm": "Speculative decoding: NEXTN (alias EAGLE) drafts with the checkpoint's MTP head, "
-    "verified by the model in one forward (greedy output unchanged); unset: off.",
-    "speculative_num_steps": f"Tokens the MTP head drafts one after another per step (default "
-    f"{DEFAULT_SPECULATIVE_STEPS}, or --speculative-num-draft-tokens - 1).",
-    "speculative_eagle_topk": "Drafts per step of the chain; only 1 (a chain) is supported.",
-    "speculative_num_draft_tokens": "Tokens one verify forward runs per request: --speculative-num-steps + 1.",
     "rank_max_restarts": "Restarts of one DP rank (dead or hung) over the server's life; then it stays down. With "
     "--tp-size > 1 a DP rank is never restarted: its world fails as a whole.",
 }
+
+_HELP.update(
+    speculative_flags.HELP
+)  # speculative decoding with the MTP head (scheduler/speculative.py)
 
 
 @dataclass(frozen=True)
@@ -185,7 +181,6 @@ class ServerArgs:
     rank_max_restarts: int = 5
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
-    # speculative decoding with the MTP head (sglang_lite/scheduler/speculative.py)
     speculative_algorithm: str | None = None
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
@@ -234,53 +229,11 @@ class ServerArgs:
         self._check_choice("disaggregation_mode", DISAGGREGATION_MODES)
         self._check_choice("disaggregation_transfer_backend", TRANSFER_BACKENDS)
         self._check_positive("disaggregation_transfer_timeout", "grammar_compile_timeout")
-        self._check_speculative()
-
-    def _check_speculative(self) -> None:
-        flags = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
-        if self.speculative_algorithm is None:
-            given = [f"--{f.replace('_', '-')}" for f in flags if getattr(self, f) is not None]
-            if given:
-                raise ValueError(f"{', '.join(given)} need --speculative-algorithm NEXTN")
-            return
-        self._check_choice("speculative_algorithm", SPECULATIVE_ALGORITHMS)
-        for name in flags:
-            if getattr(self, name) is not None:
-                self._check_positive(name)
-        if self.speculative_eagle_topk not in (None, 1):
-            raise ValueError(
-                f"speculative_eagle_topk must be 1 (the MTP head drafts a chain), got "
-                f"{self.speculative_eagle_topk}"
-            )
-        steps, draft_tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
-        if steps is not None and draft_tokens is not None and draft_tokens != steps + 1:
-            raise ValueError(
-                f"speculative_num_draft_tokens ({draft_tokens}) must be speculative_num_steps + 1 "
-                f"({steps + 1}) with a chain of drafts (topk 1)"
-            )
-        if draft_tokens == 1:
-            raise ValueError(
-                "speculative_num_draft_tokens must be >= 2 (one draft and the last token)"
-            )
-        blockers = {
-            "tp_size > 1": self.tp_size > 1,
-            "enable_dp_attention": self.enable_dp_attention,
-            "disaggregation_mode prefill/decode": self.disaggregation_mode != "null",
-        }
-        blocked = [name for name, on in blockers.items() if on]
-        if blocked:
-            raise ValueError(f"speculative decoding does not run with {', '.join(blocked)} yet")
+        speculative_flags.check(self)
 
     @property
-    def speculative_steps(self) -> int:
-        """Tokens the MTP head drafts per step (0: speculation off)."""
-        if self.speculative_algorithm is None:
-            return 0
-        if self.speculative_num_steps is not None:
-            return self.speculative_num_steps
-        if self.speculative_num_draft_tokens is not None:
-            return self.speculative_num_draft_tokens - 1
-        return DEFAULT_SPECULATIVE_STEPS
+    def speculative_steps(self) -> int:  # drafted per decode step; 0: off
+        return speculative_flags.draft_steps(self)
 
     def _check_state_pool(self) -> None:
         if self.mamba_full_memory_ratio < 0:
@@ -456,7 +409,7 @@ def _add_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> Non
         "disaggregation_transfer_backend": TRANSFER_BACKENDS,
         "tool_call_parser": TOOL_CALL_PARSERS,
         "reasoning_parser": REASONING_PARSERS,
-        "speculative_algorithm": SPECULATIVE_ALGORITHMS,
+        "speculative_algorithm": speculative_flags.SPECULATIVE_ALGORITHMS,
     }
     if field.name in choices:
         kwargs["choices"] = choices[field.name]

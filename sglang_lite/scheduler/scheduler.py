@@ -56,7 +56,7 @@ from sglang_lite.scheduler.prefill import PrefillManager
 from sglang_lite.scheduler.queues import RequestQueues
 from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
 from sglang_lite.scheduler.sampling import StepSampler
-from sglang_lite.scheduler.speculative import MtpSpeculation, NullSpeculation
+from sglang_lite.scheduler.speculative import create_speculation
 
 logger = logging.getLogger(__name__)
 
@@ -371,6 +371,8 @@ class Scheduler:
             cache_hit_rate=self.prefill.cache_hit_rate,
             prompt_tokens_cached=self.prefill.prompt_tokens_cached,
             gen_throughput=self.output.throughput.rate(time.monotonic()),
+            accept_length=self.speculation.stats.accept_length,
+            accept_rate=self.speculation.stats.accept_rate,
         )
         pd = self.disagg.loads()
         return report_loads(
@@ -394,20 +396,6 @@ class Scheduler:
 
     def _in_use(self, rid: str) -> bool:
         return self._find(rid) is not None or self.forks.parent_of(rid) is not None
-
-
-def create_speculation(
-    config: SchedulerConfig,
-    model: Any,
-    pools: ModelPools,
-    memory: RequestMemory,
-    output: OutputProcessor,
-) -> MtpSpeculation | NullSpeculation:
-    """The rank's speculation: the MTP head's chain drafts when ``speculative_steps`` is set (the model runner
-    must hold a model loaded with its head), else none."""
-    if config.speculative_steps == 0:
-        return NullSpeculation()
-    return MtpSpeculation(config.speculative_steps, model, pools, memory, output, config.device)
 
 
 def create_request_memory(pools: ModelPools) -> RequestMemory:

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from sglang_lite.forward_batch import ForwardBatch, ForwardMode, VerifyStates, build_forward_batch
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.request_memory import RequestMemory
+from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.sampling.sampler import argmax_rows
 from sglang_lite.sampling.speculative import verify_chain
 from sglang_lite.scheduler.batch import ScheduleBatch
@@ -342,3 +344,17 @@ def _split(values: list[int], counts: list[int]) -> list[list[int]]:
         out.append(values[start : start + n])
         start += n
     return out
+
+
+def create_speculation(
+    config: SchedulerConfig,
+    runner: Any,
+    pools: ModelPools,
+    memory: RequestMemory,
+    output: OutputProcessor,
+) -> MtpSpeculation | NullSpeculation:
+    """The rank's speculation: the MTP head's chain drafts when ``speculative_steps`` is set (the model runner
+    must hold a model loaded with its head), else none."""
+    if config.speculative_steps == 0:
+        return NullSpeculation()
+    return MtpSpeculation(config.speculative_steps, runner, pools, memory, output, config.device)
