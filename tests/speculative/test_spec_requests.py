@@ -1,0 +1,100 @@
+"""Speculation beside the rest of a request's life: parallel samples (``n > 1``), aborts mid-decode,
+log-probabilities (such requests decode one token a step, sampled as without speculation) and penalties, all in
+one batch with drafted requests."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_lite.runtime.factory import create_scheduler
+from sglang_lite.sampling.logprobs import LogprobParams
+from tests.engine.conftest import random_prompts
+from tests.speculative.conftest import GREEDY, scheduler_args
+
+NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
+
+
+def run(args, requests: dict, abort_at: dict[int, str] | None = None) -> tuple[dict, dict, object]:
+    """Runs ``rid -> (prompt, params, logprob)`` to the end; aborts ``abort_at[step]`` before that step.
+    Returns each rid's tokens, its last meta_info and the scheduler."""
+    scheduler = create_scheduler(args)
+    for rid, (prompt, params, logprob) in requests.items():
+        scheduler.add_request(rid, prompt, params, logprob=logprob)
+    tokens: dict[str, list[int]] = {}
+    metas: dict[str, dict] = {}
+    step = 0
+    while scheduler.has_work:
+        if abort_at and step in abort_at:
+            assert scheduler.abort(abort_at[step])
+        for out in scheduler.step():
+            tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+            metas.setdefault(out.rid, {}).update(out.meta_info)
+            for key, value in out.meta_info.items():
+                if key.endswith("logprobs"):
+                    metas[out.rid].setdefault("all_" + key, []).extend(value)
+        scheduler.check_invariants()
+        step += 1
+    assert scheduler.get_loads().num_used_tokens == 0
+    return tokens, metas, scheduler
+
+
+def mixed_requests() -> dict:
+    prompts = random_prompts([6, 20, 33, 11], vocab=160, seed=8)
+    logprob = LogprobParams.from_dict({"return_logprob": True, "top_logprobs_num": 2})
+    return {
+        "greedy": (prompts[0], {**GREEDY, "max_new_tokens": 18}, None),
+        "logprob": (prompts[1], {**GREEDY, "max_new_tokens": 14}, logprob),
+        "penalised": (
+            prompts[2],
+            {**GREEDY, "max_new_tokens": 12, "frequency_penalty": 0.5},
+            None,
+        ),
+        "parallel": (
+            prompts[3],
+            {"temperature": 0.7, "top_k": 3, "seed": 5, "n": 3, "max_new_tokens": 10},
+            None,
+        ),
+        "greedy_pair": (prompts[0], {**GREEDY, "n": 2, "max_new_tokens": 18}, None),
+    }
+
+
+def test_mixed_batch_matches_speculation_off(spec_checkpoints):
+    path = spec_checkpoints[("moe", "repeat")]
+    requests = mixed_requests()
+    plain, plain_meta, _ = run(scheduler_args(path), requests)
+    spec, spec_meta, scheduler = run(scheduler_args(path, **NEXTN), requests)
+    greedy = [rid for rid in plain if not rid.startswith("parallel")]
+    assert {rid: spec[rid] for rid in greedy} == {rid: plain[rid] for rid in greedy}
+    for rid in ("parallel", "parallel.n1", "parallel.n2"):
+        assert len(spec[rid]) == 10, rid
+    # the log-probabilities of the request that asked for them are those without speculation
+    got = spec_meta["logprob"]["all_output_token_logprobs"]
+    expected = plain_meta["logprob"]["all_output_token_logprobs"]
+    top = spec_meta["logprob"]["all_output_top_logprobs"]
+    top_expected = plain_meta["logprob"]["all_output_top_logprobs"]
+    assert len(got) == len(expected) == len(top) == 14
+    assert [e[1] for e in got] == [e[1] for e in expected]
+    assert [[e[1] for e in row] for row in top] == [[e[1] for e in row] for row in top_expected]
+    values = torch.tensor([e[0] for e in got] + [e[0] for row in top for e in row])
+    reference = torch.tensor([e[0] for e in expected] + [e[0] for row in top_expected for e in row])
+    assert torch.allclose(values, reference, atol=1e-5)
+    assert spec_meta["greedy"]["spec_accepted_tokens"] > 0
+    assert spec_meta["logprob"]["spec_accepted_tokens"] == 0, (
+        "no drafts for a log-probability request"
+    )
+    assert spec_meta["greedy_pair.n1"]["spec_accepted_tokens"] > 0, (
+        "a fork drafts from its second step"
+    )
+
+
+def test_abort_mid_decode_frees_everything(spec_checkpoints):
+    path = spec_checkpoints[("moe", "repeat")]
+    requests = {
+        rid: (prompt, {**GREEDY, "max_new_tokens": 30}, None)
+        for rid, prompt in zip("abc", random_prompts([7, 19, 4], vocab=160, seed=9))
+    }
+    plain, _, _ = run(scheduler_args(path), requests)
+    spec, metas, _ = run(scheduler_args(path, **NEXTN), requests, abort_at={6: "b"})
+    assert metas["b"]["finish_reason"]["type"] == "abort"
+    assert spec["b"] == plain["b"][: len(spec["b"])] and len(spec["b"]) < 30
+    assert (spec["a"], spec["c"]) == (plain["a"], plain["c"])
