@@ -4,11 +4,15 @@ transformers reference built from the same tensors (transformers has no MTP modu
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from sglang_lite.forward_batch import ForwardMode, build_forward_batch
+from sglang_lite.kernels.quant import dequantize_blocks, quantize_blocks
+from sglang_lite.layers.quant import Fp8Linear
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.models.checkpoint import CheckpointError
 from sglang_lite.models.loader import load_model
@@ -18,6 +22,7 @@ from tests.hf_checkpoints import (
     mtp_reference_logits,
     save_checkpoint,
 )
+from tests.models.test_fp8 import make_fp8_checkpoint, relative_error
 
 LAYOUTS = [
     (True, "text"),
@@ -87,3 +92,42 @@ def test_a_checkpoint_without_a_head_is_refused(tmp_path):
     path = save_checkpoint(make_hf_model(moe=False, seed=5), str(tmp_path / "ckpt"))
     with pytest.raises(ValueError, match="mtp_num_hidden_layers"):
         load_model(path, with_mtp=True)
+
+
+def quantize_head(path: str, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Quantizes the checkpoint's MTP projections (``fc`` too) into e4m3 blocks, as the rest of an FP8
+    checkpoint; returns their dequantized values by name."""
+    file = f"{path}/model.safetensors"
+    tensors = load_file(file)
+    dequantized = {}
+    for name in [n for n in tensors if n.startswith("mtp.") and tensors[n].dim() == 2]:
+        if name.endswith(("gate.weight", "shared_expert_gate.weight")):
+            continue  # routers stay high precision (NOT_CONVERTED)
+        fp8, scale = quantize_blocks(tensors[name], block, torch.float8_e4m3fn)
+        tensors[name], tensors[name + "_scale_inv"] = fp8, scale
+        dequantized[name] = dequantize_blocks(fp8, scale, block)
+    save_file(tensors, file)
+    return dequantized
+
+
+def test_fp8_head_loads_like_its_dequantized_weights(tmp_path):
+    block = (8, 16)
+    hf = make_hf_model(moe=True, seed=4)
+    fp8_path = make_fp8_checkpoint(hf, str(tmp_path / "fp8"), "text", block)
+    add_mtp_head(hf, fp8_path, seed=6)
+    dequantized = quantize_head(fp8_path, block)
+    plain_path = str(tmp_path / "dequantized")
+    shutil.copytree(fp8_path, plain_path)
+    tensors = load_file(f"{plain_path}/model.safetensors")
+    for name, value in dequantized.items():
+        tensors[name] = value
+        del tensors[name + "_scale_inv"]
+    save_file(tensors, f"{plain_path}/model.safetensors")
+    prompt = [5, 17, 99, 3, 42, 8, 150, 77]
+    _, expected = mtp_logits(load_model(plain_path, with_mtp=True), prompt, 11)
+    _, dequantized_at_load = mtp_logits(load_model(fp8_path, with_mtp=True), prompt, 11)
+    torch.testing.assert_close(dequantized_at_load, expected, rtol=1e-5, atol=1e-5)
+    kept = load_model(fp8_path, with_mtp=True, fp8_weights=True)
+    assert isinstance(kept.mtp.fc, Fp8Linear)
+    _, in_fp8 = mtp_logits(kept, prompt, 11)
+    assert relative_error(in_fp8, expected) < 0.05
