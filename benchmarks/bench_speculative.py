@@ -1,0 +1,144 @@
+"""Speculative decoding with an MTP head against plain decoding, side by side in one run (``bench_offline.py
+--speculative`` runs this).
+
+The built-in model ships no MTP head (training one is issue 35's item 6), so a head is added to a copy of it:
+``--head repeat`` passes the model's hidden state through ``fc`` (its decoder layer scaled down), so it drafts the
+token it is given again (accepted where the text repeats: indentation, runs of one token); ``--head random`` is a
+random head (drafts are almost never accepted: the figures are then the cost of speculating). Prompts are this
+repository's Python source (held out from the model's training on the standard library), tokenised and cut into
+``--input-len`` tokens. Each engine generates ``--output-len`` tokens per request greedily; decode tok/s is
+``batch * (output_len - 1)`` over (the whole call - the one-token call), best of ``--repeats``, the engines
+alternating so that they share the host's noise. Accepted length: tokens per verify step (accepted drafts plus
+the corrected or bonus token) from ``meta_info``.
+
+    python benchmarks/bench_speculative.py --batch-sizes 1 4 16 --steps 1 2 3 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from sglang_lite import Engine, assets  # noqa: E402
+from tests.hf_checkpoints import add_mtp_head  # noqa: E402
+from tests.speculative.conftest import repeating_head  # noqa: E402
+
+
+def model_with_head(folder: str, head: str) -> str:
+    """A copy of the built-in model with an MTP head in ``folder``."""
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(folder, "model")
+    shutil.copytree(assets.model_dir(None), path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    add_mtp_head(hf, path, seed=0)
+    if head == "repeat":
+        repeating_head(path)
+    return path
+
+
+def source_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` tokens from this repository's Python source, in file order."""
+    ids: list[int] = []
+    for file in sorted(glob.glob(os.path.join(ROOT, "sglang_lite", "**", "*.py"), recursive=True)):
+        with open(file) as f:
+            ids += tokenizer.encode(f.read())
+        if len(ids) >= count * length:
+            break
+    return [ids[i * length : (i + 1) * length] for i in range(count)]
+
+
+def generate(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(seconds, tokens per verify step; 1.0 without speculation) of one greedy call."""
+    params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
+    start = time.perf_counter()
+    results = engine.generate(input_ids=prompts, sampling_params=params)
+    seconds = time.perf_counter() - start
+    assert all(len(r["output_ids"]) == output_len for r in results)
+    steps = sum(r["meta_info"].get("spec_verify_ct", 0) for r in results)
+    produced = sum(len(r["output_ids"]) - 1 for r in results)
+    return seconds, (produced / steps if steps else 1.0)
+
+
+def measure(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(decode tok/s, accepted length) of one batch."""
+    whole, accepted = generate(engine, prompts, output_len)
+    first, _ = generate(engine, prompts, 1)
+    decode_s = max(whole - first, 1e-9)
+    return len(prompts) * (output_len - 1) / decode_s, accepted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--steps", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--head", choices=("repeat", "random"), default="repeat")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        path = model_with_head(folder, args.head)
+        run(args, path)
+
+
+def run(args: argparse.Namespace, path: str) -> None:
+    settings = [0, *args.steps]
+    common = dict(
+        max_running_requests=max(args.batch_sizes),
+        max_total_tokens=16384,
+        cpu_threads_per_rank=args.threads,
+    )
+    engines = {
+        k: Engine(
+            path,
+            **common,
+            **({"speculative_num_steps": k, "speculative_algorithm": "NEXTN"} if k else {}),
+        )
+        for k in settings
+    }
+    try:
+        prompts = source_prompts(engines[0].tokenizer, max(args.batch_sizes), args.input_len)
+        for engine in engines.values():
+            generate(engine, prompts[:2], 4)  # warm up
+        print(
+            f"head: {args.head}; input {args.input_len}, output {args.output_len}, threads {args.threads}"
+        )
+        header = "| batch | " + " | ".join(
+            "plain tok/s" if k == 0 else f"k={k} tok/s (x) | k={k} accepted" for k in settings
+        )
+        print(header + " |")
+        for batch_size in args.batch_sizes:
+            batch = prompts[:batch_size]
+            best: dict[int, tuple[float, float]] = {}
+            for _ in range(args.repeats):
+                for k, engine in engines.items():
+                    speed, accepted = measure(engine, batch, args.output_len)
+                    if k not in best or speed > best[k][0]:
+                        best[k] = (speed, accepted)
+            plain = best[0][0]
+            cells = [f"{plain:.0f}"] + [
+                f"{best[k][0]:.0f} ({best[k][0] / plain:.2f}x) | {best[k][1]:.2f}"
+                for k in args.steps
+            ]
+            print(f"| {batch_size} | " + " | ".join(cells) + " |", flush=True)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
