@@ -12,6 +12,12 @@ alternating so that they share the host's noise. Accepted length: tokens per ver
 the corrected or bonus token) from ``meta_info``.
 
     python benchmarks/bench_speculative.py --batch-sizes 1 4 16 --steps 1 2 3 --threads 2
+
+``--costs`` times the parts of a step instead, in this process (one scheduler, ``--threads`` torch threads), per
+batch size: a plain decode step, and in a speculative step (``--steps`` k, the largest given) the MTP head's
+chain steps, the verify forward of k + 1 tokens per request, and the head's pass over the kept tokens, each the
+median over the steps of ``--output-len`` tokens. Speculation pays when (accepted length) * (plain step) exceeds
+the whole speculative step.
 """
 
 from __future__ import annotations
@@ -89,10 +95,87 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--head", choices=("repeat", "random"), default="repeat")
+    parser.add_argument("--costs", action="store_true", help="time the parts of a step (see above)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         path = model_with_head(folder, args.head)
-        run(args, path)
+        (run_costs if args.costs else run)(args, path)
+
+
+class Timer:
+    """Wraps a runner method, keeping the seconds of each call by the batch's mode."""
+
+    def __init__(self, runner, name: str) -> None:
+        self.calls: dict[str, list[float]] = {}
+        self._inner = getattr(runner, name)
+        setattr(runner, name, self)
+
+    def __call__(self, batch, *rest):
+        start = time.perf_counter()
+        out = self._inner(batch, *rest)
+        self.calls.setdefault(batch.mode.value, []).append(time.perf_counter() - start)
+        return out
+
+
+def median_ms(values: list[float]) -> float:
+    return 1000 * sorted(values)[len(values) // 2] if values else float("nan")
+
+
+def step_times(args: argparse.Namespace, path: str, steps: int, batch: list[list[int]]):
+    """Scheduler steps of decoding ``batch`` to the end: (decode step seconds, the runner's timers)."""
+    from sglang_lite.runtime.factory import create_scheduler
+    from sglang_lite.server_args import ServerArgs
+
+    spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": steps} if steps else {}
+    scheduler = create_scheduler(
+        ServerArgs(model_path=path, max_total_tokens=16384, max_running_requests=len(batch), **spec)
+    )
+    timers = {name: Timer(scheduler.model, name) for name in ("forward_hidden", "forward_mtp")}
+    params = {"max_new_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
+    for i, prompt in enumerate(batch):
+        scheduler.add_request(str(i), prompt, params)
+    decode_steps = []
+    while scheduler.has_work:
+        decoding = not scheduler.queues.waiting and scheduler.queues.chunked is None
+        start = time.perf_counter()
+        scheduler.step()
+        if decoding:
+            decode_steps.append(time.perf_counter() - start)
+    return decode_steps, timers
+
+
+def run_costs(args: argparse.Namespace, path: str) -> None:
+    from transformers import AutoTokenizer
+
+    from sglang_lite.utils.process import keep_freed_heap_memory
+
+    torch.set_num_threads(args.threads)
+    keep_freed_heap_memory()  # as a scheduler process does
+    k = max(args.steps)
+    prompts = source_prompts(
+        AutoTokenizer.from_pretrained(path), max(args.batch_sizes), args.input_len
+    )
+    print(
+        f"k={k}, head {args.head}; input {args.input_len}, output {args.output_len}, threads {args.threads}"
+    )
+    print(
+        "| batch | plain decode step ms | speculative step ms | MTP chain step ms | verify forward ms "
+        "| MTP over kept tokens ms |"
+    )
+    for steps in (0, k):  # warm-up: the kernels' first calls
+        step_times(args, path, steps, prompts[:1])
+    for batch_size in args.batch_sizes:
+        batch = prompts[:batch_size]
+        plain, _ = step_times(args, path, 0, batch)
+        spec, timers = step_times(args, path, k, batch)
+        cells = [
+            median_ms(plain),
+            median_ms(spec),
+            median_ms(timers["forward_mtp"].calls.get("decode", [])),
+            median_ms(timers["forward_hidden"].calls.get("extend", [])[batch_size:]),
+            median_ms(timers["forward_mtp"].calls.get("extend", [])[batch_size:]),
+        ]
+        print(f"| {batch_size} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
 
 
 def run(args: argparse.Namespace, path: str) -> None:
