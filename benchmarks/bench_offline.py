@@ -479,6 +479,14 @@ def main() -> None:
         help="speculative decoding with an MTP head against plain decoding instead (bench_speculative.py; "
         "its flags follow, e.g. --speculative --steps 1 2 3 --batch-sizes 1 4 16)",
     )
+    # bench_speculative.py's own flags, listed here for --help (they are read there)
+    parser.add_argument("--steps", type=int, nargs="+", help="with --speculative: drafts per step")
+    parser.add_argument(
+        "--head", choices=("repeat", "random"), help="with --speculative: the MTP head"
+    )
+    parser.add_argument(
+        "--costs", action="store_true", help="with --speculative: time a step's parts"
+    )
     if "--speculative" in sys.argv[1:]:
         import bench_speculative
 

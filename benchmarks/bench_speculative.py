@@ -40,12 +40,18 @@ from tests.hf_checkpoints import add_mtp_head  # noqa: E402
 from tests.speculative.conftest import repeating_head  # noqa: E402
 
 
-def model_with_head(folder: str, head: str) -> str:
-    """A copy of the built-in model with an MTP head in ``folder``."""
+def model_with_head(folder: str, head: str, shape: str = "tiny") -> str:
+    """A copy of the built-in model (``shape`` tiny), or bench_offline's random mid-size one, with an MTP head in
+    ``folder``."""
     from transformers import AutoModelForCausalLM
 
     path = os.path.join(folder, "model")
-    shutil.copytree(assets.model_dir(None), path)
+    if shape == "tiny":
+        shutil.copytree(assets.model_dir(None), path)
+    else:
+        from bench_offline import MID, _save_random_model
+
+        _save_random_model(MID, path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     add_mtp_head(hf, path, seed=0)
     if head == "repeat":
@@ -96,9 +102,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--head", choices=("repeat", "random"), default="repeat")
     parser.add_argument("--costs", action="store_true", help="time the parts of a step (see above)")
+    parser.add_argument(
+        "--model-shape",
+        choices=("tiny", "mid"),
+        default="tiny",
+        help="with --costs: tiny, the built-in model; mid, bench_offline's random 34M-parameter one",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        path = model_with_head(folder, args.head)
+        path = model_with_head(folder, args.head, args.model_shape)
         (run_costs if args.costs else run)(args, path)
 
 
@@ -152,11 +164,16 @@ def run_costs(args: argparse.Namespace, path: str) -> None:
     torch.set_num_threads(args.threads)
     keep_freed_heap_memory()  # as a scheduler process does
     k = max(args.steps)
-    prompts = source_prompts(
-        AutoTokenizer.from_pretrained(path), max(args.batch_sizes), args.input_len
-    )
+    count = max(args.batch_sizes)
+    if args.model_shape == "tiny":
+        prompts = source_prompts(AutoTokenizer.from_pretrained(path), count, args.input_len)
+    else:  # no tokenizer: random tokens (the parts' costs do not depend on what is accepted)
+        from bench_offline import random_prompts
+
+        prompts = random_prompts(count, args.input_len, 32000, seed=0)
     print(
-        f"k={k}, head {args.head}; input {args.input_len}, output {args.output_len}, threads {args.threads}"
+        f"{args.model_shape}, k={k}, head {args.head}; input {args.input_len}, "
+        f"output {args.output_len}, threads {args.threads}"
     )
     print(
         "| batch | plain decode step ms | speculative step ms | MTP chain step ms | verify forward ms "
