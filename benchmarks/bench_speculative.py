@@ -15,8 +15,9 @@ the corrected or bonus token) from ``meta_info``.
 
 ``--costs`` times the parts of a step instead, in this process (one scheduler, ``--threads`` torch threads), per
 batch size: a plain decode step, and in a speculative step (``--steps`` k, the largest given) the MTP head's
-chain steps, the verify forward of k + 1 tokens per request, and the head's pass over the kept tokens, each the
-median over the steps of ``--output-len`` tokens. Speculation pays when (accepted length) * (plain step) exceeds
+chain steps, the verify forward of k + 1 tokens per request, the head's pass over the kept tokens, and one LM head
+call (the verify's, each chain step's, the kept pass's: k + 1 a step), each the median over the steps of
+``--output-len`` tokens. Speculation pays when (accepted length) * (plain step) exceeds
 the whole speculative step.
 """
 
@@ -125,7 +126,8 @@ class Timer:
     def __call__(self, batch, *rest):
         start = time.perf_counter()
         out = self._inner(batch, *rest)
-        self.calls.setdefault(batch.mode.value, []).append(time.perf_counter() - start)
+        mode = "all" if isinstance(batch, torch.Tensor) else batch.mode.value
+        self.calls.setdefault(mode, []).append(time.perf_counter() - start)
         return out
 
 
@@ -142,7 +144,8 @@ def step_times(args: argparse.Namespace, path: str, steps: int, batch: list[list
     scheduler = create_scheduler(
         ServerArgs(model_path=path, max_total_tokens=16384, max_running_requests=len(batch), **spec)
     )
-    timers = {name: Timer(scheduler.model, name) for name in ("forward_hidden", "forward_mtp")}
+    names = ("forward_hidden", "forward_mtp", "logits")
+    timers = {name: Timer(scheduler.model, name) for name in names}
     params = {"max_new_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
     for i, prompt in enumerate(batch):
         scheduler.add_request(str(i), prompt, params)
@@ -177,7 +180,7 @@ def run_costs(args: argparse.Namespace, path: str) -> None:
     )
     print(
         "| batch | plain decode step ms | speculative step ms | MTP chain step ms | verify forward ms "
-        "| MTP over kept tokens ms |"
+        "| MTP over kept tokens ms | LM head call ms (k + 1 a step) |"
     )
     for steps in (0, k):  # warm-up: the kernels' first calls
         step_times(args, path, steps, prompts[:1])
@@ -191,6 +194,7 @@ def run_costs(args: argparse.Namespace, path: str) -> None:
             median_ms(timers["forward_mtp"].calls.get("decode", [])),
             median_ms(timers["forward_hidden"].calls.get("extend", [])[batch_size:]),
             median_ms(timers["forward_mtp"].calls.get("extend", [])[batch_size:]),
+            median_ms(timers["logits"].calls.get("all", [])),
         ]
         print(f"| {batch_size} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
 
