@@ -5,9 +5,12 @@ prefix cache, retraction, and the length, stop-token and stop-string limits (not
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from sglang_lite import assets
 from tests.engine.conftest import random_prompts
+from tests.hf_checkpoints import greedy_tokens
 from tests.speculative.conftest import GREEDY, run_scheduler, scheduler_args
 
 LENGTHS = [3, 17, 40, 9, 25, 1]
@@ -38,6 +41,17 @@ def test_greedy_tokens_are_unchanged(spec_checkpoints, kind, page_size):
         assert (
             meta["completion_tokens"] == 1 + meta["spec_verify_ct"] + meta["spec_accepted_tokens"]
         )
+
+
+def test_greedy_tokens_match_transformers(spec_checkpoints):
+    """transformers ``generate`` of each prompt alone (it skips the checkpoint's ``mtp.*`` tensors)."""
+    path = spec_checkpoints[("dense", "repeat")]
+    requests = greedy_requests()
+    spec, _, scheduler = run_scheduler(scheduler_args(path, **NEXTN), requests)
+    assert scheduler.speculation.stats.accepted > 0
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for i, (prompt, params) in enumerate(requests):
+        assert spec[i] == greedy_tokens(hf, prompt, params["max_new_tokens"]), i
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense"])
