@@ -171,9 +171,8 @@ class MtpSpeculation:
                 continue
             prefix, count = forward_batch.prefix_lens[i], forward_batch.extend_lens[i]
             following = req.fill_ids[prefix + 1 : prefix + count + 1]
-            if (
-                len(following) == count
-            ):  # the token after the last position is known (prompt or sampled)
+            # the token after the last position is known: the prompt's next, or the one just sampled
+            if len(following) == count:
                 entries.append((req, prefix, following, hidden[starts[i] : starts[i] + count]))
         self._mtp_extend(entries)
 
@@ -281,35 +280,48 @@ class MtpSpeculation:
         hidden: torch.Tensor,
         logits: torch.Tensor,
     ) -> None:
+        """Each request's tokens from the verify forward's logits, its memory brought back to its last kept
+        token, then the head over what was kept (the next step's first drafts)."""
         starts = forward_batch.cu_seqlens.tolist()
         prefixes = list(forward_batch.prefix_lens)
+        drafted = [i for i, n in enumerate(counts) if n > 1]
         plain = [i for i, n in enumerate(counts) if n == 1]
         kept: dict[int, list[int]] = {}
-        for i, req in enumerate(reqs):
-            if counts[i] > 1:
-                rows = logits[starts[i] : starts[i] + counts[i]]
-                proposed = verify_chain(rows, chains[i], req.sampling_params, req.generator)
-                kept[i] = proposed[: tokens_to_take(req, proposed)]
-                self._keep(req, i, prefixes[i], len(kept[i]), per_req[i], forward_batch.verify)
-                self._count(req, len(chains[i]), len(kept[i]))
+        for i in drafted:
+            rows = logits[starts[i] : starts[i] + counts[i]]
+            kept[i] = self._take(reqs[i], rows, chains[i])
+            self._keep(reqs[i], i, prefixes[i], len(kept[i]), per_req[i], forward_batch.verify)
         for i, tokens in kept.items():
-            for token in tokens:
+            for token in tokens:  # one by one, as a decode step appends its one
                 self.output.append_tokens([reqs[i]], [token])
-        for i in plain:
+        for i in plain:  # sampled as without speculation (penalties, grammars, log-probabilities)
             reqs[i].num_computed += 1
             del self._unkept[id(reqs[i])]
             self._count(reqs[i], 0, 1)
         if plain:
-            self.output.sample_and_append(
-                [reqs[i] for i in plain], logits[[starts[i] for i in plain]]
-            )
+            rows = logits[[starts[i] for i in plain]]
+            self.output.sample_and_append([reqs[i] for i in plain], rows)
+        taken = [len(kept[i]) if i in kept else 1 for i in range(len(reqs))]
+        self._draft_next(reqs, taken, prefixes, [hidden[s : s + n] for s, n in zip(starts, taken)])
+
+    def _take(self, req: Req, logits: torch.Tensor, chain: list[int]) -> list[int]:
+        """The accepted drafts and one more token, cut where the request finishes."""
+        proposed = verify_chain(logits, chain, req.sampling_params, req.generator)
+        kept = proposed[: tokens_to_take(req, proposed)]
+        self._count(req, len(chain), len(kept))
+        return kept
+
+    def _draft_next(
+        self, reqs: list[Req], taken: list[int], prefixes: list[int], hidden: list[torch.Tensor]
+    ) -> None:
+        """The head over each running drafted request's kept positions (its ``taken`` newest tokens follow
+        them; ``hidden`` the model's states there): the next step's first drafts."""
         entries = []
-        for i, req in enumerate(reqs):
-            taken = len(kept[i]) if i in kept else (1 if not req.finished else 0)
+        for req, n, prefix, states in zip(reqs, taken, prefixes, hidden):
             req.drafts = None
-            if req.holds_memory and drafts_for(req) and taken:
-                following = req.output_ids[len(req.output_ids) - taken :]
-                entries.append((req, prefixes[i], following, hidden[starts[i] : starts[i] + taken]))
+            if req.holds_memory and drafts_for(req):
+                following = req.output_ids[len(req.output_ids) - n :]
+                entries.append((req, prefix, following, states))
         self._mtp_extend(entries)
 
     def _keep(
