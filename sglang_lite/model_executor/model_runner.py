@@ -35,7 +35,9 @@ class ModelRunner:
         on_gpu = model.lm_head.weight.device.type == "cuda"
         # DP attention exchanges every forward's token counts on the host: not something a graph can replay
         dp_attention = get_parallel_state().config.dp_attention
-        if on_gpu and not args.disable_cuda_graph and not dp_attention:
+        # speculative decode steps run eagerly (no graphs of the draft and verify steps yet): none to capture
+        speculative = args.speculative_steps > 0
+        if on_gpu and not args.disable_cuda_graph and not dp_attention and not speculative:
             max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
             self.graph_runner = CudaGraphRunner(
                 model, pools, max_bs, auto=args.alt_stream_overlap == "auto"
