@@ -16,8 +16,9 @@ A decode step of a request holding drafts runs, for the whole decode batch at on
 
 After each prefill forward the head runs over the new positions, so a request enters decoding with its first
 draft. Requests whose sampling depends on their own output so far (penalties, grammars, a min-tokens ban,
-logit biases) or that ask for log-probabilities are not drafted for: they decode one token a step inside the same
-verify forward, sampled as without speculation. Greedy output is the same as without speculation; sampled output
+logit biases) are not drafted for: they decode one token a step inside the same verify forward, sampled as without
+speculation. Output log-probabilities of kept tokens come from the verify forward's raw logits at the positions
+that chose them, as a plain step records them. Greedy output is the same as without speculation; sampled output
 keeps the model's distribution.
 """
 
@@ -33,6 +34,7 @@ from sglang_lite.forward_batch import ForwardBatch, ForwardMode, VerifyStates, b
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.protocol.config import SchedulerConfig
+from sglang_lite.sampling.logprobs import logprob_entries, record_output
 from sglang_lite.sampling.sampler import argmax_rows
 from sglang_lite.sampling.speculative import verify_chain
 from sglang_lite.scheduler.batch import ScheduleBatch
@@ -70,11 +72,10 @@ class SpecStats:
 
 def drafts_for(req: Req) -> bool:
     """Whether the request may be drafted for: its next tokens' distributions do not depend on what was just
-    sampled (no penalties, grammar, min-tokens ban or logit bias) and it asks no log-probabilities."""
+    sampled (no penalties, grammar, min-tokens ban or logit bias)."""
     params = req.sampling_params
     return (
         req.grammar is None
-        and req.logprob is None
         and params.frequency_penalty == 0.0
         and params.presence_penalty == 0.0
         and params.repetition_penalty == 1.0
@@ -287,12 +288,16 @@ class MtpSpeculation:
         drafted = [i for i, n in enumerate(counts) if n > 1]
         plain = [i for i, n in enumerate(counts) if n == 1]
         kept: dict[int, list[int]] = {}
+        entries: dict[int, list[dict]] = {}
         for i in drafted:
             rows = logits[starts[i] : starts[i] + counts[i]]
             kept[i] = self._take(reqs[i], rows, chains[i])
+            entries[i] = _logprob_entries(reqs[i], rows, kept[i])
             self._keep(reqs[i], i, prefixes[i], len(kept[i]), per_req[i], forward_batch.verify)
         for i, tokens in kept.items():
-            for token in tokens:  # one by one, as a decode step appends its one
+            for j, token in enumerate(tokens):  # one by one, as a decode step appends its one
+                if entries[i]:
+                    record_output(reqs[i].logprob_record, entries[i][j])
                 self.output.append_tokens([reqs[i]], [token])
         for i in plain:  # sampled as without speculation (penalties, grammars, log-probabilities)
             reqs[i].num_computed += 1
@@ -348,6 +353,15 @@ class MtpSpeculation:
         self.stats.drafted += drafted
         self.stats.accepted += taken - 1
         self.stats.tokens += taken
+
+
+def _logprob_entries(req: Req, logits: torch.Tensor, tokens: list[int]) -> list[dict]:
+    """The output log-probabilities of ``tokens`` the request asked for (none if it asked none), from the raw
+    logits of the positions that chose them, as ``StepSampler.sample`` records them."""
+    if req.logprob is None or not req.logprob.return_logprob:
+        return []
+    targets = torch.tensor(tokens, device=logits.device)
+    return logprob_entries(logits[: len(tokens)], targets, [req.logprob] * len(tokens))
 
 
 def _split(values: list[int], counts: list[int]) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """Speculation beside the rest of a request's life: parallel samples (``n > 1``), aborts mid-decode,
-log-probabilities (such requests decode one token a step, sampled as without speculation) and penalties, all in
-one batch with drafted requests."""
+log-probabilities (of accepted drafts too) and penalties (such requests decode one token a step, sampled as
+without speculation), all in one batch with drafted requests."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def mixed_requests() -> dict:
     logprob = LogprobParams.from_dict({"return_logprob": True, "top_logprobs_num": 2})
     return {
         "greedy": (prompts[0], {**GREEDY, "max_new_tokens": 18}, None),
-        "logprob": (prompts[1], {**GREEDY, "max_new_tokens": 14}, logprob),
+        "logprob": (prompts[0], {**GREEDY, "max_new_tokens": 18}, logprob),
         "penalised": (
             prompts[2],
             {**GREEDY, "max_new_tokens": 12, "frequency_penalty": 0.5},
@@ -72,16 +72,15 @@ def test_mixed_batch_matches_speculation_off(spec_checkpoints):
     expected = plain_meta["logprob"]["all_output_token_logprobs"]
     top = spec_meta["logprob"]["all_output_top_logprobs"]
     top_expected = plain_meta["logprob"]["all_output_top_logprobs"]
-    assert len(got) == len(expected) == len(top) == 14
+    assert len(got) == len(expected) == len(top) == 18
     assert [e[1] for e in got] == [e[1] for e in expected]
     assert [[e[1] for e in row] for row in top] == [[e[1] for e in row] for row in top_expected]
     values = torch.tensor([e[0] for e in got] + [e[0] for row in top for e in row])
     reference = torch.tensor([e[0] for e in expected] + [e[0] for row in top_expected for e in row])
     assert torch.allclose(values, reference, atol=1e-5)
     assert spec_meta["greedy"]["spec_accepted_tokens"] > 0
-    assert spec_meta["logprob"]["spec_accepted_tokens"] == 0, (
-        "no drafts for a log-probability request"
-    )
+    assert spec_meta["logprob"]["spec_accepted_tokens"] > 0, "log-probabilities of accepted drafts"
+    assert spec_meta["penalised"]["spec_accepted_tokens"] == 0, "no drafts with penalties"
     assert spec_meta["greedy_pair.n1"]["spec_accepted_tokens"] > 0, (
         "a fork drafts from its second step"
     )
