@@ -52,7 +52,6 @@ def check(args: Any) -> None:
 
 def _check_not_combined(args: Any) -> None:
     blockers = {
-        "tp_size > 1": args.tp_size > 1,
         "enable_dp_attention": args.enable_dp_attention,
         "disaggregation_mode prefill/decode": args.disaggregation_mode != "null",
     }

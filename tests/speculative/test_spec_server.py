@@ -69,7 +69,11 @@ def test_reports_accepted_drafts_in_meta_info_loads_and_metrics(spec_server):
         ),
         (["--speculative-num-steps", "2"], "need --speculative-algorithm NEXTN"),
         (["--speculative-algorithm", "MEDUSA"], "invalid choice"),
-        (["--speculative-algorithm", "NEXTN", "--tp-size", "2"], "tp_size > 1"),
+        (
+            ["--speculative-algorithm", "NEXTN", "--enable-dp-attention"]
+            + ["--tp-size", "2", "--dp-size", "2"],
+            "enable_dp_attention",
+        ),
     ],
 )
 def test_bad_speculative_flags_are_one_line_and_status_2(flags, message):
