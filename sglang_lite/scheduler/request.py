@@ -92,9 +92,10 @@ class Req:
     # structured output: where its output is in its grammar (once compiled)
     grammar: RequestGrammar | ReasoningGrammar | None = None
     # speculative decoding: the MTP head's first draft of the next step (``scheduler.speculative.Drafts``), the
-    # verify forwards it took part in with drafts, and the drafts it accepted
+    # verify forwards it took part in, the drafts it was proposed and those it accepted
     drafts: Any = None
     spec_verify_ct: int = 0
+    spec_drafted: int = 0
     spec_accepted_drafts: int = 0
     # what the next ReqOutput carries
     unsent_ids: list[int] = field(default_factory=list)

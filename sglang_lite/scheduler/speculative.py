@@ -348,6 +348,7 @@ class MtpSpeculation:
 
     def _count(self, req: Req, drafted: int, taken: int) -> None:
         req.spec_verify_ct += 1
+        req.spec_drafted += drafted
         req.spec_accepted_drafts += taken - 1
         self.stats.verify_steps += 1
         self.stats.drafted += drafted

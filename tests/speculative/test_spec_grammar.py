@@ -56,7 +56,7 @@ def test_grammar_requests_beside_drafted_ones(builtin_with_head):
     assert spec == plain
     text = scheduler.tokenizer.decode(spec[0], skip_special_tokens=True)
     assert re.fullmatch(REGEX, text), text
-    assert metas[0]["spec_accepted_tokens"] == metas[2]["spec_accepted_tokens"] == 0
+    assert metas[0]["spec_accept_token_num"] == metas[2]["spec_accept_token_num"] == 0
     assert metas[1]["spec_verify_ct"] > 0
     assert [m["finish_reason"] for m in metas.values()] == [
         m["finish_reason"] for m in plain_meta.values()

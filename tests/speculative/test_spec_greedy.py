@@ -39,7 +39,7 @@ def test_greedy_tokens_are_unchanged(spec_checkpoints, kind, page_size):
         assert meta["completion_tokens"] == params["max_new_tokens"]
         # the first token comes from the prefill, each verify step gives its accepted drafts plus one
         assert (
-            meta["completion_tokens"] == 1 + meta["spec_verify_ct"] + meta["spec_accepted_tokens"]
+            meta["completion_tokens"] == 1 + meta["spec_verify_ct"] + meta["spec_accept_token_num"]
         )
 
 

@@ -42,10 +42,11 @@ def test_reports_accepted_drafts_in_meta_info_loads_and_metrics(spec_server):
     for result in results:
         meta = result["meta_info"]
         assert meta["completion_tokens"] == 20
-        assert (
-            meta["completion_tokens"] == 1 + meta["spec_verify_ct"] + meta["spec_accepted_tokens"]
-        )
-    accepted = sum(r["meta_info"]["spec_accepted_tokens"] for r in results)
+        accepted, drafted = meta["spec_accept_token_num"], meta["spec_draft_token_num"]
+        assert meta["completion_tokens"] == 1 + meta["spec_verify_ct"] + accepted
+        assert meta["spec_accept_length"] == pytest.approx(20 / meta["spec_verify_ct"])
+        assert meta["spec_accept_rate"] == pytest.approx(accepted / drafted)
+    accepted = sum(r["meta_info"]["spec_accept_token_num"] for r in results)
     verify_steps = sum(r["meta_info"]["spec_verify_ct"] for r in results)
     assert accepted > 0
     (load,) = httpx.get(f"{spec_server.url}/v1/loads", timeout=30).json()["loads"]

@@ -22,7 +22,7 @@ def generate(path: str, **extra) -> tuple[list, list, list]:
     with Engine(path, **COMMON, **extra) as engine:
         greedy = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         sampled = engine.generate(input_ids=prompts, sampling_params=SAMPLED)
-    accepted = [r["meta_info"]["spec_accepted_tokens"] for r in greedy]
+    accepted = [r["meta_info"]["spec_accept_token_num"] for r in greedy]
     return [r["output_ids"] for r in greedy], [r["output_ids"] for r in sampled], accepted
 
 
