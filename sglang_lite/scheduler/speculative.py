@@ -203,7 +203,7 @@ class MtpSpeculation:
             last = out[batch.last_token_indices]
             tokens = argmax_rows(self.runner.logits(last)).tolist()
         for (req, _, _, _), token, hidden in zip(entries, tokens, last):
-            req.drafts = Drafts(token, hidden)
+            req.drafts = Drafts(token, hidden.clone())  # not a view keeping the whole output alive
 
     # ---- a decode step --------------------------------------------------------------------------------------------
     def run_decode(self, batch: ScheduleBatch, kv_slots: list[int]) -> None:
