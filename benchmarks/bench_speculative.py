@@ -74,6 +74,7 @@ def source_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 def generate(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
     """(seconds, tokens per verify step; 1.0 without speculation) of one greedy call."""
     params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
+    engine.flush_cache()  # every call prefills its prompts: no call's prefill is another's cache hit
     start = time.perf_counter()
     results = engine.generate(input_ids=prompts, sampling_params=params)
     seconds = time.perf_counter() - start
