@@ -15,11 +15,11 @@ A decode step of a request holding drafts runs, for the whole decode batch at on
    drafts the first token of the next step.
 
 After each prefill forward the head runs over the new positions, so a request enters decoding with its first
-draft. Requests whose sampling depends on their own output so far (penalties, grammars, a min-tokens ban,
-logit biases) are not drafted for: they decode one token a step inside the same verify forward, sampled as without
-speculation. Output log-probabilities of kept tokens come from the verify forward's raw logits at the positions
-that chose them, as a plain step records them. Greedy output is the same as without speculation; sampled output
-keeps the model's distribution.
+draft. Requests whose sampling depends on the tokens just sampled (count penalties, grammars) are not drafted for:
+they decode one token a step inside the same verify forward, sampled as without speculation; logit biases and the
+min-tokens ban on stop tokens are applied to each verify row as the sampler would. Output log-probabilities of
+kept tokens come from the verify forward's raw logits at the positions that chose them, as a plain step records
+them. Greedy output is the same as without speculation; sampled output keeps the model's distribution.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.sampling.logprobs import logprob_entries, record_output
+from sglang_lite.sampling.penalties import has_count_penalty
 from sglang_lite.sampling.sampler import argmax_rows
 from sglang_lite.sampling.speculative import verify_chain
 from sglang_lite.scheduler.batch import ScheduleBatch
@@ -71,17 +72,9 @@ class SpecStats:
 
 
 def drafts_for(req: Req) -> bool:
-    """Whether the request may be drafted for: its next tokens' distributions do not depend on what was just
-    sampled (no penalties, grammar, min-tokens ban or logit bias)."""
-    params = req.sampling_params
-    return (
-        req.grammar is None
-        and params.frequency_penalty == 0.0
-        and params.presence_penalty == 0.0
-        and params.repetition_penalty == 1.0
-        and not params.logit_bias
-        and params.min_new_tokens == 0
-    )
+    """Whether the request may be drafted for: its next tokens' distributions do not depend on the tokens just
+    sampled (no count penalties, no grammar)."""
+    return req.grammar is None and not has_count_penalty(req.sampling_params)
 
 
 def tokens_to_take(req: Req, tokens: list[int]) -> int:
@@ -311,10 +304,24 @@ class MtpSpeculation:
 
     def _take(self, req: Req, logits: torch.Tensor, chain: list[int]) -> list[int]:
         """The accepted drafts and one more token, cut where the request finishes."""
+        logits = self._as_sampled(req, logits)
         proposed = verify_chain(logits, chain, req.sampling_params, req.generator)
         kept = proposed[: tokens_to_take(req, proposed)]
         self._count(req, len(chain), len(kept))
         return kept
+
+    def _as_sampled(self, req: Req, logits: torch.Tensor) -> torch.Tensor:
+        """The verify rows as ``StepSampler`` would sample each: its logit biases added, and its stop tokens
+        banned at the rows that come before ``min_new_tokens`` outputs (row j follows j more tokens)."""
+        if req.sampling_params.logit_bias:
+            # one row at a time: the book adds a request's biases to one row a call
+            penalties = self.output.sampler.penalties
+            logits = torch.cat([penalties.apply([req.req_row], row[None]) for row in logits])
+        too_early = req.sampling_params.min_new_tokens - len(req.output_ids)
+        if too_early > 0 and req.stop_token_ids:
+            logits = logits.float().clone()
+            logits[:too_early, sorted(req.stop_token_ids)] = float("-inf")
+        return logits
 
     def _draft_next(
         self, reqs: list[Req], taken: list[int], prefixes: list[int], hidden: list[torch.Tensor]

@@ -97,3 +97,34 @@ def test_abort_mid_decode_frees_everything(spec_checkpoints):
     assert metas["b"]["finish_reason"]["type"] == "abort"
     assert spec["b"] == plain["b"][: len(spec["b"])] and len(spec["b"]) < 30
     assert (spec["a"], spec["c"]) == (plain["a"], plain["c"])
+
+
+def test_logit_bias_and_min_tokens_are_drafted_for_and_kept(spec_checkpoints):
+    """A request's logit biases and its min-tokens ban on stop tokens act on each verify row as the sampler's."""
+    path = spec_checkpoints[("moe", "repeat")]
+    prompts = random_prompts([6, 20], vocab=160, seed=8)
+    free = {rid: (p, {**GREEDY, "max_new_tokens": 18}, None) for rid, p in zip("ab", prompts)}
+    plain, _, _ = run(scheduler_args(path), free)
+    repeated = plain["a"][-1]  # the token the run ends repeating
+    # biased away from b's later tokens: the decode steps that verify drafts must see the biases
+    bias = {str(t): -100.0 for t in plain["b"][2:6]} | {"7": 2.0}
+    sampled = {"temperature": 0.5, "top_k": 2, "seed": 3, "max_new_tokens": 18}
+    requests = {
+        # the repeated token is the stop token, banned for the first 16 tokens
+        "min_tokens": (
+            prompts[0],
+            {**GREEDY, "max_new_tokens": 18, "min_new_tokens": 16, "stop_token_ids": [repeated]},
+            None,
+        ),
+        "bias": (prompts[1], {**GREEDY, "max_new_tokens": 18, "logit_bias": bias}, None),
+        "bias_sampled": (prompts[1], {**sampled, "logit_bias": bias}, None),
+    }
+    expected, expected_meta, _ = run(scheduler_args(path), requests)
+    got, metas, _ = run(scheduler_args(path, **NEXTN), requests)
+    assert got["min_tokens"] == expected["min_tokens"] and got["bias"] == expected["bias"]
+    assert got["bias"] != plain["b"], "the biases must matter"
+    assert len(got["bias_sampled"]) == 18
+    assert not set(got["bias_sampled"]) & {int(t) for t, v in bias.items() if v < 0}
+    assert metas["min_tokens"]["finish_reason"] == expected_meta["min_tokens"]["finish_reason"]
+    assert metas["min_tokens"]["spec_draft_token_num"] > 0
+    assert metas["bias"]["spec_draft_token_num"] > 0
