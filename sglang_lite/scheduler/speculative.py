@@ -15,9 +15,9 @@ A decode step of a request holding drafts runs, for the whole decode batch at on
    drafts the first token of the next step.
 
 After each prefill forward the head runs over the new positions, so a request enters decoding with its first
-draft. Requests whose sampling depends on the tokens just sampled (count penalties, grammars) are not drafted for:
-they decode one token a step inside the same verify forward, sampled as without speculation; logit biases and the
-min-tokens ban on stop tokens are applied to each verify row as the sampler would. Output log-probabilities of
+draft. Requests with a grammar are not drafted for: they decode one token a step inside the same verify forward,
+sampled as without speculation. Penalties (the drafts before a row counted), logit biases and the min-tokens ban on
+stop tokens are applied to each verify row as the sampler would. Output log-probabilities of
 kept tokens come from the verify forward's raw logits at the positions that chose them, as a plain step records
 them. Greedy output is the same as without speculation; sampled output keeps the model's distribution.
 """
@@ -72,9 +72,8 @@ class SpecStats:
 
 
 def drafts_for(req: Req) -> bool:
-    """Whether the request may be drafted for: its next tokens' distributions do not depend on the tokens just
-    sampled (no count penalties, no grammar)."""
-    return req.grammar is None and not has_count_penalty(req.sampling_params)
+    """Whether the request may be drafted for: it has no grammar (whose matcher would have to follow the drafts)."""
+    return req.grammar is None
 
 
 def tokens_to_take(req: Req, tokens: list[int]) -> int:
@@ -304,24 +303,35 @@ class MtpSpeculation:
 
     def _take(self, req: Req, logits: torch.Tensor, chain: list[int]) -> list[int]:
         """The accepted drafts and one more token, cut where the request finishes."""
-        logits = self._as_sampled(req, logits)
+        logits = self._as_sampled(req, logits, chain)
         proposed = verify_chain(logits, chain, req.sampling_params, req.generator)
         kept = proposed[: tokens_to_take(req, proposed)]
         self._count(req, len(chain), len(kept))
         return kept
 
-    def _as_sampled(self, req: Req, logits: torch.Tensor) -> torch.Tensor:
-        """The verify rows as ``StepSampler`` would sample each: its logit biases added, and its stop tokens
-        banned at the rows that come before ``min_new_tokens`` outputs (row j follows j more tokens)."""
-        if req.sampling_params.logit_bias:
-            # one row at a time: the book adds a request's biases to one row a call
-            penalties = self.output.sampler.penalties
-            logits = torch.cat([penalties.apply([req.req_row], row[None]) for row in logits])
-        too_early = req.sampling_params.min_new_tokens - len(req.output_ids)
+    def _as_sampled(self, req: Req, logits: torch.Tensor, chain: list[int]) -> torch.Tensor:
+        """The verify rows as ``StepSampler`` would sample each, row j after the first j drafts: its penalties
+        (the drafts counted while the rows are taken, then taken back) and logit biases, and its stop tokens
+        banned while fewer than ``min_new_tokens`` tokens precede."""
+        params = req.sampling_params
+        if has_count_penalty(params) or params.logit_bias:
+            logits = self._penalised(req.req_row, logits, chain)
+        too_early = params.min_new_tokens - len(req.output_ids)
         if too_early > 0 and req.stop_token_ids:
             logits = logits.float().clone()
             logits[:too_early, sorted(req.stop_token_ids)] = float("-inf")
         return logits
+
+    def _penalised(self, row: int, logits: torch.Tensor, chain: list[int]) -> torch.Tensor:
+        # one row at a time: the book adds a request's biases to one row a call
+        penalties = self.output.sampler.penalties
+        out = []
+        for j, rows in enumerate(logits.split(1)):
+            out.append(penalties.apply([row], rows))
+            if j < len(chain):
+                penalties.record([row], [chain[j]])
+        penalties.record([row] * len(chain), chain, count=-1)
+        return torch.cat(out)
 
     def _draft_next(
         self, reqs: list[Req], taken: list[int], prefixes: list[int], hidden: list[torch.Tensor]

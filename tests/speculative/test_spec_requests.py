@@ -1,6 +1,6 @@
 """Speculation beside the rest of a request's life: parallel samples (``n > 1``), aborts mid-decode,
-log-probabilities (of accepted drafts too) and penalties (such requests decode one token a step, sampled as
-without speculation), all in one batch with drafted requests."""
+log-probabilities (of accepted drafts too), penalties, logit biases and min-tokens bans, all in one batch with
+drafted requests."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_mixed_batch_matches_speculation_off(spec_checkpoints):
     assert torch.allclose(values, reference, atol=1e-5)
     assert spec_meta["greedy"]["spec_accept_token_num"] > 0
     assert spec_meta["logprob"]["spec_accept_token_num"] > 0, "log-probabilities of accepted drafts"
-    assert spec_meta["penalised"]["spec_accept_token_num"] == 0, "no drafts with penalties"
+    assert spec_meta["penalised"]["spec_draft_token_num"] > 0, "penalised requests are drafted for"
     assert spec_meta["greedy_pair.n1"]["spec_accept_token_num"] > 0, (
         "a fork drafts from its second step"
     )
@@ -99,8 +99,9 @@ def test_abort_mid_decode_frees_everything(spec_checkpoints):
     assert (spec["a"], spec["c"]) == (plain["a"], plain["c"])
 
 
-def test_logit_bias_and_min_tokens_are_drafted_for_and_kept(spec_checkpoints):
-    """A request's logit biases and its min-tokens ban on stop tokens act on each verify row as the sampler's."""
+def test_penalties_biases_and_min_tokens_are_drafted_for_and_kept(spec_checkpoints):
+    """A request's penalties (the drafts before a row counted), logit biases and min-tokens ban on stop tokens act
+    on each verify row as the sampler's."""
     path = spec_checkpoints[("moe", "repeat")]
     prompts = random_prompts([6, 20], vocab=160, seed=8)
     free = {rid: (p, {**GREEDY, "max_new_tokens": 18}, None) for rid, p in zip("ab", prompts)}
@@ -117,11 +118,22 @@ def test_logit_bias_and_min_tokens_are_drafted_for_and_kept(spec_checkpoints):
             None,
         ),
         "bias": (prompts[1], {**GREEDY, "max_new_tokens": 18, "logit_bias": bias}, None),
+        # penalised out of the repetition the unpenalised run ends in (drafts of it are rejected)
+        "penalties": (
+            prompts[0],
+            {**GREEDY, "max_new_tokens": 24, "frequency_penalty": 0.3, "repetition_penalty": 1.2},
+            None,
+        ),
+        # a light one: drafts of the repetition are accepted until the counted drafts tip a row
+        "light": (prompts[0], {**GREEDY, "max_new_tokens": 30, "frequency_penalty": 0.02}, None),
+        "presence": (prompts[0], {**GREEDY, "max_new_tokens": 24, "presence_penalty": 0.05}, None),
         "bias_sampled": (prompts[1], {**sampled, "logit_bias": bias}, None),
     }
     expected, expected_meta, _ = run(scheduler_args(path), requests)
     got, metas, _ = run(scheduler_args(path, **NEXTN), requests)
-    assert got["min_tokens"] == expected["min_tokens"] and got["bias"] == expected["bias"]
+    for rid in ("min_tokens", "bias", "penalties", "light", "presence"):
+        assert got[rid] == expected[rid], rid
+    assert metas["light"]["spec_accept_token_num"] > 0
     assert got["bias"] != plain["b"], "the biases must matter"
     assert len(got["bias_sampled"]) == 18
     assert not set(got["bias_sampled"]) & {int(t) for t, v in bias.items() if v < 0}
