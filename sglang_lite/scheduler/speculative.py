@@ -41,6 +41,7 @@ from sglang_lite.sampling.speculative import verify_chain
 from sglang_lite.scheduler.batch import ScheduleBatch
 from sglang_lite.scheduler.output import OutputProcessor
 from sglang_lite.scheduler.request import Req
+from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -92,7 +93,8 @@ def tokens_to_take(req: Req, tokens: list[int]) -> int:
     return limit
 
 
-def _copy_detokenizer(req: Req):
+def _copy_detokenizer(req: Req) -> IncrementalDetokenizer | None:
+    """A copy of the request's detokeniser to try tokens on (None when it matches no stop strings)."""
     if req.detokenizer is None or req.stop_matcher is None:
         return None
     detokenizer = copy.copy(req.detokenizer)
@@ -118,7 +120,7 @@ class MtpSpeculation:
     def __init__(
         self,
         steps: int,
-        runner,
+        runner: Any,
         pools: ModelPools,
         memory: RequestMemory,
         output: OutputProcessor,
