@@ -140,3 +140,46 @@ def test_penalties_biases_and_min_tokens_are_drafted_for_and_kept(spec_checkpoin
     assert metas["min_tokens"]["finish_reason"] == expected_meta["min_tokens"]["finish_reason"]
     assert metas["min_tokens"]["spec_draft_token_num"] > 0
     assert metas["bias"]["spec_draft_token_num"] > 0
+
+
+def test_a_failing_verify_forward_fails_its_batch_and_frees_its_slots(
+    spec_checkpoints, monkeypatch
+):
+    path = spec_checkpoints[("moe", "repeat")]
+    prompts = random_prompts([6, 20, 9], vocab=160, seed=10)
+    params = {**GREEDY, "max_new_tokens": 12}
+    expected, _, _ = run(scheduler_args(path), {"after": (prompts[2], params, None)})
+    scheduler = create_scheduler(scheduler_args(path, page_size=4, **NEXTN))
+    for rid, prompt in zip("ab", prompts):
+        scheduler.add_request(rid, prompt, params)
+
+    def both_drafted() -> bool:  # both prefilled, holding their first drafts
+        running = scheduler.queues.running
+        return len(running) == 2 and all(r.drafts is not None for r in running)
+
+    for _ in range(20):
+        if both_drafted():
+            break
+        scheduler.step()
+    assert both_drafted()
+    real = scheduler.model.forward_hidden
+
+    def verify_failing_once(batch):
+        if batch.verify is not None and not failed:
+            failed.append(batch)
+            raise RuntimeError("a kernel raised")
+        return real(batch)
+
+    failed: list = []
+    monkeypatch.setattr(scheduler.model, "forward_hidden", verify_failing_once)
+    outputs = scheduler.step()
+    scheduler.check_invariants()
+    assert failed and {o.rid for o in outputs if o.finished} == {"a", "b"}
+    assert all("a kernel raised" in o.meta_info["finish_reason"]["message"] for o in outputs)
+    assert scheduler.get_loads().num_used_tokens == 0
+    scheduler.add_request("after", prompts[2], params)
+    tokens = []
+    while scheduler.has_work:
+        tokens += [t for o in scheduler.step() for t in o.new_token_ids]
+        scheduler.check_invariants()
+    assert tokens == expected["after"]
