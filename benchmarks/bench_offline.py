@@ -29,6 +29,11 @@ large enough for compute to dominate), side by side in one run. Prefill: ``--bat
 prompts, less the time of their first token.
 
     python benchmarks/bench_offline.py --scaling --tp-size 2 --input-len 1024 --batch-sizes 4
+
+``--speculative`` runs ``bench_speculative.py`` with the other flags: plain against speculative decoding (MTP head)
+side by side, tok/s and mean accepted length at each batch size; ``--speculative --costs`` the parts of a step.
+
+    python benchmarks/bench_offline.py --speculative --batch-sizes 1 4 16 --steps 1 2 3
 """
 
 from __future__ import annotations
@@ -471,6 +476,26 @@ def main() -> None:
     parser.add_argument(
         "--hidden", type=int, default=1024, help="hidden size of the --scaling model"
     )
+    parser.add_argument(
+        "--speculative",
+        action="store_true",
+        help="speculative decoding with an MTP head against plain decoding instead (bench_speculative.py; "
+        "its flags follow, e.g. --speculative --steps 1 2 3 --batch-sizes 1 4 16)",
+    )
+    # bench_speculative.py's own flags, listed here for --help (they are read there)
+    parser.add_argument("--steps", type=int, nargs="+", help="with --speculative: drafts per step")
+    parser.add_argument(
+        "--head", choices=("repeat", "random"), help="with --speculative: the MTP head"
+    )
+    parser.add_argument(
+        "--costs", action="store_true", help="with --speculative: time a step's parts"
+    )
+    if "--speculative" in sys.argv[1:]:
+        import bench_speculative
+
+        sys.argv = [sys.argv[0], *(a for a in sys.argv[1:] if a != "--speculative")]
+        bench_speculative.main()
+        return
     args = parser.parse_args()
     if args.scaling:
         run_scaling(args)

@@ -121,6 +121,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     quantization: QuantConfig | None = None  # the checkpoint's (None: plain weights)
+    # the multi-token-prediction head's decoder layers (``mtp.*`` tensors), a draft model for speculation
+    mtp_num_hidden_layers: int = 0
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
@@ -228,6 +230,7 @@ class ModelConfig:
             eos_token_ids=_as_tuple(text.get("eos_token_id", outer.get("eos_token_id"))),
             pad_token_id=text.get("pad_token_id", outer.get("pad_token_id")),
             quantization=_quantization(text, outer),
+            mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0) or 0,
         )
 
 

@@ -48,6 +48,8 @@ class ForwardBatch:
     # Longest prefix + extend, known on the host when the lists are real (None from a CUDA-graph runner, whose lists
     # are placeholders): spares the CPU attention path a read-back of seq_lens_t.
     max_seq_len: int | None = None
+    # a speculative verify forward (EXTEND): the GDN layers step token by token and keep the states after each
+    verify: VerifyStates | None = None
 
     def __post_init__(self) -> None:
         assert len(self.prefix_lens) == len(self.extend_lens) == self.batch_size, (
@@ -90,6 +92,53 @@ class ForwardBatch:
     def last_token_indices(self) -> torch.Tensor:
         """Row of each request's last new token, for sampling."""
         return self.cu_seqlens[1:].long() - 1
+
+
+class VerifyStates:
+    """The Gated DeltaNet states a verify forward passes through: after token j of request i, every GDN layer's
+    conv state ``conv[i, j]`` [layers, conv_dim, K-1] and recurrent state ``ssm[i, j]`` [layers, HV, dk, dv], so
+    that the states after the last accepted token can replace those after the last verified one
+    (``ModelPools.states`` rows hold all layers of a slot). ``steps[j]``: the token rows and the request indices
+    that have a token j."""
+
+    def __init__(self, pools: ModelPools, extend_lens: list[int], device: torch.device) -> None:
+        states = pools.states
+        longest = max(extend_lens)
+        self.conv = states.conv_buffer.new_empty(
+            (len(extend_lens), longest, *states.conv_buffer.shape[1:])
+        )
+        self.ssm = states.ssm_buffer.new_empty(
+            (len(extend_lens), longest, *states.ssm_buffer.shape[1:])
+        )
+        starts = [0, *_cumsum(extend_lens)]
+        self.steps = []
+        for j in range(longest):
+            reqs = [i for i, n in enumerate(extend_lens) if n > j]
+            tokens = [starts[i] + j for i in reqs]
+            self.steps.append(
+                (
+                    torch.tensor(tokens, dtype=torch.int64, device=device),
+                    torch.tensor(reqs, dtype=torch.int64, device=device),
+                )
+            )
+
+    def record(
+        self,
+        step: int,
+        layer: int,
+        conv_states: torch.Tensor,
+        ssm_states: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Layer ``layer``'s states of ``slots`` (the requests of ``step``) after that step's tokens."""
+        reqs = self.steps[step][1]
+        self.conv[reqs, step, layer] = conv_states[slots]
+        self.ssm[reqs, step, layer] = ssm_states[slots]
+
+    def restore(self, pools: ModelPools, request: int, step: int, slot: int) -> None:
+        """Request ``request``'s states after its token ``step`` back into its state slot."""
+        pools.states.conv_buffer[slot].copy_(self.conv[request, step])
+        pools.states.ssm_buffer[slot].copy_(self.ssm[request, step])
 
 
 def _cumsum(values: list[int]) -> list[int]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_lite import assets
+from sglang_lite.utils import speculative_flags
 
 if TYPE_CHECKING:
     from sglang_lite.distributed.parallel_state import ParallelConfig
@@ -114,6 +115,10 @@ _HELP = {
     "--tp-size > 1 a DP rank is never restarted: its world fails as a whole.",
 }
 
+_HELP.update(
+    speculative_flags.HELP
+)  # speculative decoding with the MTP head (scheduler/speculative.py)
+
 
 @dataclass(frozen=True)
 class ServerArgs:
@@ -176,6 +181,10 @@ class ServerArgs:
     rank_max_restarts: int = 5
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
@@ -220,6 +229,11 @@ class ServerArgs:
         self._check_choice("disaggregation_mode", DISAGGREGATION_MODES)
         self._check_choice("disaggregation_transfer_backend", TRANSFER_BACKENDS)
         self._check_positive("disaggregation_transfer_timeout", "grammar_compile_timeout")
+        speculative_flags.check(self)
+
+    @property
+    def speculative_steps(self) -> int:  # drafted per decode step; 0: off
+        return speculative_flags.draft_steps(self)
 
     def _check_state_pool(self) -> None:
         if self.mamba_full_memory_ratio < 0:
@@ -395,6 +409,7 @@ def _add_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> Non
         "disaggregation_transfer_backend": TRANSFER_BACKENDS,
         "tool_call_parser": TOOL_CALL_PARSERS,
         "reasoning_parser": REASONING_PARSERS,
+        "speculative_algorithm": speculative_flags.SPECULATIVE_ALGORITHMS,
     }
     if field.name in choices:
         kwargs["choices"] = choices[field.name]

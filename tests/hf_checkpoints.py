@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -152,3 +153,78 @@ def _write_tensors(path: str, tensors: dict, shards: int) -> None:
         weight_map.update({n: file for n in part})
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def add_mtp_head(model: torch.nn.Module, path: str, seed: int = 0) -> torch.nn.Module:
+    """Adds a random MTP head (``mtp.*`` tensors, as released checkpoints name them; ``mtp_num_hidden_layers``
+    1 in the config) to the checkpoint of ``model`` saved at ``path`` (any ``save_checkpoint`` layout).
+
+    transformers has no MTP module, so the head's decoder layer and final norm are those of a one-layer
+    full-attention transformers model sharing ``model``'s embedding and LM head, which is returned: fed
+    ``inputs_embeds = fc([norm_e(embed(next token)) | norm_h(hidden)])`` it is the head, a reference for it; its
+    ``mtp_fc`` and ``mtp_pre_fc_norms`` attributes hold the rest."""
+    torch.manual_seed(seed)
+    config = model.config.to_dict()
+    config.update(num_hidden_layers=1, layer_types=["full_attention"])
+    head = type(model)(type(model.config)(**config)).eval()
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+        head.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+        head.lm_head.weight.copy_(model.lm_head.weight)
+    head.mtp_fc = torch.randn(hidden, 2 * hidden) * (2 * hidden) ** -0.5
+    head.mtp_pre_fc_norms = (torch.randn(hidden) * 0.1, torch.randn(hidden) * 0.1)
+    with tempfile.TemporaryDirectory() as tmp:  # the layout save_pretrained writes, as the model's
+        head.save_pretrained(tmp)
+        state = load_file(os.path.join(tmp, "model.safetensors"))
+    tensors = {
+        f"mtp.{k[len('model.') :]}": v
+        for k, v in state.items()
+        if k.startswith("model.layers.0.") or k == "model.norm.weight"
+    }
+    tensors["mtp.fc.weight"] = head.mtp_fc
+    tensors["mtp.pre_fc_norm_embedding.weight"] = head.mtp_pre_fc_norms[0]
+    tensors["mtp.pre_fc_norm_hidden.weight"] = head.mtp_pre_fc_norms[1]
+    _append_tensors(path, tensors)
+    return head
+
+
+def mtp_reference_logits(head: torch.nn.Module, hidden: torch.Tensor, next_ids: list[int]):
+    """The head's logits [T, vocab] over one sequence: position i takes the main model's final hidden state
+    ``hidden[i]`` (after its norm) and the token ``next_ids[i]`` that follows it."""
+    eps = head.config.rms_norm_eps
+
+    def gemma_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)
+
+    embedded = head.model.embed_tokens(torch.tensor(next_ids))
+    norm_e, norm_h = head.mtp_pre_fc_norms
+    joined = torch.cat([gemma_norm(embedded, norm_e), gemma_norm(hidden, norm_h)], dim=-1)
+    with torch.no_grad():
+        out = head(inputs_embeds=(joined @ head.mtp_fc.T).unsqueeze(0))
+    return out.logits[0]
+
+
+def _append_tensors(path: str, extra: dict) -> None:
+    """Adds ``extra`` to the checkpoint at ``path`` (experts fused when its are; the config says 1 MTP layer)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(os.path.join(path, file)))
+        os.remove(os.path.join(path, file))
+    if os.path.exists(index):
+        os.remove(index)
+    if any(k.endswith("mlp.experts.gate_up_proj") for k in tensors):
+        extra = _fuse_experts(extra)
+    tensors.update(extra)
+    _write_tensors(path, tensors, shards=len(files))
+    config = _read_config(path)
+    (config.get("text_config") or config)["mtp_num_hidden_layers"] = 1
+    _write_config(path, config)

@@ -114,21 +114,51 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         )
         qkv, z = qkvz.split(self.in_proj_qkvz.output_sizes, dim=-1)
         b, a = ba.split(self.in_proj_ba.output_sizes, dim=-1)
+        g, beta = fused_gdn_gating(self.A_log, a, self.dt_bias, b)
+        if batch.verify is not None:
+            o = self._verify_steps(qkv, g, beta, batch)
+        else:
+            o = self._mix(qkv, g, beta, batch)
+        o = self.norm(o, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
+        return attn_all_reduce(self.out_proj(o.reshape(num_tokens, self.value_dim)))
+
+    def _mix(
+        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """The conv and the gated delta rule over the batch's tokens: [T, HV, dv]."""
         conv_states, ssm_states = batch.pools.state_buffers(self.layer_id)
-        qkv = self._conv(qkv, conv_states, batch)
+        q, k, v = self._heads(self._conv(qkv, conv_states, batch))
+        if batch.is_decode:
+            return fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_states, batch.state_slots)
+        return chunk_gated_delta_rule(
+            q, k, v, g, beta, ssm_states, batch.state_slots, batch.cu_seqlens
+        )
+
+    def _verify_steps(
+        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """A verify forward's conv and recurrence one token of each request at a time (the decode kernels, as a
+        decode step runs them), keeping the states after each token in ``batch.verify``."""
+        conv_states, ssm_states = batch.pools.state_buffers(self.layer_id)
+        weight = self.conv1d.weight.squeeze(1)
+        layer = batch.pools.linear_index[self.layer_id]
+        out = qkv.new_empty((qkv.shape[0], self.num_v_heads, self.head_v_dim))
+        for step, (tokens, reqs) in enumerate(batch.verify.steps):
+            slots = batch.state_slots[reqs]
+            q, k, v = self._heads(causal_conv1d_update(qkv[tokens], weight, conv_states, slots))
+            out[tokens] = fused_recurrent_gated_delta_rule(
+                q, k, v, g[tokens], beta[tokens], ssm_states, slots
+            ).to(out.dtype)
+            batch.verify.record(step, layer, conv_states, ssm_states, slots)
+        return out
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        num_tokens = qkv.shape[0]
         pieces = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = pieces[0].view(num_tokens, self.num_k_heads, self.head_k_dim)
         k = pieces[1].view(num_tokens, self.num_k_heads, self.head_k_dim)
         v = pieces[2].view(num_tokens, self.num_v_heads, self.head_v_dim)
-        g, beta = fused_gdn_gating(self.A_log, a, self.dt_bias, b)
-        if batch.is_decode:
-            o = fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_states, batch.state_slots)
-        else:
-            o = chunk_gated_delta_rule(
-                q, k, v, g, beta, ssm_states, batch.state_slots, batch.cu_seqlens
-            )
-        o = self.norm(o, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
-        return attn_all_reduce(self.out_proj(o.reshape(num_tokens, self.value_dim)))
+        return q, k, v
 
     def prepare_decode_block(self, norm: GemmaRMSNorm) -> None:
         """Gathers what ``decode_block`` reads: ``norm`` (the layer's input norm) and this mixer's weights as they

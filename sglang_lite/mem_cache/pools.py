@@ -55,7 +55,8 @@ class TokenKVPool:
     """K and V of every full-attention layer for token slots in pages of ``page_size``. One buffer [slots, layers,
     2, KV heads, head_dim] keeps all layers' K and V of a slot together, so a run of consecutive pages is one
     contiguous range (one block of a PD transfer); ``k_buffers[i]`` and ``v_buffers[i]`` are layer i's views
-    [slots, KV heads, head_dim] (rows strided). Page 0 (slots 0..page_size - 1) is reserved."""
+    [slots, KV heads, head_dim] (rows strided). Page 0 (slots 0..page_size - 1) is reserved. ``draft_layers``:
+    the MTP head's attention layers after the model's (speculation), in the same slots and pages."""
 
     def __init__(
         self,
@@ -64,8 +65,9 @@ class TokenKVPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        draft_layers: int = 0,
     ) -> None:
-        n = len(config.full_attention_layers)
+        n = len(config.full_attention_layers) + draft_layers
         shape = ((num_pages + 1) * page_size, n, 2, config.num_key_value_heads, config.head_dim)
         self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.k_buffers = [self.buffer[:, i, 0] for i in range(n)]
@@ -151,16 +153,21 @@ class ModelPools:
         device: torch.device | str,
         num_snapshots: int = 0,
         page_size: int = 1,
+        draft_layers: int = 0,
     ) -> ModelPools:
-        """Pools of at least ``max_total_tokens`` KV slots, in pages of ``page_size`` tokens."""
+        """Pools of at least ``max_total_tokens`` KV slots, in pages of ``page_size`` tokens. ``draft_layers``:
+        the MTP head's attention layers (numbered after the model's), whose KV the slots hold too."""
         device = torch.device(device)
         config = _local(config)
         num_pages = -(-max_total_tokens // page_size)
+        attention_layers = config.full_attention_layers + [
+            config.num_layers + i for i in range(draft_layers)
+        ]
         return cls(
             req_to_token=ReqToTokenPool(max_running_requests, max_context_len, page_size, device),
-            kv=TokenKVPool(config, num_pages, page_size, dtype, device),
+            kv=TokenKVPool(config, num_pages, page_size, dtype, device, draft_layers),
             states=LinearStatePool(config, max_running_requests, dtype, device, num_snapshots),
-            attention_index={layer: i for i, layer in enumerate(config.full_attention_layers)},
+            attention_index={layer: i for i, layer in enumerate(attention_layers)},
             linear_index={layer: i for i, layer in enumerate(config.linear_attention_layers)},
         )
 
@@ -251,11 +258,11 @@ class ModelPools:
         return self.states.conv_states[i], self.states.ssm_states[i]
 
     @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype, draft_layers: int = 0) -> int:
         config, elem = _local(config), torch.empty((), dtype=dtype).element_size()
         return (
             2
-            * len(config.full_attention_layers)
+            * (len(config.full_attention_layers) + draft_layers)
             * config.num_key_value_heads
             * config.head_dim
             * elem

@@ -35,7 +35,9 @@ class ModelRunner:
         on_gpu = model.lm_head.weight.device.type == "cuda"
         # DP attention exchanges every forward's token counts on the host: not something a graph can replay
         dp_attention = get_parallel_state().config.dp_attention
-        if on_gpu and not args.disable_cuda_graph and not dp_attention:
+        # speculative decode steps run eagerly (no graphs of the draft and verify steps yet): none to capture
+        speculative = args.speculative_steps > 0
+        if on_gpu and not args.disable_cuda_graph and not dp_attention and not speculative:
             max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
             self.graph_runner = CudaGraphRunner(
                 model, pools, max_bs, auto=args.alt_stream_overlap == "auto"
@@ -68,6 +70,18 @@ class ModelRunner:
             return self.graph_runner.replay(batch)
         body = self.compiled_body if batch.is_decode else None
         return self.model.forward_batch(batch, all_logits, body)
+
+    def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The final hidden state [T, hidden] of every new token (eagerly): what speculation's MTP head takes."""
+        return self.model.forward_hidden(batch)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+    def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP head over ``batch`` (the tokens after the positions whose hidden states are ``hidden``): its
+        hidden state [T, hidden], for the LM head and the next draft step."""
+        return self.model.mtp(batch, hidden)
 
     def forward_idle(self) -> None:
         """An empty forward: under DP attention, a DP rank with nothing to run joins the other ranks' MLPs."""

@@ -36,6 +36,7 @@ def load_model(
     fp8_weights: bool | None = None,
     weight_dtype: torch.dtype | None = None,
     fp8_misaligned: str = "error",
+    with_mtp: bool = False,
 ) -> Qwen3_5ForCausalLM:
     """Builds the model described by ``path/config.json`` (None: the built-in tiny model, trained on the Python
     standard library by scripts/train_tiny_model.py).
@@ -51,6 +52,8 @@ def load_model(
     ``weight_dtype``: the projections' weights (linear layers, experts, embedding, LM head) in this dtype while
     activations, norms and states stay in ``dtype`` (the CPU keeps a bf16 checkpoint's weights bf16 this way: its
     C++ kernels widen them in registers).
+    ``with_mtp``: also load the checkpoint's multi-token-prediction head (``mtp.*``, checked as the rest) as
+    ``model.mtp``, the draft model of speculative decoding; by default it is skipped.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -62,7 +65,7 @@ def load_model(
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if fp8_misaligned not in FP8_MISALIGNED:
         raise ValueError(f"fp8_misaligned must be one of {FP8_MISALIGNED}, got {fp8_misaligned!r}")
-    model = create_model(config, dtype, device, server_args, weight_dtype)
+    model = create_model(config, dtype, device, server_args, weight_dtype, with_mtp)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         return model.eval()
@@ -90,6 +93,7 @@ def load_model(
         config.quantization or quant,
         fp8_dtype(device) if keep_fp8 else None,
         fp8_misaligned == "dequantize",
+        with_mtp,
     )
     return model.eval()
 
@@ -100,12 +104,14 @@ def create_model(
     device: torch.device | str = "cpu",
     server_args: ServerArgs | None = None,
     weight_dtype: torch.dtype | None = None,
+    with_mtp: bool = False,
 ) -> Qwen3_5ForCausalLM:
-    """The model class for ``config``, built on ``device`` in ``dtype`` (A_log kept fp32), the projections' weights
+    """The model class for ``config`` (with its MTP head when ``with_mtp``), built on ``device`` in
+    ``dtype`` (A_log kept fp32), the projections' weights
     in ``weight_dtype`` when given, weights uninitialised."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with _default_dtype(dtype), torch.device(device):
-        model = model_class_for(config)(config, server_args)
+        model = model_class_for(config)(config, server_args, with_mtp)
     _keep_fp32(model)
     if weight_dtype is not None and weight_dtype != dtype:
         for weight in projection_weights(model):

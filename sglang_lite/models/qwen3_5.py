@@ -18,7 +18,7 @@ from sglang_lite.forward_batch import ForwardBatch, ForwardMode, build_forward_b
 from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.layers.attention import Qwen3_5Attention
 from sglang_lite.layers.gdn import Qwen3_5GatedDeltaNet
-from sglang_lite.layers.linear import Split
+from sglang_lite.layers.linear import Linear, Split
 from sglang_lite.layers.mlp import GatedMLP, Qwen3_5SparseMoeBlock, shared_expert_fusion_supported
 from sglang_lite.layers.norm import GemmaRMSNorm
 from sglang_lite.layers.rotary import RotaryEmbedding
@@ -30,6 +30,7 @@ from sglang_lite.streams.model_streams import ModelStreams
 __all__ = [
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MTP",
     "Qwen3_5GatedDeltaNet",
     "Qwen3_5Attention",
     "Qwen3_5SparseMoeBlock",
@@ -37,19 +38,26 @@ __all__ = [
 
 
 class Qwen3_5DecoderLayer(nn.Module):
+    """One decoder layer; ``layer_type`` (default: the config's for ``layer_id``) lets the MTP head build its
+    full-attention layer after the model's last."""
+
     def __init__(
-        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, fuse_shared_expert: bool
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        fuse_shared_expert: bool,
+        layer_type: str | None = None,
     ) -> None:
         super().__init__()
+        layer_type = layer_type or config.layer_types[layer_id]
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.layer_types[layer_id] == "linear_attention":
+        if layer_type == "linear_attention":
             self.linear_attn = Qwen3_5GatedDeltaNet(config, layer_id)
         else:
             self.self_attn = Qwen3_5Attention(config, layer_id, rotary)
-        self.mixer_name = (
-            "linear_attn" if config.layer_types[layer_id] == "linear_attention" else "self_attn"
-        )
+        self.mixer_name = "linear_attn" if layer_type == "linear_attention" else "self_attn"
         if config.is_moe:
             self.mlp = Qwen3_5SparseMoeBlock(config, fuse_shared_expert)
         else:
@@ -138,7 +146,11 @@ class Qwen3_5ForCausalLM(nn.Module):
     instance. Build it on its target device (``load_model`` does): the platform is taken from there.
     """
 
-    def __init__(self, config: ModelConfig, server_args: ServerArgs | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, server_args: ServerArgs | None = None, with_mtp: bool = False
+    ) -> None:
+        """``with_mtp``: also build the multi-token-prediction head as ``self.mtp`` (its weights are the
+        checkpoint's ``mtp.*`` tensors); the config must declare one."""
         super().__init__()
         self.config = config
         fusion_supported, blocker = shared_expert_fusion_supported(config)
@@ -150,6 +162,18 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if with_mtp:
+            if config.mtp_num_hidden_layers != 1:
+                raise ValueError(
+                    f"the checkpoint declares {config.mtp_num_hidden_layers} MTP layers "
+                    "(mtp_num_hidden_layers); speculation needs a head of exactly 1"
+                )
+            self.mtp = Qwen3_5MTP(
+                config,
+                self.model.embed_tokens,
+                self.model.rotary_emb,
+                self.streams.shared_experts_fusion,
+            )
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -178,6 +202,20 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     @torch.no_grad()
+    def forward_hidden(
+        self, batch: ForwardBatch, body: Callable[[ForwardBatch], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The final norm's output [T, hidden] of every new token (what the MTP head and ``logits`` take)."""
+        captured_size = batch.batch_size if batch.is_decode else None
+        batch.overlap = self.streams.context(batch.capturing, batch.num_tokens, captured_size)
+        return (self.model if body is None else body)(batch)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] through the LM head (shared by the MTP head)."""
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full causal forward without a cache: input_ids [B, T] -> logits [B, T, vocab]."""
         num_seqs, seq_len = input_ids.shape
@@ -197,6 +235,53 @@ class Qwen3_5ForCausalLM(nn.Module):
             pools.alloc_kv(rows, [0] * num_seqs, [seq_len] * num_seqs),
         )
         return self.forward_batch(batch, all_logits=True).view(num_seqs, seq_len, -1)
+
+
+class Qwen3_5MTP(nn.Module):
+    """The multi-token-prediction head: the embedding of the next token and the main model's last hidden state of
+    the position before it, each RMS-normed, concatenated [embedding | hidden] and projected 2H -> H (``fc``), one
+    full-attention decoder layer (the MoE block in MoE models) and a final norm; the main LM head gives its
+    logits, and its output is the hidden state of the next chained draft step. The embedding and the rotary table
+    are the main model's; its layer is numbered after the main model's last (its own KV in the pools)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed_tokens: VocabParallelEmbedding,
+        rotary: RotaryEmbedding,
+        fuse_shared_expert: bool,
+    ) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self._embed = (
+            embed_tokens,
+        )  # the main model's (a tuple keeps it out of this module's children)
+        self.pre_fc_norm_embedding = GemmaRMSNorm(hidden, config.rms_norm_eps)
+        self.pre_fc_norm_hidden = GemmaRMSNorm(hidden, config.rms_norm_eps)
+        self.fc = Linear(2 * hidden, hidden)
+        self.layers = nn.ModuleList(
+            [
+                Qwen3_5DecoderLayer(
+                    config, config.num_layers, rotary, fuse_shared_expert, "full_attention"
+                )
+            ]
+        )
+        self.norm = GemmaRMSNorm(hidden, config.rms_norm_eps)
+
+    @property
+    def layer_id(self) -> int:
+        return self.layers[0].self_attn.layer_id
+
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """``batch.input_ids`` the tokens after the positions whose main hidden states are ``hidden`` [T, H]:
+        the head's hidden state [T, H] at those positions (its KV written at ``batch.out_cache_loc``)."""
+        embedded = self._embed[0](batch.input_ids).to(hidden.dtype)
+        joined = torch.cat(
+            [self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], dim=-1
+        )
+        out, residual = self.layers[0](self.fc(joined), None, batch)
+        out, _ = self.norm(out, residual)
+        return out
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):

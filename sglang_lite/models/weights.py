@@ -26,15 +26,21 @@ from sglang_lite.layers.quant import convert_to_fp8, fp8_capable_parameters
 from sglang_lite.models import fp8_loading
 from sglang_lite.models.checkpoint import CheckpointError, TensorInfo, checkpoint_tensors
 
-SKIPPED_PREFIXES = ("model.visual.", "mtp.", "visual.")
+SKIPPED_PREFIXES = ("model.visual.", "visual.")
+# where checkpoints keep the MTP head: at the top level, or (some VL exports) under the language model
+MTP_PREFIXES = ("mtp.", "model.language_model.mtp.", "model.mtp.")
 
 __all__ = ["CheckpointError", "expected_targets", "load_checkpoint", "normalise_name"]
 
 
-def normalise_name(name: str) -> str | None:
-    """The model's name for a checkpoint tensor, or None for tensors text-only serving skips."""
+def normalise_name(name: str, with_mtp: bool = False) -> str | None:
+    """The model's name for a checkpoint tensor, or None for tensors text-only serving skips (the MTP head's
+    unless ``with_mtp``: then they are ``mtp.*``, wherever the checkpoint keeps them)."""
     if name.startswith(SKIPPED_PREFIXES):
         return None
+    for prefix in MTP_PREFIXES:
+        if name.startswith(prefix):
+            return "mtp." + name[len(prefix) :] if with_mtp else None
     if name.startswith("model.language_model."):
         return "model." + name[len("model.language_model.") :]
     return name
@@ -80,14 +86,16 @@ def load_checkpoint(
     quant: QuantConfig | None = None,
     fp8_dtype: torch.dtype | None = None,
     dequantize_misaligned: bool = False,
+    with_mtp: bool = False,
 ) -> None:
-    """Fills ``model`` from the checkpoint at ``path``. ``quant``: the checkpoint's quantization_config (its
+    """Fills ``model`` from the checkpoint at ``path`` (its MTP head too with ``with_mtp``).
+    ``quant``: the checkpoint's quantization_config (its
     quantized tensors are checked against it), or an ``online`` one (``config.ONLINE_FP8``: quantize the
     high-precision checkpoint at load); ``fp8_dtype``: keep the quantized projections in this FP8 format (None:
     dequantize them into the model's dtype); ``dequantize_misaligned``: dequantize those whose shards do not cover
     whole blocks of the parameter instead of refusing them."""
     online = quant is not None and quant.online
-    files = _model_tensors(path, tied_lm_head)
+    files = _model_tensors(path, tied_lm_head, with_mtp)
     fused = any(name.endswith("mlp.experts.gate_up_proj") for name in files)
     targets = expected_targets(model, fused)
     fp8_loading.skip_unused_scales(files, targets)
@@ -122,11 +130,11 @@ def load_checkpoint(
             bar.update(len(names))
 
 
-def _model_tensors(path: str, tied_lm_head: bool) -> dict[str, TensorInfo]:
+def _model_tensors(path: str, tied_lm_head: bool, with_mtp: bool) -> dict[str, TensorInfo]:
     """The checkpoint's tensors by the model's names, without those text-only serving skips."""
     files = {}
     for raw, info in checkpoint_tensors(path).items():
-        name = normalise_name(raw)
+        name = normalise_name(raw, with_mtp)
         if name is not None:
             files[name] = info
     if tied_lm_head:

@@ -25,6 +25,8 @@ class SchedulerConfig:
     random_seed: int = 0
     device: str = "cpu"
     dp_rank: int = 0
+    # speculative decoding: tokens the MTP head drafts per decode step (0: off)
+    speculative_steps: int = 0
 
     def __post_init__(self) -> None:
         assert self.max_total_tokens > 0 and self.max_running_requests > 0, (
@@ -68,4 +70,5 @@ class SchedulerConfig:
             stream_interval=args.stream_interval,
             random_seed=args.random_seed,
             device=args.device,
+            speculative_steps=args.speculative_steps,
         )

@@ -110,9 +110,11 @@ class SchedulerLoads:
     num_retractions: int  # retractions since start
     grammar: int = 0  # waiting for their grammar to compile
     graph_gb: float = 0.0  # CUDA graphs of decode batches (0 where none are captured)
-    # speculative decoding and LoRA adapters: none here, so upstream's sections read zero
+    # speculative decoding since start (zero when off): tokens per verify step of a request (accepted drafts
+    # plus the corrected or bonus token), accepted drafts over drafts
     accept_length: float = 0.0
     accept_rate: float = 0.0
+    # LoRA adapters: none here, so upstream's section reads zero
     lora_slots_used: int = 0
     lora_slots_total: int = 0
     lora_utilization: float = 0.0

@@ -56,6 +56,7 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
         weight_dtype=resolve_weight_dtype(args, dtype),
         fp8_weights=fp8_weights,
         fp8_misaligned=fp8_misaligned,
+        with_mtp=args.speculative_steps > 0,
     )
     context_length = args.context_length or model.config.max_position_embeddings
     max_total_tokens = resolve_max_total_tokens(args, model.config, dtype, context_length)
@@ -73,6 +74,7 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
         args.device,
         resolve_state_snapshots(args, model.config, dtype, max_total_tokens),
         page_size=args.page_size,
+        draft_layers=1 if args.speculative_steps else 0,
     )
     memory = create_request_memory(pools)
     return Scheduler(

@@ -82,7 +82,9 @@ def resolve_max_total_tokens(
         return -(-args.max_total_tokens // size) * size
     budget = device_budget_bytes(args.device, args.mem_fraction_static)
     budget -= args.max_running_requests * ModelPools.bytes_per_request_state(config, dtype)
-    per_token = max(ModelPools.bytes_per_token(config, dtype), 1)
+    # the MTP head's KV sits in the same slots (speculation)
+    draft_layers = 1 if args.speculative_steps else 0
+    per_token = max(ModelPools.bytes_per_token(config, dtype, draft_layers), 1)
     rows = args.max_running_requests
     if args.prefix_cache:
         per_token *= 1 + args.mamba_full_memory_ratio

@@ -81,8 +81,11 @@ class PenaltyBook:
             self._bias_index = _BiasIndex.build(self._biases, self.device)
 
     # ---- each step ---------------------------------------------------------------------------------------------
-    def record(self, rows: Sequence[int], tokens: Sequence[int] | torch.Tensor) -> None:
-        """``tokens[i]`` is the newest output token of the request in ``rows[i]``."""
+    def record(
+        self, rows: Sequence[int], tokens: Sequence[int] | torch.Tensor, count: int = 1
+    ) -> None:
+        """``tokens[i]`` is the newest output token of the request in ``rows[i]`` (``count`` -1 takes back what
+        was recorded: speculation counts drafted tokens while it verifies them)."""
         counted = [i for i, row in enumerate(rows) if row in self._counted]
         if not counted:
             return
@@ -90,7 +93,7 @@ class PenaltyBook:
         taken = torch.as_tensor(tokens, device=self.device)[
             torch.tensor(counted, device=self.device)
         ]
-        ones = torch.ones(len(counted), dtype=torch.int32, device=self.device)
+        ones = torch.full((len(counted),), count, dtype=torch.int32, device=self.device)
         self.counts.index_put_((book_rows, taken.long()), ones, accumulate=True)
 
     def apply(self, rows: Sequence[int], logits: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,16 @@ def _sample_rows(
     return order.gather(1, torch.stack(picks)).squeeze(1)
 
 
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws its next token from, for each of ``logits``' rows [N, V]: the
+    temperature's softmax with the tokens top-k, top-p and min-p filter out at zero (not renormalised, as
+    ``torch.multinomial`` takes it)."""
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mask = _filter_mask(sorted_probs, [params] * logits.shape[0], logits.shape[-1])
+    return probs.scatter(1, order, sorted_probs.masked_fill(mask, 0.0))
+
+
 def _filter_mask(
     sorted_probs: torch.Tensor, params: list[SamplingParams], vocab: int
 ) -> torch.Tensor:

@@ -5,6 +5,8 @@ they wait again, their output so far kept for re-prefill). ``new_token_ratio`` f
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.scheduler.batch import ScheduleBatch
@@ -29,10 +31,16 @@ class AdmissionOrder:
 
 class DecodeManager:
     def __init__(
-        self, config: SchedulerConfig, queues: RequestQueues, memory: RequestMemory
+        self,
+        config: SchedulerConfig,
+        queues: RequestQueues,
+        memory: RequestMemory,
+        tokens_per_step: Callable[[Req], int] = lambda req: 1,
     ) -> None:
+        """``tokens_per_step``: positions a request's decode step runs (its drafts too, with speculation)."""
         self.queues = queues
         self.memory = memory
+        self.tokens_per_step = tokens_per_step
         self.new_token_ratio = NewTokenRatio.from_conservativeness(config.schedule_conservativeness)
         self.num_retractions = 0
 
@@ -49,9 +57,10 @@ class DecodeManager:
         return ScheduleBatch.decode(self.queues.running)
 
     def _pages_needed(self) -> int:
-        """New KV pages the next step takes: one for each running request whose last page is full."""
+        """New KV pages the next step takes: one for each running request whose last page is full (more with
+        drafts to verify)."""
         running = self.queues.running
-        return self.memory.pages_needed(running, [1] * len(running))
+        return self.memory.pages_needed(running, [self.tokens_per_step(r) for r in running])
 
     def reserved_decode_tokens(self) -> int:
         """KV slots the running requests are expected to need for their remaining output."""

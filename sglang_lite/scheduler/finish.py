@@ -22,8 +22,14 @@ logger = logging.getLogger(__name__)
 
 class RequestEnder:
     def __init__(
-        self, memory: RequestMemory, queues: RequestQueues, grammar_queue: GrammarQueue
+        self,
+        memory: RequestMemory,
+        queues: RequestQueues,
+        grammar_queue: GrammarQueue,
+        report_speculation: bool = False,
     ) -> None:
+        """``report_speculation``: ``meta_info`` carries the request's verify steps and accepted drafts."""
+        self.report_speculation = report_speculation
         self.memory = memory
         self.queues = queues
         self.grammar_queue = grammar_queue
@@ -125,8 +131,23 @@ class RequestEnder:
             "finish_reason": req.finish_reason.to_dict() if req.finish_reason else None,
             "num_retractions": req.num_retractions,
         }
+        if self.report_speculation:
+            meta.update(_speculation(req))
         if req.finished:
             meta["e2e_latency"] = time.monotonic() - req.arrival_time
         if req.logprob is not None and req.logprob.return_logprob:
             meta.update(req.logprob_record.take(req.logprob))
         return meta
+
+
+def _speculation(req: Req) -> dict[str, Any]:
+    """SGLang's speculative ``meta_info``: verify steps, drafts accepted and proposed, tokens per verify step
+    (completion tokens over verify steps), accepted over proposed."""
+    verify, drafted = req.spec_verify_ct, req.spec_drafted
+    return {
+        "spec_verify_ct": verify,
+        "spec_accept_token_num": req.spec_accepted_drafts,
+        "spec_draft_token_num": drafted,
+        "spec_accept_length": len(req.output_ids) / verify if verify else 0.0,
+        "spec_accept_rate": req.spec_accepted_drafts / drafted if drafted else 0.0,
+    }

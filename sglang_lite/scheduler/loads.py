@@ -54,6 +54,9 @@ class LoadInputs:
     cache_hit_rate: float
     prompt_tokens_cached: int
     gen_throughput: float
+    # speculative decoding since start: tokens per verify step, accepted drafts over drafts (0 when off)
+    accept_length: float = 0.0
+    accept_rate: float = 0.0
 
 
 def report_loads(
@@ -98,6 +101,8 @@ def report_loads(
         retracted=inputs.retracted,
         num_retractions=inputs.num_retractions,
         num_prefill_tokens=inputs.num_prefill_tokens,
+        accept_length=inputs.accept_length,
+        accept_rate=inputs.accept_rate,
         mode=mode,
         decode_retracted_queue_reqs=inputs.retracted if pd else 0,
         **pd,

@@ -60,6 +60,11 @@ class OutputProcessor:
         self.append_tokens([r for r, _ in kept], [t for _, t in kept])
         return completes
 
+    def sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """Samples each request's next token from its row of ``logits`` and appends it (a decode step's)."""
+        kept = [(r, t) for r, t in zip(reqs, self._sample(reqs, logits)) if t is not None]
+        self.append_tokens([r for r, _ in kept], [t for _, t in kept])
+
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int | None]:
         """Each request's next token; None for a request whose sampling failed (it is failed here). The batch is
         sampled at once; only when that raises is each row sampled alone, to find the culprits."""

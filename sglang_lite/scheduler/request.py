@@ -91,6 +91,12 @@ class Req:
     fork_seed: int = 0
     # structured output: where its output is in its grammar (once compiled)
     grammar: RequestGrammar | ReasoningGrammar | None = None
+    # speculative decoding: the MTP head's first draft of the next step (``scheduler.speculative.Drafts``), the
+    # verify forwards it took part in, the drafts it was proposed and those it accepted
+    drafts: Any = None
+    spec_verify_ct: int = 0
+    spec_drafted: int = 0
+    spec_accepted_drafts: int = 0
     # what the next ReqOutput carries
     unsent_ids: list[int] = field(default_factory=list)
     unsent_text: str = ""

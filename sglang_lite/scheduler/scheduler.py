@@ -56,6 +56,7 @@ from sglang_lite.scheduler.prefill import PrefillManager
 from sglang_lite.scheduler.queues import RequestQueues
 from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
 from sglang_lite.scheduler.sampling import StepSampler
+from sglang_lite.scheduler.speculative import create_speculation
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +99,16 @@ class Scheduler:
         )
         self.intake = RequestIntake(config, tokenizer)
         self.prefill = PrefillManager(config, self.queues, self.memory)
-        self.decode = DecodeManager(config, self.queues, self.memory)
-        self.ender = RequestEnder(self.memory, self.queues, self.grammar_queue)
+        self.ender = RequestEnder(
+            self.memory, self.queues, self.grammar_queue, config.speculative_steps > 0
+        )
         self.forks = ForkManager(self.queues, self.memory, self.intake.new_req)
         self.disagg = disagg or NullSide()
         self.output = OutputProcessor(config, self.sampler, self.ender, self.forks, self.disagg)
+        self.speculation = create_speculation(config, model, pools, self.memory, self.output)
+        self.decode = DecodeManager(
+            config, self.queues, self.memory, self.speculation.tokens_per_step
+        )
         self.disagg.bind(_PDHost(self))
         self.num_prefill_tokens = 0  # prompt (and re-prefill) tokens run through extend forwards
         self._memory_failures = MemoryFailures()
@@ -219,10 +225,16 @@ class Scheduler:
         return self.prefill.schedule(reserved, ratio) or self.decode.schedule()
 
     def _run_batch(self, batch: ScheduleBatch) -> None:
+        counts = batch.extend_lens
+        if batch.is_decode:
+            counts = [self.speculation.tokens_per_step(r) for r in batch.reqs]
         try:
-            kv_slots = self.memory.alloc_kv(batch.reqs, batch.extend_lens)
+            kv_slots = self.memory.alloc_kv(batch.reqs, counts)
         except Exception as error:
             self._fail_step(batch.reqs, error)
+            return
+        if batch.is_decode and self.speculation.enabled:
+            self._run_speculative(batch, kv_slots)
             return
         try:
             logits = self.run(batch, kv_slots)
@@ -238,6 +250,18 @@ class Scheduler:
         ) as error:  # not one request's fault (those are isolated inside): the batch fails
             self._fail_step(batch.reqs, error)
             return
+        self._memory_failures.on_step_ok()
+
+    def _run_speculative(self, batch: ScheduleBatch, kv_slots: list[int]) -> None:
+        """A decode step with the MTP head's drafts (``speculative.py``): it samples and appends itself."""
+        try:
+            self.speculation.run_decode(batch, kv_slots)
+        except Exception as error:
+            # what the step kept is unknown: the requests fail, their memory (verified slots too) freed
+            self._fail_step(batch.reqs, error)
+            return
+        self.decode.on_step()
+        self.queues.drop_finished()
         self._memory_failures.on_step_ok()
 
     def run(self, batch: ScheduleBatch, kv_slots: list[int]) -> torch.Tensor:
@@ -256,9 +280,14 @@ class Scheduler:
             self.num_prefill_tokens += forward_batch.num_tokens
         wants_input = any(r.logprob is not None and r.logprob.wants_input for r in batch.reqs)
         with torch.inference_mode():
-            if batch.is_decode or not wants_input:
+            if self.speculation.enabled and not batch.is_decode:
+                logits = self.speculation.forward_extend(forward_batch, wants_input)
+                if not wants_input:
+                    return logits
+            elif batch.is_decode or not wants_input:
                 return self.model.forward_batch(forward_batch)
-            logits = self.model.forward_batch(forward_batch, all_logits=True)
+            else:
+                logits = self.model.forward_batch(forward_batch, all_logits=True)
             self.sampler.record_prompt(batch.reqs, batch.extend_lens, batch.prefix_lens, logits)
             return logits[forward_batch.last_token_indices]
 
@@ -268,6 +297,8 @@ class Scheduler:
             self.decode.on_step()
         else:
             self.prefill.place_prefilled(batch.reqs, completes)
+            if self.speculation.enabled:
+                self.speculation.after_extend(batch.reqs)
         self.queues.drop_finished()
 
     def _run_idle(self) -> None:
@@ -340,6 +371,8 @@ class Scheduler:
             cache_hit_rate=self.prefill.cache_hit_rate,
             prompt_tokens_cached=self.prefill.prompt_tokens_cached,
             gen_throughput=self.output.throughput.rate(time.monotonic()),
+            accept_length=self.speculation.stats.accept_length,
+            accept_rate=self.speculation.stats.accept_rate,
         )
         pd = self.disagg.loads()
         return report_loads(

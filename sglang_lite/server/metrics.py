@@ -23,6 +23,9 @@ LOAD_GAUGES = (
     (None, "max_total_num_tokens"),
     ("memory", "snapshot_slots"),
     ("memory", "snapshot_slots_used"),
+    # speculative decoding since start: tokens per verify step, accepted drafts over drafts (0 when off)
+    ("speculative", "accept_length"),
+    ("speculative", "accept_rate"),
 )
 # counters the ranks keep (PD disaggregation: what each rank sent or received through the transfer engine)
 LOAD_COUNTERS = {  # metric: (sub-object, figure, help)
