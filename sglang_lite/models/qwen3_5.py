@@ -191,10 +191,7 @@ class Qwen3_5ForCausalLM(nn.Module):
 
         ``body`` replaces ``self.model`` for this forward (a compiled copy of it, for instance).
         """
-        # the ``auto`` choice is per decode size
-        captured_size = batch.batch_size if batch.is_decode else None
-        batch.overlap = self.streams.context(batch.capturing, batch.num_tokens, captured_size)
-        hidden = (self.model if body is None else body)(batch)
+        hidden = self.forward_hidden(batch, body)
         if batch.num_tokens == 0:
             return hidden.new_empty((0, self.config.vocab_size))
         if not all_logits and not batch.is_decode:  # decode: one token a request, every one a last
@@ -206,6 +203,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         self, batch: ForwardBatch, body: Callable[[ForwardBatch], torch.Tensor] | None = None
     ) -> torch.Tensor:
         """The final norm's output [T, hidden] of every new token (what the MTP head and ``logits`` take)."""
+        # the ``auto`` choice is per decode size
         captured_size = batch.batch_size if batch.is_decode else None
         batch.overlap = self.streams.context(batch.capturing, batch.num_tokens, captured_size)
         return (self.model if body is None else body)(batch)
