@@ -268,10 +268,13 @@ def test_openai_routes_models_errors_and_metrics(procs, dp_pair):
     assert 'sglang_router_request_duration_seconds_count{route="/v1/completions"} 2' in metrics
 
 
-def test_api_key_and_admission_limits(procs, idle_pair):
+def test_api_key_and_admission_limits(procs):
+    # a stand-in that takes 10 ms a token: the two admitted requests hold their slots for at least 3 s however fast
+    # the machine is (a real server's 300 tokens took under the queue timeout on a fast one)
+    up = procs.upstream(token_delay=0.01)
     router = procs.router(
         "--worker-urls",
-        idle_pair[0].url,
+        up.url,
         "--policy",
         "random",
         "--api-key",
@@ -281,7 +284,7 @@ def test_api_key_and_admission_limits(procs, idle_pair):
         "--queue-size",
         "2",
         "--queue-timeout-secs",
-        "0.3",
+        "1",
         *FAST,
     )
     auth = {"Authorization": "Bearer sekrit"}
@@ -289,8 +292,8 @@ def test_api_key_and_admission_limits(procs, idle_pair):
     async def scenario():
         async with aiohttp.ClientSession() as s:
             denied = await generate(s, router.url)
-            # 2 run (300 tokens: over a second, well over the 0.3 s queue timeout even on a fast machine), 2 queue
-            # and time out -> 503, the rest are shed at once -> 429
+            # 2 run (300 tokens: at least 3 s, over the 1 s queue timeout), 2 queue and time out -> 503, the rest
+            # are shed at once -> 429
             results = await asyncio.gather(
                 *(
                     generate(s, router.url, max_new_tokens=300, headers=auth, timeout=60)
