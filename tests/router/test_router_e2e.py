@@ -139,7 +139,8 @@ async def _direct(s: aiohttp.ClientSession, base: str, rank: int) -> None:
 def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(procs, idle_pair):
     urls = [u.url for u in idle_pair]
     router = procs.router("--worker-urls", *urls, "--dp-aware", "--policy", "round_robin", *FAST)
-    # The same servers behind a router with a 1 s request timeout: long streams fail with an error event.
+    # The same servers behind a router with a 0.3 s request timeout: long streams fail with an error event (a
+    # stream of the context's ~1000 tokens takes over half a second even on an idle fast host).
     strict = procs.router(
         "--worker-urls",
         *urls,
@@ -147,7 +148,7 @@ def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(
         "--policy",
         "round_robin",
         "--request-timeout-secs",
-        "1",
+        "0.3",
         *FAST,
     )
 
@@ -168,8 +169,11 @@ def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(
                 )
                 for _ in range(16)
             ]
-            assert await wait_for(lambda: _total(s, router.url, 16), timeout=10)
-            during = await in_flight(s, router.url)
+            seen: list[
+                dict[str, int]
+            ] = []  # the snapshot that had all 16: streams end at their own pace
+            assert await wait_for(lambda: _total(s, router.url, 16, seen), timeout=10), seen[-3:]
+            during = seen[-1]
             results = await asyncio.gather(*streams)
             assert all(r.ok and finish_reason(r) == "length" for r in results), results[:2]
             assert sum(during.values()) == 16 and set(during.values()) == {4}, during
@@ -204,8 +208,9 @@ def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(
     assert released and stopped
 
 
-async def _total(s: aiohttp.ClientSession, url: str, n: int) -> bool:
-    return sum((await in_flight(s, url)).values()) == n
+async def _total(s: aiohttp.ClientSession, url: str, n: int, seen: list[dict[str, int]]) -> bool:
+    seen.append(await in_flight(s, url))
+    return sum(seen[-1].values()) == n
 
 
 async def _aborted(s: aiohttp.ClientSession, server_url: str) -> int:
