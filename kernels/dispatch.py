@@ -2,15 +2,15 @@
 
 Triton runs on a GPU (CUDA or ROCm). On the CPU, float32 data take the fused C++ kernels of ``kernels/cpu`` where a
 family has one and they build, and the PyTorch reference otherwise. The C++ kernels serve prefill as well as
-decode: the norms, the GDN gating, the MoE routing, linear layers of up to ``cpu.LINEAR_MAX_ROWS`` rows and the
-fused MoE (a prefill's tokens in chunks of ``cpu.MOE_CHUNK_TOKENS``) in both; the gated delta rule of prefill
-(``chunk_gated_delta_rule``) and the packed causal conv1d; the conv update, the recurrent gated delta rule and
-paged attention in decode. Extend attention, the KV store, rotary, the plain top-k softmax and the FP8 ops have
-none. Triton runs on the CPU only when asked for explicitly, which together with ``TRITON_INTERPRET=1`` is how the
-tests run the Triton kernels without a GPU. The environment variable ``SGLANG_KERNEL_BACKEND`` (``auto`` |
+decode: the norms, the GDN gating, the MoE routing, linear layers of up to ``cpu.LINEAR_MAX_ROWS`` rows, the fused
+MoE (a prefill's tokens in chunks of ``cpu.MOE_CHUNK_TOKENS``) and the greedy argmax in both; the gated delta rule
+of prefill (``chunk_gated_delta_rule``) and the packed causal conv1d; the conv update, the recurrent gated delta
+rule and paged attention in decode. Extend attention, the KV store, rotary, the plain top-k softmax and the FP8 ops
+have none. Triton runs on the CPU only when asked for explicitly, which together with ``TRITON_INTERPRET=1`` is how
+the tests run the Triton kernels without a GPU. The environment variable ``SGLANG_KERNEL_BACKEND`` (``auto`` |
 ``triton`` | ``torch`` | ``native``) forces one side for a run (``torch``: the references only; ``native``: the C++
-kernels, an error when they cannot be built); the ``backend`` argument of each public kernel function forces it
-for a call and wins over the variable.
+kernels, an error when they cannot be built); the ``backend`` argument of each public kernel function forces it for
+a call and wins over the variable.
 """
 
 from __future__ import annotations
