@@ -225,8 +225,8 @@ class Scheduler:
         return self.prefill.schedule(reserved, ratio) or self.decode.schedule()
 
     def _run_batch(self, batch: ScheduleBatch) -> None:
-        counts = batch.extend_lens
-        if batch.is_decode:
+        counts = batch.extend_lens  # one token a request in decode, but with drafts to verify
+        if batch.is_decode and self.speculation.enabled:
             counts = [self.speculation.tokens_per_step(r) for r in batch.reqs]
         try:
             kv_slots = self.memory.alloc_kv(batch.reqs, counts)

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import itertools
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -110,8 +111,24 @@ class Browser:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
+        try:  # its helpers (renderer, GPU, crash handler) share its session and may outlive it
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self._log.close()
-        self._profile.cleanup()
+        await self._remove_profile()
+
+    async def _remove_profile(self) -> None:
+        """Removes the profile folder, again while a helper still dying writes into it (up to 10 s)."""
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self._profile.cleanup()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
 
     def log(self) -> str:
         return (Path(self._profile.name) / "chromium.log").read_text(errors="replace")
