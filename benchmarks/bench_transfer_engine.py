@@ -9,7 +9,9 @@ the time per request over `--repeats` writes for each case:
   one block per token (what a scattered token-granular pool gives);
 - batches: the data and the metadata row in one batch against two (the metadata as a second synchronous write);
 - contention: a Python thread spinning beside the writer (GIL contention with the forward on the prefill side), and
-  the receiver's process spinning (the decode rank's forward on a 2-core host).
+  the receiver's process spinning (the decode rank's forward on a 2-core host);
+- waiting: the engine's synchronous batch write (which waits by spinning on a core) against what the server does,
+  `MooncakeTransfer.write` (every block submitted at once, their completion polled with short sleeps).
 
     python benchmarks/bench_transfer_engine.py
 """
@@ -106,16 +108,16 @@ class Spinner:
 
 
 def run_cases(args: argparse.Namespace, spin_receiver: bool) -> list[tuple[str, dict]]:
-    from mooncake.engine import TransferEngine
+    from sglang_lite.disaggregation.transfer import MooncakeTransfer
 
     parent, child = mp.Pipe()
     proc = mp.get_context("spawn").Process(target=receiver, args=(child, 16 << 20, spin_receiver))
     proc.start()
     session, remote = parent.recv()
-    engine = TransferEngine()
-    engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    transfer = MooncakeTransfer("127.0.0.1", poll=True)  # as on a CPU server
+    engine = transfer.engine
     local = torch.ones(16 << 20, dtype=torch.uint8)
-    engine.register_memory(local.data_ptr(), local.numel())
+    transfer.register([local])
     tokens = args.kv_bytes // ROW
     meta = ([local.data_ptr() + (12 << 20)], [remote + (12 << 20)], [32])
     results = []
@@ -152,11 +154,23 @@ def run_cases(args: argparse.Namespace, spin_receiver: bool) -> list[tuple[str, 
         results.append(
             ("meta row alone (32 B)", timed(lambda: write(engine, session, *meta), args.repeats))
         )
+        results.append(
+            (
+                f"2 KV runs: {len(whole[0])} blocks, polled (a CPU server's write)",
+                timed(lambda: transfer.write(session, *whole), args.repeats),
+            )
+        )
         with Spinner():
             results.append(
                 (
                     f"2 KV runs, one batch, a Python thread spinning beside: {len(one[0])} blocks",
                     timed(lambda: write(engine, session, *one), args.repeats),
+                )
+            )
+            results.append(
+                (
+                    f"2 KV runs, polled, a Python thread spinning beside: {len(whole[0])} blocks",
+                    timed(lambda: transfer.write(session, *whole), args.repeats),
                 )
             )
             case = blocks(local.data_ptr(), remote, tokens, 16, args.state_blocks, args.state_bytes)

@@ -2,9 +2,9 @@
 
 Each rank starts one engine (``P2PHANDSHAKE``: peers find each other by ``host:port``, no metadata server), over
 TCP, or RDMA when ``--disaggregation-ib-device`` names a device, and registers its pool buffers once. A prefill rank
-writes into a decode rank's registered memory with batched synchronous writes: a request's data in one batch, the
-few blocks its layout coalesces it into, then its metadata row (a second write, which must land after the data:
-the engine does not order the blocks of one batch).
+writes into a decode rank's registered memory: a request's data, the few blocks its layout coalesces it into, in one
+batch (on GPU servers; polled block by block on CPU servers, see ``MooncakeTransfer.write``), then its metadata row
+(a second write, which must land after the data: the engine does not order the blocks it has under way).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import collections
 import socket
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,10 @@ INSTALL_HINT = (
 )
 
 
-MAX_BATCH_BLOCKS = 1024  # blocks per batched write
+MAX_BATCH_BLOCKS = 1024  # blocks of one write under way at once (one batch or one-block batches)
+POLL_S = 0.0001  # between checks of a write's blocks
+WRITE_TIMEOUT_S = 30.0  # plus a second per GB, as the engine's synchronous write
+FAILED_BATCH = 2**64 - 1  # the engine's -1 as its unsigned batch id
 
 
 class TransferError(RuntimeError):
@@ -81,7 +85,11 @@ class TransferStats:
 
 
 class MooncakeTransfer:
-    def __init__(self, hostname: str, ib_device: str | None = None) -> None:
+    """One rank's engine. ``poll``: a write waits for its blocks by polling with short sleeps, not with the engine's
+    synchronous wait, which spins on a core (for CPU servers, whose cores run the forwards; see ``write``)."""
+
+    def __init__(self, hostname: str, ib_device: str | None = None, poll: bool = False) -> None:
+        self.poll = poll
         try:
             from mooncake.engine import TransferEngine
         except ImportError as error:  # the wheel, or libibverbs.so.1 it links
@@ -115,9 +123,44 @@ class MooncakeTransfer:
     def write(
         self, session: str, sources: list[int], targets: list[int], lengths: list[int]
     ) -> int:
-        """Writes each ``lengths[i]`` bytes at local ``sources[i]`` to ``targets[i]`` of the peer ``session``: one
-        synchronous batch, or batches of at most ``MAX_BATCH_BLOCKS`` (the TCP transport refuses larger ones:
-        seen from ~2,100); returns the bytes written or raises TransferError."""
+        """Writes each ``lengths[i]`` bytes at local ``sources[i]`` to ``targets[i]`` of the peer ``session`` and
+        returns once all have landed: the bytes written, or raises TransferError (once none is still under way).
+
+        The engine's synchronous batch write waits by spinning on a core. Where cores are few and busy with the
+        forwards (a CPU server) that spinning takes the core the engine's own TCP threads and the peer's need, and a
+        ~1 ms write often took several (docs/pd.md): there (``poll``) every block goes to the engine at once, each
+        as a batch of its own, and their completion is polled with short sleeps. A poll needs the GIL, though,
+        which a forward's Python holds while the write overlaps it: elsewhere the synchronous write keeps the wait
+        off the GIL. Either way at most ``MAX_BATCH_BLOCKS`` blocks are under way at once (the TCP transport
+        refuses larger batches: seen from ~2,100 blocks)."""
+        if not self.poll:
+            return self._write_batches(session, sources, targets, lengths)
+        deadline = (
+            time.monotonic() + WRITE_TIMEOUT_S + sum(lengths) / 1e9
+        )  # as the engine's: 30 s + 1 s/GB
+        underway: collections.deque[tuple[int, int]] = collections.deque()
+        errors: list[str] = []
+        for i, (source, target, length) in enumerate(zip(sources, targets, lengths, strict=True)):
+            if len(underway) == MAX_BATCH_BLOCKS:
+                self._await(*underway.popleft(), deadline, errors)
+            if errors:
+                break  # send no more; wait for what is under way, which still reads our memory
+            batch = self.engine.transfer_submit_write(session, source, target, length)
+            if batch in (0, FAILED_BATCH):
+                errors.append(f"block {i} was refused")
+                break
+            underway.append((i, batch))
+        while underway:
+            self._await(*underway.popleft(), deadline, errors)
+        if errors:
+            raise TransferError(
+                f"Mooncake write of {len(sources)} blocks to {session} failed: {'; '.join(errors[:3])}"
+            )
+        return sum(lengths)
+
+    def _write_batches(
+        self, session: str, sources: list[int], targets: list[int], lengths: list[int]
+    ) -> int:
         for i in range(0, len(sources), MAX_BATCH_BLOCKS):
             batch = slice(i, i + MAX_BATCH_BLOCKS)
             code = self.engine.batch_transfer_sync_write(
@@ -129,3 +172,15 @@ class MooncakeTransfer:
                     f"to {session} failed (code {code})"
                 )
         return sum(lengths)
+
+    def _await(self, block: int, batch: int, deadline: float, errors: list[str]) -> None:
+        """Polls the one-block ``batch`` until it ends (the engine frees it then) or ``deadline`` passes."""
+        while (code := self.engine.transfer_check_status(batch)) == 0:
+            if time.monotonic() > deadline:
+                errors.append(
+                    f"block {block} timed out"
+                )  # the engine keeps the batch: leaked, not reused
+                return
+            time.sleep(POLL_S)
+        if code != 1:
+            errors.append(f"block {block} failed (code {code})")

@@ -94,7 +94,10 @@ def _pd_side(
     when it serves whole requests)."""
     if args.disaggregation_mode == "null":
         return NullSide()
-    transfer = MooncakeTransfer(local_hostname(args.host), args.disaggregation_ib_device)
+    # a CPU server's cores run the forwards: a write polls rather than spin a core (MooncakeTransfer.write)
+    transfer = MooncakeTransfer(
+        local_hostname(args.host), args.disaggregation_ib_device, poll=args.device == "cpu"
+    )
     state = get_parallel_state()
     group = AttentionGroup(state.attn_tp_rank, state.attn_tp_size, state.cpu_attn)
     shard = PoolShard.of(config, state.attn_tp_rank, state.attn_tp_size, dtype)

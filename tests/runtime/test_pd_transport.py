@@ -1,6 +1,6 @@
 """PD transport pieces without a second server: KV pages come in runs, runs on both sides become few blocks (KV and
-states alike, whatever the page sizes of the two sides), a transfer of many blocks goes out in batches the TCP
-transport accepts, and the transfer figures are moving averages and histograms."""
+states alike, whatever the page sizes of the two sides), a transfer of many blocks keeps as many under way as the
+TCP transport accepts and fails only once none is, and the transfer figures are moving averages and histograms."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from sglang_lite.disaggregation.transfer import (
     MAX_BATCH_BLOCKS,
     RECENT_TRANSFERS,
     MooncakeTransfer,
+    TransferError,
     TransferStats,
 )
 from sglang_lite.mem_cache.allocator import PageAllocator
@@ -111,23 +112,78 @@ def test_the_pools_layout_gives_one_kv_block_per_run_and_two_state_blocks(page_s
 
 
 class RecordingEngine:
-    def __init__(self) -> None:
-        self.batches: list[int] = []
+    """The engine's one-block submit and its status check: a block ends on its second check (``fail``: those
+    blocks fail)."""
+
+    def __init__(self, fail: frozenset[int] = frozenset()) -> None:
+        self.fail = fail
+        self.submitted: list[int] = []  # sources, in order
+        self.checks: dict[int, int] = {}  # batch -> checks so far, while under way
+        self.most_underway = 0
+        self.batches: list[int] = []  # sizes of synchronous batches
 
     def batch_transfer_sync_write(self, session, sources, targets, lengths) -> int:
         assert len(sources) == len(targets) == len(lengths)
         self.batches.append(len(sources))
         return 0
 
+    def transfer_submit_write(self, session, source, target, length) -> int:
+        self.submitted.append(source)
+        batch = len(self.submitted)
+        self.checks[batch] = 0
+        self.most_underway = max(self.most_underway, len(self.checks))
+        return batch
 
-def test_large_transfers_are_split_into_accepted_batches():
-    transfer = MooncakeTransfer.__new__(MooncakeTransfer)  # the batching only, no engine to start
-    transfer.engine = RecordingEngine()
+    def transfer_check_status(self, batch) -> int:
+        self.checks[batch] += 1
+        if self.checks[batch] < 2:
+            return 0
+        del self.checks[batch]
+        return -1 if self.submitted[batch - 1] in self.fail else 1
+
+
+def engine_only(engine: RecordingEngine, poll: bool = True) -> MooncakeTransfer:
+    transfer = MooncakeTransfer.__new__(
+        MooncakeTransfer
+    )  # the submitting and waiting only, no engine to start
+    transfer.engine, transfer.poll = engine, poll
+    return transfer
+
+
+def test_synchronous_writes_go_in_batches_the_transport_accepts():
+    engine = RecordingEngine()
     n = 2 * MAX_BATCH_BLOCKS + 7
-    assert transfer.write("peer:1", list(range(n)), list(range(n)), [4] * n) == 4 * n
-    assert transfer.engine.batches == [MAX_BATCH_BLOCKS, MAX_BATCH_BLOCKS, 7]
-    transfer.write("peer:1", [1, 2, 3], [4, 5, 6], [8, 8, 8])
-    assert transfer.engine.batches[-1] == 3  # a request's few blocks: one batch
+    assert engine_only(engine, poll=False).write("p:1", list(range(n)), [0] * n, [4] * n) == 4 * n
+    assert engine.batches == [MAX_BATCH_BLOCKS, MAX_BATCH_BLOCKS, 7] and not engine.submitted
+    engine_only(engine, poll=False).write("p:1", [1, 2, 3], [4, 5, 6], [8, 8, 8])
+    assert engine.batches[-1] == 3  # a request's few blocks: one batch
+
+
+def test_large_transfers_keep_an_accepted_number_of_blocks_under_way():
+    engine = RecordingEngine()
+    n = 2 * MAX_BATCH_BLOCKS + 7
+    assert engine_only(engine).write("peer:1", list(range(n)), list(range(n)), [4] * n) == 4 * n
+    assert engine.submitted == list(range(n)) and not engine.checks
+    assert engine.most_underway == MAX_BATCH_BLOCKS
+    small = RecordingEngine()
+    engine_only(small).write("peer:1", [1, 2, 3], [4, 5, 6], [8, 8, 8])
+    assert small.most_underway == 3  # a request's few blocks: all under way at once
+
+
+def test_a_failed_block_fails_the_write_once_nothing_is_under_way():
+    engine = RecordingEngine(fail=frozenset({1}))
+    with pytest.raises(TransferError, match="block 1 failed"):
+        engine_only(engine).write("peer:1", [0, 1, 2], [0, 1, 2], [4, 4, 4])
+    assert (
+        not engine.checks
+    )  # every block that went out ended before the error: none writes into reused pages
+    n = MAX_BATCH_BLOCKS + 5
+    engine = RecordingEngine(fail=frozenset({0}))
+    with pytest.raises(TransferError, match="block 0 failed"):
+        engine_only(engine).write("peer:1", list(range(n)), list(range(n)), [4] * n)
+    assert (
+        len(engine.submitted) == MAX_BATCH_BLOCKS and not engine.checks
+    )  # no block sent after the failure
 
 
 def test_transfer_figures_are_moving_averages_and_histograms():

@@ -32,6 +32,11 @@ from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
 logger = logging.getLogger(__name__)
 STATUS_RETRIES = 5
 GIL_SWITCH_INTERVAL_S = 0.0005
+# On the CPU the writes of a forward's requests start at the next poll, which waits up to this long for them before
+# the next forward: the forward's threads (and this thread's Python, which the transfer thread needs the GIL from)
+# would otherwise share the cores with the engine's, and a ~1 ms write then takes several (docs/pd.md). A write
+# that takes longer (a slow or dead peer) is polled as before.
+CPU_SETTLE_S = 0.05
 
 
 class _Write(NamedTuple):
@@ -71,6 +76,12 @@ class PrefillSide(TransferSide):
         self.inflight: list[tuple[Req, concurrent.futures.Future]] = []
         self.aborted: set[str] = set()  # inflight requests aborted meanwhile
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
+        self._settles = (
+            self.memory.pools.kv.buffer.device.type == "cpu"
+        )  # the forward runs on the cores
+        self._staged: list[
+            tuple[concurrent.futures.Future, _Job]
+        ] = []  # submitted at the next poll (CPU)
         # The transfer thread needs the GIL to start a write and to return from it, and the forward's Python holds
         # it: a waiting thread gets it after the switch interval (5 ms by default), which a write then takes
         # several times over (docs/pd.md measures it). The interval matters only while another thread waits for
@@ -117,7 +128,12 @@ class PrefillSide(TransferSide):
             refused = error
             writes = [self._write_of(req, dst, False, data=False) for dst in layouts]
         job = _Job(writes, req.state_slot, token, req.prompt_tokens_from_cache, extras, refused)
-        self.inflight.append((req, self._executor.submit(self._send, job)))
+        if self._settles:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self._staged.append((future, job))
+        else:
+            future = self._executor.submit(self._send, job)
+        self.inflight.append((req, future))
         return True
 
     def _write_of(self, req: Req, dst: PoolLayout, extras: bool, data: bool = True) -> _Write:
@@ -192,6 +208,7 @@ class PrefillSide(TransferSide):
     def poll(self) -> None:
         if not (self.bootstrap or self.targets or self.inflight):
             return
+        self._settle()
         local = [self._local_status(future) for _, future in self.inflight]
         self.now, statuses = self.group.agree(local)
         self._expire()
@@ -199,6 +216,24 @@ class PrefillSide(TransferSide):
             if status != PENDING:
                 self.inflight.remove((req, future))
                 self._finish(req, future, status)
+
+    def _settle(self) -> None:
+        """On the CPU: submits the writes of the last forward's requests and waits for them (at most
+        ``CPU_SETTLE_S``), so that neither the forward's threads nor this thread's Python run beside them."""
+        if not self._staged:
+            return
+        staged, self._staged = self._staged, []
+        for future, job in staged:
+            self._executor.submit(self._send_into, future, job)
+        concurrent.futures.wait([future for future, _ in staged], timeout=CPU_SETTLE_S)
+
+    def _send_into(self, future: concurrent.futures.Future, job: _Job) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(self._send(job))
+        except Exception as error:
+            future.set_exception(error)
 
     @staticmethod
     def _local_status(future: concurrent.futures.Future) -> int:
