@@ -485,7 +485,9 @@ def main() -> None:
     # bench_speculative.py's own flags, listed here for --help (they are read there)
     parser.add_argument("--steps", type=int, nargs="+", help="with --speculative: drafts per step")
     parser.add_argument(
-        "--head", choices=("repeat", "random"), help="with --speculative: the MTP head"
+        "--head",
+        choices=("builtin", "repeat", "random"),
+        help="with --speculative: the MTP head (default: the built-in model's own)",
     )
     parser.add_argument(
         "--costs", action="store_true", help="with --speculative: time a step's parts"

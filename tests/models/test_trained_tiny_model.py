@@ -99,3 +99,14 @@ def test_greedy_decoding_matches_transformers_on_the_shipped_weights(trained, to
         )  # stops early only at an end-of-sequence token
         assert ours == expected[: len(ours)]
         assert len(ours) == 24 or ours[-1] in trained.config.eos_token_ids
+
+
+def test_a_chat_request_for_a_function_is_answered_with_python(trained, tokenizer):
+    """The README's first chat request, through the model's chat template (thinking on, as the server renders
+    it by default): the reply closes its thinking and answers with a Python function."""
+    messages = [{"role": "user", "content": "Write a function that reverses a list."}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = greedy_generate(trained, tokenizer.encode(prompt), max_new_tokens=96)
+    reasoning, closed, answer = tokenizer.decode(out).partition("</think>")
+    assert closed, reasoning
+    assert answer.lstrip().startswith("```python\ndef "), answer

@@ -81,3 +81,24 @@ def test_builtin_trained_model_with_an_added_head_stays_exact(tmp_path):
     spec, metas, _ = run_scheduler(ServerArgs(**base, speculative_algorithm="NEXTN"), requests)
     assert spec == plain
     assert all(m["spec_verify_ct"] > 0 for m in metas.values())
+
+
+def test_the_shipped_head_drafts_held_out_python():
+    """The built-in model's own MTP head (``scripts/train_tiny_model.py``) at ``--speculative-num-steps 3`` on
+    Python in no corpus: the output is plain decoding's, and a verify step produces at least 1.6 tokens (accepted
+    drafts plus the corrected one; issue 35's bound)."""
+    from tests.models.test_trained_tiny_model import UNSEEN_PYTHON
+
+    tokenizer = load_tokenizer(None)
+    ids = tokenizer.encode(UNSEEN_PYTHON)
+    greedy = {"temperature": 0.0, "max_new_tokens": 48, "ignore_eos": True}
+    requests = [(ids[:cut], greedy) for cut in (12, 40, 90, 140)]
+    base = dict(max_total_tokens=4096, max_running_requests=4)
+    plain, _, _ = run_scheduler(ServerArgs(**base), requests)
+    spec, metas, _ = run_scheduler(
+        ServerArgs(**base, speculative_algorithm="NEXTN", speculative_num_steps=3), requests
+    )
+    assert spec == plain
+    produced = sum(len(tokens) - 1 for tokens in spec.values())  # the first comes from the prefill
+    verify_steps = sum(m["spec_verify_ct"] for m in metas.values())
+    assert produced / verify_steps >= 1.6, (produced, verify_steps)
