@@ -11,6 +11,8 @@ companion of gpu_check.py, which checks the kernels one by one and runs these ch
 4. The built-in model behind the Engine with TP=2 over NCCL/RCCL when two GPUs exist (else TP=1, the same code
    path): one batch of greedy, penalised, grammar-constrained and ``n`` = 3 requests decoded in captured graphs,
    then prompts that extend cached ones (prefix-cache hits), each against transformers decoding it alone.
+5. The built-in model with its trained MTP head: greedy output with NEXTN speculation equals plain decoding, the
+   tokens per verify step, and both decode speeds.
 
 Prints PASS/FAIL per check and exits non-zero when any fails. ``--device cpu`` runs the same checks on the CPU
 (no graphs; TP=2 over gloo), to know the script runs end to end; on a machine without a GPU, the default says so
@@ -52,6 +54,14 @@ results: list[dict] = []
 _last = [time.perf_counter()]
 # "cpu" runs the same checks here, without graphs (--device, or this variable)
 DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
+FP8_ALIGNED = dict(
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    head_dim=32,
+    num_key_value_heads=4,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=128,
+)
 FP8_TOL = 8e-2  # FP8 activations against the dequantized weights in float32 (kernel_cases/fp8.py)
 
 
@@ -289,6 +299,49 @@ def check_serving(tp: int) -> None:
         )
 
 
+def check_speculation() -> None:
+    """The built-in model with its trained MTP head behind the Engine on the device: greedy output with NEXTN
+    speculation (k = 3, the speculative steps eager) equals plain decoding (CUDA graphs), and the tokens produced
+    per verify step; the decode tok/s of both at batch 1 and 8 in the detail (informative, not checked)."""
+    from sglang_lite.tokenizer import load_tokenizer
+    from tests.models.test_trained_tiny_model import UNSEEN_PYTHON
+
+    ids = load_tokenizer(None).encode(UNSEEN_PYTHON)
+    prompts = [ids[:cut] for cut in (12, 40, 90, 140, 20, 60, 110, 150)]
+    greedy = {"max_new_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+    common = dict(device=DEVICE, dtype="float32", max_total_tokens=4096, max_running_requests=8)
+    outputs, speeds = {}, {}
+    nextn = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
+    for name, extra in (("plain", {}), ("nextn", nextn)):
+        with Engine(**common, **extra) as engine:
+            outputs[name] = engine.generate(input_ids=prompts, sampling_params=greedy)
+            for batch in (1, 8):
+                engine.flush_cache()
+                start = time.perf_counter()
+                engine.generate(input_ids=prompts[:batch], sampling_params=greedy)
+                whole = time.perf_counter() - start
+                engine.flush_cache()
+                start = time.perf_counter()
+                engine.generate(
+                    input_ids=prompts[:batch], sampling_params={**greedy, "max_new_tokens": 1}
+                )
+                speeds[name, batch] = batch * 47 / max(whole - (time.perf_counter() - start), 1e-9)
+    same = sum(
+        a["output_ids"] == b["output_ids"] for a, b in zip(outputs["plain"], outputs["nextn"])
+    )
+    produced = sum(len(o["output_ids"]) - 1 for o in outputs["nextn"])
+    verify = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outputs["nextn"])
+    rates = ", ".join(
+        f"batch {b}: {speeds['plain', b]:.0f} -> {speeds['nextn', b]:.0f} tok/s" for b in (1, 8)
+    )
+    report(
+        "built-in model, NEXTN k=3 vs plain greedy",
+        same == len(prompts) and verify > 0,
+        f"{same}/{len(prompts)} requests identical, {produced / max(verify, 1):.2f} tokens per verify step; "
+        f"{rates}",
+    )
+
+
 def tp_size() -> int:
     """2 where two GPUs (or the CPU, over gloo) can run a world, else 1."""
     return 2 if DEVICE == "cpu" or torch.cuda.device_count() >= 2 else 1
@@ -307,13 +360,16 @@ def model_checks(root: str) -> list[tuple]:
             (check_graph_decode, path, kind, True),
             (check_engine, TinyCheckpoint(kind, os.path.join(root, "engine")), kind),
         ]
-    hf = make_hf_model(moe=True, seed=7)
+    # every part of a fused projection (GDN qkv | z, attention q | k | v, experts' gate | up) a whole number of
+    # 128-row blocks, as in released checkpoints: the GPU keeps FP8 only shards on block boundaries
+    hf = make_hf_model(moe=True, seed=7, **FP8_ALIGNED)
     path = make_fp8_checkpoint(hf, os.path.join(root, "fp8"), "vl")
     checks += [
         (check_fp8_logits, hf, path),
         (check_graph_decode, path, "fp8 moe", False, True),
         (check_graph_decode, path, "fp8 moe", True, True),
         (check_serving, tp_size()),
+        (check_speculation,),
     ]
     return checks
 
