@@ -49,7 +49,9 @@ def model_with_head(folder: str, head: str, shape: str = "tiny") -> str:
 
     if head == "builtin":
         if shape != "tiny":
-            raise SystemExit("--head builtin is the built-in (tiny) model's head: use repeat or random")
+            raise SystemExit(
+                "--head builtin is the built-in (tiny) model's head: use repeat or random"
+            )
         return str(assets.model_dir(None))
     path = os.path.join(folder, "model")
     if shape == "tiny":
