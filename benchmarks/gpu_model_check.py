@@ -303,6 +303,8 @@ def check_speculation() -> None:
     """The built-in model with its trained MTP head behind the Engine on the device: greedy output with NEXTN
     speculation (k = 3, the speculative steps eager) equals plain decoding (CUDA graphs), and the tokens produced
     per verify step; the decode tok/s of both at batch 1 and 8 in the detail (informative, not checked)."""
+    from bench_speculative import measure
+
     from sglang_lite.tokenizer import load_tokenizer
     from tests.models.test_trained_tiny_model import UNSEEN_PYTHON
 
@@ -316,16 +318,7 @@ def check_speculation() -> None:
         with Engine(**common, **extra) as engine:
             outputs[name] = engine.generate(input_ids=prompts, sampling_params=greedy)
             for batch in (1, 8):
-                engine.flush_cache()
-                start = time.perf_counter()
-                engine.generate(input_ids=prompts[:batch], sampling_params=greedy)
-                whole = time.perf_counter() - start
-                engine.flush_cache()
-                start = time.perf_counter()
-                engine.generate(
-                    input_ids=prompts[:batch], sampling_params={**greedy, "max_new_tokens": 1}
-                )
-                speeds[name, batch] = batch * 47 / max(whole - (time.perf_counter() - start), 1e-9)
+                speeds[name, batch], _ = measure(engine, prompts[:batch], greedy["max_new_tokens"])
     same = sum(
         a["output_ids"] == b["output_ids"] for a, b in zip(outputs["plain"], outputs["nextn"])
     )

@@ -133,11 +133,14 @@ class MooncakeTransfer:
         which a forward's Python holds while the write overlaps it: elsewhere the synchronous write keeps the wait
         off the GIL. Either way at most ``MAX_BATCH_BLOCKS`` blocks are under way at once (the TCP transport
         refuses larger batches: seen from ~2,100 blocks)."""
-        if not self.poll:
-            return self._write_batches(session, sources, targets, lengths)
-        deadline = (
-            time.monotonic() + WRITE_TIMEOUT_S + sum(lengths) / 1e9
-        )  # as the engine's: 30 s + 1 s/GB
+        write = self._write_polled if self.poll else self._write_batches
+        return write(session, sources, targets, lengths)
+
+    def _write_polled(
+        self, session: str, sources: list[int], targets: list[int], lengths: list[int]
+    ) -> int:
+        # the engine's own deadline: 30 s plus a second per GB
+        deadline = time.monotonic() + WRITE_TIMEOUT_S + sum(lengths) / 1e9
         underway: collections.deque[tuple[int, int]] = collections.deque()
         errors: list[str] = []
         for i, (source, target, length) in enumerate(zip(sources, targets, lengths, strict=True)):
@@ -177,9 +180,8 @@ class MooncakeTransfer:
         """Polls the one-block ``batch`` until it ends (the engine frees it then) or ``deadline`` passes."""
         while (code := self.engine.transfer_check_status(batch)) == 0:
             if time.monotonic() > deadline:
-                errors.append(
-                    f"block {block} timed out"
-                )  # the engine keeps the batch: leaked, not reused
+                # the engine keeps the batch: leaked, never reused
+                errors.append(f"block {block} timed out")
                 return
             time.sleep(POLL_S)
         if code != 1:

@@ -143,9 +143,8 @@ class RecordingEngine:
 
 
 def engine_only(engine: RecordingEngine, poll: bool = True) -> MooncakeTransfer:
-    transfer = MooncakeTransfer.__new__(
-        MooncakeTransfer
-    )  # the submitting and waiting only, no engine to start
+    # the submitting and waiting only, no engine to start
+    transfer = MooncakeTransfer.__new__(MooncakeTransfer)
     transfer.engine, transfer.poll = engine, poll
     return transfer
 
@@ -174,16 +173,14 @@ def test_a_failed_block_fails_the_write_once_nothing_is_under_way():
     engine = RecordingEngine(fail=frozenset({1}))
     with pytest.raises(TransferError, match="block 1 failed"):
         engine_only(engine).write("peer:1", [0, 1, 2], [0, 1, 2], [4, 4, 4])
-    assert (
-        not engine.checks
-    )  # every block that went out ended before the error: none writes into reused pages
+    # every block that went out ended before the error: none writes into reused pages
+    assert not engine.checks
     n = MAX_BATCH_BLOCKS + 5
     engine = RecordingEngine(fail=frozenset({0}))
     with pytest.raises(TransferError, match="block 0 failed"):
         engine_only(engine).write("peer:1", list(range(n)), list(range(n)), [4] * n)
-    assert (
-        len(engine.submitted) == MAX_BATCH_BLOCKS and not engine.checks
-    )  # no block sent after the failure
+    # no block sent after the failure
+    assert len(engine.submitted) == MAX_BATCH_BLOCKS and not engine.checks
 
 
 def test_transfer_figures_are_moving_averages_and_histograms():

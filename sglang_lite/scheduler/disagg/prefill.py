@@ -76,12 +76,9 @@ class PrefillSide(TransferSide):
         self.inflight: list[tuple[Req, concurrent.futures.Future]] = []
         self.aborted: set[str] = set()  # inflight requests aborted meanwhile
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
-        self._settles = (
-            self.memory.pools.kv.buffer.device.type == "cpu"
-        )  # the forward runs on the cores
-        self._staged: list[
-            tuple[concurrent.futures.Future, _Job]
-        ] = []  # submitted at the next poll (CPU)
+        # on the CPU the forward runs on the cores: a forward's writes are staged and submitted at the next poll
+        self._settles = self.memory.pools.kv.buffer.device.type == "cpu"
+        self._staged: list[tuple[concurrent.futures.Future, _Job]] = []
         # The transfer thread needs the GIL to start a write and to return from it, and the forward's Python holds
         # it: a waiting thread gets it after the switch interval (5 ms by default), which a write then takes
         # several times over (docs/pd.md measures it). The interval matters only while another thread waits for
