@@ -219,17 +219,34 @@ WIDENED_WEIGHTS = (torch.bfloat16, torch.float8_e4m3fn)
 FP8_BLOCK_COLUMNS = 128  # FP8 scale blocks must span a multiple of this many output columns
 
 
-def dpbf16() -> bool:
-    """Whether bf16 weights may take vdpbf16ps (``SGLANG_CPU_BF16_DOT``; the kernels ignore it on CPUs without the
-    instruction). Asked for every call: the unset variable is the quick case."""
+# SGLANG_CPU_BF16_DOT as the kernels take it (gemm.h)
+BF16_DOT_MODES = {"widen": 0, "auto": 1, "dot": 2}
+
+
+def bf16_dot() -> int:
+    """How bf16 weights meet the rows in the kernels (``SGLANG_CPU_BF16_DOT``): 0 widen, 1 auto, 2 vdpbf16ps at
+    every row count (the kernels widen on CPUs without the instruction). Asked for every call: the unset variable
+    is the quick case."""
     if envs.SGLANG_CPU_BF16_DOT.name not in os.environ:
-        return True
-    return envs.SGLANG_CPU_BF16_DOT.get() == "auto"
+        return BF16_DOT_MODES["auto"]
+    return BF16_DOT_MODES[envs.SGLANG_CPU_BF16_DOT.get()]
 
 
 def has_dpbf16() -> bool:
     """Whether the kernels were built with AVX512-BF16's vdpbf16ps (the CPU has it)."""
     return bool(_ops().has_dpbf16())
+
+
+def bf16_dot_speed() -> float:
+    """vdpbf16ps's products per second over the float32 FMA's on this CPU, measured once per process (0 without
+    the instruction): auto takes vdpbf16ps for more than two rows where this is 1.5 or more."""
+    return float(_ops().bf16_dot_speed())
+
+
+def bf16_dot_takes(rows: int, mode: int | None = None) -> bool:
+    """Whether a bf16 product of ``rows`` rows takes vdpbf16ps (its activations rounded to bf16) under ``mode``
+    (default: the environment's)."""
+    return bool(_ops().bf16_dot_for(bf16_dot() if mode is None else mode, rows))
 
 
 def takes_linear(
@@ -265,7 +282,7 @@ def linear(
 ) -> torch.Tensor:
     """``x @ weight^T`` for float32 x [M, K] and weight [N, K] as ``takes_linear`` accepts them (an FP8 weight
     times its block scales)."""
-    return _ops().linear_rows(_last_dim_contiguous(x), weight, scale, block or [], dpbf16())
+    return _ops().linear_rows(_last_dim_contiguous(x), weight, scale, block or [], bf16_dot())
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -316,7 +333,7 @@ def fused_moe(
     x = _last_dim_contiguous(x)
     topk_weights = _float(topk_weights)
     topk_ids = topk_ids.contiguous()
-    extra = (w13_scale, w2_scale, block or [], dpbf16())
+    extra = (w13_scale, w2_scale, block or [], bf16_dot())
     if x.shape[0] <= MOE_CHUNK_TOKENS:
         return _ops().fused_moe(x, w13, w2, topk_weights, topk_ids, *extra)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

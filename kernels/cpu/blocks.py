@@ -72,7 +72,7 @@ def gdn_decode_block(
     state_slots: torch.Tensor,
     heads: GdnHeads,
     block: tuple[int, int] | None,
-    dpbf16: bool,
+    bf16_dot: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [B, H] -> (out_proj's output [B, H], residual). ``conv_weight`` [conv_dim, K]; ``states``: the conv
     states [S, conv_dim, K-1] and recurrent states [S, HV, dk, dv] (float32, updated in place at
@@ -92,7 +92,7 @@ def gdn_decode_block(
         state_slots,
         *heads,
         _block(block),
-        dpbf16,
+        bf16_dot,
     )
 
 
@@ -109,7 +109,7 @@ def attention_decode_block(
     heads: AttentionHeads,
     page_size: int,
     block: tuple[int, int] | None,
-    dpbf16: bool,
+    bf16_dot: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [B, H] -> (o_proj's output [B, H], residual). ``qk_norms``: the q and k norm weights and their eps;
     ``rotary``: the cos/sin table [P, rotary_dim] and rotary_dim; ``kv_cache``: this layer's K and V pools (the new
@@ -128,7 +128,7 @@ def attention_decode_block(
         *heads,
         page_size,
         _block(block),
-        dpbf16,
+        bf16_dot,
     )
 
 
@@ -143,7 +143,7 @@ def moe_decode_block(
     top_k: int,
     shared_id: int,
     block: tuple[int, int] | None,
-    dpbf16: bool,
+    bf16_dot: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [B, H] -> (the MoE's output, residual). ``gates``: the router's and the shared expert gate's weights;
     ``shared_id`` >= 0: the shared expert is that row of the experts, else ``shared`` holds its gate_up and down."""
@@ -160,7 +160,7 @@ def moe_decode_block(
         top_k,
         shared_id,
         _block(block),
-        dpbf16,
+        bf16_dot,
     )
 
 
@@ -171,7 +171,9 @@ def mlp_decode_block(
     gate_up: Weight,
     down: Weight,
     block: tuple[int, int] | None,
-    dpbf16: bool,
+    bf16_dot: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [B, H] -> (down(silu(gate) * up), residual)."""
-    return _ops().mlp_decode_block(hidden, residual, *norm, *gate_up, *down, _block(block), dpbf16)
+    return _ops().mlp_decode_block(
+        hidden, residual, *norm, *gate_up, *down, _block(block), bf16_dot
+    )

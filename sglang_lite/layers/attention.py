@@ -98,7 +98,11 @@ class Qwen3_5Attention(nn.Module):
         self._decode_quant = quant_block(self.qkv_proj, self.o_proj)
 
     def decode_block(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, dpbf16: bool
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        bf16_dot: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The input norm and this mixer over a decode batch in one C++ call: (output, residual)."""
         requests = (
@@ -117,7 +121,7 @@ class Qwen3_5Attention(nn.Module):
             self._decode_heads,
             batch.pools.page_size,
             self._decode_quant,
-            dpbf16,
+            bf16_dot,
         )
         return attn_all_reduce(out), residual
 

@@ -179,7 +179,11 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self._decode_quant = quant_block(self.in_proj_qkvz, self.in_proj_ba, self.out_proj)
 
     def decode_block(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, dpbf16: bool
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        bf16_dot: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The input norm and this mixer over a decode batch in one C++ call: (output, residual)."""
         out, residual = cpu_kernels.gdn_decode_block(
@@ -190,7 +194,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             batch.state_slots,
             self._decode_heads,
             self._decode_quant,
-            dpbf16,
+            bf16_dot,
         )
         return attn_all_reduce(out), residual
 

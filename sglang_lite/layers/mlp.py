@@ -66,10 +66,10 @@ class GatedMLP(nn.Module):
         )
 
     def decode_block(
-        self, hidden: torch.Tensor, residual: torch.Tensor, dpbf16: bool
+        self, hidden: torch.Tensor, residual: torch.Tensor, bf16_dot: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The post-attention norm and this MLP over a decode batch in one C++ call: (partial sum, residual)."""
-        return cpu_kernels.mlp_decode_block(hidden, residual, *self._decode_args, dpbf16)
+        return cpu_kernels.mlp_decode_block(hidden, residual, *self._decode_args, bf16_dot)
 
 
 def shared_expert_fusion_supported(config: ModelConfig) -> tuple[bool, str]:
@@ -204,10 +204,10 @@ class Qwen3_5SparseMoeBlock(nn.Module):
         )
 
     def decode_block(
-        self, hidden: torch.Tensor, residual: torch.Tensor, dpbf16: bool
+        self, hidden: torch.Tensor, residual: torch.Tensor, bf16_dot: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The post-attention norm and this block over a decode batch in one C++ call: (partial sum, residual)."""
-        return cpu_kernels.moe_decode_block(hidden, residual, *self._decode_args, dpbf16)
+        return cpu_kernels.moe_decode_block(hidden, residual, *self._decode_args, bf16_dot)
 
     def forward(self, x: torch.Tensor, ctx: OverlapContext = PLAIN) -> torch.Tensor:
         if self.fuse_shared_expert:

@@ -84,14 +84,18 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.mlp.prepare_decode_block(self.post_attention_layernorm)
 
     def decode_blocks(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, dpbf16: bool
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        bf16_dot: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` of a decode batch on the CPU as two C++ calls: the input norm with the mixer, the
         post-attention norm with the MLP (``kernels/cpu/blocks.py``)."""
         hidden, residual = getattr(self, self.mixer_name).decode_block(
-            hidden, residual, batch, dpbf16
+            hidden, residual, batch, bf16_dot
         )
-        hidden, residual = self.mlp.decode_block(hidden, residual, dpbf16)
+        hidden, residual = self.mlp.decode_block(hidden, residual, bf16_dot)
         return world_all_reduce(hidden), residual
 
     def run_mlp(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -128,9 +132,9 @@ class Qwen3_5Model(nn.Module):
                 hidden = layer.run_mlp(hidden, batch)
             return hidden
         if self.use_decode_blocks and batch.is_decode and batch.dp_tokens is None:
-            dpbf16 = cpu_kernels.dpbf16()
+            bf16_dot = cpu_kernels.bf16_dot()
             for layer in self.layers:
-                hidden, residual = layer.decode_blocks(hidden, residual, batch, dpbf16)
+                hidden, residual = layer.decode_blocks(hidden, residual, batch, bf16_dot)
         else:
             for layer in self.layers:
                 hidden, residual = layer(hidden, residual, batch)

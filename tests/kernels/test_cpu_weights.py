@@ -21,7 +21,7 @@ F32 = torch.float32
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
 BLOCK = (128, 128)
-MODES = ["auto", "widen"]
+MODES = ["auto", "widen", "dot"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,7 +31,8 @@ def built() -> None:
 
 @pytest.fixture(params=MODES)
 def bf16_dot(request, monkeypatch) -> str:
-    """Both bf16 paths: vdpbf16ps where the CPU has it (auto), and the widening path every CPU runs."""
+    """Every bf16 path: vdpbf16ps where the CPU has it and it pays (auto), at every row count (dot), and the
+    widening path every CPU runs."""
     monkeypatch.setenv("SGLANG_CPU_BF16_DOT", request.param)
     return request.param
 
@@ -57,12 +58,13 @@ def _twice(run, make_inputs):
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 33, 300])
 @pytest.mark.parametrize("columns", [16, 17, 48, 300, 1100])
-@pytest.mark.parametrize("depth", [7, 64, 100])
+@pytest.mark.parametrize("depth", [7, 64, 100, 300])
 @pytest.mark.parametrize("layout", ["in_out", "out_in"])
 def test_linear_bf16(bf16_dot, rows, columns, depth, layout):
     """Row counts around the blocks of 8 rows and the 256-row panels, widths around the 512-, 128-, 32- and
-    16-column blocks and a scalar tail, odd depths (a weight row without a pair); activations bf16-exact, so both
-    paths must give the float32 product of the widened weight."""
+    16-column blocks and a scalar tail, odd depths (a weight row without a pair) and one over the 256 weight rows
+    a widened block runs at a time; activations bf16-exact, so every path must give the float32 product of the
+    widened weight."""
 
     def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = _bf16_exact(_randn(rows, depth + 3, seed=seed))[:, 1 : 1 + depth]  # strided rows
@@ -77,14 +79,26 @@ def test_linear_bf16(bf16_dot, rows, columns, depth, layout):
 @pytest.mark.parametrize("rows", [1, 2, 33])
 def test_linear_bf16_activation_precision(bf16_dot, rows):
     """The widening path keeps float32 activations (float32 accuracy); vdpbf16ps rounds them to bf16 (bf16
-    accuracy, and visibly so where the CPU has it; a width of whole 32-column blocks, which all take it)."""
+    accuracy, and visibly so where the kernels take it; a width of whole 32-column blocks, which all take it)."""
     x, w = _randn(rows, 256, seed=0), _input_major(_randn(1088, 256, seed=1).to(BF16))
     got, want = linear(x, w), F.linear(x, w.float())
-    rounded = bf16_dot == "auto" and cpu.has_dpbf16()
+    rounded = cpu.bf16_dot_takes(rows)
     assert_rel_close(got, want, BF16 if rounded else F32)
     if rounded:
         assert_rel_close(got, F.linear(_bf16_exact(x), w.float()), F32, "rounded activations")
         assert not torch.allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_which_products_take_vdpbf16ps():
+    """widen: none; dot: every row count where the CPU has the instruction; auto: one or two rows where it has it,
+    more where it runs vdpbf16ps at 1.5x the FMA's products or more (measured once: 0 without the instruction)."""
+    have, speed = cpu.has_dpbf16(), cpu.bf16_dot_speed()
+    assert (speed > 0) == have
+    modes = cpu.BF16_DOT_MODES
+    for rows in (1, 2, 3, 33, 300):
+        assert not cpu.bf16_dot_takes(rows, modes["widen"])
+        assert cpu.bf16_dot_takes(rows, modes["dot"]) == have
+        assert cpu.bf16_dot_takes(rows, modes["auto"]) == (have and (rows <= 2 or speed >= 1.5))
 
 
 def _fp8_weight(n: int, k: int, seed: int, stack: int | None = None):
@@ -153,7 +167,7 @@ def test_fused_moe_bf16(bf16_dot, tokens, layout, hidden, inter):
             *_routing(tokens, experts, top_k, seed),
         )
 
-    rounded = bf16_dot == "auto" and cpu.has_dpbf16() and layout == "in_out" and tokens * top_k > 1
+    rounded = bf16_dot != "widen" and cpu.has_dpbf16() and layout == "in_out" and tokens * top_k > 1
     for got, (x, w13, w2, weights, ids) in _twice(fused_moe, inputs):
         want = moe_ref.fused_moe(x, w13.float(), w2.float(), weights, ids)
         assert_rel_close(got, want, BF16 if rounded else F32)

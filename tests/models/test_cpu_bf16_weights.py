@@ -80,14 +80,14 @@ def test_only_the_projections_weights_are_bf16(bf16_checkpoint):
     assert model.compute_dtype == torch.float32
 
 
-@pytest.mark.parametrize("mode", ["auto", "widen"])
+@pytest.mark.parametrize("mode", ["auto", "widen", "dot"])
 def test_bf16_weights_logits_match_float32(bf16_checkpoint, mode, monkeypatch):
     """The same checkpoint loaded in float32 is the reference: the widening path reads exactly those weights with
     float32 activations (float32 tolerance); vdpbf16ps rounds activations to bf16 (bf16 tolerance)."""
     monkeypatch.setenv("SGLANG_CPU_BF16_DOT", mode)
     want = _prepared(bf16_checkpoint, None)(_ids())
     got = _prepared(bf16_checkpoint, torch.bfloat16)(_ids())
-    rounded = mode == "auto" and cpu.has_dpbf16()
+    rounded = mode != "widen" and cpu.has_dpbf16()
     assert_rel_close(got, want, torch.bfloat16 if rounded else torch.float32, "logits")
 
 

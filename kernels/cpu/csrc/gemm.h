@@ -3,13 +3,14 @@
 // is widened to float32 in registers and every product accumulates in float32, so a 16-bit or 8-bit weight costs
 // half or a quarter of the bytes a float32 one does, which is what a decode step waits on.
 //
-// bf16 weights of two rows or more may instead take AVX512-BF16's vdpbf16ps (two products per float32 lane per
-// instruction, twice the float32 FMA's rate): the activations are then rounded to bf16 too, as llama.cpp rounds
-// them. The widening path stays the definition and the path on CPUs without the instruction.
+// bf16 weights may instead take AVX512-BF16's vdpbf16ps (two products per float32 lane per instruction): the
+// activations are then rounded to bf16 too, as llama.cpp rounds them. Where it pays depends on the CPU
+// (bf16_dot_for). The widening path stays the definition and the path on CPUs without the instruction.
 #pragma once
 
 #include "common.h"
 
+#include <chrono>
 #include <type_traits>
 
 #if defined(__AVX512F__)
@@ -132,12 +133,13 @@ inline float k_block_scale(const KScales& s, int64_t k0) {
 
 // C[t, 0:16 NV] = sum_k A[t, k] W[k, 0:16 NV] for TB rows t: TB NV accumulators in registers, each W row segment
 // loaded (and widened) once for all TB rows; a scaled weight's block scale multiplies the activation instead.
+// `add`: C's values are added to (a later part of K), instead of written.
 template <class W, int TB, int NV>
 void rows_times_columns(const float* A, int64_t lda, const typename W::T* Wp, int64_t ldw, int64_t K, float* C,
-                        int64_t ldc, const KScales& s) {
+                        int64_t ldc, const KScales& s, bool add = false) {
   vec16 acc[TB][NV];
   for (int t = 0; t < TB; ++t) {
-    for (int v = 0; v < NV; ++v) acc[t][v] = vec16{};
+    for (int v = 0; v < NV; ++v) acc[t][v] = add ? load16(C + t * ldc + 16 * v) : vec16{};
   }
   for (int64_t k0 = 0; k0 < K;) {
     const int64_t k1 = k_block_end<W>(s, k0, K);
@@ -204,22 +206,68 @@ void one_row_times_columns(const float* x, const typename W::T* Wp, int64_t ldw,
 // 8 rows of 32 columns, 4 of 64, 2 of 128).
 template <class W, int NV>
 void all_rows_times_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw, int64_t K,
-                            float* C, int64_t ldc, const KScales& s) {
+                            float* C, int64_t ldc, const KScales& s, bool add = false) {
   constexpr int RB = NV <= 2 ? 8 : (NV <= 4 ? 4 : (NV <= 8 ? 2 : 1));
   int64_t t = 0;
-  for (; t + RB <= M; t += RB) rows_times_columns<W, RB, NV>(A + t * lda, lda, Wp, ldw, K, C + t * ldc, ldc, s);
+  for (; t + RB <= M; t += RB) rows_times_columns<W, RB, NV>(A + t * lda, lda, Wp, ldw, K, C + t * ldc, ldc, s, add);
   const float* a = A + t * lda;
   float* c = C + t * ldc;
   switch (M - t) {
-    case 7: return rows_times_columns<W, (RB > 7 ? 7 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s);
-    case 6: return rows_times_columns<W, (RB > 6 ? 6 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s);
-    case 5: return rows_times_columns<W, (RB > 5 ? 5 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s);
-    case 4: return rows_times_columns<W, (RB > 4 ? 4 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s);
-    case 3: return rows_times_columns<W, (RB > 3 ? 3 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s);
-    case 2: return rows_times_columns<W, (RB > 2 ? 2 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s);
-    case 1: return rows_times_columns<W, 1, NV>(a, lda, Wp, ldw, K, c, ldc, s);
+    case 7: return rows_times_columns<W, (RB > 7 ? 7 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s, add);
+    case 6: return rows_times_columns<W, (RB > 6 ? 6 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s, add);
+    case 5: return rows_times_columns<W, (RB > 5 ? 5 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s, add);
+    case 4: return rows_times_columns<W, (RB > 4 ? 4 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s, add);
+    case 3: return rows_times_columns<W, (RB > 3 ? 3 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s, add);
+    case 2: return rows_times_columns<W, (RB > 2 ? 2 : 1), NV>(a, lda, Wp, ldw, K, c, ldc, s, add);
+    case 1: return rows_times_columns<W, 1, NV>(a, lda, Wp, ldw, K, c, ldc, s, add);
     default: return;
   }
+}
+
+// ---- many rows through a block of a 16-bit weight: widened once ------------------------------------------------
+
+// Rows of K whose widened block of 32 columns (32 KB of float32) stays in L1 while every group of rows passes.
+constexpr int64_t kPackedDepth = 256;
+// Rows of A from which a block is widened once into a contiguous float32 copy instead of for each group of 8 rows:
+// the groups then run float32 FMAs only, from a copy whose rows are adjacent (a weight's rows a whole row apart map
+// to few cache sets, and each group would fetch them again from L2; the figures: docs/performance.md).
+constexpr int64_t kPackRows = 32;
+
+// The 32 columns at Wp of K weight rows (ldw apart), widened into a thread's buffer: row k at 32 k.
+template <class W>
+const float* pack_widened(const typename W::T* Wp, int64_t ldw, int64_t K) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < K * 32) buffer.resize(K * 32);
+  float* out = buffer.data();
+  for (int64_t k = 0; k < K; ++k) {
+    store16(out + k * 32, W::load(Wp + k * ldw));
+    store16(out + k * 32 + 16, W::load(Wp + k * ldw + 16));
+  }
+  return out;
+}
+
+// C[:, 0:32] = A W[:, 0:32] for M (> kPackRows) rows of an unscaled 16-bit weight: the block widened once, then K
+// in parts of kPackedDepth rows, each part through every group of 8 rows (the later parts adding to C).
+template <class W>
+void many_rows_times_32_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw,
+                                int64_t K, float* C, int64_t ldc) {
+  static_assert(!W::kScaled, "scaled weights widen with their block scales");
+  const float* packed = pack_widened<W>(Wp, ldw, K);
+  for (int64_t k0 = 0; k0 < K; k0 += kPackedDepth) {
+    const int64_t depth = std::min(kPackedDepth, K - k0);
+    all_rows_times_columns<F32Weight, 2>(A + k0, lda, M, packed + k0 * 32, 32, depth, C, ldc, KScales{}, k0 > 0);
+  }
+}
+
+// C[:, 0:32] = A W[:, 0:32] for every row of A (M rows), widened: once per block for many rows of an unscaled
+// 16-bit weight, else in registers for each group of rows.
+template <class W>
+void all_rows_times_32_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw,
+                               int64_t K, float* C, int64_t ldc, const KScales& s) {
+  if constexpr (!W::kScaled && !std::is_same_v<W, F32Weight>) {
+    if (M > kPackRows) return many_rows_times_32_columns<W>(A, lda, M, Wp, ldw, K, C, ldc);
+  }
+  all_rows_times_columns<W, 2>(A, lda, M, Wp, ldw, K, C, ldc, s);
 }
 
 // One output column n of every row of A (the scalar tail of a weight whose width is not a multiple of 16).
@@ -239,12 +287,18 @@ void rows_times_one_column(const float* A, int64_t lda, int64_t M, const typenam
 }
 
 // C[:, n0:n1] = A W[:, n0:n1] for every row of A (M rows): blocks of 16 NV columns (wide blocks read longer runs of
-// each weight row, for one or two rows of A), then of 32 and 16, then single columns. Scaled weights: n0 must start
+// each weight row, for one or two rows of A; blocks of 32 widened once for many rows), then of 32 and 16, then
+// single columns. Scaled weights: n0 must start
 // a block of 16 NV columns inside one scale block (bn a multiple of 128).
 template <class W, int NV = 2>
 void rows_times_weight_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw, int64_t K,
                                int64_t n0, int64_t n1, float* C, int64_t ldc, const WeightScales& sc) {
   int64_t n = n0;
+  if constexpr (!W::kScaled && !std::is_same_v<W, F32Weight>) {  // many rows: blocks widened once
+    if (M > kPackRows) {
+      for (; n + 32 <= n1; n += 32) many_rows_times_32_columns<W>(A, lda, M, Wp + n, ldw, K, C + n, ldc);
+    }
+  }
   for (; n + 16 * NV <= n1; n += 16 * NV) {
     all_rows_times_columns<W, NV>(A, lda, M, Wp + n, ldw, K, C + n, ldc, sc.columns(n));
   }
@@ -415,6 +469,70 @@ inline void all_rows_times_32_columns_dp(const Bf16Pairs&, int64_t, int64_t, con
   TORCH_CHECK(false, "vdpbf16ps is not available on this CPU");
 }
 #endif
+
+// ---- which path a bf16 product takes -------------------------------------------------------------------------------
+
+// SGLANG_CPU_BF16_DOT as the ops take it: widen every bf16 weight; auto (below); or vdpbf16ps at every row count.
+constexpr int64_t kBf16Widen = 0, kBf16Auto = 1, kBf16Dot = 2;
+
+// How many times the float32 FMA's products per second this CPU's vdpbf16ps reaches (each instruction does twice
+// the products): twelve independent chains of each instruction in registers, best of five short runs (~1 ms). A CPU
+// that issues it as fast as an FMA reads ~2; the Intel Xeon (Emerald Rapids) this was measured on reads 0.5.
+inline double measure_bf16_dot_speed() {
+#if defined(__AVX512BF16__)
+  constexpr int kChains = 12;
+  constexpr int64_t kSteps = 20000;
+  const auto seconds = [](auto&& body) {
+    double best = 1e30;
+    for (int run = 0; run < 5; ++run) {
+      const auto t0 = std::chrono::steady_clock::now();
+      body();
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
+  };
+  float sink = 0.0f;
+  const double dot = seconds([&] {
+    __m512 acc[kChains];
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_setzero_ps();
+    __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+    for (int64_t i = 0; i < kSteps; ++i) {
+#pragma GCC unroll 12
+      for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, a);
+      asm volatile("" : "+v"(a));  // keeps the loop from being folded
+    }
+    for (int c = 0; c < kChains; ++c) sink += _mm512_reduce_add_ps(acc[c]);
+  });
+  const double fma = seconds([&] {
+    __m512 acc[kChains];
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_setzero_ps();
+    __m512 a = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < kSteps; ++i) {
+#pragma GCC unroll 12
+      for (int c = 0; c < kChains; ++c) acc[c] = _mm512_fmadd_ps(acc[c], a, a);
+      asm volatile("" : "+v"(a));
+    }
+    for (int c = 0; c < kChains; ++c) sink += _mm512_reduce_add_ps(acc[c]);
+  });
+  asm volatile("" : : "x"(sink));
+  return 2.0 * fma / dot;
+#else
+  return 0.0;
+#endif
+}
+
+inline double bf16_dot_speed() {
+  static const double speed = measure_bf16_dot_speed();
+  return speed;
+}
+
+// Whether a bf16 product of `rows` rows takes vdpbf16ps under `mode`. auto: one or two rows always (a product bound
+// by reading the weight, where it issues half the instructions of widening), more where the CPU runs it at 1.5x the
+// FMA's products or more (widening runs more rows at the FMA's rate; the figures: docs/performance.md).
+inline bool bf16_dot_for(int64_t mode, int64_t rows) {
+  if (!kHaveDpbf16 || mode == kBf16Widen) return false;
+  return mode == kBf16Dot || rows <= 2 || bf16_dot_speed() >= 1.5;
+}
 
 // C[:, n0:n1] = A W[:, n0:n1] for bf16 weights: blocks of 32 columns through vdpbf16ps from the rows' bf16 pairs
 // (P, from first_row), the last (n1 - n0) % 32 columns widened from the float32 rows of A.

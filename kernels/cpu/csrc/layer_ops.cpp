@@ -22,13 +22,14 @@ namespace {
 
 using OptTensor = c10::optional<at::Tensor>;
 
-// How every projection of a block runs: FP8 block size (empty: none) and whether bf16 weights may take vdpbf16ps.
+// How every projection of a block runs: FP8 block size (empty: none) and how bf16 weights meet the rows (gemm.h's
+// bf16_dot_for).
 struct Projections {
   at::IntArrayRef block;
-  bool dpbf16;
+  int64_t bf16_dot;
   void operator()(const float* x, int64_t lda, int64_t rows, int64_t K, const at::Tensor& weight,
                   const OptTensor& scale, float* out) const {
-    linear_core(x, lda, rows, K, weight, scale, block, dpbf16, out);
+    linear_core(x, lda, rows, K, weight, scale, block, bf16_dot, out);
   }
 };
 
@@ -122,8 +123,8 @@ std::tuple<at::Tensor, at::Tensor> gdn_decode_block(
     const at::Tensor& conv_weight, const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& gated_norm_w,
     double gated_norm_eps, const at::Tensor& out_w, const OptTensor& out_s, const at::Tensor& conv_states,
     const at::Tensor& ssm_states, const at::Tensor& state_slots, int64_t key_heads, int64_t value_heads,
-    int64_t key_dim, int64_t value_dim, at::IntArrayRef block, bool dpbf16) {
-  const Projections project{block, dpbf16};
+    int64_t key_dim, int64_t value_dim, at::IntArrayRef block, int64_t bf16_dot) {
+  const Projections project{block, bf16_dot};
   const int64_t batch = hidden.size(0), width = hidden.size(1);
   const int64_t keys = key_heads * key_dim, values = value_heads * value_dim, conv_dim = 2 * keys + values;
   const int64_t qkvz_width = conv_dim + values;
@@ -178,8 +179,8 @@ std::tuple<at::Tensor, at::Tensor> attention_decode_block(
     int64_t rotary_dim, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& page_table,
     const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, const at::Tensor& positions,
     const at::Tensor& out_cache_loc, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
-    int64_t page_size, at::IntArrayRef block, bool dpbf16) {
-  const Projections project{block, dpbf16};
+    int64_t page_size, at::IntArrayRef block, int64_t bf16_dot) {
+  const Projections project{block, bf16_dot};
   const int64_t batch = hidden.size(0), width = hidden.size(1), hd = head_dim;
   const int64_t queries = heads * hd, kvs = kv_heads * hd, qkv_width = 2 * queries + 2 * kvs;
   TORCH_CHECK(qkv_w.size(0) == qkv_width && o_w.size(1) == queries, "qkv_proj and o_proj do not match the heads: ",
@@ -232,8 +233,8 @@ std::tuple<at::Tensor, at::Tensor> moe_decode_block(
     const at::Tensor& gate_w, const at::Tensor& shared_gate_w, const at::Tensor& w13, const OptTensor& w13_s,
     const at::Tensor& w2, const OptTensor& w2_s, const OptTensor& shared_gate_up_w, const OptTensor& shared_gate_up_s,
     const OptTensor& shared_down_w, const OptTensor& shared_down_s, int64_t top_k, int64_t shared_id,
-    at::IntArrayRef block, bool dpbf16) {
-  const Projections project{block, dpbf16};
+    at::IntArrayRef block, int64_t bf16_dot) {
+  const Projections project{block, bf16_dot};
   const int64_t batch = hidden.size(0), width = hidden.size(1), experts = gate_w.size(0);
   const bool fused = shared_id >= 0;
   TORCH_CHECK(top_k >= 1 && top_k <= experts, "top_k must be in [1, ", experts, "], got ", top_k);
@@ -258,7 +259,7 @@ std::tuple<at::Tensor, at::Tensor> moe_decode_block(
                  ids.data());
   at::Tensor out = at::empty({batch, width}, hidden.options());
   float* o = out.data_ptr<float>();
-  fused_moe_core(normed, width, batch, width, w13, w2, w13_s, w2_s, block, Index(ids.data()), weights, k, 1, k, dpbf16,
+  fused_moe_core(normed, width, batch, width, w13, w2, w13_s, w2_s, block, Index(ids.data()), weights, k, 1, k, bf16_dot,
                  o);
   if (!fused) {
     gated_mlp(normed, batch, width, *shared_gate_up_w, shared_gate_up_s, *shared_down_w, shared_down_s, project,
@@ -277,8 +278,8 @@ std::tuple<at::Tensor, at::Tensor> mlp_decode_block(const at::Tensor& hidden, co
                                                     const at::Tensor& norm_weight, double eps,
                                                     const at::Tensor& gate_up_w, const OptTensor& gate_up_s,
                                                     const at::Tensor& down_w, const OptTensor& down_s,
-                                                    at::IntArrayRef block, bool dpbf16) {
-  const Projections project{block, dpbf16};
+                                                    at::IntArrayRef block, int64_t bf16_dot) {
+  const Projections project{block, bf16_dot};
   const int64_t batch = hidden.size(0), width = hidden.size(1), inter = gate_up_w.size(0) / 2;
   float* normed = workspace(batch * (width + 2 * inter));
   at::Tensor res = pre_norm(hidden, residual, norm_weight, eps, normed);
@@ -295,18 +296,18 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
         "Tensor? qkvz_s, Tensor ba_w, Tensor? ba_s, Tensor conv_weight, Tensor A_log, Tensor dt_bias, "
         "Tensor gated_norm_w, float gated_norm_eps, Tensor out_w, Tensor? out_s, Tensor(a!) conv_states, "
         "Tensor(b!) ssm_states, Tensor state_slots, int key_heads, int value_heads, int key_dim, int value_dim, "
-        "int[] block, bool dpbf16) -> (Tensor, Tensor)");
+        "int[] block, int bf16_dot) -> (Tensor, Tensor)");
   m.def("attention_decode_block(Tensor hidden, Tensor? residual, Tensor norm_weight, float eps, Tensor qkv_w, "
         "Tensor? qkv_s, Tensor q_norm_w, Tensor k_norm_w, float head_eps, Tensor o_w, Tensor? o_s, "
         "Tensor cos_sin_cache, int rotary_dim, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor page_table, "
         "Tensor req_pool_indices, Tensor seq_lens, Tensor positions, Tensor out_cache_loc, int heads, "
-        "int kv_heads, int head_dim, float scale, int page_size, int[] block, bool dpbf16) -> (Tensor, Tensor)");
+        "int kv_heads, int head_dim, float scale, int page_size, int[] block, int bf16_dot) -> (Tensor, Tensor)");
   m.def("moe_decode_block(Tensor hidden, Tensor residual, Tensor norm_weight, float eps, Tensor gate_w, "
         "Tensor shared_gate_w, Tensor w13, Tensor? w13_s, Tensor w2, Tensor? w2_s, Tensor? shared_gate_up_w, "
         "Tensor? shared_gate_up_s, Tensor? shared_down_w, Tensor? shared_down_s, int top_k, int shared_id, "
-        "int[] block, bool dpbf16) -> (Tensor, Tensor)");
+        "int[] block, int bf16_dot) -> (Tensor, Tensor)");
   m.def("mlp_decode_block(Tensor hidden, Tensor residual, Tensor norm_weight, float eps, Tensor gate_up_w, "
-        "Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] block, bool dpbf16) -> (Tensor, Tensor)");
+        "Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] block, int bf16_dot) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) {

@@ -47,13 +47,14 @@ void one_row_bf16_dp(const float*, int64_t, const uint16_t*, int64_t, int64_t, f
 // y = x W^T for W [N, K] stored [in, out] (row k of W^T contiguous, ldw apart).
 template <class W>
 void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, int64_t N,
-                   const WeightScales& sc, bool dpbf16, float* o) {
+                   const WeightScales& sc, int64_t bf16_dot, float* o) {
   int64_t n = 0;
   // One row reads each weight once, from memory: blocks of 512 columns (128 where that leaves too few blocks for
   // the threads, or the weight has 128-column scale blocks) stream runs of 4 weight rows at a time; register-blocked
   // 32-column blocks, reading short runs far apart, fell below MKL (docs/performance.md).
+  const bool dot = std::is_same_v<W, Bf16Weight> && bf16_dot_for(bf16_dot, M);
   if constexpr (std::is_same_v<W, Bf16Weight> && kHaveDpbf16) {
-    if (M == 1 && dpbf16) return one_row_bf16_dp(xs, K, w, ldw, N, o);
+    if (M == 1 && dot) return one_row_bf16_dp(xs, K, w, ldw, N, o);
   }
   if (M == 1) {
     constexpr int kWideVectors = std::is_same_v<W, F32Weight> ? 32 : 16;
@@ -73,7 +74,7 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
   }
   const int64_t first_block = n / 32, blocks = N / 32;
   if constexpr (std::is_same_v<W, Bf16Weight>) {
-    if (dpbf16 && M > 1) {
+    if (dot && M > 1) {
       Bf16Pairs pairs;
       to_bf16_pairs(xs, lda, M, K, pairs);
       for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
@@ -93,7 +94,7 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
     const float* panel = xs + m0 * lda;
     at::parallel_for(first_block, blocks, grain(rows * K * 32 / 4), [&](int64_t begin, int64_t end) {
       for (int64_t blk = begin; blk < end; ++blk) {
-        all_rows_times_columns<W, 2>(panel, lda, rows, w + blk * 32, ldw, K, o + m0 * N + blk * 32, N,
+        all_rows_times_32_columns<W>(panel, lda, rows, w + blk * 32, ldw, K, o + m0 * N + blk * 32, N,
                                      sc.columns(blk * 32));
       }
     });
@@ -117,7 +118,7 @@ void linear_out_in(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
 
 // y = x W^T into out [M, N] (contiguous) for x's rows (lda apart) and W as linear_rows takes it.
 void linear_core(const float* xs, int64_t lda, int64_t M, int64_t K, const at::Tensor& weight,
-                 const c10::optional<at::Tensor>& scale, at::IntArrayRef block, bool dpbf16, float* o) {
+                 const c10::optional<at::Tensor>& scale, at::IntArrayRef block, int64_t bf16_dot, float* o) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "weight must be a CPU matrix, got ", weight.sizes());
   const int64_t N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "weight must be [N, ", K, "], got ", weight.sizes());
@@ -134,7 +135,7 @@ void linear_core(const float* xs, int64_t lda, int64_t M, int64_t K, const at::T
       }
       return;
     }
-    linear_in_out<W>(xs, lda, M, K, weight_data<W>(weight), weight.stride(1), N, scales, dpbf16 && kHaveDpbf16, o);
+    linear_in_out<W>(xs, lda, M, K, weight_data<W>(weight), weight.stride(1), N, scales, bf16_dot, o);
   });
 }
 
@@ -143,10 +144,10 @@ void linear_core(const float* xs, int64_t lda, int64_t M, int64_t K, const at::T
 // while the block's weights stay in cache) or [out, in] (unscaled weights only). MKL packs the whole weight for every
 // call, which at a few rows keeps it far below the GEMM peak; it takes no 16- or 8-bit weights at all.
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
-                       at::IntArrayRef block, bool dpbf16) {
+                       at::IntArrayRef block, int64_t bf16_dot) {
   check_float(x, "x", 2);
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
-  linear_core(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), weight, scale, block, dpbf16,
+  linear_core(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), weight, scale, block, bf16_dot,
               out.data_ptr<float>());
   return out;
 }
@@ -154,8 +155,11 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
 }  // namespace sgl_cpu
 
 TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
-  m.def("linear_rows(Tensor x, Tensor weight, Tensor? scale, int[] block, bool dpbf16) -> Tensor");
+  m.def("linear_rows(Tensor x, Tensor weight, Tensor? scale, int[] block, int bf16_dot) -> Tensor");
   m.def("has_dpbf16() -> bool", []() { return sgl_cpu::kHaveDpbf16; });
+  m.def("bf16_dot_speed() -> float", []() { return sgl_cpu::bf16_dot_speed(); });
+  m.def("bf16_dot_for(int mode, int rows) -> bool",
+        [](int64_t mode, int64_t rows) { return sgl_cpu::bf16_dot_for(mode, rows); });
 }
 
 TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) { m.impl("linear_rows", &sgl_cpu::linear_rows); }

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -101,10 +102,12 @@ void experts_through_mkl(const std::vector<int64_t>& big, const Routing& routing
 // One projection of the experts in `hit` as work items (expert, column block); the last block of each expert takes
 // the columns left over. Experts of one or two rows (decode at small batches) read each weight once: 128-column
 // blocks read long runs of each weight row (32-column ones ran the batch-1 MoE slower); more rows reuse each block's
-// weights from cache. `pairs`: the rows as bf16 pairs, for vdpbf16ps (bf16 weights), else null.
+// weights from cache. `pairs`: the rows as bf16 pairs, for the experts that take vdpbf16ps (bf16 weights,
+// gemm.h's bf16_dot_for), else null.
 template <class W>
 void project_experts(const std::vector<int64_t>& hit, const Routing& routing, const float* in, int64_t lda,
-                     int64_t depth, const Experts<W>& w, int64_t width, float* out, const Bf16Pairs* pairs) {
+                     int64_t depth, const Experts<W>& w, int64_t width, float* out, const Bf16Pairs* pairs,
+                     int64_t bf16_dot) {
   int64_t most_rows = 0;
   for (int64_t e : hit) most_rows = std::max(most_rows, routing.rows(e));
   const bool wide = most_rows <= 2;
@@ -121,15 +124,16 @@ void project_experts(const std::vector<int64_t>& hit, const Routing& routing, co
       float* c = out + first * width;
       const WeightScales scales = w.scales(e);
       if constexpr (std::is_same_v<W, Bf16Weight> && kHaveDpbf16) {
-        if (pairs != nullptr && count == 1 && n1 - n0 == 256) {
+        const bool dot = pairs != nullptr && bf16_dot_for(bf16_dot, count);
+        if (dot && count == 1 && n1 - n0 == 256) {
           one_row_times_columns_dp<8>(pairs->row(first), pairs->pairs, w.of(e) + n0, w.row_stride, depth, c + n0);
           continue;
         }
-        if (pairs != nullptr && count == 1 && n1 - n0 == 128) {
+        if (dot && count == 1 && n1 - n0 == 128) {
           one_row_times_columns_dp<4>(pairs->row(first), pairs->pairs, w.of(e) + n0, w.row_stride, depth, c + n0);
           continue;
         }
-        if (pairs != nullptr) {
+        if (dot) {
           rows_times_weight_columns_dp(*pairs, first, a, lda, count, w.of(e), w.row_stride, depth, n0, n1, c, width);
           continue;
         }
@@ -151,14 +155,15 @@ void project_experts(const std::vector<int64_t>& hit, const Routing& routing, co
 // when a few tokens hit a few experts (decode at batch 1: 5 experts on 2 threads).
 template <class W>
 void experts_input_major(const float* xs, int64_t x_row, const Experts<W>& w13, const Experts<W>& w2,
-                         const Routing& routing, int64_t hidden, int64_t inter, bool dpbf16, float* rows) {
+                         const Routing& routing, int64_t hidden, int64_t inter, int64_t bf16_dot, float* rows) {
   const int64_t pairs = static_cast<int64_t>(routing.order.size());
   const int64_t experts = static_cast<int64_t>(routing.starts.size()) - 1;
-  std::vector<float> gathered(pairs * hidden), gate_up(pairs * 2 * inter), expert_out(pairs * hidden);
+  const auto buffer = [](int64_t floats) { return std::unique_ptr<float[]>(new float[floats]); };  // not zeroed
+  const auto gathered = buffer(pairs * hidden), gate_up = buffer(pairs * 2 * inter), expert_out = buffer(pairs * hidden);
   at::parallel_for(0, pairs, grain(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* src = xs + (routing.order[i] / routing.top_k) * x_row;
-      std::copy(src, src + hidden, gathered.data() + i * hidden);
+      std::copy(src, src + hidden, gathered.get() + i * hidden);
     }
   });
   std::vector<int64_t> hit, big;
@@ -171,25 +176,28 @@ void experts_input_major(const float* xs, int64_t x_row, const Experts<W>& w13, 
     }
   }
   Bf16Pairs in_pairs, mid_pairs;
-  const bool dp = std::is_same_v<W, Bf16Weight> && dpbf16;
-  if (dp) to_bf16_pairs(gathered.data(), hidden, pairs, hidden, in_pairs);
+  bool dp = false;  // whether any expert takes vdpbf16ps
+  if constexpr (std::is_same_v<W, Bf16Weight>) {
+    for (int64_t e : hit) dp = dp || bf16_dot_for(bf16_dot, routing.rows(e));
+  }
+  if (dp) to_bf16_pairs(gathered.get(), hidden, pairs, hidden, in_pairs);
   if constexpr (std::is_same_v<W, F32Weight>) {
-    experts_through_mkl(big, routing, gathered.data(), hidden, hidden, w13, 2 * inter, gate_up.data());
+    experts_through_mkl(big, routing, gathered.get(), hidden, hidden, w13, 2 * inter, gate_up.get());
   }
-  project_experts<W>(hit, routing, gathered.data(), hidden, hidden, w13, 2 * inter, gate_up.data(),
-                     dp ? &in_pairs : nullptr);
+  project_experts<W>(hit, routing, gathered.get(), hidden, hidden, w13, 2 * inter, gate_up.get(),
+                     dp ? &in_pairs : nullptr, bf16_dot);
   at::parallel_for(0, pairs, grain(inter), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) silu_and_mul(gate_up.data() + i * 2 * inter, inter);
+    for (int64_t i = begin; i < end; ++i) silu_and_mul(gate_up.get() + i * 2 * inter, inter);
   });
-  if (dp) to_bf16_pairs(gate_up.data(), 2 * inter, pairs, inter, mid_pairs);
+  if (dp) to_bf16_pairs(gate_up.get(), 2 * inter, pairs, inter, mid_pairs);
   if constexpr (std::is_same_v<W, F32Weight>) {  // the gate half
-    experts_through_mkl(big, routing, gate_up.data(), 2 * inter, inter, w2, hidden, expert_out.data());
+    experts_through_mkl(big, routing, gate_up.get(), 2 * inter, inter, w2, hidden, expert_out.get());
   }
-  project_experts<W>(hit, routing, gate_up.data(), 2 * inter, inter, w2, hidden, expert_out.data(),
-                     dp ? &mid_pairs : nullptr);
+  project_experts<W>(hit, routing, gate_up.get(), 2 * inter, inter, w2, hidden, expert_out.get(),
+                     dp ? &mid_pairs : nullptr, bf16_dot);
   at::parallel_for(0, pairs, grain(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      std::copy(expert_out.data() + i * hidden, expert_out.data() + (i + 1) * hidden,
+      std::copy(expert_out.get() + i * hidden, expert_out.get() + (i + 1) * hidden,
                 rows + routing.order[i] * hidden);
     }
   });
@@ -242,31 +250,32 @@ void check_experts(const at::Tensor& w13, const at::Tensor& w2, int64_t hidden) 
 // pairs from ids [T * top_k] and weights (w_row, w_col apart); experts as check_experts accepts them.
 void fused_moe_core(const float* x, int64_t x_row, int64_t tokens, int64_t hidden, const at::Tensor& w13,
                     const at::Tensor& w2, const OptTensor& w13_scale, const OptTensor& w2_scale, at::IntArrayRef block,
-                    const Index& ids, const float* weights, int64_t w_row, int64_t w_col, int64_t top_k, bool dpbf16,
+                    const Index& ids, const float* weights, int64_t w_row, int64_t w_col, int64_t top_k, int64_t bf16_dot,
                     float* out) {
   const int64_t experts = w13.size(0), inter = w2.size(2);
   const Routing routing = group_by_expert(ids, tokens * top_k, top_k, experts);
-  std::vector<float> pair_rows(tokens * top_k * hidden);  // each pair's expert output, at token * top_k + slot
+  // each pair's expert output, at token * top_k + slot (every row written before it is read: not zeroed)
+  const std::unique_ptr<float[]> pair_rows(new float[tokens * top_k * hidden]);
   const bool input_major = w13.stride(1) == 1 && w2.stride(1) == 1;
   visit_weight_type(w13, "w13", [&](auto type) {
     using W = decltype(type);
     if (input_major) {
       experts_input_major<W>(x, x_row, experts_of<W>(w13, w13_scale, block), experts_of<W>(w2, w2_scale, block),
-                             routing, hidden, inter, dpbf16 && kHaveDpbf16, pair_rows.data());
+                             routing, hidden, inter, bf16_dot, pair_rows.get());
     } else if constexpr (W::kScaled) {
       TORCH_CHECK(false, "FP8 experts must be stored [in, out] (model_executor/weight_layout.py)");
     } else {
-      experts_by_row_chunks<W>(x, x_row, w13, w2, routing, hidden, inter, pair_rows.data());
+      experts_by_row_chunks<W>(x, x_row, w13, w2, routing, hidden, inter, pair_rows.get());
     }
   });
-  weighted_sum(pair_rows.data(), tokens, weights, w_row, w_col, top_k, hidden, out);
+  weighted_sum(pair_rows.get(), tokens, weights, w_row, w_col, top_k, hidden, out);
 }
 
 // x [T, H] float32; w13 [E, 2I, H] and w2 [E, H, I] float32, bf16 or FP8 (with w13_scale, w2_scale for `block`),
 // in the same dtype; topk_weights [T, k] float32, topk_ids [T, k]. Returns [T, H].
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
                      const at::Tensor& topk_ids, const OptTensor& w13_scale, const OptTensor& w2_scale,
-                     at::IntArrayRef block, bool dpbf16) {
+                     at::IntArrayRef block, int64_t bf16_dot) {
   check_float(x, "x", 2);
   check_float(topk_weights, "topk_weights", 2);
   const int64_t tokens = x.size(0), hidden = x.size(1);
@@ -278,7 +287,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   at::Tensor result = at::empty({tokens, hidden}, x.options());
   fused_moe_core(x.data_ptr<float>(), x.stride(0), tokens, hidden, w13, w2, w13_scale, w2_scale, block,
                  Index(topk_ids.view({-1}), "topk_ids"), topk_weights.data_ptr<float>(), topk_weights.stride(0),
-                 topk_weights.stride(1), topk_ids.size(1), dpbf16, result.data_ptr<float>());
+                 topk_weights.stride(1), topk_ids.size(1), bf16_dot, result.data_ptr<float>());
   return result;
 }
 
@@ -286,7 +295,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
   m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor? w13_scale, "
-        "Tensor? w2_scale, int[] block, bool dpbf16) -> Tensor");
+        "Tensor? w2_scale, int[] block, int bf16_dot) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) { m.impl("fused_moe", &sgl_cpu::fused_moe); }

@@ -48,12 +48,12 @@ void decode_attention_core(const Rows& qs, int64_t batch, int64_t heads, int64_t
 void moe_route_core(const float* logits, int64_t row, int64_t tokens, int64_t experts, const float* shared_p,
                     int64_t shared_row, int64_t top_k, bool renormalize, int64_t shared_id, float* wp, int32_t* ip);
 void linear_core(const float* xs, int64_t lda, int64_t M, int64_t K, const at::Tensor& weight,
-                 const c10::optional<at::Tensor>& scale, at::IntArrayRef block, bool dpbf16, float* o);
+                 const c10::optional<at::Tensor>& scale, at::IntArrayRef block, int64_t bf16_dot, float* o);
 void check_experts(const at::Tensor& w13, const at::Tensor& w2, int64_t hidden);
 void fused_moe_core(const float* x, int64_t x_row, int64_t tokens, int64_t hidden, const at::Tensor& w13,
                     const at::Tensor& w2, const c10::optional<at::Tensor>& w13_scale,
                     const c10::optional<at::Tensor>& w2_scale, at::IntArrayRef block, const Index& ids,
-                    const float* weights, int64_t w_row, int64_t w_col, int64_t top_k, bool dpbf16, float* out);
+                    const float* weights, int64_t w_row, int64_t w_col, int64_t top_k, int64_t bf16_dot, float* out);
 
 // the ops (decode_ops.cpp)
 at::Tensor causal_conv1d_update(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& conv_states,
@@ -74,10 +74,10 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, co
 
 // linear_ops.cpp, moe_ops.cpp
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
-                       at::IntArrayRef block, bool dpbf16);
+                       at::IntArrayRef block, int64_t bf16_dot);
 
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
                      const at::Tensor& topk_ids, const c10::optional<at::Tensor>& w13_scale,
-                     const c10::optional<at::Tensor>& w2_scale, at::IntArrayRef block, bool dpbf16);
+                     const c10::optional<at::Tensor>& w2_scale, at::IntArrayRef block, int64_t bf16_dot);
 
 }  // namespace sgl_cpu
