@@ -27,6 +27,7 @@ from sglang_lite import envs
 
 from .blocks import (  # noqa: F401 - the decode blocks, one call each
     AttentionHeads,
+    DecodeLayers,
     GdnHeads,
     Norm,
     Weight,

@@ -177,3 +177,102 @@ def mlp_decode_block(
     return _ops().mlp_decode_block(
         hidden, residual, *norm, *gate_up, *down, _block(block), bf16_dot
     )
+
+
+class DecodeLayers:
+    """Every block of a model's decode step in one C++ call (``csrc/layer_ops.cpp``'s ``DecodeLayers``): each
+    block's arguments that stay the same from step to step (weights, norms, heads, its layer's pools) are given
+    once, in the order the blocks run, as the block functions above take them; ``run`` passes what a step changes.
+    No tensor-parallel reduction is made between the blocks: for a model that one rank runs whole."""
+
+    def __init__(self) -> None:
+        self._layers = torch.classes.sglang_lite_cpu.DecodeLayers()
+
+    def __len__(self) -> int:
+        return self._layers.size()
+
+    def add_gdn(
+        self,
+        norm: Norm,
+        qkvz: Weight,
+        ba: Weight,
+        conv_weight: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        gated_norm: Norm,
+        out: Weight,
+        states: tuple[torch.Tensor, torch.Tensor],
+        heads: GdnHeads,
+        block: tuple[int, int] | None,
+    ) -> None:
+        self._layers.add_gdn(
+            *norm,
+            *qkvz,
+            *ba,
+            conv_weight,
+            A_log,
+            dt_bias,
+            *gated_norm,
+            *out,
+            *states,
+            *heads,
+            _block(block),
+        )
+
+    def add_attention(
+        self,
+        norm: Norm,
+        qkv: Weight,
+        qk_norms: tuple[torch.Tensor, torch.Tensor, float],
+        o: Weight,
+        rotary: tuple[torch.Tensor, int],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        page_table: torch.Tensor,
+        heads: AttentionHeads,
+        page_size: int,
+        block: tuple[int, int] | None,
+    ) -> None:
+        self._layers.add_attention(
+            *norm,
+            *qkv,
+            *qk_norms,
+            *o,
+            *rotary,
+            *kv_cache,
+            page_table,
+            *heads,
+            page_size,
+            _block(block),
+        )
+
+    def add_moe(
+        self,
+        norm: Norm,
+        gates: tuple[torch.Tensor, torch.Tensor],
+        w13: Weight,
+        w2: Weight,
+        shared: tuple[Weight, Weight] | None,
+        top_k: int,
+        shared_id: int,
+        block: tuple[int, int] | None,
+    ) -> None:
+        gate_up, down = shared if shared is not None else (Weight(None), Weight(None))
+        self._layers.add_moe(
+            *norm, *gates, *w13, *w2, *gate_up, *down, top_k, shared_id, _block(block)
+        )
+
+    def add_mlp(
+        self, norm: Norm, gate_up: Weight, down: Weight, block: tuple[int, int] | None
+    ) -> None:
+        self._layers.add_mlp(*norm, *gate_up, *down, _block(block))
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        state_slots: torch.Tensor,
+        requests: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        bf16_dot: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, H] (the embeddings) -> (the last block's output, residual). ``requests``: req_pool_indices,
+        seq_lens, positions, out_cache_loc."""
+        return self._layers.run(hidden, state_slots, *requests, bf16_dot)

@@ -26,6 +26,7 @@ from sglang_lite.layers.linear import (
 )
 from sglang_lite.layers.norm import GemmaRMSNorm
 from sglang_lite.layers.rotary import RotaryEmbedding
+from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.streams.runtime import OverlapContext, overlap
 
 
@@ -124,6 +125,17 @@ class Qwen3_5Attention(nn.Module):
             bf16_dot,
         )
         return attn_all_reduce(out), residual
+
+    def add_decode_block(self, layers: cpu_kernels.DecodeLayers, pools: ModelPools) -> None:
+        """This block, as ``decode_block`` runs it, into a whole model's ``layers`` (one rank, no reduction)."""
+        layers.add_attention(
+            *self._decode_args,
+            pools.kv_buffers(self.layer_id),
+            pools.req_to_token.page_table,
+            self._decode_heads,
+            pools.page_size,
+            self._decode_quant,
+        )
 
     def _qk_norm(
         self, q: torch.Tensor, k: torch.Tensor, ctx: OverlapContext

@@ -34,6 +34,7 @@ from sglang_lite.layers.linear import (
     weight_of,
 )
 from sglang_lite.layers.norm import GatedRMSNorm, GemmaRMSNorm
+from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.streams.runtime import overlap
 
 
@@ -197,6 +198,15 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             bf16_dot,
         )
         return attn_all_reduce(out), residual
+
+    def add_decode_block(self, layers: cpu_kernels.DecodeLayers, pools: ModelPools) -> None:
+        """This block, as ``decode_block`` runs it, into a whole model's ``layers`` (one rank, no reduction)."""
+        layers.add_gdn(
+            *self._decode_args,
+            pools.state_buffers(self.layer_id),
+            self._decode_heads,
+            self._decode_quant,
+        )
 
     def _conv(
         self, qkv: torch.Tensor, conv_states: torch.Tensor, batch: ForwardBatch

@@ -71,6 +71,10 @@ class GatedMLP(nn.Module):
         """The post-attention norm and this MLP over a decode batch in one C++ call: (partial sum, residual)."""
         return cpu_kernels.mlp_decode_block(hidden, residual, *self._decode_args, bf16_dot)
 
+    def add_decode_block(self, layers: cpu_kernels.DecodeLayers) -> None:
+        """This block, as ``decode_block`` runs it, into a whole model's ``layers``."""
+        layers.add_mlp(*self._decode_args)
+
 
 def shared_expert_fusion_supported(config: ModelConfig) -> tuple[bool, str]:
     """Fusion makes the shared expert one more row of the expert weights, so its sizes must match theirs."""
@@ -208,6 +212,10 @@ class Qwen3_5SparseMoeBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The post-attention norm and this block over a decode batch in one C++ call: (partial sum, residual)."""
         return cpu_kernels.moe_decode_block(hidden, residual, *self._decode_args, bf16_dot)
+
+    def add_decode_block(self, layers: cpu_kernels.DecodeLayers) -> None:
+        """This block, as ``decode_block`` runs it, into a whole model's ``layers``."""
+        layers.add_moe(*self._decode_args)
 
     def forward(self, x: torch.Tensor, ctx: OverlapContext = PLAIN) -> torch.Tensor:
         if self.fuse_shared_expert:

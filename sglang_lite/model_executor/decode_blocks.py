@@ -27,6 +27,7 @@ def enable_decode_blocks(model: nn.Module, torch_compile: bool) -> str:
         return f"off ({reason})"
     for layer in model.model.layers:
         layer.prepare_decode_blocks()
+    model.model.reset_decode_layers()
     model.model.use_decode_blocks = True
     return "on"
 

@@ -98,6 +98,11 @@ class Qwen3_5DecoderLayer(nn.Module):
         hidden, residual = self.mlp.decode_block(hidden, residual, bf16_dot)
         return world_all_reduce(hidden), residual
 
+    def add_decode_blocks(self, layers: cpu_kernels.DecodeLayers, pools: ModelPools) -> None:
+        """``decode_blocks``, into a whole model's ``layers`` (one rank: no reduction)."""
+        getattr(self, self.mixer_name).add_decode_block(layers, pools)
+        self.mlp.add_decode_block(layers)
+
     def run_mlp(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The MLP summed over the ranks that share it: all of this rank's world."""
         if batch.dp_tokens is None:
@@ -120,6 +125,23 @@ class Qwen3_5Model(nn.Module):
         self.use_decode_blocks = (
             False  # set by the runner on the CPU (model_executor/decode_blocks.py)
         )
+        self._decode_layers: tuple[ModelPools, cpu_kernels.DecodeLayers] | None = None
+
+    def decode_layers(self, pools: ModelPools) -> cpu_kernels.DecodeLayers | None:
+        """Every layer's decode blocks as one C++ call over ``pools`` (built on first use, again for other pools
+        or after ``reset_decode_layers``); None where ranks reduce between the blocks (tensor parallelism)."""
+        if get_parallel_state().world_size > 1:
+            return None
+        if self._decode_layers is None or self._decode_layers[0] is not pools:
+            layers = cpu_kernels.DecodeLayers()
+            for layer in self.layers:
+                layer.add_decode_blocks(layers, pools)
+            self._decode_layers = (pools, layers)
+        return self._decode_layers[1]
+
+    def reset_decode_layers(self) -> None:
+        """Forgets the built ``decode_layers`` (the blocks gathered their weights again)."""
+        self._decode_layers = None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if get_parallel_state().config.dp_attention:
@@ -133,8 +155,18 @@ class Qwen3_5Model(nn.Module):
             return hidden
         if self.use_decode_blocks and batch.is_decode and batch.dp_tokens is None:
             bf16_dot = cpu_kernels.bf16_dot()
-            for layer in self.layers:
-                hidden, residual = layer.decode_blocks(hidden, residual, batch, bf16_dot)
+            layers = self.decode_layers(batch.pools)
+            if layers is not None:
+                requests = (
+                    batch.req_pool_indices,
+                    batch.seq_lens_t,
+                    batch.positions,
+                    batch.out_cache_loc,
+                )
+                hidden, residual = layers.run(hidden, batch.state_slots, requests, bf16_dot)
+            else:
+                for layer in self.layers:
+                    hidden, residual = layer.decode_blocks(hidden, residual, batch, bf16_dot)
         else:
             for layer in self.layers:
                 hidden, residual = layer(hidden, residual, batch)

@@ -1,6 +1,7 @@
-"""Decode steps on the CPU as one C++ call per block (``model_executor/decode_blocks.py``) compute what the modules
-compute: the same logits every step and the same pools after it, for GDN and attention layers, MoE blocks with a
-fused or a separate shared expert and dense MLPs, float32, bf16 and FP8 weights, requests of different lengths."""
+"""Decode steps on the CPU as one C++ call per block, or one for the whole model (``model_executor/decode_blocks.py``),
+compute what the modules compute: the same logits every step and the same pools after it, for GDN and attention
+layers, MoE blocks with a fused or a separate shared expert and dense MLPs, float32, bf16 and FP8 weights, requests
+of different lengths."""
 
 from __future__ import annotations
 
@@ -105,6 +106,27 @@ def test_decode_blocks_match_the_modules(
     mlp = _model(path, blocks=False, **load).model.layers[0].mlp
     assert getattr(mlp, "fuse_shared_expert", False) == fused_shared
     _assert_same_steps(path, page_size, **load)
+
+
+def test_whole_model_in_one_call_equals_a_call_per_block(tmp_path, monkeypatch):
+    """One rank runs every layer's blocks in one C++ call (``Qwen3_5Model.decode_layers``), built for the pools
+    it is given (again for new ones): the same kernels as a call per block (the path of tensor parallelism, which
+    reduces between the blocks), so the same logits and pools exactly."""
+    path = save_checkpoint(make_hf_model(moe=True, seed=3), str(tmp_path))
+    model = _model(path, blocks=True, weight_dtype=torch.bfloat16)
+    inner = model.model
+    got, got_pools = _run(model, page_size=16)
+    assert inner._decode_layers[0] is got_pools
+    assert len(inner._decode_layers[1]) == 2 * len(inner.layers)
+    again, again_pools = _run(model, page_size=16)
+    assert inner._decode_layers[0] is again_pools
+    monkeypatch.setattr(type(inner), "decode_layers", lambda self, pools: None)
+    want, want_pools = _run(model, page_size=16)
+    for step, (g, a, w) in enumerate(zip(got, again, want)):
+        assert torch.equal(g, w) and torch.equal(a, w), f"logits of step {step}"
+    for name in ("conv_buffer", "ssm_buffer"):
+        assert torch.equal(getattr(got_pools.states, name), getattr(want_pools.states, name)), name
+    assert torch.equal(got_pools.kv.buffer, want_pools.kv.buffer)
 
 
 def test_decode_blocks_with_fp8_weights(tmp_path):

@@ -8,11 +8,13 @@
 #include "common.h"
 #include "ops.h"
 
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <tuple>
 #include <vector>
 
@@ -289,9 +291,98 @@ std::tuple<at::Tensor, at::Tensor> mlp_decode_block(const at::Tensor& hidden, co
   return {out, res};
 }
 
+// ---- a model's decode layers in one call ---------------------------------------------------------------------------
+
+// The blocks of every layer, run back to back (models/qwen3_5.py): each block's arguments that stay the same from
+// step to step (weights, norms, heads, this layer's pools) are given once, and a step passes only what changes. At
+// batch 1 the dispatcher's parsing of a block's ~20 arguments cost about a third of the block's own time.
+class DecodeLayers : public torch::CustomClassHolder {
+ public:
+  // What a decode step changes: its requests' state slots and pages, their lengths and positions, the new tokens'
+  // KV slots, and how bf16 weights meet the rows.
+  struct Step {
+    at::Tensor state_slots, req_pool_indices, seq_lens, positions, out_cache_loc;
+    int64_t bf16_dot;
+  };
+  using Block = std::function<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const Step&)>;
+
+  void add_gdn(at::Tensor norm_weight, double eps, at::Tensor qkvz_w, OptTensor qkvz_s, at::Tensor ba_w,
+               OptTensor ba_s, at::Tensor conv_weight, at::Tensor A_log, at::Tensor dt_bias, at::Tensor gated_norm_w,
+               double gated_norm_eps, at::Tensor out_w, OptTensor out_s, at::Tensor conv_states,
+               at::Tensor ssm_states, int64_t key_heads, int64_t value_heads, int64_t key_dim, int64_t value_dim,
+               std::vector<int64_t> block) {
+    blocks_.push_back([=](const at::Tensor& hidden, const OptTensor& residual, const Step& step) {
+      return gdn_decode_block(hidden, residual, norm_weight, eps, qkvz_w, qkvz_s, ba_w, ba_s, conv_weight, A_log,
+                              dt_bias, gated_norm_w, gated_norm_eps, out_w, out_s, conv_states, ssm_states,
+                              step.state_slots, key_heads, value_heads, key_dim, value_dim, block, step.bf16_dot);
+    });
+  }
+
+  void add_attention(at::Tensor norm_weight, double eps, at::Tensor qkv_w, OptTensor qkv_s, at::Tensor q_norm_w,
+                     at::Tensor k_norm_w, double head_eps, at::Tensor o_w, OptTensor o_s, at::Tensor cos_sin_cache,
+                     int64_t rotary_dim, at::Tensor k_cache, at::Tensor v_cache, at::Tensor page_table, int64_t heads,
+                     int64_t kv_heads, int64_t head_dim, double scale, int64_t page_size, std::vector<int64_t> block) {
+    blocks_.push_back([=](const at::Tensor& hidden, const OptTensor& residual, const Step& step) {
+      return attention_decode_block(hidden, residual, norm_weight, eps, qkv_w, qkv_s, q_norm_w, k_norm_w, head_eps,
+                                    o_w, o_s, cos_sin_cache, rotary_dim, k_cache, v_cache, page_table,
+                                    step.req_pool_indices, step.seq_lens, step.positions, step.out_cache_loc, heads,
+                                    kv_heads, head_dim, scale, page_size, block, step.bf16_dot);
+    });
+  }
+
+  void add_moe(at::Tensor norm_weight, double eps, at::Tensor gate_w, at::Tensor shared_gate_w, at::Tensor w13,
+               OptTensor w13_s, at::Tensor w2, OptTensor w2_s, OptTensor shared_gate_up_w, OptTensor shared_gate_up_s,
+               OptTensor shared_down_w, OptTensor shared_down_s, int64_t top_k, int64_t shared_id,
+               std::vector<int64_t> block) {
+    blocks_.push_back([=](const at::Tensor& hidden, const OptTensor& residual, const Step& step) {
+      TORCH_CHECK(residual.has_value(), "an MLP block follows a mixer");
+      return moe_decode_block(hidden, *residual, norm_weight, eps, gate_w, shared_gate_w, w13, w13_s, w2, w2_s,
+                              shared_gate_up_w, shared_gate_up_s, shared_down_w, shared_down_s, top_k, shared_id,
+                              block, step.bf16_dot);
+    });
+  }
+
+  void add_mlp(at::Tensor norm_weight, double eps, at::Tensor gate_up_w, OptTensor gate_up_s, at::Tensor down_w,
+               OptTensor down_s, std::vector<int64_t> block) {
+    blocks_.push_back([=](const at::Tensor& hidden, const OptTensor& residual, const Step& step) {
+      TORCH_CHECK(residual.has_value(), "an MLP block follows a mixer");
+      return mlp_decode_block(hidden, *residual, norm_weight, eps, gate_up_w, gate_up_s, down_w, down_s, block,
+                              step.bf16_dot);
+    });
+  }
+
+  // hidden [B, H] (the embeddings) through every block: (the last block's output, residual), for the final norm.
+  std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, at::Tensor state_slots, at::Tensor req_pool_indices,
+                                         at::Tensor seq_lens, at::Tensor positions, at::Tensor out_cache_loc,
+                                         int64_t bf16_dot) {
+    TORCH_CHECK(!blocks_.empty(), "DecodeLayers holds no blocks");
+    const Step step{state_slots, req_pool_indices, seq_lens, positions, out_cache_loc, bf16_dot};
+    OptTensor residual;
+    for (const Block& block : blocks_) {
+      auto [out, res] = block(hidden, residual, step);
+      hidden = std::move(out);
+      residual = std::move(res);
+    }
+    return {hidden, *residual};
+  }
+
+  int64_t size() const { return static_cast<int64_t>(blocks_.size()); }
+
+ private:
+  std::vector<Block> blocks_;
+};
+
 }  // namespace sgl_cpu
 
 TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
+  m.class_<sgl_cpu::DecodeLayers>("DecodeLayers")
+      .def(torch::init<>())
+      .def("add_gdn", &sgl_cpu::DecodeLayers::add_gdn)
+      .def("add_attention", &sgl_cpu::DecodeLayers::add_attention)
+      .def("add_moe", &sgl_cpu::DecodeLayers::add_moe)
+      .def("add_mlp", &sgl_cpu::DecodeLayers::add_mlp)
+      .def("run", &sgl_cpu::DecodeLayers::run)
+      .def("size", &sgl_cpu::DecodeLayers::size);
   m.def("gdn_decode_block(Tensor hidden, Tensor? residual, Tensor norm_weight, float eps, Tensor qkvz_w, "
         "Tensor? qkvz_s, Tensor ba_w, Tensor? ba_s, Tensor conv_weight, Tensor A_log, Tensor dt_bias, "
         "Tensor gated_norm_w, float gated_norm_eps, Tensor out_w, Tensor? out_s, Tensor(a!) conv_states, "
