@@ -231,7 +231,7 @@ constexpr int64_t kPackedDepth = 256;
 // Rows of A from which a block is widened once into a contiguous float32 copy instead of for each group of 8 rows:
 // the groups then run float32 FMAs only, from a copy whose rows are adjacent (a weight's rows a whole row apart map
 // to few cache sets, and each group would fetch them again from L2; the figures: docs/performance.md).
-constexpr int64_t kPackRows = 32;
+constexpr int64_t kPackRows = 8;
 
 // The 32 columns at Wp of K weight rows (ldw apart), widened into a thread's buffer: row k at 32 k.
 template <class W>
@@ -240,6 +240,7 @@ const float* pack_widened(const typename W::T* Wp, int64_t ldw, int64_t K) {
   if (static_cast<int64_t>(buffer.size()) < K * 32) buffer.resize(K * 32);
   float* out = buffer.data();
   for (int64_t k = 0; k < K; ++k) {
+    __builtin_prefetch(Wp + (k + kPrefetchRows) * ldw, 0, 3);  // rows far apart: no hardware prefetcher follows
     store16(out + k * 32, W::load(Wp + k * ldw));
     store16(out + k * 32 + 16, W::load(Wp + k * ldw + 16));
   }
