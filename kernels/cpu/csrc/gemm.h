@@ -228,9 +228,10 @@ void all_rows_times_columns(const float* A, int64_t lda, int64_t M, const typena
 
 // Rows of K whose widened block of 32 columns (32 KB of float32) stays in L1 while every group of rows passes.
 constexpr int64_t kPackedDepth = 256;
-// Rows of A from which a block is widened once into a contiguous float32 copy instead of for each group of 8 rows:
-// the groups then run float32 FMAs only, from a copy whose rows are adjacent (a weight's rows a whole row apart map
-// to few cache sets, and each group would fetch them again from L2; the figures: docs/performance.md).
+// More rows of A than this (more than one group of 8) and a block is widened once into a contiguous float32 copy
+// instead of by each group: the groups then run float32 FMAs only, from a copy whose rows are adjacent (a weight's
+// rows a whole row apart map to few cache sets, and each group would fetch them again; the figures:
+// docs/performance.md).
 constexpr int64_t kPackRows = 8;
 
 // The 32 columns at Wp of K weight rows (ldw apart), widened into a thread's buffer: row k at 32 k.
