@@ -261,8 +261,8 @@ std::tuple<at::Tensor, at::Tensor> moe_decode_block(
                  ids.data());
   at::Tensor out = at::empty({batch, width}, hidden.options());
   float* o = out.data_ptr<float>();
-  fused_moe_core(normed, width, batch, width, w13, w2, w13_s, w2_s, block, Index(ids.data()), weights, k, 1, k, bf16_dot,
-                 o);
+  fused_moe_core(normed, width, batch, width, w13, w2, w13_s, w2_s, block, Index(ids.data()), weights, k, 1, k,
+                 bf16_dot, o);
   if (!fused) {
     gated_mlp(normed, batch, width, *shared_gate_up_w, shared_gate_up_s, *shared_down_w, shared_down_s, project,
               shared_gate_up, shared);

@@ -159,7 +159,8 @@ void experts_input_major(const float* xs, int64_t x_row, const Experts<W>& w13, 
   const int64_t pairs = static_cast<int64_t>(routing.order.size());
   const int64_t experts = static_cast<int64_t>(routing.starts.size()) - 1;
   const auto buffer = [](int64_t floats) { return std::unique_ptr<float[]>(new float[floats]); };  // not zeroed
-  const auto gathered = buffer(pairs * hidden), gate_up = buffer(pairs * 2 * inter), expert_out = buffer(pairs * hidden);
+  const auto gathered = buffer(pairs * hidden), gate_up = buffer(pairs * 2 * inter);
+  const auto expert_out = buffer(pairs * hidden);
   at::parallel_for(0, pairs, grain(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* src = xs + (routing.order[i] / routing.top_k) * x_row;
@@ -250,8 +251,8 @@ void check_experts(const at::Tensor& w13, const at::Tensor& w2, int64_t hidden) 
 // pairs from ids [T * top_k] and weights (w_row, w_col apart); experts as check_experts accepts them.
 void fused_moe_core(const float* x, int64_t x_row, int64_t tokens, int64_t hidden, const at::Tensor& w13,
                     const at::Tensor& w2, const OptTensor& w13_scale, const OptTensor& w2_scale, at::IntArrayRef block,
-                    const Index& ids, const float* weights, int64_t w_row, int64_t w_col, int64_t top_k, int64_t bf16_dot,
-                    float* out) {
+                    const Index& ids, const float* weights, int64_t w_row, int64_t w_col, int64_t top_k,
+                    int64_t bf16_dot, float* out) {
   const int64_t experts = w13.size(0), inter = w2.size(2);
   const Routing routing = group_by_expert(ids, tokens * top_k, top_k, experts);
   // each pair's expert output, at token * top_k + slot (every row written before it is read: not zeroed)
