@@ -109,6 +109,8 @@ def test_pd_with_real_servers_counts_both_sides_and_returns_decode(procs, dp_pai
             batch = {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 1}}
             async with s.post(router.url + "/generate", json=batch) as resp:
                 batched = (resp.status, await resp.json())
+            # the decode leg answers the client; the prefill leg (and its server's count) may end a moment later
+            released = released and await wait_for(lambda: _zero(s, router.url), timeout=5)
             after = [await routed(s, u.url) for u in dp_pair]
         return (
             during,
