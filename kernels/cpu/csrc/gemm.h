@@ -226,6 +226,10 @@ void all_rows_times_columns(const float* A, int64_t lda, int64_t M, const typena
 
 // ---- many rows through a block of a 16-bit weight: widened once ------------------------------------------------
 
+// The weights whose blocks many rows take widened once: unscaled and narrower than float32 (bf16).
+template <class W>
+constexpr bool kWidenedOnce = !W::kScaled && !std::is_same_v<W, F32Weight>;
+
 // Rows of K whose widened block of 32 columns (32 KB of float32) stays in L1 while every group of rows passes.
 constexpr int64_t kPackedDepth = 256;
 // More rows of A than this (more than one group of 8) and a block is widened once into a contiguous float32 copy
@@ -253,7 +257,7 @@ const float* pack_widened(const typename W::T* Wp, int64_t ldw, int64_t K) {
 template <class W>
 void many_rows_times_32_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw,
                                 int64_t K, float* C, int64_t ldc) {
-  static_assert(!W::kScaled, "scaled weights widen with their block scales");
+  static_assert(kWidenedOnce<W>, "scaled weights widen with their block scales, float32 ones need no widening");
   const float* packed = pack_widened<W>(Wp, ldw, K);
   for (int64_t k0 = 0; k0 < K; k0 += kPackedDepth) {
     const int64_t depth = std::min(kPackedDepth, K - k0);
@@ -266,7 +270,7 @@ void many_rows_times_32_columns(const float* A, int64_t lda, int64_t M, const ty
 template <class W>
 void all_rows_times_32_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw,
                                int64_t K, float* C, int64_t ldc, const KScales& s) {
-  if constexpr (!W::kScaled && !std::is_same_v<W, F32Weight>) {
+  if constexpr (kWidenedOnce<W>) {
     if (M > kPackRows) return many_rows_times_32_columns<W>(A, lda, M, Wp, ldw, K, C, ldc);
   }
   all_rows_times_columns<W, 2>(A, lda, M, Wp, ldw, K, C, ldc, s);
@@ -296,7 +300,7 @@ template <class W, int NV = 2>
 void rows_times_weight_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw, int64_t K,
                                int64_t n0, int64_t n1, float* C, int64_t ldc, const WeightScales& sc) {
   int64_t n = n0;
-  if constexpr (!W::kScaled && !std::is_same_v<W, F32Weight>) {  // many rows: blocks widened once
+  if constexpr (kWidenedOnce<W>) {  // many rows: blocks widened once
     if (M > kPackRows) {
       for (; n + 32 <= n1; n += 32) many_rows_times_32_columns<W>(A, lda, M, Wp + n, ldw, K, C + n, ldc);
     }
