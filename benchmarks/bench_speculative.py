@@ -16,7 +16,8 @@ the corrected or bonus token) from ``meta_info``.
 
 ``--costs`` times the parts of a step instead, in this process (one scheduler, ``--threads`` torch threads), per
 batch size: a plain decode step, and in a speculative step (``--steps`` k, the largest given) the MTP head's
-chain steps, the verify forward of k + 1 tokens per request, the head's pass over the kept tokens, and one LM head
+chain steps, the verify forward of k + 1 tokens per request, the head's pass over the kept tokens (its LM head and
+argmax included), and one LM head
 call (the verify's, each chain step's, the kept pass's: k + 1 a step), each the median over the steps of
 ``--output-len`` tokens. Speculation pays when (accepted length) * (plain step) exceeds
 the whole speculative step.
@@ -124,18 +125,30 @@ def main() -> None:
 
 
 class Timer:
-    """Wraps a runner method, keeping the seconds of each call by the batch's mode."""
+    """Wraps a method, keeping the seconds of each call by the kind of its first argument: ``verify`` (a verify
+    forward), a batch's mode, or ``all``. While ``inside`` (another Timer) runs, calls are not counted."""
 
-    def __init__(self, runner, name: str) -> None:
+    def __init__(self, owner, name: str, inside: Timer | None = None) -> None:
         self.calls: dict[str, list[float]] = {}
-        self._inner = getattr(runner, name)
-        setattr(runner, name, self)
+        self.running = False
+        self._inner = getattr(owner, name)
+        self._inside = inside
+        setattr(owner, name, self)
 
-    def __call__(self, batch, *rest):
+    def __call__(self, first, *rest, **kwargs):
         start = time.perf_counter()
-        out = self._inner(batch, *rest)
-        mode = "all" if isinstance(batch, torch.Tensor) else batch.mode.value
-        self.calls.setdefault(mode, []).append(time.perf_counter() - start)
+        self.running = True
+        try:
+            out = self._inner(first, *rest, **kwargs)
+        finally:
+            self.running = False
+        if self._inside is not None and self._inside.running:
+            return out
+        if isinstance(first, (torch.Tensor, list)):
+            kind = "all"
+        else:  # a ForwardBatch
+            kind = "verify" if first.verify is not None else first.mode.value
+        self.calls.setdefault(kind, []).append(time.perf_counter() - start)
         return out
 
 
@@ -152,8 +165,10 @@ def step_times(args: argparse.Namespace, path: str, steps: int, batch: list[list
     scheduler = create_scheduler(
         ServerArgs(model_path=path, max_total_tokens=16384, max_running_requests=len(batch), **spec)
     )
-    names = ("forward_hidden", "forward_mtp", "logits")
-    timers = {name: Timer(scheduler.model, name) for name in names}
+    timers = {name: Timer(scheduler.model, name) for name in ("forward_hidden", "logits")}
+    if steps:  # the head's pass over kept tokens (its LM head and argmax too), and its chain steps
+        timers["kept"] = Timer(scheduler.speculation, "_mtp_extend")
+        timers["forward_mtp"] = Timer(scheduler.model, "forward_mtp", inside=timers["kept"])
     params = {"max_new_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
     for i, prompt in enumerate(batch):
         scheduler.add_request(str(i), prompt, params)
@@ -188,7 +203,7 @@ def run_costs(args: argparse.Namespace, path: str) -> None:
     )
     print(
         "| batch | plain decode step ms | speculative step ms | MTP chain step ms | verify forward ms "
-        "| MTP over kept tokens ms | LM head call ms (k + 1 a step) |"
+        "| MTP over kept tokens (its LM head too) ms | LM head call ms (k + 1 a step) |"
     )
     for steps in (0, k):  # warm-up: the kernels' first calls
         step_times(args, path, steps, prompts[:1])
@@ -200,8 +215,8 @@ def run_costs(args: argparse.Namespace, path: str) -> None:
             median_ms(plain),
             median_ms(spec),
             median_ms(timers["forward_mtp"].calls.get("decode", [])),
-            median_ms(timers["forward_hidden"].calls.get("extend", [])[batch_size:]),
-            median_ms(timers["forward_mtp"].calls.get("extend", [])[batch_size:]),
+            median_ms(timers["forward_hidden"].calls.get("verify", [])),
+            median_ms(timers["kept"].calls.get("all", [])[batch_size:]),
             median_ms(timers["logits"].calls.get("all", [])),
         ]
         print(f"| {batch_size} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)

@@ -48,7 +48,8 @@ class ForwardBatch:
     # Longest prefix + extend, known on the host when the lists are real (None from a CUDA-graph runner, whose lists
     # are placeholders): spares the CPU attention path a read-back of seq_lens_t.
     max_seq_len: int | None = None
-    # a speculative verify forward (EXTEND): the GDN layers step token by token and keep the states after each
+    # a speculative verify forward (rows of ``build_rows_batch``): the GDN layers step each request's tokens in
+    # order and keep the states after each
     verify: VerifyStates | None = None
 
     def __post_init__(self) -> None:
@@ -99,21 +100,27 @@ class VerifyStates:
     conv state ``conv[i, j]`` [layers, conv_dim, K-1] and recurrent state ``ssm[i, j]`` [layers, HV, dk, dv], so
     that the states after the last accepted token can replace those after the last verified one
     (``ModelPools.states`` rows hold all layers of a slot). ``steps[j]``: the token rows and the request indices
-    that have a token j."""
+    that have a token j; the rows are ``build_rows_batch``'s, request after request.
 
-    def __init__(self, pools: ModelPools, extend_lens: list[int], device: torch.device) -> None:
-        states = pools.states
-        longest = max(extend_lens)
-        self.conv = states.conv_buffer.new_empty(
-            (len(extend_lens), longest, *states.conv_buffer.shape[1:])
-        )
-        self.ssm = states.ssm_buffer.new_empty(
-            (len(extend_lens), longest, *states.ssm_buffer.shape[1:])
-        )
-        starts = [0, *_cumsum(extend_lens)]
+    ``buffers``: (conv, ssm) of at least as many requests and tokens to keep the states in (a CUDA-graph runner
+    shares its largest size's between its sizes), else new ones."""
+
+    def __init__(
+        self,
+        pools: ModelPools,
+        counts: list[int],
+        device: torch.device,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        longest = max(counts)
+        if buffers is None:
+            buffers = verify_buffers(pools, len(counts), longest)
+        self.conv = buffers[0][: len(counts), :longest]
+        self.ssm = buffers[1][: len(counts), :longest]
+        starts = [0, *_cumsum(counts)]
         self.steps = []
         for j in range(longest):
-            reqs = [i for i, n in enumerate(extend_lens) if n > j]
+            reqs = [i for i, n in enumerate(counts) if n > j]
             tokens = [starts[i] + j for i in reqs]
             self.steps.append(
                 (
@@ -141,12 +148,54 @@ class VerifyStates:
         pools.states.ssm_buffer[slot].copy_(self.ssm[request, step])
 
 
+def verify_buffers(
+    pools: ModelPools, requests: int, tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (conv, ssm) buffers for ``VerifyStates`` of up to ``requests`` requests of ``tokens`` tokens."""
+    conv, ssm = pools.states.conv_buffer, pools.states.ssm_buffer
+    return (
+        conv.new_empty((requests, tokens, *conv.shape[1:])),
+        ssm.new_empty((requests, tokens, *ssm.shape[1:])),
+    )
+
+
 def _cumsum(values: list[int]) -> list[int]:
     out, total = [], 0
     for v in values:
         total += v
         out.append(total)
     return out
+
+
+def build_rows_batch(
+    pools: ModelPools,
+    token_ids: list[list[int]],
+    prefix_lens: list[int],
+    req_rows: list[int],
+    state_slots: list[int],
+    device: torch.device | str,
+    out_cache_loc: list[int],
+) -> ForwardBatch:
+    """A decode-shaped batch over ``token_ids[i]``, several new tokens of request i: each token is a row of its
+    own (request after request), with its request's page table row and state slot, attending to the cache up to
+    itself (its request's earlier tokens of this forward are stored first). A speculative verify forward over a
+    request's last token and its drafts, or the MTP head over kept tokens: a decode step's work per token (paged
+    decode attention, the MoE by rows), with one shape for each number of rows, which a CUDA graph can capture.
+
+    Through the main model it needs ``verify`` set (``VerifyStates`` of the requests' token counts), which makes
+    the Gated DeltaNet layers step each request's tokens in order and keep the states after each."""
+    counts = [len(t) for t in token_ids]
+    rows = [(i, j) for i, n in enumerate(counts) for j in range(n)]
+    return build_forward_batch(
+        pools,
+        ForwardMode.DECODE,
+        [[token_ids[i][j]] for i, j in rows],
+        [prefix_lens[i] + j for i, j in rows],
+        [req_rows[i] for i, _ in rows],
+        [state_slots[i] for i, _ in rows],
+        device,
+        out_cache_loc,
+    )
 
 
 def build_forward_batch(

@@ -139,13 +139,14 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         """A verify forward's conv and recurrence one token of each request at a time (the decode kernels, as a
-        decode step runs them), keeping the states after each token in ``batch.verify``."""
+        decode step runs them), keeping the states after each token in ``batch.verify``. Its rows are tokens
+        (``build_rows_batch``), each holding its request's state slot."""
         conv_states, ssm_states = batch.pools.state_buffers(self.layer_id)
         weight = self.conv1d.weight.squeeze(1)
         layer = batch.pools.linear_index[self.layer_id]
         out = qkv.new_empty((qkv.shape[0], self.num_v_heads, self.head_v_dim))
-        for step, (tokens, reqs) in enumerate(batch.verify.steps):
-            slots = batch.state_slots[reqs]
+        for step, (tokens, _) in enumerate(batch.verify.steps):
+            slots = batch.state_slots[tokens]
             q, k, v = self._heads(causal_conv1d_update(qkv[tokens], weight, conv_states, slots))
             out[tokens] = fused_recurrent_gated_delta_rule(
                 q, k, v, g[tokens], beta[tokens], ssm_states, slots

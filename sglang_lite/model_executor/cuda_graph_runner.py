@@ -15,6 +15,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,7 +32,9 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
     return sizes if sizes and sizes[-1] == max_bs else sizes + [max_bs]
 
 
-class _StaticInputs:
+class StaticInputs:
+    """Static input buffers of decode batches of up to ``max_bs`` rows, refilled before each replay."""
+
     def __init__(self, max_bs: int, device: torch.device) -> None:
         def zeros(dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(max_bs, dtype=dtype, device=device)
@@ -104,7 +107,7 @@ class CudaGraphRunner:
         self.device = model.lm_head.weight.device
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.use_graphs = use_graphs
-        self.inputs = _StaticInputs(self.batch_sizes[-1], self.device)
+        self.inputs = StaticInputs(self.batch_sizes[-1], self.device)
         self.outputs: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.timings_ms: dict[int, tuple[float, float]] = {}
@@ -156,16 +159,24 @@ class CudaGraphRunner:
 
     def _capture(self, bs: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self.inputs.pad(0, bs)
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up (Triton autotuning, allocator) outside the capture
-            for _ in range(2):
-                self._forward(bs)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(bs)
-        return graph, out
+        return capture_graph(lambda: self._forward(bs), self._pool, self.device)
+
+
+def capture_graph(
+    forward: Callable[[], Any], pool: Any, device: torch.device
+) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """A graph of ``forward`` (its static inputs already filled) and its outputs, after two warm-up calls on a
+    side stream (Triton autotuning, the allocator) outside the capture."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
 
 
 def _time_replays(replay: Callable[[], None], n: int) -> float:

@@ -7,11 +7,12 @@ import logging
 import torch
 
 from sglang_lite.distributed import get_parallel_state
-from sglang_lite.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from sglang_lite.forward_batch import ForwardBatch, ForwardMode, VerifyStates, build_forward_batch
 from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang_lite.model_executor.decode_blocks import enable_decode_blocks
+from sglang_lite.model_executor.spec_graph_runner import SpecGraphRunner
 from sglang_lite.model_executor.weight_layout import store_input_major
 from sglang_lite.server_args import ServerArgs
 
@@ -35,10 +36,13 @@ class ModelRunner:
         on_gpu = model.lm_head.weight.device.type == "cuda"
         # DP attention exchanges every forward's token counts on the host: not something a graph can replay
         dp_attention = get_parallel_state().config.dp_attention
-        # speculative decode steps run eagerly (no graphs of the draft and verify steps yet): none to capture
-        speculative = args.speculative_steps > 0
-        if on_gpu and not args.disable_cuda_graph and not dp_attention and not speculative:
-            max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+        graphs = on_gpu and not args.disable_cuda_graph and not dp_attention
+        max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+        # speculative decode steps are verify forwards and the MTP head's steps: their own graphs
+        self.spec_graphs: SpecGraphRunner | None = None
+        if graphs and args.speculative_steps > 0:
+            self.spec_graphs = capture_spec_graphs(model, pools, args.speculative_steps, max_bs)
+        elif graphs:
             self.graph_runner = CudaGraphRunner(
                 model, pools, max_bs, auto=args.alt_stream_overlap == "auto"
             )
@@ -75,12 +79,26 @@ class ModelRunner:
         """The final hidden state [T, hidden] of every new token (eagerly): what speculation's MTP head takes."""
         return self.model.forward_hidden(batch)
 
+    def forward_verify(
+        self, batch: ForwardBatch, counts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, VerifyStates]:
+        """A speculative verify forward over ``batch``'s rows (``build_rows_batch``; ``counts[i]`` tokens of
+        request i): (hidden [T, hidden], logits [T, vocab], the Gated DeltaNet states after each token), from a
+        graph where one was captured."""
+        if self.spec_graphs is not None and self.spec_graphs.can_verify(counts):
+            return self.spec_graphs.verify(batch)
+        batch.verify = VerifyStates(self.pools, counts, batch.input_ids.device)
+        hidden = self.model.forward_hidden(batch)
+        return hidden, self.model.logits(hidden), batch.verify
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
 
     def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """The MTP head over ``batch`` (the tokens after the positions whose hidden states are ``hidden``): its
-        hidden state [T, hidden], for the LM head and the next draft step."""
+        hidden state [T, hidden], for the LM head and the next draft step; from a graph where one was captured."""
+        if self.spec_graphs is not None and self.spec_graphs.can_run_head(batch):
+            return self.spec_graphs.head(batch, hidden)
         return self.model.mtp(batch, hidden)
 
     def forward_idle(self) -> None:
@@ -89,3 +107,19 @@ class ModelRunner:
         batch = build_forward_batch(self.pools, ForwardMode.DECODE, [], [], [], [], device, [])
         with torch.inference_mode():
             self.model.forward_batch(batch)
+
+
+def capture_spec_graphs(
+    model: torch.nn.Module, pools: ModelPools, steps: int, max_bs: int
+) -> SpecGraphRunner | None:
+    """Speculation's graphs (``SpecGraphRunner``), or None with a warning when capturing fails: those steps then
+    run eagerly, as they do with ``--disable-cuda-graph``."""
+    try:
+        return SpecGraphRunner(model, pools, steps, max_bs)
+    except Exception:  # noqa: BLE001 - any capture failure leaves the eager path, which is always correct
+        logger.warning(
+            "speculative CUDA graphs not captured; the draft and verify steps run eagerly",
+            exc_info=True,
+        )
+        torch.cuda.synchronize()
+        return None

@@ -153,7 +153,13 @@ class Qwen3_5Model(nn.Module):
             for layer in self.layers:
                 hidden = layer.run_mlp(hidden, batch)
             return hidden
-        if self.use_decode_blocks and batch.is_decode and batch.dp_tokens is None:
+        # a verify forward's GDN layers step each request's tokens in order, which the decode blocks do not
+        if (
+            self.use_decode_blocks
+            and batch.is_decode
+            and batch.dp_tokens is None
+            and batch.verify is None
+        ):
             bf16_dot = cpu_kernels.bf16_dot()
             layers = self.decode_layers(batch.pools)
             if layers is not None:

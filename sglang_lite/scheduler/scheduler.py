@@ -113,8 +113,12 @@ class Scheduler:
         self.num_prefill_tokens = 0  # prompt (and re-prefill) tokens run through extend forwards
         self._memory_failures = MemoryFailures()
         self._weight_bytes = _weight_bytes(model)
-        # what the CUDA graphs of decode batches took, measured at capture (none on the CPU)
-        self._graph_bytes = getattr(getattr(model, "graph_runner", None), "memory_bytes", 0)
+        # what the CUDA graphs of decode batches (or of speculation's steps) took, measured at capture (none on
+        # the CPU)
+        self._graph_bytes = sum(
+            getattr(getattr(model, name, None), "memory_bytes", 0)
+            for name in ("graph_runner", "spec_graphs")
+        )
 
     # ---- requests in --------------------------------------------------------------------------------------------
     def add_request(

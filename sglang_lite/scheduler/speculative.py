@@ -5,14 +5,18 @@ A decode step of a request holding drafts runs, for the whole decode batch at on
 1. KV slots for its last token and its drafts (``1 + len(drafts)`` positions);
 2. the rest of its chain: the MTP head, one token at a time, from the first draft (``Drafts``) on, writing its
    own KV (a draft layer of the pools) at the positions the verify forward fills next;
-3. one verify forward of the model over ``[last token, d1 .. dk]`` (EXTEND), its Gated DeltaNet layers keeping
-   the states after each token (``forward_batch.VerifyStates``);
+3. one verify forward of the model over ``[last token, d1 .. dk]``, one row a token as in a decode step
+   (``forward_batch.build_rows_batch``), its Gated DeltaNet layers keeping the states after each token
+   (``forward_batch.VerifyStates``);
 4. ``sampling.speculative.verify_chain``: the accepted drafts plus one token, cut where the request would finish
    (its length, a stop token or stop string: ``tokens_to_take``), so nothing is produced past them;
 5. the memory brought back to the last kept token: the rejected positions' KV pages freed, the GDN states after
    the last kept token restored; then the tokens appended one by one as a plain decode step appends its one;
-6. the MTP head over the kept positions with the model's own hidden states, which rewrites its KV there and
-   drafts the first token of the next step.
+6. the MTP head over the kept positions (rows again) with the model's own hidden states, which rewrites its KV
+   there and drafts the first token of the next step.
+
+The runner replays CUDA graphs of the head's steps and of the verify forward where it captured them
+(``model_executor/spec_graph_runner.py``), and runs them eagerly elsewhere.
 
 After each prefill forward the head runs over the new positions, so a request enters decoding with its first
 draft. Requests with a grammar are not drafted for: they decode one token a step inside the same verify forward,
@@ -26,11 +30,18 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
 
-from sglang_lite.forward_batch import ForwardBatch, ForwardMode, VerifyStates, build_forward_batch
+from sglang_lite.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    VerifyStates,
+    build_forward_batch,
+    build_rows_batch,
+)
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.protocol.config import SchedulerConfig
@@ -171,9 +182,12 @@ class MtpSpeculation:
                 entries.append((req, prefix, following, hidden[starts[i] : starts[i] + count]))
         self._mtp_extend(entries)
 
-    def _mtp_extend(self, entries: list[tuple[Req, int, list[int], torch.Tensor]]) -> None:
+    def _mtp_extend(
+        self, entries: list[tuple[Req, int, list[int], torch.Tensor]], as_rows: bool = False
+    ) -> None:
         """The head at positions ``prefix..`` of each request (tokens ``following``, the model's hidden states
-        there): its KV there, and the first draft from its last position."""
+        there): its KV there, and the first draft from its last position. ``as_rows``: one row a token, as a
+        verify forward (a decode step's few kept tokens; a prefill's run as an extend)."""
         if not entries:
             return
         table = self.pools.req_to_token
@@ -182,9 +196,9 @@ class MtpSpeculation:
             for req, start, toks, _ in entries
             for s in table.slots(req.req_row, start, start + len(toks))
         ]
-        batch = build_forward_batch(
+        build = build_rows_batch if as_rows else _build_extend
+        batch = build(
             self.pools,
-            ForwardMode.EXTEND,
             [toks for _, _, toks, _ in entries],
             [start for _, start, _, _ in entries],
             [req.req_row for req, _, _, _ in entries],
@@ -192,9 +206,10 @@ class MtpSpeculation:
             self.device,
             slots,
         )
+        last_rows = torch.tensor(list(accumulate(len(toks) for _, _, toks, _ in entries))) - 1
         with torch.inference_mode():
             out = self.runner.forward_mtp(batch, torch.cat([h for _, _, _, h in entries]))
-            last = out[batch.last_token_indices]
+            last = out[last_rows.to(out.device)]
             tokens = argmax_rows(self.runner.logits(last)).tolist()
         for (req, _, _, _), token, hidden in zip(entries, tokens, last):
             req.drafts = Drafts(token, hidden.clone())  # not a view keeping the whole output alive
@@ -222,9 +237,8 @@ class MtpSpeculation:
         starts = [r.num_computed for r in reqs]
         chains = self._draft(reqs, counts, starts, per_req)
         tokens = [[r.output_ids[-1], *chain] for r, chain in zip(reqs, chains)]
-        forward_batch = build_forward_batch(
+        forward_batch = build_rows_batch(
             self.pools,
-            ForwardMode.EXTEND,
             tokens,
             starts,
             [r.req_row for r in reqs],
@@ -232,11 +246,9 @@ class MtpSpeculation:
             self.device,
             kv_slots,
         )
-        forward_batch.verify = VerifyStates(self.pools, counts, torch.device(self.device))
         with torch.inference_mode():
-            hidden = self.runner.forward_hidden(forward_batch)
-            logits = self.runner.logits(hidden)
-        self._accept(reqs, chains, counts, per_req, forward_batch, hidden, logits)
+            hidden, logits, verify = self.runner.forward_verify(forward_batch, counts)
+        self._accept(reqs, chains, counts, starts, per_req, verify, hidden, logits)
 
     def _draft(
         self, reqs: list[Req], counts: list[int], starts: list[int], per_req: list[list[int]]
@@ -270,15 +282,16 @@ class MtpSpeculation:
         reqs: list[Req],
         chains: list[list[int]],
         counts: list[int],
+        prefixes: list[int],
         per_req: list[list[int]],
-        forward_batch: ForwardBatch,
+        verify: VerifyStates,
         hidden: torch.Tensor,
         logits: torch.Tensor,
     ) -> None:
-        """Each request's tokens from the verify forward's logits, its memory brought back to its last kept
-        token, then the head over what was kept (the next step's first drafts)."""
-        starts = forward_batch.cu_seqlens.tolist()
-        prefixes = list(forward_batch.prefix_lens)
+        """Each request's tokens from the verify forward's logits (``counts[i]`` rows each, request after
+        request), its memory brought back to its last kept token (``prefixes[i]`` cached before), then the head
+        over what was kept (the next step's first drafts)."""
+        starts = [0, *accumulate(counts)]
         drafted = [i for i, n in enumerate(counts) if n > 1]
         plain = [i for i, n in enumerate(counts) if n == 1]
         kept: dict[int, list[int]] = {}
@@ -287,7 +300,7 @@ class MtpSpeculation:
             rows = logits[starts[i] : starts[i] + counts[i]]
             kept[i] = self._take(reqs[i], rows, chains[i])
             entries[i] = _logprob_entries(reqs[i], rows, kept[i])
-            self._keep(reqs[i], i, prefixes[i], len(kept[i]), per_req[i], forward_batch.verify)
+            self._keep(reqs[i], i, prefixes[i], len(kept[i]), per_req[i], verify)
         for i, tokens in kept.items():
             for j, token in enumerate(tokens):  # one by one, as a decode step appends its one
                 if entries[i]:
@@ -346,7 +359,7 @@ class MtpSpeculation:
             if req.holds_memory and drafts_for(req):
                 following = req.output_ids[len(req.output_ids) - n :]
                 entries.append((req, prefix, following, states))
-        self._mtp_extend(entries)
+        self._mtp_extend(entries, as_rows=True)
 
     def _keep(
         self,
@@ -382,6 +395,27 @@ def _logprob_entries(req: Req, logits: torch.Tensor, tokens: list[int]) -> list[
         return []
     targets = torch.tensor(tokens, device=logits.device)
     return logprob_entries(logits[: len(tokens)], targets, [req.logprob] * len(tokens))
+
+
+def _build_extend(
+    pools: ModelPools,
+    token_ids: list[list[int]],
+    prefix_lens: list[int],
+    req_rows: list[int],
+    state_slots: list[int],
+    device: str,
+    out_cache_loc: list[int],
+) -> ForwardBatch:
+    return build_forward_batch(
+        pools,
+        ForwardMode.EXTEND,
+        token_ids,
+        prefix_lens,
+        req_rows,
+        state_slots,
+        device,
+        out_cache_loc,
+    )
 
 
 def _split(values: list[int], counts: list[int]) -> list[list[int]]:

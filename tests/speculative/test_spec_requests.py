@@ -162,16 +162,16 @@ def test_a_failing_verify_forward_fails_its_batch_and_frees_its_slots(
             break
         scheduler.step()
     assert both_drafted()
-    real = scheduler.model.forward_hidden
+    real = scheduler.model.forward_verify
 
-    def verify_failing_once(batch):
-        if batch.verify is not None and not failed:
+    def verify_failing_once(batch, counts):
+        if not failed:
             failed.append(batch)
             raise RuntimeError("a kernel raised")
-        return real(batch)
+        return real(batch, counts)
 
     failed: list = []
-    monkeypatch.setattr(scheduler.model, "forward_hidden", verify_failing_once)
+    monkeypatch.setattr(scheduler.model, "forward_verify", verify_failing_once)
     outputs = scheduler.step()
     scheduler.check_invariants()
     assert failed and {o.rid for o in outputs if o.finished} == {"a", "b"}
