@@ -11,8 +11,9 @@ companion of gpu_check.py, which checks the kernels one by one and runs these ch
 4. The built-in model behind the Engine with TP=2 over NCCL/RCCL when two GPUs exist (else TP=1, the same code
    path): one batch of greedy, penalised, grammar-constrained and ``n`` = 3 requests decoded in captured graphs,
    then prompts that extend cached ones (prefix-cache hits), each against transformers decoding it alone.
-5. The built-in model with its trained MTP head: greedy output with NEXTN speculation equals plain decoding, the
-   tokens per verify step, and both decode speeds.
+5. The built-in model with its trained MTP head: greedy output with NEXTN speculation (k = 1, 2, 3 in CUDA graphs
+   of the draft and verify steps, k = 3 eagerly) equals plain decoding, the tokens per verify step, and the decode
+   speeds against plain.
 
 Prints PASS/FAIL per check and exits non-zero when any fails. ``--device cpu`` runs the same checks on the CPU
 (no graphs; TP=2 over gloo), to know the script runs end to end; on a machine without a GPU, the default says so
@@ -301,8 +302,10 @@ def check_serving(tp: int) -> None:
 
 def check_speculation() -> None:
     """The built-in model with its trained MTP head behind the Engine on the device: greedy output with NEXTN
-    speculation (k = 3, the speculative steps eager) equals plain decoding (CUDA graphs), and the tokens produced
-    per verify step; the decode tok/s of both at batch 1 and 8 in the detail (informative, not checked)."""
+    speculation at k = 1, 2, 3, its draft and verify steps replaying CUDA graphs (``SpecGraphRunner``), and at
+    k = 3 eagerly, equals plain decoding (CUDA graphs); the graphs were captured (``graph_gb`` > 0), and the tokens
+    produced per verify step. The decode tok/s at batch 1 and 8 in the detail, each against plain (informative,
+    not checked: issue 35 asks >= 1.2x at batch 1 at the best k)."""
     from bench_speculative import measure
 
     from sglang_lite.tokenizer import load_tokenizer
@@ -312,27 +315,37 @@ def check_speculation() -> None:
     prompts = [ids[:cut] for cut in (12, 40, 90, 140, 20, 60, 110, 150)]
     greedy = {"max_new_tokens": 48, "temperature": 0.0, "ignore_eos": True}
     common = dict(device=DEVICE, dtype="float32", max_total_tokens=4096, max_running_requests=8)
-    outputs, speeds = {}, {}
-    nextn = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
-    for name, extra in (("plain", {}), ("nextn", nextn)):
+    variants = {"plain": {}, "k=3 eager": {"speculative_num_steps": 3, "disable_cuda_graph": True}}
+    variants |= {f"k={k}": {"speculative_num_steps": k} for k in (1, 2, 3)}
+    outputs, speeds, graph_gb = {}, {}, {}
+    for name, extra in variants.items():
+        if extra:
+            extra = {"speculative_algorithm": "NEXTN", **extra}
         with Engine(**common, **extra) as engine:
+            graph_gb[name] = engine.get_loads(include=("memory",))["memory"]["graph_gb"]
             outputs[name] = engine.generate(input_ids=prompts, sampling_params=greedy)
             for batch in (1, 8):
                 speeds[name, batch], _ = measure(engine, prompts[:batch], greedy["max_new_tokens"])
-    same = sum(
-        a["output_ids"] == b["output_ids"] for a, b in zip(outputs["plain"], outputs["nextn"])
-    )
-    produced = sum(len(o["output_ids"]) - 1 for o in outputs["nextn"])
-    verify = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outputs["nextn"])
-    rates = ", ".join(
-        f"batch {b}: {speeds['plain', b]:.0f} -> {speeds['nextn', b]:.0f} tok/s" for b in (1, 8)
-    )
-    report(
-        "built-in model, NEXTN k=3 vs plain greedy",
-        same == len(prompts) and verify > 0,
-        f"{same}/{len(prompts)} requests identical, {produced / max(verify, 1):.2f} tokens per verify step; "
-        f"{rates}",
-    )
+    for name in variants:
+        if name == "plain":
+            continue
+        same = sum(
+            a["output_ids"] == b["output_ids"] for a, b in zip(outputs["plain"], outputs[name])
+        )
+        produced = sum(len(o["output_ids"]) - 1 for o in outputs[name])
+        verify = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outputs[name])
+        graphs_expected = DEVICE == "cuda" and "eager" not in name
+        rates = ", ".join(
+            f"batch {b}: {speeds['plain', b]:.0f} -> {speeds[name, b]:.0f} tok/s "
+            f"({speeds[name, b] / speeds['plain', b]:.2f}x)"
+            for b in (1, 8)
+        )
+        report(
+            f"built-in model, NEXTN {name} vs plain greedy",
+            same == len(prompts) and verify > 0 and (graph_gb[name] > 0) == graphs_expected,
+            f"{same}/{len(prompts)} requests identical, {produced / max(verify, 1):.2f} tokens per verify "
+            f"step, graphs {graph_gb[name]:.3f} GB; {rates}",
+        )
 
 
 def tp_size() -> int:

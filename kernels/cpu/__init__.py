@@ -35,6 +35,7 @@ from .blocks import (  # noqa: F401 - the decode blocks, one call each
     gdn_decode_block,
     mlp_decode_block,
     moe_decode_block,
+    mtp_input_block,
 )
 from .build import (  # noqa: F401 - the package's build interface
     _build_and_load,

@@ -179,6 +179,21 @@ def mlp_decode_block(
     )
 
 
+def mtp_input_block(
+    embedded: torch.Tensor,
+    hidden: torch.Tensor,
+    norms: tuple[Norm, Norm],
+    fc: Weight,
+    block: tuple[int, int] | None,
+    bf16_dot: int,
+) -> torch.Tensor:
+    """The MTP head's input [N, H]: ``fc`` of the normed embeddings and hidden states side by side (``norms``:
+    the embeddings', the hidden states')."""
+    return _ops().mtp_input_block(
+        embedded, hidden, *norms[0], *norms[1], *fc, _block(block), bf16_dot
+    )
+
+
 class DecodeLayers:
     """Every block of a model's decode step in one C++ call (``csrc/layer_ops.cpp``'s ``DecodeLayers``): each
     block's arguments that stay the same from step to step (weights, norms, heads, its layer's pools) are given
@@ -204,7 +219,9 @@ class DecodeLayers:
         states: tuple[torch.Tensor, torch.Tensor],
         heads: GdnHeads,
         block: tuple[int, int] | None,
+        state_layer: int,
     ) -> None:
+        """``state_layer``: the layer's index among the Gated DeltaNet layers (its place in a slot's states)."""
         self._layers.add_gdn(
             *norm,
             *qkvz,
@@ -217,6 +234,7 @@ class DecodeLayers:
             *states,
             *heads,
             _block(block),
+            state_layer,
         )
 
     def add_attention(
@@ -276,3 +294,22 @@ class DecodeLayers:
         """hidden [B, H] (the embeddings) -> (the last block's output, residual). ``requests``: req_pool_indices,
         seq_lens, positions, out_cache_loc."""
         return self._layers.run(hidden, state_slots, *requests, bf16_dot)
+
+    def run_verify(
+        self,
+        hidden: torch.Tensor,
+        state_slots: torch.Tensor,
+        requests: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        bf16_dot: int,
+        steps: list[tuple[torch.Tensor, torch.Tensor]],
+        states: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``run`` over a speculative verify forward's rows (one a token, each with its request's state slot): the
+        Gated DeltaNet layers step each request's tokens in order (``steps[j]``: the rows of token j and their
+        requests) and keep the states after each in ``states`` (conv [R, T, layers, conv_dim, K-1], ssm [R, T,
+        layers, HV, dk, dv]: ``sglang_lite.forward_batch.VerifyStates``)."""
+        rows = [tokens for tokens, _ in steps]
+        reqs = [requests_of_step for _, requests_of_step in steps]
+        return self._layers.run_verify(
+            hidden, state_slots, *requests, bf16_dot, rows, reqs, *states
+        )

@@ -141,6 +141,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         """A verify forward's conv and recurrence one token of each request at a time (the decode kernels, as a
         decode step runs them), keeping the states after each token in ``batch.verify``. Its rows are tokens
         (``build_rows_batch``), each holding its request's state slot."""
+        assert batch.is_decode, "a verify forward runs one row a token (build_rows_batch)"
         conv_states, ssm_states = batch.pools.state_buffers(self.layer_id)
         weight = self.conv1d.weight.squeeze(1)
         layer = batch.pools.linear_index[self.layer_id]
@@ -207,6 +208,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             pools.state_buffers(self.layer_id),
             self._decode_heads,
             self._decode_quant,
+            pools.linear_index[self.layer_id],
         )
 
     def _conv(

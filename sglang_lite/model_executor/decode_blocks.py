@@ -29,6 +29,9 @@ def enable_decode_blocks(model: nn.Module, torch_compile: bool) -> str:
         layer.prepare_decode_blocks()
     model.model.reset_decode_layers()
     model.model.use_decode_blocks = True
+    if hasattr(model, "mtp"):  # speculation's draft steps
+        model.mtp.prepare_decode_blocks()
+        model.mtp.use_decode_blocks = True
     return "on"
 
 

@@ -18,7 +18,7 @@ from sglang_lite.forward_batch import ForwardBatch, ForwardMode, build_forward_b
 from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.layers.attention import Qwen3_5Attention
 from sglang_lite.layers.gdn import Qwen3_5GatedDeltaNet
-from sglang_lite.layers.linear import Linear, Split
+from sglang_lite.layers.linear import Linear, Split, quant_block, weight_of
 from sglang_lite.layers.mlp import GatedMLP, Qwen3_5SparseMoeBlock, shared_expert_fusion_supported
 from sglang_lite.layers.norm import GemmaRMSNorm
 from sglang_lite.layers.rotary import RotaryEmbedding
@@ -110,6 +110,29 @@ class Qwen3_5DecoderLayer(nn.Module):
         return batch.dp_tokens.scatter(self.mlp(batch.dp_tokens.gather(hidden), batch.overlap))
 
 
+class OneCallLayers:
+    """Decoder layers' decode blocks as one C++ call (``cpu_kernels.DecodeLayers``) over some pools: built on
+    first use, again for other pools or after ``reset`` (the blocks gathered their weights again); None where
+    ranks reduce between the blocks (tensor parallelism)."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        self._layers = (layers,)  # a tuple keeps them out of the owning module's children
+        self.built: tuple[ModelPools, cpu_kernels.DecodeLayers] | None = None  # (pools, the call)
+
+    def get(self, pools: ModelPools) -> cpu_kernels.DecodeLayers | None:
+        if get_parallel_state().world_size > 1:
+            return None
+        if self.built is None or self.built[0] is not pools:
+            layers = cpu_kernels.DecodeLayers()
+            for layer in self._layers[0]:
+                layer.add_decode_blocks(layers, pools)
+            self.built = (pools, layers)
+        return self.built[1]
+
+    def reset(self) -> None:
+        self.built = None
+
+
 class Qwen3_5Model(nn.Module):
     def __init__(self, config: ModelConfig, fuse_shared_expert: bool = False) -> None:
         super().__init__()
@@ -125,23 +148,15 @@ class Qwen3_5Model(nn.Module):
         self.use_decode_blocks = (
             False  # set by the runner on the CPU (model_executor/decode_blocks.py)
         )
-        self._decode_layers: tuple[ModelPools, cpu_kernels.DecodeLayers] | None = None
+        self._decode_layers = OneCallLayers(self.layers)
 
     def decode_layers(self, pools: ModelPools) -> cpu_kernels.DecodeLayers | None:
-        """Every layer's decode blocks as one C++ call over ``pools`` (built on first use, again for other pools
-        or after ``reset_decode_layers``); None where ranks reduce between the blocks (tensor parallelism)."""
-        if get_parallel_state().world_size > 1:
-            return None
-        if self._decode_layers is None or self._decode_layers[0] is not pools:
-            layers = cpu_kernels.DecodeLayers()
-            for layer in self.layers:
-                layer.add_decode_blocks(layers, pools)
-            self._decode_layers = (pools, layers)
-        return self._decode_layers[1]
+        """Every layer's decode blocks as one C++ call over ``pools`` (``OneCallLayers``)."""
+        return self._decode_layers.get(pools)
 
     def reset_decode_layers(self) -> None:
         """Forgets the built ``decode_layers`` (the blocks gathered their weights again)."""
-        self._decode_layers = None
+        self._decode_layers.reset()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if get_parallel_state().config.dp_attention:
@@ -153,31 +168,37 @@ class Qwen3_5Model(nn.Module):
             for layer in self.layers:
                 hidden = layer.run_mlp(hidden, batch)
             return hidden
-        # a verify forward's GDN layers step each request's tokens in order, which the decode blocks do not
-        if (
-            self.use_decode_blocks
-            and batch.is_decode
-            and batch.dp_tokens is None
-            and batch.verify is None
-        ):
-            bf16_dot = cpu_kernels.bf16_dot()
-            layers = self.decode_layers(batch.pools)
-            if layers is not None:
-                requests = (
-                    batch.req_pool_indices,
-                    batch.seq_lens_t,
-                    batch.positions,
-                    batch.out_cache_loc,
-                )
-                hidden, residual = layers.run(hidden, batch.state_slots, requests, bf16_dot)
-            else:
-                for layer in self.layers:
-                    hidden, residual = layer.decode_blocks(hidden, residual, batch, bf16_dot)
+        if self.use_decode_blocks and batch.is_decode and batch.dp_tokens is None:
+            hidden, residual = self._decode_blocks(hidden, batch)
         else:
             for layer in self.layers:
                 hidden, residual = layer(hidden, residual, batch)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _decode_blocks(
+        self, hidden: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode batch through the C++ blocks: every layer in one call on one rank, a call per block where
+        ranks reduce between them. A verify forward's rows (``batch.verify``) step each request's tokens in order
+        through the one call, and through the modules under tensor parallelism."""
+        bf16_dot = cpu_kernels.bf16_dot()
+        layers = self.decode_layers(batch.pools)
+        requests = (batch.req_pool_indices, batch.seq_lens_t, batch.positions, batch.out_cache_loc)
+        verify, residual = batch.verify, None
+        if layers is not None and verify is not None:
+            states = (verify.conv, verify.ssm)
+            return layers.run_verify(
+                hidden, batch.state_slots, requests, bf16_dot, verify.steps, states
+            )
+        if layers is not None:
+            return layers.run(hidden, batch.state_slots, requests, bf16_dot)
+        for layer in self.layers:
+            if verify is not None:
+                hidden, residual = layer(hidden, residual, batch)
+            else:
+                hidden, residual = layer.decode_blocks(hidden, residual, batch, bf16_dot)
+        return hidden, residual
 
 
 class Qwen3_5ForCausalLM(nn.Module):
@@ -307,19 +328,49 @@ class Qwen3_5MTP(nn.Module):
             ]
         )
         self.norm = GemmaRMSNorm(hidden, config.rms_norm_eps)
+        self.use_decode_blocks = False  # set by the runner on the CPU, as the main model's
+        self._decode_layers = OneCallLayers(self.layers)
 
     @property
     def layer_id(self) -> int:
         return self.layers[0].self_attn.layer_id
 
+    def prepare_decode_blocks(self) -> None:
+        """Gathers what the decode blocks read (the runner calls this after ``weight_layout``): its decoder
+        layer's, and the input's norms and ``fc`` as they are laid out now."""
+        self.layers[0].prepare_decode_blocks()
+        self._decode_layers.reset()
+        norms = (self.pre_fc_norm_embedding, self.pre_fc_norm_hidden)
+        self._decode_input = (
+            tuple(cpu_kernels.Norm(norm.weight, norm.eps) for norm in norms),
+            weight_of(self.fc),
+            quant_block(self.fc),
+        )
+
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """``batch.input_ids`` the tokens after the positions whose main hidden states are ``hidden`` [T, H]:
-        the head's hidden state [T, H] at those positions (its KV written at ``batch.out_cache_loc``)."""
+        the head's hidden state [T, H] at those positions (its KV written at ``batch.out_cache_loc``). Decode
+        batches (a chain step, the kept tokens' rows) run as C++ calls where the main model's layers do: the
+        input, then the decoder layer."""
         embedded = self._embed[0](batch.input_ids).to(hidden.dtype)
-        joined = torch.cat(
-            [self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], dim=-1
-        )
-        out, residual = self.layers[0](self.fc(joined), None, batch)
+        layers = None
+        if self.use_decode_blocks and batch.is_decode:
+            layers = self._decode_layers.get(batch.pools)
+        if layers is not None:
+            bf16_dot = cpu_kernels.bf16_dot()
+            joined = cpu_kernels.mtp_input_block(embedded, hidden, *self._decode_input, bf16_dot)
+            requests = (
+                batch.req_pool_indices,
+                batch.seq_lens_t,
+                batch.positions,
+                batch.out_cache_loc,
+            )
+            out, residual = layers.run(joined, batch.state_slots, requests, bf16_dot)
+        else:
+            joined = torch.cat(
+                [self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], dim=-1
+            )
+            out, residual = self.layers[0](self.fc(joined), None, batch)
         out, _ = self.norm(out, residual)
         return out
 

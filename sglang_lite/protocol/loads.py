@@ -109,7 +109,9 @@ class SchedulerLoads:
     retracted: int  # waiting requests that were retracted at least once
     num_retractions: int  # retractions since start
     grammar: int = 0  # waiting for their grammar to compile
-    graph_gb: float = 0.0  # CUDA graphs of decode batches (0 where none are captured)
+    graph_gb: float = (
+        0.0  # CUDA graphs of decode (or speculative) steps (0 where none are captured)
+    )
     # speculative decoding since start (zero when off): tokens per verify step of a request (accepted drafts
     # plus the corrected or bonus token), accepted drafts over drafts
     accept_length: float = 0.0

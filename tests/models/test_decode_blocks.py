@@ -116,10 +116,10 @@ def test_whole_model_in_one_call_equals_a_call_per_block(tmp_path, monkeypatch):
     model = _model(path, blocks=True, weight_dtype=torch.bfloat16)
     inner = model.model
     got, got_pools = _run(model, page_size=16)
-    assert inner._decode_layers[0] is got_pools
-    assert len(inner._decode_layers[1]) == 2 * len(inner.layers)
+    assert inner._decode_layers.built[0] is got_pools
+    assert len(inner._decode_layers.built[1]) == 2 * len(inner.layers)
     again, again_pools = _run(model, page_size=16)
-    assert inner._decode_layers[0] is again_pools
+    assert inner._decode_layers.built[0] is again_pools
     monkeypatch.setattr(type(inner), "decode_layers", lambda self, pools: None)
     want, want_pools = _run(model, page_size=16)
     for step, (g, a, w) in enumerate(zip(got, again, want)):

@@ -1,22 +1,36 @@
-"""A speculative verify forward (EXTEND with ``ForwardBatch.verify``) against decoding its tokens one at a time:
-the same logits at every position, and the Gated DeltaNet states it keeps after each token are the decode steps'
-states; restoring one puts exactly those into the request's slot."""
+"""A speculative verify forward (one row a token, ``build_rows_batch``, with ``ForwardBatch.verify``) against
+decoding its tokens one at a time: the same logits at every position, and the Gated DeltaNet states it keeps after
+each token are the decode steps' states; restoring one puts exactly those into the request's slot. Through the
+modules, and through the CPU's C++ decode blocks (the model in one call)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sglang_lite.forward_batch import ForwardMode, VerifyStates, build_forward_batch
+from sglang_lite.forward_batch import (
+    ForwardMode,
+    VerifyStates,
+    build_forward_batch,
+    build_rows_batch,
+)
+from sglang_lite.kernels import cpu
 from sglang_lite.mem_cache.pools import ModelPools
+from sglang_lite.model_executor.decode_blocks import enable_decode_blocks
+from sglang_lite.model_executor.weight_layout import store_input_major
 from sglang_lite.models.loader import load_model
 from tests.hf_checkpoints import make_hf_model, save_checkpoint
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
+@pytest.fixture(scope="module", params=["modules", "blocks"])
+def model(request, tmp_path_factory):
     path = save_checkpoint(make_hf_model(moe=True, seed=9), str(tmp_path_factory.mktemp("verify")))
-    return load_model(path)
+    model = load_model(path)
+    if request.param == "blocks":
+        cpu.require()
+        store_input_major(model)
+        assert enable_decode_blocks(model, torch_compile=False) == "on"
+    return model
 
 
 def prefilled(model, prompts: list[list[int]]):
@@ -42,9 +56,9 @@ def test_verify_matches_decoding_token_by_token(model):
     starts = [len(p) for p in prompts]
     counts = [len(n) for n in new]
     kv = pools.alloc_kv(rows, starts, counts)
-    batch = build_forward_batch(pools, ForwardMode.EXTEND, new, starts, rows, slots, "cpu", kv)
+    batch = build_rows_batch(pools, new, starts, rows, slots, "cpu", kv)
     batch.verify = VerifyStates(pools, counts, torch.device("cpu"))
-    logits = model.forward_batch(batch, all_logits=True)
+    logits = model.forward_batch(batch)
     offsets = [0, counts[0]]
     for j in range(max(counts)):
         active = [i for i in range(len(new)) if counts[i] > j]

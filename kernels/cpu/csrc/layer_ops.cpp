@@ -117,6 +117,36 @@ void store_rows(const float* src, int64_t row, int64_t head, int64_t tokens, int
 
 }  // namespace
 
+// A speculative verify forward's rows (forward_batch.VerifyStates): rows[j] the rows of each request's token j,
+// reqs[j] those requests; after each token the layer's states go to conv[req, j, layer], ssm[req, j, layer].
+struct Verify {
+  std::vector<at::Tensor> rows, reqs;
+  at::Tensor conv, ssm;
+  int64_t layer;
+};
+
+namespace {
+
+// One layer's conv state [conv_dim, K-1] (channels `s_chan` apart) and recurrent state [HV, dk, dv] (heads `s_head`
+// apart) of a slot, after a verify row, into the verify buffers at (request, token).
+void record_states(const Verify& v, int64_t req, int64_t j, const float* conv, int64_t conv_dim, int64_t width,
+                   int64_t s_chan, const float* ssm, int64_t heads, int64_t head_floats, int64_t s_head) {
+  float* conv_out = v.conv.data_ptr<float>() + req * v.conv.stride(0) + j * v.conv.stride(1) + v.layer * v.conv.stride(2);
+  for (int64_t d = 0; d < conv_dim; ++d) std::copy_n(conv + d * s_chan, width, conv_out + d * width);
+  float* ssm_out = v.ssm.data_ptr<float>() + req * v.ssm.stride(0) + j * v.ssm.stride(1) + v.layer * v.ssm.stride(2);
+  for (int64_t h = 0; h < heads; ++h) std::copy_n(ssm + h * s_head, head_floats, ssm_out + h * head_floats);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> gdn_block(
+    const at::Tensor& hidden, const OptTensor& residual, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& qkvz_w, const OptTensor& qkvz_s, const at::Tensor& ba_w, const OptTensor& ba_s,
+    const at::Tensor& conv_weight, const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& gated_norm_w,
+    double gated_norm_eps, const at::Tensor& out_w, const OptTensor& out_s, const at::Tensor& conv_states,
+    const at::Tensor& ssm_states, const at::Tensor& state_slots, int64_t key_heads, int64_t value_heads,
+    int64_t key_dim, int64_t value_dim, at::IntArrayRef block, int64_t bf16_dot, const Verify* verify);
+
 // The Gated DeltaNet layer of a decode step (layers/gdn.py): input norm, in_proj_qkvz and in_proj_ba, the conv
 // update and the recurrent gated delta rule (states updated in place in the pools' slots), the gated norm, out_proj.
 std::tuple<at::Tensor, at::Tensor> gdn_decode_block(
@@ -126,6 +156,21 @@ std::tuple<at::Tensor, at::Tensor> gdn_decode_block(
     double gated_norm_eps, const at::Tensor& out_w, const OptTensor& out_s, const at::Tensor& conv_states,
     const at::Tensor& ssm_states, const at::Tensor& state_slots, int64_t key_heads, int64_t value_heads,
     int64_t key_dim, int64_t value_dim, at::IntArrayRef block, int64_t bf16_dot) {
+  return gdn_block(hidden, residual, norm_weight, eps, qkvz_w, qkvz_s, ba_w, ba_s, conv_weight, A_log, dt_bias,
+                   gated_norm_w, gated_norm_eps, out_w, out_s, conv_states, ssm_states, state_slots, key_heads,
+                   value_heads, key_dim, value_dim, block, bf16_dot, nullptr);
+}
+
+// The same over a verify forward's rows when `verify` is given: each row holds its request's state slot, and the
+// conv and the delta rule step the requests' tokens in order (token j of every request at once), keeping the
+// states after each.
+std::tuple<at::Tensor, at::Tensor> gdn_block(
+    const at::Tensor& hidden, const OptTensor& residual, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& qkvz_w, const OptTensor& qkvz_s, const at::Tensor& ba_w, const OptTensor& ba_s,
+    const at::Tensor& conv_weight, const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& gated_norm_w,
+    double gated_norm_eps, const at::Tensor& out_w, const OptTensor& out_s, const at::Tensor& conv_states,
+    const at::Tensor& ssm_states, const at::Tensor& state_slots, int64_t key_heads, int64_t value_heads,
+    int64_t key_dim, int64_t value_dim, at::IntArrayRef block, int64_t bf16_dot, const Verify* verify) {
   const Projections project{block, bf16_dot};
   const int64_t batch = hidden.size(0), width = hidden.size(1);
   const int64_t keys = key_heads * key_dim, values = value_heads * value_dim, conv_dim = 2 * keys + values;
@@ -154,15 +199,55 @@ std::tuple<at::Tensor, at::Tensor> gdn_decode_block(
   check_conv_update(at::from_blob(qkvz, {batch, conv_dim}, {qkvz_width, 1}), conv_weight, conv_states, state_slots);
   TORCH_CHECK(ssm_states.size(0) == conv_states.size(0), "conv_states and ssm_states must hold the same slots");
   const Index slots(state_slots, "state_slots");
-  conv_update_core(qkvz, qkvz_width, batch, conv_dim, conv_weight.data_ptr<float>(), conv_weight.size(1),
-                   conv_states.data_ptr<float>(), slots, conv_states.stride(0), conv_states.stride(1), true, conv);
   gdn_gating_core(ba + value_heads, 2 * value_heads, ba, 2 * value_heads, batch, value_heads, A_log.data_ptr<float>(),
                   dt_bias.data_ptr<float>(), gates, gates + batch * value_heads);
-  delta_rule_decode_core(Rows(conv, key_heads, conv_dim, key_dim), Rows(conv + keys, key_heads, conv_dim, key_dim),
-                         Rows(conv + 2 * keys, value_heads, conv_dim, value_dim), gates, value_heads,
-                         gates + batch * value_heads, value_heads, shapes, ssm_states.data_ptr<float>(), slots,
-                         ssm_states.stride(0), ssm_states.stride(1),
-                         static_cast<float>(1.0 / std::sqrt(static_cast<double>(key_dim))), true, o);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(key_dim)));
+  const int64_t taps = conv_weight.size(1);
+  // The conv update and the delta rule over `n` rows whose inputs are `x` (rows x_row apart), gates g and beta,
+  // state slots `at`: conv outputs to `c`, attention outputs to `out` (rows contiguous).
+  auto mix = [&](const float* x, int64_t x_row, int64_t n, const float* g, const float* beta, const Index& slot_of,
+                 float* c, float* out) {
+    conv_update_core(x, x_row, n, conv_dim, conv_weight.data_ptr<float>(), taps, conv_states.data_ptr<float>(), slot_of,
+                     conv_states.stride(0), conv_states.stride(1), true, c);
+    delta_rule_decode_core(Rows(c, key_heads, conv_dim, key_dim), Rows(c + keys, key_heads, conv_dim, key_dim),
+                           Rows(c + 2 * keys, value_heads, conv_dim, value_dim), g, value_heads, beta, value_heads,
+                           GdnShapes{n, key_heads, key_dim, value_heads, value_dim}, ssm_states.data_ptr<float>(),
+                           slot_of, ssm_states.stride(0), ssm_states.stride(1), scale, true, out);
+  };
+  if (verify == nullptr) {
+    mix(qkvz, qkvz_width, batch, gates, gates + batch * value_heads, slots, conv, o);
+  } else {
+    TORCH_CHECK(verify->rows.size() == verify->reqs.size(), "verify rows and requests differ in steps");
+    TORCH_CHECK(conv_states.stride(2) == 1, "conv_states must have contiguous taps to be recorded");
+    std::vector<float> x(batch * conv_dim), g(batch * value_heads), beta(batch * value_heads);
+    std::vector<float> c(batch * conv_dim), out(batch * values);
+    std::vector<int64_t> row_slots(batch);
+    const int64_t width = taps - 1, head_floats = key_dim * value_dim;
+    for (size_t j = 0; j < verify->rows.size(); ++j) {
+      const at::Tensor& rows_t = verify->rows[j];
+      const Index rows(rows_t, "verify rows"), reqs(verify->reqs[j], "verify requests");
+      const int64_t n = rows_t.numel();
+      for (int64_t i = 0; i < n; ++i) {  // token j of each request, gathered
+        const int64_t r = rows[i];
+        TORCH_CHECK(r >= 0 && r < batch, "verify row ", r, " is outside the batch of ", batch);
+        std::copy_n(qkvz + r * qkvz_width, conv_dim, x.data() + i * conv_dim);
+        std::copy_n(gates + r * value_heads, value_heads, g.data() + i * value_heads);
+        std::copy_n(gates + (batch + r) * value_heads, value_heads, beta.data() + i * value_heads);
+        row_slots[i] = slots[r];
+      }
+      const Index step_slots(at::from_blob(row_slots.data(), {n}, at::TensorOptions().dtype(at::kLong)),
+                             "verify slots");
+      mix(x.data(), conv_dim, n, g.data(), beta.data(), step_slots, c.data(), out.data());
+      for (int64_t i = 0; i < n; ++i) {
+        std::copy_n(out.data() + i * values, values, o + rows[i] * values);
+        record_states(*verify, reqs[i], static_cast<int64_t>(j),
+                      conv_states.data_ptr<float>() + row_slots[i] * conv_states.stride(0), conv_dim, width,
+                      conv_states.stride(1), ssm_states.data_ptr<float>() + row_slots[i] * ssm_states.stride(0),
+                      value_heads,
+                      head_floats, ssm_states.stride(1));
+      }
+    }
+  }
   gated_norm_core(Rows(o, value_heads, values, value_dim), Rows(qkvz + conv_dim, value_heads, qkvz_width, value_dim),
                   batch * value_heads, value_dim, gated_norm_w.data_ptr<float>(), static_cast<float>(gated_norm_eps),
                   o_normed);
@@ -291,6 +376,33 @@ std::tuple<at::Tensor, at::Tensor> mlp_decode_block(const at::Tensor& hidden, co
   return {out, res};
 }
 
+// The MTP head's input (models/qwen3_5.py, Qwen3_5MTP): the next tokens' embeddings and the model's hidden states
+// [N, H], each Gemma-RMS-normed, side by side [embedding | hidden], projected 2H -> H by fc.
+at::Tensor mtp_input_block(const at::Tensor& embedded, const at::Tensor& hidden, const at::Tensor& embed_norm_w,
+                           double embed_eps, const at::Tensor& hidden_norm_w, double hidden_eps,
+                           const at::Tensor& fc_w, const OptTensor& fc_s, at::IntArrayRef block, int64_t bf16_dot) {
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  check_rows(embedded, "embedded", rows, width);
+  check_rows(hidden, "hidden", rows, width);
+  check_float(embed_norm_w, "embedding norm weight", 1);
+  check_float(hidden_norm_w, "hidden norm weight", 1);
+  TORCH_CHECK(embed_norm_w.numel() == width && hidden_norm_w.numel() == width, "the norm weights must have ", width,
+              " elements");
+  float* normed = workspace(rows * 4 * width);  // each norm's rows, then them side by side
+  float* joined = normed + rows * 2 * width;
+  gemma_norm_core(Rows(embedded.data_ptr<float>(), 1, width, 0), nullptr, rows, width,
+                  embed_norm_w.data_ptr<float>(), static_cast<float>(embed_eps), normed, nullptr);
+  gemma_norm_core(Rows(hidden.data_ptr<float>(), 1, width, 0), nullptr, rows, width, hidden_norm_w.data_ptr<float>(),
+                  static_cast<float>(hidden_eps), normed + rows * width, nullptr);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy_n(normed + r * width, width, joined + r * 2 * width);
+    std::copy_n(normed + (rows + r) * width, width, joined + r * 2 * width + width);
+  }
+  at::Tensor out = at::empty({rows, width}, hidden.options());
+  Projections{block, bf16_dot}(joined, 2 * width, rows, 2 * width, fc_w, fc_s, out.data_ptr<float>());
+  return out;
+}
+
 // ---- a model's decode layers in one call ---------------------------------------------------------------------------
 
 // The blocks of every layer, run back to back (models/qwen3_5.py): each block's arguments that stay the same from
@@ -303,6 +415,7 @@ class DecodeLayers : public torch::CustomClassHolder {
   struct Step {
     at::Tensor state_slots, req_pool_indices, seq_lens, positions, out_cache_loc;
     int64_t bf16_dot;
+    const Verify* verify;  // a verify forward's rows, or null
   };
   using Block = std::function<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const Step&)>;
 
@@ -310,11 +423,17 @@ class DecodeLayers : public torch::CustomClassHolder {
                OptTensor ba_s, at::Tensor conv_weight, at::Tensor A_log, at::Tensor dt_bias, at::Tensor gated_norm_w,
                double gated_norm_eps, at::Tensor out_w, OptTensor out_s, at::Tensor conv_states,
                at::Tensor ssm_states, int64_t key_heads, int64_t value_heads, int64_t key_dim, int64_t value_dim,
-               std::vector<int64_t> block) {
+               std::vector<int64_t> block, int64_t state_layer) {
     blocks_.push_back([=](const at::Tensor& hidden, const OptTensor& residual, const Step& step) {
-      return gdn_decode_block(hidden, residual, norm_weight, eps, qkvz_w, qkvz_s, ba_w, ba_s, conv_weight, A_log,
-                              dt_bias, gated_norm_w, gated_norm_eps, out_w, out_s, conv_states, ssm_states,
-                              step.state_slots, key_heads, value_heads, key_dim, value_dim, block, step.bf16_dot);
+      Verify verify;
+      if (step.verify != nullptr) {  // this layer's place in the verify buffers
+        verify = *step.verify;
+        verify.layer = state_layer;
+      }
+      return gdn_block(hidden, residual, norm_weight, eps, qkvz_w, qkvz_s, ba_w, ba_s, conv_weight, A_log, dt_bias,
+                       gated_norm_w, gated_norm_eps, out_w, out_s, conv_states, ssm_states, step.state_slots,
+                       key_heads, value_heads, key_dim, value_dim, block, step.bf16_dot,
+                       step.verify != nullptr ? &verify : nullptr);
     });
   }
 
@@ -355,8 +474,32 @@ class DecodeLayers : public torch::CustomClassHolder {
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, at::Tensor state_slots, at::Tensor req_pool_indices,
                                          at::Tensor seq_lens, at::Tensor positions, at::Tensor out_cache_loc,
                                          int64_t bf16_dot) {
+    return run_step(hidden, Step{state_slots, req_pool_indices, seq_lens, positions, out_cache_loc, bf16_dot, nullptr});
+  }
+
+  // The same over a speculative verify forward's rows (one a token, forward_batch.build_rows_batch): rows[j] and
+  // reqs[j] the rows of each request's token j and those requests; the Gated DeltaNet layers step them in order and
+  // keep their states after each in conv [R, T, layers, conv_dim, K-1] and ssm [R, T, layers, HV, dk, dv].
+  std::tuple<at::Tensor, at::Tensor> run_verify(at::Tensor hidden, at::Tensor state_slots,
+                                                at::Tensor req_pool_indices, at::Tensor seq_lens, at::Tensor positions,
+                                                at::Tensor out_cache_loc, int64_t bf16_dot,
+                                                std::vector<at::Tensor> rows, std::vector<at::Tensor> reqs,
+                                                at::Tensor conv, at::Tensor ssm) {
+    check_float(conv, "verify conv states", 5);
+    check_float(ssm, "verify ssm states", 6);
+    TORCH_CHECK(conv.stride(4) == 1 && conv.stride(3) == conv.size(4) && ssm.stride(5) == 1 &&
+                    ssm.stride(4) == ssm.size(5) && ssm.stride(3) == ssm.size(4) * ssm.size(5),
+                "each verify state must be contiguous");
+    const Verify verify{std::move(rows), std::move(reqs), conv, ssm, 0};
+    return run_step(hidden,
+                    Step{state_slots, req_pool_indices, seq_lens, positions, out_cache_loc, bf16_dot, &verify});
+  }
+
+  int64_t size() const { return static_cast<int64_t>(blocks_.size()); }
+
+ private:
+  std::tuple<at::Tensor, at::Tensor> run_step(at::Tensor hidden, const Step& step) {
     TORCH_CHECK(!blocks_.empty(), "DecodeLayers holds no blocks");
-    const Step step{state_slots, req_pool_indices, seq_lens, positions, out_cache_loc, bf16_dot};
     OptTensor residual;
     for (const Block& block : blocks_) {
       auto [out, res] = block(hidden, residual, step);
@@ -366,9 +509,6 @@ class DecodeLayers : public torch::CustomClassHolder {
     return {hidden, *residual};
   }
 
-  int64_t size() const { return static_cast<int64_t>(blocks_.size()); }
-
- private:
   std::vector<Block> blocks_;
 };
 
@@ -382,6 +522,7 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
       .def("add_moe", &sgl_cpu::DecodeLayers::add_moe)
       .def("add_mlp", &sgl_cpu::DecodeLayers::add_mlp)
       .def("run", &sgl_cpu::DecodeLayers::run)
+      .def("run_verify", &sgl_cpu::DecodeLayers::run_verify)
       .def("size", &sgl_cpu::DecodeLayers::size);
   m.def("gdn_decode_block(Tensor hidden, Tensor? residual, Tensor norm_weight, float eps, Tensor qkvz_w, "
         "Tensor? qkvz_s, Tensor ba_w, Tensor? ba_s, Tensor conv_weight, Tensor A_log, Tensor dt_bias, "
@@ -397,6 +538,8 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
         "Tensor shared_gate_w, Tensor w13, Tensor? w13_s, Tensor w2, Tensor? w2_s, Tensor? shared_gate_up_w, "
         "Tensor? shared_gate_up_s, Tensor? shared_down_w, Tensor? shared_down_s, int top_k, int shared_id, "
         "int[] block, int bf16_dot) -> (Tensor, Tensor)");
+  m.def("mtp_input_block(Tensor embedded, Tensor hidden, Tensor embed_norm_w, float embed_eps, "
+        "Tensor hidden_norm_w, float hidden_eps, Tensor fc_w, Tensor? fc_s, int[] block, int bf16_dot) -> Tensor");
   m.def("mlp_decode_block(Tensor hidden, Tensor residual, Tensor norm_weight, float eps, Tensor gate_up_w, "
         "Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] block, int bf16_dot) -> (Tensor, Tensor)");
 }
@@ -406,4 +549,5 @@ TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) {
   m.impl("attention_decode_block", &sgl_cpu::attention_decode_block);
   m.impl("moe_decode_block", &sgl_cpu::moe_decode_block);
   m.impl("mlp_decode_block", &sgl_cpu::mlp_decode_block);
+  m.impl("mtp_input_block", &sgl_cpu::mtp_input_block);
 }
