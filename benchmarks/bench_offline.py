@@ -492,6 +492,9 @@ def main() -> None:
     parser.add_argument(
         "--costs", action="store_true", help="with --speculative: time a step's parts"
     )
+    parser.add_argument(
+        "--prompts", choices=("source", "function"), help="with --speculative: the prompts' text"
+    )
     if "--speculative" in sys.argv[1:]:
         import bench_speculative
 

@@ -16,11 +16,10 @@ the corrected or bonus token) from ``meta_info``.
 
 ``--costs`` times the parts of a step instead, in this process (one scheduler, ``--threads`` torch threads), per
 batch size: a plain decode step, and in a speculative step (``--steps`` k, the largest given) the MTP head's
-chain steps, the verify forward of k + 1 tokens per request, the head's pass over the kept tokens (its LM head and
-argmax included), and one LM head
-call (the verify's, each chain step's, the kept pass's: k + 1 a step), each the median over the steps of
-``--output-len`` tokens. Speculation pays when (accepted length) * (plain step) exceeds
-the whole speculative step.
+chain steps (without their LM head), the verify forward of k + 1 tokens per request (its LM head included), the
+head's pass over the kept tokens (its LM head and argmax included), and one LM head call of the head's (each chain
+step's and the kept pass's: k a step), each the median over the steps of ``--output-len`` tokens. Speculation pays
+when (accepted length) * (plain step) exceeds the whole speculative step.
 """
 
 from __future__ import annotations
@@ -68,6 +67,22 @@ def model_with_head(folder: str, head: str, shape: str = "tiny") -> str:
     return path
 
 
+def prompts_for(kind: str, tokenizer, count: int, length: int) -> list[list[int]]:
+    """``source``: ``source_prompts``; ``function``: ``function_prompts``."""
+    if kind == "function":
+        return function_prompts(tokenizer, count)
+    return source_prompts(tokenizer, count, length)
+
+
+def function_prompts(tokenizer, count: int) -> list[list[int]]:
+    """``count`` prompts cut from one held-out standard-library-style function (the tests' ``UNSEEN_PYTHON``, the
+    kind of code the built-in model was trained on), from 12 tokens to all of it: the model completes the rest."""
+    from tests.models.test_trained_tiny_model import UNSEEN_PYTHON
+
+    ids = tokenizer.encode(UNSEEN_PYTHON)
+    return [ids[: 12 + (i * 37) % (len(ids) - 12)] for i in range(count)]
+
+
 def source_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     """``count`` prompts of ``length`` tokens from this repository's Python source, in file order."""
     ids: list[int] = []
@@ -113,6 +128,13 @@ def main() -> None:
     parser.add_argument("--head", choices=("builtin", "repeat", "random"), default="builtin")
     parser.add_argument("--costs", action="store_true", help="time the parts of a step (see above)")
     parser.add_argument(
+        "--prompts",
+        choices=("source", "function"),
+        default="source",
+        help="source: this repository's Python, cut into --input-len tokens; function: prefixes of one held-out "
+        "function of the kind the built-in model learnt (its drafts are accepted more often)",
+    )
+    parser.add_argument(
         "--model-shape",
         choices=("tiny", "mid"),
         default="tiny",
@@ -125,8 +147,8 @@ def main() -> None:
 
 
 class Timer:
-    """Wraps a method, keeping the seconds of each call by the kind of its first argument: ``verify`` (a verify
-    forward), a batch's mode, or ``all``. While ``inside`` (another Timer) runs, calls are not counted."""
+    """Wraps a method, keeping the seconds of each call by the mode of the batch it is given (``all`` for other
+    arguments). While ``inside`` (another Timer) runs, calls are not counted."""
 
     def __init__(self, owner, name: str, inside: Timer | None = None) -> None:
         self.calls: dict[str, list[float]] = {}
@@ -144,10 +166,7 @@ class Timer:
             self.running = False
         if self._inside is not None and self._inside.running:
             return out
-        if isinstance(first, (torch.Tensor, list)):
-            kind = "all"
-        else:  # a ForwardBatch
-            kind = "verify" if first.verify is not None else first.mode.value
+        kind = "all" if isinstance(first, (torch.Tensor, list)) else first.mode.value
         self.calls.setdefault(kind, []).append(time.perf_counter() - start)
         return out
 
@@ -165,7 +184,8 @@ def step_times(args: argparse.Namespace, path: str, steps: int, batch: list[list
     scheduler = create_scheduler(
         ServerArgs(model_path=path, max_total_tokens=16384, max_running_requests=len(batch), **spec)
     )
-    timers = {name: Timer(scheduler.model, name) for name in ("forward_hidden", "logits")}
+    # the verify forward (its LM head too), and the LM head calls of the rest
+    timers = {name: Timer(scheduler.model, name) for name in ("forward_verify", "logits")}
     if steps:  # the head's pass over kept tokens (its LM head and argmax too), and its chain steps
         timers["kept"] = Timer(scheduler.speculation, "_mtp_extend")
         timers["forward_mtp"] = Timer(scheduler.model, "forward_mtp", inside=timers["kept"])
@@ -192,7 +212,9 @@ def run_costs(args: argparse.Namespace, path: str) -> None:
     k = max(args.steps)
     count = max(args.batch_sizes)
     if args.model_shape == "tiny":
-        prompts = source_prompts(AutoTokenizer.from_pretrained(path), count, args.input_len)
+        prompts = prompts_for(
+            args.prompts, AutoTokenizer.from_pretrained(path), count, args.input_len
+        )
     else:  # no tokenizer: random tokens (the parts' costs do not depend on what is accepted)
         from bench_offline import random_prompts
 
@@ -203,7 +225,7 @@ def run_costs(args: argparse.Namespace, path: str) -> None:
     )
     print(
         "| batch | plain decode step ms | speculative step ms | MTP chain step ms | verify forward ms "
-        "| MTP over kept tokens (its LM head too) ms | LM head call ms (k + 1 a step) |"
+        "| MTP over kept tokens ms | the head's LM head call ms (k a step) |"
     )
     for steps in (0, k):  # warm-up: the kernels' first calls
         step_times(args, path, steps, prompts[:1])
@@ -215,7 +237,7 @@ def run_costs(args: argparse.Namespace, path: str) -> None:
             median_ms(plain),
             median_ms(spec),
             median_ms(timers["forward_mtp"].calls.get("decode", [])),
-            median_ms(timers["forward_hidden"].calls.get("verify", [])),
+            median_ms(timers["forward_verify"].calls.get("decode", [])),
             median_ms(timers["kept"].calls.get("all", [])[batch_size:]),
             median_ms(timers["logits"].calls.get("all", [])),
         ]
@@ -238,11 +260,14 @@ def run(args: argparse.Namespace, path: str) -> None:
         for k in settings
     }
     try:
-        prompts = source_prompts(engines[0].tokenizer, max(args.batch_sizes), args.input_len)
+        prompts = prompts_for(
+            args.prompts, engines[0].tokenizer, max(args.batch_sizes), args.input_len
+        )
         for engine in engines.values():
             generate(engine, prompts[:2], 4)  # warm up
         print(
-            f"head: {args.head}; input {args.input_len}, output {args.output_len}, threads {args.threads}"
+            f"head: {args.head}; prompts {args.prompts}, input {args.input_len}, output {args.output_len}, "
+            f"threads {args.threads}"
         )
         header = "| batch | " + " | ".join(
             "plain tok/s" if k == 0 else f"k={k} tok/s (x) | k={k} accepted" for k in settings

@@ -121,5 +121,4 @@ def capture_spec_graphs(
             "speculative CUDA graphs not captured; the draft and verify steps run eagerly",
             exc_info=True,
         )
-        torch.cuda.synchronize()
         return None
