@@ -18,6 +18,7 @@ static-buffer path eagerly: that is how the padding and the static states are te
 from __future__ import annotations
 
 import bisect
+import logging
 
 import torch
 
@@ -28,6 +29,8 @@ from sglang_lite.model_executor.cuda_graph_runner import (
     capture_batch_sizes,
     capture_graph,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class SpecGraphRunner:
@@ -40,6 +43,8 @@ class SpecGraphRunner:
         use_graphs: bool = True,
     ) -> None:
         self.model, self.pools = model, pools
+        # what capturing reserves, the static verify states included (/v1/loads graph_gb)
+        reserved = torch.cuda.memory_reserved(model.lm_head.weight.device) if use_graphs else 0
         self.tokens = steps + 1  # verified a request: its last token and its drafts
         self.device = model.lm_head.weight.device
         self.use_graphs = use_graphs
@@ -61,14 +66,12 @@ class SpecGraphRunner:
         self.verify_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.head_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.head_outputs: dict[int, torch.Tensor] = {}
-        self.memory_bytes = 0  # what capturing reserved
+        self.memory_bytes = 0
         if use_graphs:
             model.streams.runtime.get()  # streams must exist before capture starts
             pool = torch.cuda.graph_pool_handle()
-            reserved = torch.cuda.memory_reserved(self.device)
-            for bs in reversed(
-                self.verify_sizes
-            ):  # largest first, so smaller graphs reuse its memory
+            # largest first, so smaller graphs reuse its memory
+            for bs in reversed(self.verify_sizes):
                 self.verify_inputs.pad(0, bs * self.tokens)
                 graph, out = capture_graph(lambda bs=bs: self._verify(bs), pool, self.device)
                 self.verify_graphs[bs], self.verify_outputs[bs] = graph, out
@@ -77,6 +80,14 @@ class SpecGraphRunner:
                 graph, out = capture_graph(lambda rows=rows: self._head(rows), pool, self.device)
                 self.head_graphs[rows], self.head_outputs[rows] = graph, out
             self.memory_bytes = torch.cuda.memory_reserved(self.device) - reserved
+            logger.info(
+                "speculative CUDA graphs: verify forwards of %s requests (%d tokens each), the MTP head over up "
+                "to %d rows; %.2f GB",
+                self.verify_sizes,
+                self.tokens,
+                self.head_sizes[-1],
+                self.memory_bytes / 2**30,
+            )
 
     # ---- the verify forward ---------------------------------------------------------------------------------------
     def can_verify(self, counts: list[int]) -> bool:
