@@ -73,7 +73,8 @@ def device_budget_bytes(device: str, fraction: float) -> int:
 def resolve_max_total_tokens(
     args: ServerArgs, config: ModelConfig, dtype: torch.dtype, context_length: int
 ) -> int:
-    """Explicit ``max_total_tokens``, else what the budget holds after the running requests' state slots and,
+    """Explicit ``max_total_tokens``, else what the budget holds after the running requests' state slots (with
+    speculation also the states a verify forward keeps: ``VerifyStates``, static under CUDA graphs) and,
     with the prefix cache, the snapshot pool's share (``mamba_full_memory_ratio`` of the KV pool's memory),
     capped at what could be used: every request row filled to the context length, and with the prefix cache as
     much again for cached prefixes. Rounded up to whole pages."""
@@ -81,7 +82,12 @@ def resolve_max_total_tokens(
     if args.max_total_tokens is not None:
         return -(-args.max_total_tokens // size) * size
     budget = device_budget_bytes(args.device, args.mem_fraction_static)
-    budget -= args.max_running_requests * ModelPools.bytes_per_request_state(config, dtype)
+    states = args.max_running_requests
+    if (
+        args.speculative_steps
+    ):  # a verify forward keeps each request's GDN states after each of its k + 1 tokens
+        states += args.max_running_requests * (args.speculative_steps + 1)
+    budget -= states * ModelPools.bytes_per_request_state(config, dtype)
     # the MTP head's KV sits in the same slots (speculation)
     draft_layers = 1 if args.speculative_steps else 0
     per_token = max(ModelPools.bytes_per_token(config, dtype, draft_layers), 1)

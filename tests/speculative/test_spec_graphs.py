@@ -5,6 +5,7 @@ plain decoding, and batches it has no graph for (more requests, requests verifyi
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sglang_lite.model_executor.spec_graph_runner import SpecGraphRunner
 from sglang_lite.runtime.factory import create_scheduler
@@ -80,3 +81,31 @@ def test_capture_sizes_cover_rows(spec_checkpoints):
     assert not graphs.can_verify([4, 1])  # a request decoding one token (a grammar's): eagerly
     # the smaller sizes keep their states in the largest size's buffers
     assert graphs.states[2].ssm.data_ptr() == graphs.states[6].ssm.data_ptr()
+
+
+def test_the_kv_budget_leaves_room_for_the_verify_states(monkeypatch):
+    """The states a verify forward keeps (every running request's, after each of its k + 1 tokens; static buffers
+    under CUDA graphs) come out of the memory budget before the KV pool is sized."""
+    from sglang_lite import assets
+    from sglang_lite.config import ModelConfig
+    from sglang_lite.mem_cache.pools import ModelPools
+    from sglang_lite.runtime import memory
+    from sglang_lite.server_args import ServerArgs
+
+    config = ModelConfig.from_hf(assets.TINY_MODEL_DIR)
+    budget = 4 * 2**20  # under what 4 rows of 2048 tokens could use
+    monkeypatch.setattr(memory, "device_budget_bytes", lambda device, fraction: budget)
+    state = ModelPools.bytes_per_request_state(config, torch.float32)
+    for steps in (0, 3):
+        args = ServerArgs(max_running_requests=4, disable_radix_cache=True, **nextn(steps))
+        tokens = memory.resolve_max_total_tokens(args, config, torch.float32, 2048)
+        per_token = ModelPools.bytes_per_token(config, torch.float32, 1 if steps else 0)
+        kept = 4 * (
+            1 + (steps + 1 if steps else 0)
+        )  # state slots: running requests, and verify states
+        fits = (budget - kept * state) // per_token
+        assert tokens == -(-fits // args.page_size) * args.page_size
+
+
+def nextn(steps: int) -> dict:
+    return {"speculative_algorithm": "NEXTN", "speculative_num_steps": steps} if steps else {}
