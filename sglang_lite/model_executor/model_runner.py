@@ -85,9 +85,14 @@ class ModelRunner:
         """A speculative verify forward over ``batch``'s rows (``build_rows_batch``; ``counts[i]`` tokens of
         request i): (hidden [T, hidden], logits [T, vocab], the Gated DeltaNet states after each token), from a
         graph where one was captured."""
-        if self.spec_graphs is not None and self.spec_graphs.can_verify(counts):
-            return self.spec_graphs.verify(batch)
-        batch.verify = VerifyStates(self.pools, counts, batch.input_ids.device)
+        verify = None
+        if self.spec_graphs is not None:
+            if self.spec_graphs.can_verify(counts):
+                return self.spec_graphs.verify(batch)
+            verify = self.spec_graphs.eager_states(counts)
+        if verify is None:
+            verify = VerifyStates(self.pools, counts, batch.input_ids.device)
+        batch.verify = verify
         hidden = self.model.forward_hidden(batch)
         return hidden, self.model.logits(hidden), batch.verify
 

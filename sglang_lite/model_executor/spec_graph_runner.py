@@ -57,9 +57,10 @@ class SpecGraphRunner:
         self.head_hidden = torch.zeros(
             rows, model.config.hidden_size, dtype=dtype, device=self.device
         )
-        buffers = verify_buffers(pools, self.verify_sizes[-1], self.tokens)
+        # the verify states of every size, and of the eager verify forwards that fit them
+        self.buffers = verify_buffers(pools, self.verify_sizes[-1], self.tokens)
         self.states = {
-            bs: VerifyStates(pools, [self.tokens] * bs, self.device, buffers)
+            bs: VerifyStates(pools, [self.tokens] * bs, self.device, self.buffers)
             for bs in self.verify_sizes
         }
         self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -93,6 +94,13 @@ class SpecGraphRunner:
     def can_verify(self, counts: list[int]) -> bool:
         """Whether a verify forward of ``counts[i]`` tokens for request i has a graph."""
         return len(counts) <= self.verify_sizes[-1] and all(n == self.tokens for n in counts)
+
+    def eager_states(self, counts: list[int]) -> VerifyStates | None:
+        """States for an eager verify forward of ``counts`` (one without a graph) in the graphs' buffers, so that
+        the two do not take that memory twice; None when they do not fit."""
+        if len(counts) > self.verify_sizes[-1] or max(counts) > self.tokens:
+            return None
+        return VerifyStates(self.pools, counts, self.device, self.buffers)
 
     def verify(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, VerifyStates]:
         """(hidden [T, H], logits [T, vocab], the states after each token) of a verify forward whose rows are
