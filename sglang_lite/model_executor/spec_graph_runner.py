@@ -43,10 +43,10 @@ class SpecGraphRunner:
         use_graphs: bool = True,
     ) -> None:
         self.model, self.pools = model, pools
-        # what capturing reserves, the static verify states included (/v1/loads graph_gb)
-        reserved = torch.cuda.memory_reserved(model.lm_head.weight.device) if use_graphs else 0
-        self.tokens = steps + 1  # verified a request: its last token and its drafts
         self.device = model.lm_head.weight.device
+        # what capturing reserves, the static verify states included (/v1/loads graph_gb)
+        reserved = torch.cuda.memory_reserved(self.device) if use_graphs else 0
+        self.tokens = steps + 1  # verified a request: its last token and its drafts
         self.use_graphs = use_graphs
         self.verify_sizes = capture_batch_sizes(max_bs)
         self.head_sizes = capture_batch_sizes(self.verify_sizes[-1] * self.tokens)

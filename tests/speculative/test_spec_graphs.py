@@ -7,8 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_lite import assets
+from sglang_lite.config import ModelConfig
+from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.model_executor.spec_graph_runner import SpecGraphRunner
+from sglang_lite.runtime import memory
 from sglang_lite.runtime.factory import create_scheduler
+from sglang_lite.server_args import ServerArgs
 from tests.engine.conftest import random_prompts
 from tests.speculative.conftest import GREEDY, run_scheduler, scheduler_args
 from tests.speculative.test_spec_greedy import LENGTHS, NEXTN
@@ -86,12 +91,6 @@ def test_capture_sizes_cover_rows(spec_checkpoints):
 def test_the_kv_budget_leaves_room_for_the_verify_states(monkeypatch):
     """The states a verify forward keeps (every running request's, after each of its k + 1 tokens; static buffers
     under CUDA graphs) come out of the memory budget before the KV pool is sized."""
-    from sglang_lite import assets
-    from sglang_lite.config import ModelConfig
-    from sglang_lite.mem_cache.pools import ModelPools
-    from sglang_lite.runtime import memory
-    from sglang_lite.server_args import ServerArgs
-
     config = ModelConfig.from_hf(assets.TINY_MODEL_DIR)
     budget = 4 * 2**20  # under what 4 rows of 2048 tokens could use
     monkeypatch.setattr(memory, "device_budget_bytes", lambda device, fraction: budget)

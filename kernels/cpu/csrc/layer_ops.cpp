@@ -131,39 +131,17 @@ namespace {
 // apart) of a slot, after a verify row, into the verify buffers at (request, token).
 void record_states(const Verify& v, int64_t req, int64_t j, const float* conv, int64_t conv_dim, int64_t width,
                    int64_t s_chan, const float* ssm, int64_t heads, int64_t head_floats, int64_t s_head) {
-  float* conv_out = v.conv.data_ptr<float>() + req * v.conv.stride(0) + j * v.conv.stride(1) + v.layer * v.conv.stride(2);
+  float* conv_out =
+      v.conv.data_ptr<float>() + req * v.conv.stride(0) + j * v.conv.stride(1) + v.layer * v.conv.stride(2);
   for (int64_t d = 0; d < conv_dim; ++d) std::copy_n(conv + d * s_chan, width, conv_out + d * width);
-  float* ssm_out = v.ssm.data_ptr<float>() + req * v.ssm.stride(0) + j * v.ssm.stride(1) + v.layer * v.ssm.stride(2);
+  float* ssm_out =
+      v.ssm.data_ptr<float>() + req * v.ssm.stride(0) + j * v.ssm.stride(1) + v.layer * v.ssm.stride(2);
   for (int64_t h = 0; h < heads; ++h) std::copy_n(ssm + h * s_head, head_floats, ssm_out + h * head_floats);
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> gdn_block(
-    const at::Tensor& hidden, const OptTensor& residual, const at::Tensor& norm_weight, double eps,
-    const at::Tensor& qkvz_w, const OptTensor& qkvz_s, const at::Tensor& ba_w, const OptTensor& ba_s,
-    const at::Tensor& conv_weight, const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& gated_norm_w,
-    double gated_norm_eps, const at::Tensor& out_w, const OptTensor& out_s, const at::Tensor& conv_states,
-    const at::Tensor& ssm_states, const at::Tensor& state_slots, int64_t key_heads, int64_t value_heads,
-    int64_t key_dim, int64_t value_dim, at::IntArrayRef block, int64_t bf16_dot, const Verify* verify);
-
-// The Gated DeltaNet layer of a decode step (layers/gdn.py): input norm, in_proj_qkvz and in_proj_ba, the conv
-// update and the recurrent gated delta rule (states updated in place in the pools' slots), the gated norm, out_proj.
-std::tuple<at::Tensor, at::Tensor> gdn_decode_block(
-    const at::Tensor& hidden, const OptTensor& residual, const at::Tensor& norm_weight, double eps,
-    const at::Tensor& qkvz_w, const OptTensor& qkvz_s, const at::Tensor& ba_w, const OptTensor& ba_s,
-    const at::Tensor& conv_weight, const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& gated_norm_w,
-    double gated_norm_eps, const at::Tensor& out_w, const OptTensor& out_s, const at::Tensor& conv_states,
-    const at::Tensor& ssm_states, const at::Tensor& state_slots, int64_t key_heads, int64_t value_heads,
-    int64_t key_dim, int64_t value_dim, at::IntArrayRef block, int64_t bf16_dot) {
-  return gdn_block(hidden, residual, norm_weight, eps, qkvz_w, qkvz_s, ba_w, ba_s, conv_weight, A_log, dt_bias,
-                   gated_norm_w, gated_norm_eps, out_w, out_s, conv_states, ssm_states, state_slots, key_heads,
-                   value_heads, key_dim, value_dim, block, bf16_dot, nullptr);
-}
-
-// The same over a verify forward's rows when `verify` is given: each row holds its request's state slot, and the
-// conv and the delta rule step the requests' tokens in order (token j of every request at once), keeping the
-// states after each.
+// The Gated DeltaNet layer of a decode step (gdn_decode_block below), or over a verify forward's rows when
+// `verify` is given: each row holds its request's state slot, and the conv and the delta rule step the requests'
+// tokens in order (token j of every request at once), keeping the states after each.
 std::tuple<at::Tensor, at::Tensor> gdn_block(
     const at::Tensor& hidden, const OptTensor& residual, const at::Tensor& norm_weight, double eps,
     const at::Tensor& qkvz_w, const OptTensor& qkvz_s, const at::Tensor& ba_w, const OptTensor& ba_s,
@@ -254,6 +232,22 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
   at::Tensor out = at::empty({batch, width}, hidden.options());
   project(o_normed, values, batch, values, out_w, out_s, out.data_ptr<float>());
   return {out, res};
+}
+
+}  // namespace
+
+// The Gated DeltaNet layer of a decode step (layers/gdn.py): input norm, in_proj_qkvz and in_proj_ba, the conv
+// update and the recurrent gated delta rule (states updated in place in the pools' slots), the gated norm, out_proj.
+std::tuple<at::Tensor, at::Tensor> gdn_decode_block(
+    const at::Tensor& hidden, const OptTensor& residual, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& qkvz_w, const OptTensor& qkvz_s, const at::Tensor& ba_w, const OptTensor& ba_s,
+    const at::Tensor& conv_weight, const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& gated_norm_w,
+    double gated_norm_eps, const at::Tensor& out_w, const OptTensor& out_s, const at::Tensor& conv_states,
+    const at::Tensor& ssm_states, const at::Tensor& state_slots, int64_t key_heads, int64_t value_heads,
+    int64_t key_dim, int64_t value_dim, at::IntArrayRef block, int64_t bf16_dot) {
+  return gdn_block(hidden, residual, norm_weight, eps, qkvz_w, qkvz_s, ba_w, ba_s, conv_weight, A_log, dt_bias,
+                   gated_norm_w, gated_norm_eps, out_w, out_s, conv_states, ssm_states, state_slots, key_heads,
+                   value_heads, key_dim, value_dim, block, bf16_dot, nullptr);
 }
 
 // The gated attention layer of a decode step (layers/attention.py): input norm, qkv_proj (each query head with its
