@@ -114,7 +114,7 @@ def run_cases(args: argparse.Namespace, spin_receiver: bool) -> list[tuple[str, 
     proc = mp.get_context("spawn").Process(target=receiver, args=(child, 16 << 20, spin_receiver))
     proc.start()
     session, remote = parent.recv()
-    transfer = MooncakeTransfer("127.0.0.1", poll=True)  # as on a CPU server
+    transfer = MooncakeTransfer.start("127.0.0.1", poll=True)  # as on a CPU server
     engine = transfer.engine
     local = torch.ones(16 << 20, dtype=torch.uint8)
     transfer.register([local])

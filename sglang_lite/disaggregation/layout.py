@@ -40,6 +40,7 @@ class Meta(IntEnum):
     NANOS = 2  # nanoseconds its writes took
     SOURCES = 3  # prefill ranks that write into the rank (each its own sub-row)
     CACHED = 4  # prompt tokens the prefill server's prefix cache served
+    ROOM = 5  # the request's bootstrap room: a late write of an earlier request's sub-row is told apart
     STATUS = 7  # PENDING, DONE or FAILED (scheduler.disagg.base)
 
 

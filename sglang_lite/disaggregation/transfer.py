@@ -5,15 +5,24 @@ TCP, or RDMA when ``--disaggregation-ib-device`` names a device, and registers i
 writes into a decode rank's registered memory: a request's data, the few blocks its layout coalesces it into, in one
 batch (on GPU servers; polled block by block on CPU servers, see ``MooncakeTransfer.write``), then its metadata row
 (a second write, which must land after the data: the engine does not order the blocks it has under way).
+
+A write fails *settled* (``TransferError.settled``) only once none of its blocks can still land: the decode side
+frees the pages of a request that failed so, and a block the engine has not ended is waited for, never given up on
+(one that outlives twice its deadline makes the failure unsettled, and its request's pages stay held on both sides).
+A peer that fails a write is marked down: writes to it fail at once, without the engine's reconnect back-off (1, 2,
+4, ... seconds a write), until it answers a probe.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,10 +36,36 @@ MAX_BATCH_BLOCKS = 1024  # blocks of one write under way at once (one batch or o
 POLL_S = 0.0001  # between checks of a write's blocks
 WRITE_TIMEOUT_S = 30.0  # plus a second per GB, as the engine's synchronous write
 FAILED_BATCH = 2**64 - 1  # the engine's -1 as its unsigned batch id
+# a one-block batch's status: 0 under way, 1 completed, -1 failed (both free the batch), -2 timed out by the
+# engine (which keeps the batch: the block may still be under way)
+ENDED = (1, -1)
+PROBE_INTERVAL_S = 2.0  # a peer marked down is probed again at most this often
+# the engine's own deadline of a synchronous write (its MC_TRANSFER_TIMEOUT, at least 5 s; 30 s by default), past
+# which it returns -1 with blocks still under way
+ENGINE_SYNC_TIMEOUT_S = max(5, int(os.environ.get("MC_TRANSFER_TIMEOUT", "30") or 30))
 
 
 class TransferError(RuntimeError):
-    """A write to the peer failed (the engine returned an error code)."""
+    """A write to the peer failed. ``settled``: every block of it has ended, none can still land in the peer's
+    memory nor read ours; else ``underway`` lists the engine's batches not ended yet (``MooncakeTransfer.underway``
+    tells when they have), and ``settle_by`` is when the write's memory may be reused all the same, for blocks the
+    engine gives no way to follow (a synchronous write's)."""
+
+    def __init__(
+        self,
+        message: str,
+        settled: bool = True,
+        underway: tuple[int, ...] = (),
+        settle_by: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.settled = settled
+        self.underway = underway
+        self.settle_by = settle_by
+
+
+class PeerDown(TransferError):
+    """Refused without writing: the peer failed an earlier write and has not answered a probe since."""
 
 
 def local_hostname(host: str) -> str:
@@ -88,21 +123,38 @@ class MooncakeTransfer:
     """One rank's engine. ``poll``: a write waits for its blocks by polling with short sleeps, not with the engine's
     synchronous wait, which spins on a core (for CPU servers, whose cores run the forwards; see ``write``)."""
 
-    def __init__(self, hostname: str, ib_device: str | None = None, poll: bool = False) -> None:
+    def __init__(
+        self, engine: Any, session_id: str, poll: bool, write_timeout_s: float = WRITE_TIMEOUT_S
+    ) -> None:
+        self.engine = engine
+        self.session_id = session_id
         self.poll = poll
+        self.write_timeout_s = write_timeout_s
+        self.stats = TransferStats()
+        self._down: dict[str, float] = {}  # peer session -> when it last failed a write or a probe
+        self._lock = threading.Lock()  # writes to several peers run on threads of their own
+
+    @classmethod
+    def start(
+        cls,
+        hostname: str,
+        ib_device: str | None = None,
+        poll: bool = False,
+        write_timeout_s: float = WRITE_TIMEOUT_S,
+    ) -> MooncakeTransfer:
+        """Starts this rank's engine on ``hostname`` (TCP, or RDMA on ``ib_device``)."""
         try:
             from mooncake.engine import TransferEngine
         except ImportError as error:  # the wheel, or libibverbs.so.1 it links
             raise RuntimeError(f"{INSTALL_HINT} ({error})") from error
-        self.engine = TransferEngine()
+        engine = TransferEngine()
         protocol = "rdma" if ib_device else "tcp"
-        code = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, ib_device or "")
+        code = engine.initialize(hostname, "P2PHANDSHAKE", protocol, ib_device or "")
         if code != 0:
             raise RuntimeError(
                 f"Mooncake transfer engine did not start on {hostname} over {protocol} (code {code})"
             )
-        self.session_id = f"{hostname}:{self.engine.get_rpc_port()}"
-        self.stats = TransferStats()
+        return cls(engine, f"{hostname}:{engine.get_rpc_port()}", poll, write_timeout_s)
 
     def register(self, tensors: list[torch.Tensor]) -> None:
         """Registers each tensor's memory once (the pools are allocated up front and never move)."""
@@ -124,7 +176,8 @@ class MooncakeTransfer:
         self, session: str, sources: list[int], targets: list[int], lengths: list[int]
     ) -> int:
         """Writes each ``lengths[i]`` bytes at local ``sources[i]`` to ``targets[i]`` of the peer ``session`` and
-        returns once all have landed: the bytes written, or raises TransferError (once none is still under way).
+        returns once all have landed: the bytes written, or raises TransferError (settled, unless a block outlived
+        twice the write's deadline), or PeerDown at once for a peer marked down.
 
         The engine's synchronous batch write waits by spinning on a core. Where cores are few and busy with the
         forwards (a CPU server) that spinning takes the core the engine's own TCP threads and the peer's need, and a
@@ -133,19 +186,54 @@ class MooncakeTransfer:
         which a forward's Python holds while the write overlaps it: elsewhere the synchronous write keeps the wait
         off the GIL. Either way at most ``MAX_BATCH_BLOCKS`` blocks are under way at once (the TCP transport
         refuses larger batches: seen from ~2,100 blocks)."""
+        self._check_up(session)
         write = self._write_polled if self.poll else self._write_batches
-        return write(session, sources, targets, lengths)
+        try:
+            return write(session, sources, targets, lengths)
+        except TransferError:
+            self._mark_down(session)
+            raise
+
+    def underway(self, batches: tuple[int, ...]) -> tuple[int, ...]:
+        """Those of an unsettled write's ``batches`` that the engine has not ended yet."""
+        return tuple(b for b in batches if self.engine.transfer_check_status(b) not in ENDED)
+
+    def is_down(self, session: str) -> bool:
+        with self._lock:
+            return session in self._down
+
+    def _check_up(self, session: str) -> None:
+        """Raises PeerDown for a peer marked down, unless it answers a probe (sent at most every
+        ``PROBE_INTERVAL_S``; a stopped peer may keep it waiting, which only this peer's writes wait for)."""
+        with self._lock:
+            since = self._down.get(session)
+        if since is None:
+            return
+        if time.monotonic() - since >= PROBE_INTERVAL_S and self.engine.send_probe(session) == 0:
+            with self._lock:
+                self._down.pop(session, None)
+            return
+        self._mark_down(session)
+        raise PeerDown(f"Mooncake peer {session} is down (it failed a write and a probe since)")
+
+    def _mark_down(self, session: str) -> None:
+        with self._lock:
+            self._down[session] = time.monotonic()
 
     def _write_polled(
         self, session: str, sources: list[int], targets: list[int], lengths: list[int]
     ) -> int:
-        # the engine's own deadline: 30 s plus a second per GB
-        deadline = time.monotonic() + WRITE_TIMEOUT_S + sum(lengths) / 1e9
+        # the engine's own deadline: the write timeout plus a second per GB; blocks still under way then are
+        # waited for as long again, so that the failure is settled
+        budget = self.write_timeout_s + sum(lengths) / 1e9
+        deadline = time.monotonic() + budget
+        settle_by = deadline + budget
         underway: collections.deque[tuple[int, int]] = collections.deque()
         errors: list[str] = []
+        unended: list[int] = []
         for i, (source, target, length) in enumerate(zip(sources, targets, lengths, strict=True)):
             if len(underway) == MAX_BATCH_BLOCKS:
-                self._await(*underway.popleft(), deadline, errors)
+                self._await(*underway.popleft(), deadline, settle_by, errors, unended)
             if errors:
                 break  # send no more; wait for what is under way, which still reads our memory
             batch = self.engine.transfer_submit_write(session, source, target, length)
@@ -154,11 +242,12 @@ class MooncakeTransfer:
                 break
             underway.append((i, batch))
         while underway:
-            self._await(*underway.popleft(), deadline, errors)
+            self._await(*underway.popleft(), deadline, settle_by, errors, unended)
         if errors:
-            raise TransferError(
-                f"Mooncake write of {len(sources)} blocks to {session} failed: {'; '.join(errors[:3])}"
-            )
+            message = f"Mooncake write of {len(sources)} blocks to {session} failed: {'; '.join(errors[:3])}"
+            if unended:
+                message += f" ({len(unended)} blocks still under way after {2 * budget:g} s)"
+            raise TransferError(message, settled=not unended, underway=tuple(unended))
         return sum(lengths)
 
     def _write_batches(
@@ -166,23 +255,43 @@ class MooncakeTransfer:
     ) -> int:
         for i in range(0, len(sources), MAX_BATCH_BLOCKS):
             batch = slice(i, i + MAX_BATCH_BLOCKS)
+            start = time.monotonic()
             code = self.engine.batch_transfer_sync_write(
                 session, sources[batch], targets[batch], lengths[batch]
             )
             if code != 0:
+                # past the engine's own deadline it gives up on blocks still under way, and frees their batch:
+                # they cannot be followed, so the failure holds the memory for as long again
+                seconds = time.monotonic() - start
+                timed_out = seconds >= ENGINE_SYNC_TIMEOUT_S
                 raise TransferError(
                     f"Mooncake write of blocks {i}-{i + len(sources[batch]) - 1} of {len(sources)} "
-                    f"to {session} failed (code {code})"
+                    f"to {session} failed (code {code}, after {seconds:.1f} s)",
+                    settled=not timed_out,
+                    settle_by=time.monotonic() + seconds if timed_out else None,
                 )
         return sum(lengths)
 
-    def _await(self, block: int, batch: int, deadline: float, errors: list[str]) -> None:
-        """Polls the one-block ``batch`` until it ends (the engine frees it then) or ``deadline`` passes."""
-        while (code := self.engine.transfer_check_status(batch)) == 0:
-            if time.monotonic() > deadline:
-                # the engine keeps the batch: leaked, never reused
+    def _await(
+        self,
+        block: int,
+        batch: int,
+        deadline: float,
+        settle_by: float,
+        errors: list[str],
+        unended: list[int],
+    ) -> None:
+        """Polls the one-block ``batch`` until it ends (the engine frees it then). Past ``deadline`` the write has
+        timed out, but the block may still land: it is polled on until ``settle_by``, then left in ``unended``."""
+        timed_out = False
+        while (code := self.engine.transfer_check_status(batch)) not in ENDED:
+            now = time.monotonic()
+            if now > deadline and not timed_out:
+                timed_out = True
                 errors.append(f"block {block} timed out")
+            if now > settle_by:
+                unended.append(batch)
                 return
             time.sleep(POLL_S)
-        if code != 1:
+        if code != 1 and not timed_out:
             errors.append(f"block {block} failed (code {code})")

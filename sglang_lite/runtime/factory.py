@@ -94,9 +94,13 @@ def _pd_side(
     when it serves whole requests)."""
     if args.disaggregation_mode == "null":
         return NullSide()
-    # a CPU server's cores run the forwards: a write polls rather than spin a core (MooncakeTransfer.write)
-    transfer = MooncakeTransfer(
-        local_hostname(args.host), args.disaggregation_ib_device, poll=args.device == "cpu"
+    # a CPU server's cores run the forwards: a write polls rather than spin a core (MooncakeTransfer.write); a
+    # write's deadline is half the transfer timeout, so that a failed one settles within it (decode.py)
+    transfer = MooncakeTransfer.start(
+        local_hostname(args.host),
+        args.disaggregation_ib_device,
+        poll=args.device == "cpu",
+        write_timeout_s=args.disaggregation_transfer_timeout / 2,
     )
     state = get_parallel_state()
     group = AttentionGroup(state.attn_tp_rank, state.attn_tp_size, state.cpu_attn)

@@ -11,6 +11,7 @@ import torch
 
 import sglang_lite
 from sglang_lite.config import ModelConfig
+from sglang_lite.disaggregation import transfer as transfer_module
 from sglang_lite.disaggregation.layout import (
     HeadRange,
     PoolLayout,
@@ -20,10 +21,13 @@ from sglang_lite.disaggregation.layout import (
     slot_runs,
 )
 from sglang_lite.disaggregation.transfer import (
+    ENGINE_SYNC_TIMEOUT_S,
     LATENCY_BUCKETS_S,
     MAX_BATCH_BLOCKS,
+    PROBE_INTERVAL_S,
     RECENT_TRANSFERS,
     MooncakeTransfer,
+    PeerDown,
     TransferError,
     TransferStats,
 )
@@ -144,9 +148,7 @@ class RecordingEngine:
 
 def engine_only(engine: RecordingEngine, poll: bool = True) -> MooncakeTransfer:
     # the submitting and waiting only, no engine to start
-    transfer = MooncakeTransfer.__new__(MooncakeTransfer)
-    transfer.engine, transfer.poll = engine, poll
-    return transfer
+    return MooncakeTransfer(engine, "me:1", poll)
 
 
 def test_synchronous_writes_go_in_batches_the_transport_accepts():
@@ -181,6 +183,120 @@ def test_a_failed_block_fails_the_write_once_nothing_is_under_way():
         engine_only(engine).write("peer:1", list(range(n)), list(range(n)), [4] * n)
     # no block sent after the failure
     assert len(engine.submitted) == MAX_BATCH_BLOCKS and not engine.checks
+
+
+class SlowEngine(RecordingEngine):
+    """Blocks that end on their ``ends_on``-th status check (each check takes a second of ``clock``), the
+    engine's probe answering ``probe``, and a synchronous write that fails after ``sync_seconds``."""
+
+    def __init__(
+        self, clock: FakeClock, ends_on: int, probe: int = 0, sync_seconds: float = 0
+    ) -> None:
+        super().__init__()
+        self.clock, self.ends_on, self.probe, self.sync_seconds = (
+            clock,
+            ends_on,
+            probe,
+            sync_seconds,
+        )
+        self.probes = 0
+
+    def transfer_check_status(self, batch) -> int:
+        self.clock.now += 1.0
+        if batch not in self.checks:
+            return 1
+        self.checks[batch] += 1
+        if self.checks[batch] < self.ends_on:
+            return 0
+        del self.checks[batch]
+        return -1 if self.submitted[batch - 1] in self.fail else 1
+
+    def batch_transfer_sync_write(self, session, sources, targets, lengths) -> int:
+        self.clock.now += self.sync_seconds
+        return -1
+
+    def send_probe(self, session) -> int:
+        self.probes += 1
+        return self.probe
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        pass
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(transfer_module, "time", fake)
+    return fake
+
+
+def test_a_timed_out_block_is_waited_for_and_then_fails_settled(clock: FakeClock):
+    # the deadline passes at the 3rd check; the block ends on its 5th, before twice the deadline
+    engine = SlowEngine(clock, ends_on=5)
+    with pytest.raises(TransferError, match="block 0 timed out") as failure:
+        MooncakeTransfer(engine, "me:1", True, write_timeout_s=2.5).write("peer:1", [1], [2], [8])
+    assert failure.value.settled and not failure.value.underway
+    assert (
+        not engine.checks
+    )  # nothing under way when the failure is reported: it can no longer land
+
+
+def test_a_block_still_under_way_at_twice_the_deadline_fails_unsettled(clock: FakeClock):
+    engine = SlowEngine(clock, ends_on=100)
+    transfer = MooncakeTransfer(engine, "me:1", True, write_timeout_s=2.5)
+    with pytest.raises(TransferError, match="still under way") as failure:
+        transfer.write("peer:1", [1, 2], [3, 4], [8, 8])
+    error = failure.value
+    assert not error.settled and sorted(error.underway) == sorted(engine.checks)
+    assert (
+        transfer.underway(error.underway) == error.underway
+    )  # followed until the engine ends them
+    for _ in range(100):
+        transfer.underway(error.underway)
+    assert transfer.underway(error.underway) == ()
+
+
+def test_a_peer_that_failed_is_refused_at_once_until_it_answers_a_probe(clock: FakeClock):
+    engine = SlowEngine(clock, ends_on=2)
+    engine.fail = frozenset({1})
+    transfer = MooncakeTransfer(engine, "me:1", True)
+    with pytest.raises(TransferError, match="block 0 failed"):
+        transfer.write("peer:1", [1], [2], [8])
+    assert transfer.is_down("peer:1") and not transfer.is_down("other:1")
+    submitted = len(engine.submitted)
+    with pytest.raises(PeerDown):  # no probe before PROBE_INTERVAL_S, nothing submitted
+        transfer.write("peer:1", [3], [4], [8])
+    assert engine.probes == 0 and len(engine.submitted) == submitted
+    assert transfer.write("other:1", [3], [4], [8]) == 8  # other peers are not held up
+    clock.now += PROBE_INTERVAL_S
+    engine.probe = -102  # still unreachable: refused, probed once
+    with pytest.raises(PeerDown):
+        transfer.write("peer:1", [3], [4], [8])
+    assert engine.probes == 1
+    clock.now += PROBE_INTERVAL_S
+    engine.probe = 0  # back
+    assert transfer.write("peer:1", [5], [6], [8]) == 8 and not transfer.is_down("peer:1")
+
+
+def test_a_synchronous_write_that_failed_past_the_engines_deadline_is_unsettled(clock: FakeClock):
+    quick = SlowEngine(clock, ends_on=2, sync_seconds=0.5)
+    with pytest.raises(TransferError) as failure:
+        MooncakeTransfer(quick, "me:1", False).write("peer:1", [1], [2], [8])
+    assert failure.value.settled  # failed before the engine's deadline: its blocks ended
+    slow = SlowEngine(clock, ends_on=2, sync_seconds=ENGINE_SYNC_TIMEOUT_S + 1)
+    with pytest.raises(TransferError) as failure:
+        MooncakeTransfer(slow, "me:1", False).write("peer:1", [1], [2], [8])
+    # the engine gave up on blocks it may still be sending: the memory is held as long again
+    assert not failure.value.settled
+    assert failure.value.settle_by == clock.now + ENGINE_SYNC_TIMEOUT_S + 1
 
 
 def test_transfer_figures_are_moving_averages_and_histograms():
