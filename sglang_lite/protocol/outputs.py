@@ -10,6 +10,9 @@ from sglang_lite.sampling.logprobs import INPUT_KEYS, OUTPUT_KEYS
 INTERNAL_ERROR = 500  # the status of a request that failed inside its rank
 # the status of a request that failed inside its rank by its own fault (its grammar reached a dead end)
 BAD_REQUEST = 400
+# PD: the other server of the pair, or the transfer between them, failed the request (not this server: a router
+# does not count it against this worker's health)
+PD_FAILURE = 502
 
 
 @dataclass
@@ -30,7 +33,7 @@ def request_failure(output: ReqOutput) -> tuple[int, str] | None:
     if (
         not output.finished
         or reason.get("type") != "abort"
-        or status not in (BAD_REQUEST, INTERNAL_ERROR)
+        or status not in (BAD_REQUEST, INTERNAL_ERROR, PD_FAILURE)
     ):
         return None
     return status, reason.get("message") or "internal error"

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from sglang_lite.protocol.outputs import INTERNAL_ERROR
+from sglang_lite.protocol.outputs import INTERNAL_ERROR, PD_FAILURE
 from sglang_lite.sampling.grammar import ReasoningGrammar, RequestGrammar
 from sglang_lite.sampling.logprobs import LogprobParams, LogprobRecord
 from sglang_lite.sampling.params import SamplingParams
@@ -38,7 +38,8 @@ class FinishReason:
 
     @property
     def is_internal_error(self) -> bool:
-        return self.kind == "abort" and self.status_code == INTERNAL_ERROR
+        """It failed inside the server (500) or its PD pair (502), not by the client's doing."""
+        return self.kind == "abort" and self.status_code in (INTERNAL_ERROR, PD_FAILURE)
 
 
 class ReqStatus(enum.Enum):

@@ -15,7 +15,7 @@ from sglang_lite.disaggregation.transfer import MooncakeTransfer
 from sglang_lite.distributed import all_gather_objects
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.request_memory import RequestMemory
-from sglang_lite.protocol.outputs import INTERNAL_ERROR
+from sglang_lite.protocol.outputs import PD_FAILURE
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.request import FinishReason, Req
@@ -23,7 +23,9 @@ from sglang_lite.scheduler.request import FinishReason, Req
 # a metadata sub-row's status: written last by the prefill side
 PENDING = 0
 DONE = 1
-FAILED = 2
+FAILED = 2  # none of the request's blocks can land any more: the decode side may free its pages
+# (the prefill side's own) a write failed with blocks still under way: its memory stays held until they end
+UNSETTLED = 3
 
 
 class SideHost(Protocol):
@@ -74,8 +76,9 @@ class DisaggSide(Protocol):
 
     def on_target(self, room: int, target: dict[str, Any]) -> None: ...
 
-    def abort(self, req: Req, reason: FinishReason) -> bool:
-        """True when the request was in a PD queue (it is ended or will be)."""
+    def abort(self, req: Req, reason: FinishReason, settled: bool = False) -> bool:
+        """True when the request was in a PD queue (it is ended or will be). ``settled``: the other side will
+        write nothing more for it (its prefill refused it or died), so nothing it reserved need wait."""
 
     def find(self, rid: str) -> Req | None: ...
 
@@ -125,7 +128,7 @@ class NullSide:
     def on_target(self, room: int, target: dict[str, Any]) -> None:
         raise TypeError("a transfer target reached a rank that is not a PD prefill rank")
 
-    def abort(self, req: Req, reason: FinishReason) -> bool:
+    def abort(self, req: Req, reason: FinishReason, settled: bool = False) -> bool:
         return False
 
     def find(self, rid: str) -> Req | None:
@@ -164,8 +167,8 @@ class AttentionGroup:
         return all_gather_objects(obj, self.group) if self.size > 1 else [obj]
 
     def agree(self, statuses: list[int]) -> tuple[float, list[int]]:
-        """(the first rank's clock, each status agreed): PENDING while any rank's is, else FAILED if any rank's
-        failed, else DONE."""
+        """(the first rank's clock, each status agreed): PENDING while any rank's is, else UNSETTLED, else FAILED
+        if any rank's is, else DONE."""
         if self.size == 1:
             return time.monotonic(), statuses
         gathered = self.gather((time.monotonic(), statuses))
@@ -173,9 +176,10 @@ class AttentionGroup:
 
 
 def _agreed(statuses: tuple[int, ...]) -> int:
-    if PENDING in statuses:
-        return PENDING
-    return FAILED if FAILED in statuses else DONE
+    for status in (PENDING, UNSETTLED, FAILED):
+        if status in statuses:
+            return status
+    return DONE
 
 
 class TransferSide:
@@ -239,7 +243,8 @@ class TransferSide:
         raise NotImplementedError
 
     def failure(self, message: str) -> FinishReason:
-        return FinishReason("abort", message=message, status_code=INTERNAL_ERROR)
+        """A request the PD pair failed (502: the other server or the transfer between them, not this one)."""
+        return FinishReason("abort", message=message, status_code=PD_FAILURE)
 
     def on_target(self, room: int, target: dict[str, Any]) -> None:
         raise TypeError("a transfer target reached a rank that is not a PD prefill rank")

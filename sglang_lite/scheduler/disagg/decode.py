@@ -3,9 +3,15 @@ slot and room for its log-probabilities are free; they are reserved, its metadat
 reservation goes to the prefill side (a notice the front end forwards to the bootstrap server) with the layouts of
 every rank of this DP rank's attention group, so that each prefill rank writes the heads each of them holds. It
 then waits in the transfer queue, polling its metadata row (one sub-row per prefill rank that writes into this
-rank), and joins the running batch with the transferred first token once every rank of the group has all of it. A
-transfer that fails, or does not finish within the timeout, fails the request; its reservation stays held until
-the prefill side can no longer write into it."""
+rank), and joins the running batch with the transferred first token once every rank of the group has all of it.
+
+A sub-row counts only when it carries the request's own room (a late status write of an earlier request in the same
+slot is not this one's). FAILED means that none of that prefill rank's blocks can still land (``transfer.py``): the
+reservation is freed at once. A transfer that does not finish within the timeout, or a request aborted while its
+transfer is under way, fails at once but keeps its reservation until every prefill rank writing into it has
+written its final status, or twice the timeout more has passed: the prefill side starts no write into a destination
+older than half the timeout, and settles a failed write within the timeout, so by then its writes have ended or its
+process is gone."""
 
 from __future__ import annotations
 
@@ -22,6 +28,9 @@ from sglang_lite.scheduler.disagg.base import DONE, FAILED, PENDING, TransferSid
 from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
 
 logger = logging.getLogger(__name__)
+DRAIN_TIMEOUTS = (
+    2  # a given-up reservation is held this many timeouts at most, waiting for the final statuses
+)
 
 
 class DecodeSide(TransferSide):
@@ -95,8 +104,12 @@ class DecodeSide(TransferSide):
     def _local_status(self, req: Req) -> int:
         """What this rank's metadata row says: PENDING until every prefill rank writing here has written."""
         rows = self.meta[req.state_slot]
-        sources = int(rows[:, Meta.SOURCES].max())
-        statuses = rows[:sources, Meta.STATUS].tolist()
+        mine = rows[:, Meta.ROOM] == req.bootstrap_room
+        sources = int(rows[mine, Meta.SOURCES].max()) if bool(mine.any()) else 0
+        statuses = [
+            int(status) if own else PENDING
+            for status, own in zip(rows[:sources, Meta.STATUS].tolist(), mine[:sources].tolist())
+        ]
         if not sources or PENDING in statuses:
             return PENDING
         return FAILED if FAILED in statuses else DONE
@@ -148,14 +161,14 @@ class DecodeSide(TransferSide):
 
     def _drain(self, req: Req, reason: FinishReason) -> None:
         """Ends the request now, but keeps its reservation until the prefill side can no longer write into it."""
-        self.draining.append((req, self.now + self.timeout_s))
+        self.draining.append((req, self.now + DRAIN_TIMEOUTS * self.timeout_s))
         self._release_extras(req)
         self.host.end(req, reason, keep_memory=True)
 
     def find(self, rid: str) -> Req | None:
         return next((r for r in self.prealloc + self.transferring if r.rid == rid), None)
 
-    def abort(self, req: Req, reason: FinishReason) -> bool:
+    def abort(self, req: Req, reason: FinishReason, settled: bool = False) -> bool:
         if req in self.prealloc:
             self.prealloc.remove(req)
             self.host.end(req, reason)
@@ -163,7 +176,11 @@ class DecodeSide(TransferSide):
         if req in self.transferring:
             self.transferring.remove(req)
             del self.deadlines[req.rid]
-            self._drain(req, reason)
+            if settled:  # no write from the prefill side can come: freed now
+                self._release_extras(req)
+                self.host.end(req, reason)
+            else:
+                self._drain(req, reason)
             return True
         return False
 

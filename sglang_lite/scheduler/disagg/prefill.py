@@ -1,10 +1,11 @@
 """PD prefill side: a request waits in the bootstrap queue until its decode rank's destination arrives
 (``on_target``, forwarded by the prefill server's bootstrap server), is prefilled like any other request, and
 instead of decoding, its KV, GDN conv and recurrent states, first token and log-probabilities are written into the
-decode DP rank's memory by the Mooncake engine on a transfer thread (the inflight queue). Under tensor parallelism
-every rank of this DP rank's attention group writes the heads it holds into each decode rank that holds them too,
-then its own metadata sub-row there. What the request held is freed once every rank of the group is done (they
-agree first: their pools must stay identical); it then finishes with its one token."""
+decode DP rank's memory by the Mooncake engine on a transfer thread (the inflight queue; ``sender.py``). Under
+tensor parallelism every rank of this DP rank's attention group writes the heads it holds into each decode rank
+that holds them too, then its own metadata sub-row there. What the request held is freed once every rank of the
+group is done (they agree first: their pools must stay identical); it then finishes with its one token. A write
+that failed with blocks still under way keeps the request's memory (``unsettled``) until the engine ends them."""
 
 from __future__ import annotations
 
@@ -12,51 +13,24 @@ import concurrent.futures
 import logging
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
-
-from sglang_lite.disaggregation.extras import ExtrasArea, extras_size
 from sglang_lite.disaggregation.extras import encode as encode_extras
-from sglang_lite.disaggregation.layout import (
-    MAX_SOURCES,
-    META_FIELDS,
-    Blocks,
-    Meta,
-    PoolLayout,
-    request_blocks,
-)
-from sglang_lite.scheduler.disagg.base import DONE, FAILED, PENDING, TransferSide
+from sglang_lite.disaggregation.extras import extras_size
+from sglang_lite.disaggregation.layout import MAX_SOURCES, PoolLayout, request_blocks
+from sglang_lite.disaggregation.transfer import TransferError
+from sglang_lite.scheduler.disagg.base import DONE, FAILED, PENDING, UNSETTLED, TransferSide
+from sglang_lite.scheduler.disagg.sender import Job, Sender, Write
 from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
 
 logger = logging.getLogger(__name__)
-STATUS_RETRIES = 5
 GIL_SWITCH_INTERVAL_S = 0.0005
 # On the CPU the writes of a forward's requests start at the next poll, which waits up to this long for them before
 # the next forward: the forward's threads (and this thread's Python, which the transfer thread needs the GIL from)
 # would otherwise share the cores with the engine's, and a ~1 ms write then takes several (docs/pd.md). A write
 # that takes longer (a slow or dead peer) is polled as before.
 CPU_SETTLE_S = 0.05
-
-
-class _Write(NamedTuple):
-    """One decode rank's share of a request's transfer."""
-
-    session: str
-    blocks: Blocks
-    meta: int  # the address of this rank's metadata sub-row there
-    extras: int | None  # where the log-probabilities go there (the group's first rank sends them)
-
-
-class _Job(NamedTuple):
-    """One request's transfer, worked out on the scheduler's thread."""
-
-    writes: list[_Write]
-    slot: int  # the request's state slot: its staging metadata row here
-    token: int
-    cached: int  # prompt tokens the prefix cache served
-    extras: torch.Tensor | None  # the log-probabilities' bytes
-    refused: Exception | None  # the destination does not fit this rank: only FAILED is written
+RECEIVED = "received_at"  # the key a destination gets: when it reached this rank (its clock)
 
 
 class PrefillSide(TransferSide):
@@ -75,10 +49,14 @@ class PrefillSide(TransferSide):
         self.targets: dict[int, tuple[dict[str, Any], float | None]] = {}
         self.inflight: list[tuple[Req, concurrent.futures.Future]] = []
         self.aborted: set[str] = set()  # inflight requests aborted meanwhile
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
+        # ended requests whose failed write may still read their memory: (request, its batches under way, the
+        # time their memory may be reused all the same), held until the engine ends those batches
+        self.unsettled: list[tuple[Req, tuple[int, ...], float | None]] = []
+        # the transfer threads, one per set of decode ranks written to
+        self.sender = Sender(self.transfer, self.meta, self.group.size, self.timeout_s, self.extras)
         # on the CPU the forward runs on the cores: a forward's writes are staged and submitted at the next poll
         self._settles = self.memory.pools.kv.buffer.device.type == "cpu"
-        self._staged: list[tuple[concurrent.futures.Future, _Job]] = []
+        self._staged: list[tuple[concurrent.futures.Future, Job]] = []
         # The transfer thread needs the GIL to start a write and to return from it, and the forward's Python holds
         # it: a waiting thread gets it after the switch interval (5 ms by default), which a write then takes
         # several times over (docs/pd.md measures it). The interval matters only while another thread waits for
@@ -96,6 +74,7 @@ class PrefillSide(TransferSide):
 
     def on_target(self, room: int, target: dict[str, Any]) -> None:
         """The decode rank's destination for ``room`` (it may come before or after the request)."""
+        target[RECEIVED] = time.monotonic()
         req = self.bootstrap.pop(room, None)
         if req is None:
             self.targets[room] = (target, None)
@@ -118,101 +97,82 @@ class PrefillSide(TransferSide):
         # taken now: the request's own output takes the entries later
         extras = encode_extras(req.logprob_record.entries, req.logprob, n) if sends_extras else None
         layouts = [PoolLayout.from_dict(d) for d in req.transfer_target["layouts"]]
-        refused = None
+        refused = self._expired(req)
         try:
             writes = [self._write_of(req, dst, extras is not None) for dst in layouts]
         except Exception as error:  # the destination does not fit this rank: the write fails
             refused = error
+        if refused is not None:
             writes = [self._write_of(req, dst, False, data=False) for dst in layouts]
-        job = _Job(writes, req.state_slot, token, req.prompt_tokens_from_cache, extras, refused)
+        job = Job(
+            writes,
+            req.bootstrap_room,
+            req.state_slot,
+            token,
+            req.prompt_tokens_from_cache,
+            extras,
+            refused,
+        )
         if self._settles:
             future: concurrent.futures.Future = concurrent.futures.Future()
             self._staged.append((future, job))
         else:
-            future = self._executor.submit(self._send, job)
+            future = self.sender.submit(job)
         self.inflight.append((req, future))
         return True
 
-    def _write_of(self, req: Req, dst: PoolLayout, extras: bool, data: bool = True) -> _Write:
+    def _expired(self, req: Req) -> Exception | None:
+        """A destination older than half the timeout is not written into: the decode side gives up on its
+        reservation after the timeout and frees it a while later, and a write started now might outlast that."""
+        age = time.monotonic() - req.transfer_target.get(RECEIVED, time.monotonic())
+        if age <= self.timeout_s / 2:
+            return None
+        return TimeoutError(
+            f"the prefill took {age:.1f} s after the decode server's destination came, more than half the "
+            f"transfer timeout ({self.timeout_s:g} s)"
+        )
+
+    def _write_of(self, req: Req, dst: PoolLayout, extras: bool, data: bool = True) -> Write:
         target = req.transfer_target
         meta = dst.meta_address(target["meta_row"], self.group.rank)
         where = dst.extras[0] + target["extras"][0] if extras else None
         if not data:
-            return _Write(dst.session, ([], [], []), meta, None)
+            return Write(dst.session, ([], [], []), meta, None)
         self.layout.check_matches(dst)
         n = len(req.input_ids)
         pages = self.memory.pages_of(req, n)
         blocks = request_blocks(
             self.layout, dst, pages, target["kv_pages"], n, req.state_slot, target["state_slot"]
         )
-        return _Write(dst.session, blocks, meta, where)
-
-    # ---- the transfer thread -----------------------------------------------------------------------------------
-    def _send(self, job: _Job) -> tuple[int, int, float]:
-        """The data into every decode rank of the group, then this rank's metadata sub-row in each; returns the
-        first token, and the bytes and seconds of the data."""
-        try:
-            if job.refused is not None:
-                raise job.refused
-            start = time.perf_counter()
-            sent = [self._write_data(job, write) for write in job.writes]
-            seconds = time.perf_counter() - start
-        except Exception:
-            for write in job.writes:
-                self._write_meta(job, write, (FAILED, 0, 0), retries=STATUS_RETRIES)
-            raise
-        for write, nbytes in zip(job.writes, sent):
-            self._write_meta(job, write, (DONE, nbytes, int(seconds * 1e9)))
-        return job.token, sum(sent), seconds
-
-    def _write_data(self, job: _Job, write: _Write) -> int:
-        sources, targets, lengths = (list(x) for x in write.blocks)
-        if write.extras is not None:
-            sources.append(self._stage(job.extras))
-            targets.append(write.extras)
-            lengths.append(job.extras.numel())
-        return self.transfer.write(write.session, sources, targets, lengths)
-
-    def _stage(self, data: torch.Tensor) -> int:
-        """``data`` in this rank's registered extras area (one transfer at a time uses it); its address."""
-        if data.numel() > self.extras.size:
-            self.transfer.unregister(self.extras.buffer)
-            self.extras = ExtrasArea(2 * data.numel())
-            self.transfer.register([self.extras.buffer])
-        self.extras.buffer[: data.numel()] = data
-        return self.extras.buffer.data_ptr()
-
-    def _write_meta(
-        self, job: _Job, write: _Write, outcome: tuple[int, int, int], retries: int = 1
-    ) -> None:
-        """This rank's sub-row (staged in its own row 0 of the request's slot) into the decode rank's."""
-        status, nbytes, nanos = outcome
-        row = self._meta_rows[job.slot, 0]
-        row[:] = 0
-        row[[Meta.TOKEN, Meta.BYTES, Meta.NANOS]] = (job.token, nbytes, nanos)
-        row[[Meta.SOURCES, Meta.CACHED, Meta.STATUS]] = (self.group.size, job.cached, status)
-        source = self.meta[job.slot, 0].data_ptr()
-        for attempt in range(retries):  # a write right after a failed batch can fail too: try again
-            try:
-                self.transfer.write(write.session, [source], [write.meta], [META_FIELDS * 8])
-                return
-            except Exception:
-                if attempt + 1 == retries:
-                    raise
-                time.sleep(0.05 * (attempt + 1))  # the decode side times out if every try fails
+        return Write(dst.session, blocks, meta, where)
 
     # ---- the scheduler thread ----------------------------------------------------------------------------------
     def poll(self) -> None:
-        if not (self.bootstrap or self.targets or self.inflight):
+        if not (
+            self.bootstrap or self.targets or self.inflight or self.unsettled or self.sender.owes
+        ):
             return
         self._settle()
+        self.sender.write_owed()
         local = [self._local_status(future) for _, future in self.inflight]
+        local += [self._settled(underway, settle_by) for _, underway, settle_by in self.unsettled]
         self.now, statuses = self.group.agree(local)
         self._expire()
+        held = list(self.unsettled)
         for (req, future), status in zip(list(self.inflight), statuses):
             if status != PENDING:
                 self.inflight.remove((req, future))
                 self._finish(req, future, status)
+        for entry, status in zip(held, statuses[len(local) - len(held) :]):
+            if status != PENDING:
+                self.unsettled.remove(entry)
+                self.memory.release(entry[0], cache=False)
+
+    def _settled(self, underway: tuple[int, ...], settle_by: float | None) -> int:
+        """PENDING while an unsettled write's blocks may still read the request's memory."""
+        if underway and self.transfer.underway(underway):
+            return PENDING
+        return PENDING if settle_by is not None and time.monotonic() < settle_by else DONE
 
     def _settle(self) -> None:
         """On the CPU: submits the writes of the last forward's requests and waits for them (at most
@@ -221,25 +181,31 @@ class PrefillSide(TransferSide):
             return
         staged, self._staged = self._staged, []
         for future, job in staged:
-            self._executor.submit(self._send_into, future, job)
+            self.sender.submit(job, future)
         concurrent.futures.wait([future for future, _ in staged], timeout=CPU_SETTLE_S)
-
-    def _send_into(self, future: concurrent.futures.Future, job: _Job) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(self._send(job))
-        except Exception as error:
-            future.set_exception(error)
 
     @staticmethod
     def _local_status(future: concurrent.futures.Future) -> int:
         if not future.done():
             return PENDING
-        return FAILED if future.exception() is not None else DONE
+        error = future.exception()
+        if isinstance(error, TransferError) and not error.settled:
+            return UNSETTLED
+        return FAILED if error is not None else DONE
 
     def _finish(self, req: Req, future: concurrent.futures.Future, status: int) -> None:
-        if req.rid in self.aborted:
+        if (
+            status == UNSETTLED
+        ):  # every rank of the group holds the request's memory until the blocks end
+            self.aborted.discard(req.rid)
+            error = future.exception()
+            underway = getattr(error, "underway", ())
+            settle_by = getattr(error, "settle_by", None)
+            self.unsettled.append((req, underway, settle_by))
+            logger.error("KV transfer of %s failed with blocks still under way: %s", req.rid, error)
+            message = f"KV transfer to the decode server failed: {error or 'another rank failed'}"
+            self.host.end(req, self.failure(message), keep_memory=True)
+        elif req.rid in self.aborted:
             self.aborted.discard(req.rid)
             self.host.end(req, FinishReason("abort", message="aborted by the client"))
         elif status == FAILED:
@@ -276,7 +242,7 @@ class PrefillSide(TransferSide):
             None,
         )
 
-    def abort(self, req: Req, reason: FinishReason) -> bool:
+    def abort(self, req: Req, reason: FinishReason, settled: bool = False) -> bool:
         """True when handled here (the request is in a PD queue)."""
         if self.bootstrap.get(req.bootstrap_room) is req:
             del self.bootstrap[req.bootstrap_room]
@@ -297,10 +263,10 @@ class PrefillSide(TransferSide):
 
     @property
     def has_work(self) -> bool:
-        return bool(self.bootstrap or self.inflight)
+        return bool(self.bootstrap or self.inflight or self.unsettled)
 
     def held(self) -> list[Req]:
-        return [r for r, _ in self.inflight]
+        return [r for r, _ in self.inflight] + [r for r, _, _ in self.unsettled]
 
     def loads(self) -> dict[str, Any]:
         writing = sum(1 for _, future in self.inflight if not future.done())
