@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -69,16 +70,21 @@ class Dispatcher:
         self.worker_key = worker_key  # replaces the client's Authorization when set
 
     async def send(
-        self, request: web.Request, worker: Worker, payload: bytes | None
+        self,
+        request: web.Request,
+        worker: Worker,
+        payload: bytes | None,
+        excused: Callable[[int], bool] | None = None,
     ) -> web.StreamResponse:
         """Relay the worker's response; its in-flight count covers the dispatch until the response body ends.
+        ``excused``: the statuses that are not the worker's failure (PD: its pair's).
 
         Raises UpstreamUnreachable when the request never reached the worker, WorkerShed when the worker shed it
         (in both cases nothing was sent to the client, and the caller may retry elsewhere).
         """
         worker.acquire()
         try:
-            return await self._exchange(request, worker, payload)
+            return await self._exchange(request, worker, payload, excused)
         finally:
             worker.release()
 
@@ -93,7 +99,11 @@ class Dispatcher:
         )
 
     async def _exchange(
-        self, request: web.Request, worker: Worker, payload: bytes | None
+        self,
+        request: web.Request,
+        worker: Worker,
+        payload: bytes | None,
+        excused: Callable[[int], bool] | None,
     ) -> web.StreamResponse:
         try:
             upstream = await self.open(request, worker, payload)
@@ -111,7 +121,8 @@ class Dispatcher:
             upstream.close()  # client gone or cancelled: drop the upstream connection so the worker aborts too
             raise
         upstream.release()
-        record_outcome(worker, failed or upstream.status >= 500)
+        excuse = excused is not None and excused(upstream.status)
+        record_outcome(worker, (failed or upstream.status >= 500) and not excuse)
         return resp
 
     async def _raise_if_shed(self, worker: Worker, upstream: aiohttp.ClientResponse) -> None:

@@ -85,8 +85,13 @@ class AddRequest(Message):
 @dataclass(frozen=True)
 class AbortRequest(Message):
     rid: str
-    # set: the request fails with this message (status 500), else a client's abort
+    # set: the request fails with this message (``status_code``: 500, or 502 / 400 for a PD pair's failure),
+    # else a client's abort
     error: str | None = None
+    status_code: int = 500
+    settled: bool = (
+        False  # PD: the other side will write nothing more for it (its reservation is freed now)
+    )
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ IDLE_POLL_MS = 500  # how often an idle world of one checks that its parent stil
 # an idle multi-rank world: followers wait in a collective at most this long per round
 WORLD_POLL_MS = 50
 PD_POLL_MS = 2  # a PD rank waiting only on transfers checks its metadata rows this often
+_CLIENT = "aborted by the client"  # the message of a client's abort
 
 
 @dataclass(frozen=True)
@@ -337,10 +338,9 @@ class WorldLoop:
         if isinstance(command, AddRequest):
             self.reply(self.add(command))
         elif isinstance(command, AbortRequest):
-            if command.error is None:
-                self.scheduler.abort(command.rid, message="aborted by the client")
-            else:
-                self.scheduler.abort(command.rid, message=command.error, failed=True)
+            failed = command.error is not None  # else a client's abort
+            message, status = (command.error, command.status_code) if failed else (_CLIENT, None)
+            self.scheduler.abort(command.rid, message, status, command.settled)
         elif isinstance(command, TransferTarget):
             self.scheduler.disagg.on_target(command.room, command.target)
         elif isinstance(command, LoadsQuery):

@@ -33,7 +33,7 @@ from sglang_lite.mem_cache.radix_cache import RadixCache
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.protocol.loads import SchedulerLoads
-from sglang_lite.protocol.outputs import INTERNAL_ERROR, ReqOutput
+from sglang_lite.protocol.outputs import ReqOutput
 from sglang_lite.sampling.grammar import GrammarCache, GrammarQueue, grammar_key
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
@@ -170,11 +170,14 @@ class Scheduler:
                 req.grammar = self.intake.grammar_of(req, compiled)
                 self.queues.waiting.append(req)
 
-    def abort(self, rid: str, message: str = "aborted", failed: bool = False) -> bool:
-        """Ends a request wherever it is and frees all it holds; False if no such unfinished request. ``failed``:
-        it failed (status 500, the message its error), not a client's abort."""
+    def abort(
+        self, rid: str, message: str = "aborted", status: int | None = None, settled=False
+    ) -> bool:
+        """Ends a request wherever it is and frees all it holds; False if no such unfinished request. ``status``:
+        it failed (500, or 400 / 502 for a PD pair's failure; the message its error), not a client's abort.
+        ``settled``: PD, its other side will write nothing more for it."""
         req = self._find(rid)
-        status = INTERNAL_ERROR if failed else None
+        failed = status is not None
         reason = FinishReason("abort", message=message, status_code=status)
         parent = self.forks.parent_of(rid) if req is None else None
         if parent is not None:  # a parallel sample not forked yet: it will not be
@@ -183,7 +186,7 @@ class Scheduler:
             return True
         if req is None:
             return False
-        if self.disagg.abort(req, reason):
+        if self.disagg.abort(req, reason, settled):
             return True
         if failed:
             self.ender.end(req, reason)

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from sglang_lite.protocol.outputs import PD_FAILURE
 from sglang_lite.runtime.messages import Reserved, TransferTarget
 from sglang_lite.server.io_struct import ROOM_LIMIT, Bootstrap, GenerateInput, bad_request
 from sglang_lite.server.request_streams import RequestStream, StreamRegistry
@@ -48,6 +49,11 @@ class PDFront(Protocol):
     def on_reserved(self, reserved: Reserved) -> None:
         """A decode rank reserved memory for a request."""
 
+    def fail_rooms(self, rooms: list[int], error: str, status: int, settled: bool) -> int:
+        """The router's word that the prefill leg of these rooms failed: their requests fail (``status``,
+        ``error``), those still to come as they arrive; how many were running. ``settled``: the prefill side will
+        write nothing more for them."""
+
 
 class NoPD:
     """A plain server's PD part: bootstrap fields are accepted and ignored, and there are no rooms."""
@@ -73,6 +79,9 @@ class NoPD:
     def on_reserved(self, reserved: Reserved) -> None:
         pass
 
+    def fail_rooms(self, rooms: list[int], error: str, status: int, settled: bool) -> int:
+        return 0
+
 
 def create_pd_front(args: ServerArgs, registry: StreamRegistry) -> PDFront:
     """The PD part for ``--disaggregation-mode``: none for a plain server."""
@@ -92,6 +101,8 @@ class PDFrontEnd:
         self.pending: dict[
             int, tuple[dict[str, Any], float]
         ] = {}  # prefill: destinations before their request
+        # rooms whose prefill leg failed before their request came: (error, status, settled, when)
+        self.failed_rooms: dict[int, tuple[str, int, bool, float]] = {}
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._posts: set[asyncio.Task] = set()
@@ -146,9 +157,26 @@ class PDFrontEnd:
             return
         stream.bootstrap = bootstrap
         self.rooms[bootstrap.room] = stream
+        failed = self.failed_rooms.pop(bootstrap.room, None)
+        if failed is not None:  # its prefill leg failed first
+            self.registry.abort_on(stream.rank, stream.rid, *failed[:3])
+            return
         if self.mode == "prefill" and bootstrap.room in self.pending:
             target, _ = self.pending.pop(bootstrap.room)
             self.registry.send(stream.rank, TransferTarget(bootstrap.room, target))
+
+    def fail_rooms(self, rooms: list[int], error: str, status: int, settled: bool) -> int:
+        now = time.monotonic()
+        self._expire(now)
+        running = 0
+        for room in rooms:
+            stream = self.rooms.get(room)
+            if stream is None:
+                self.failed_rooms[room] = (error, status, settled, now)
+            elif not stream.finished:
+                running += 1
+                self.registry.abort_on(stream.rank, stream.rid, error, status, settled)
+        return running
 
     def on_released(self, stream: RequestStream) -> None:
         bootstrap = stream.bootstrap
@@ -189,6 +217,8 @@ class PDFrontEnd:
         timeout = self.args.disaggregation_transfer_timeout
         for room in [r for r, (_, seen) in self.pending.items() if seen + timeout < now]:
             del self.pending[room]
+        for room in [r for r, (*_, seen) in self.failed_rooms.items() if seen + timeout < now]:
+            del self.failed_rooms[room]
 
     # ---- decode: relay each reservation ------------------------------------------------------------------------
     def on_reserved(self, reserved: Reserved) -> None:
@@ -214,4 +244,4 @@ class PDFrontEnd:
             why = f"is unreachable ({type(error).__name__}: {error})"
         message = f"the prefill server's bootstrap server at {bootstrap.host}:{port} {why}"
         logger.warning("PD request %s fails: %s", reserved.rid, message)
-        self.registry.abort_on(stream.rank, reserved.rid, error=message)
+        self.registry.abort_on(stream.rank, reserved.rid, error=message, status=PD_FAILURE)

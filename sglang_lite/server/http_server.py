@@ -187,6 +187,11 @@ def _add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> No
     async def abort_request(body: AbortRequest) -> dict[str, Any]:
         if body.abort_all:
             return {"aborted": manager.abort_all()}
+        if body.bootstrap_room is not None:  # PD: a router's word that the prefill leg failed
+            rooms = body.bootstrap_room
+            rooms = rooms if isinstance(rooms, list) else [rooms]
+            failure = (body.error, body.status_code, body.settled)
+            return {"aborted": manager.pd.fail_rooms(rooms, *failure)}
         return {"aborted": int(manager.abort(body.rid))}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])

@@ -389,6 +389,15 @@ class DetokenizeRequest(_Request):
     tokens: list[StrictInt]
 
 
+_Room = Annotated[int, Field(ge=0, lt=2**63, strict=True)]
+
+
 class AbortRequest(_Request):
     rid: StrictStr = ""
     abort_all: StrictBool = False
+    # PD, from a router whose prefill leg failed: the decode requests of these rooms fail with ``error``
+    bootstrap_room: _Room | Annotated[list[_Room], Field(max_length=4096)] | None = None
+    error: Annotated[str, Field(max_length=4096)] = "the prefill server failed the request"
+    status_code: Literal[400, 502] = 502
+    # the prefill side will write nothing more for these rooms (it refused them, or its rank died)
+    settled: StrictBool = False

@@ -100,11 +100,21 @@ class StreamRegistry:
     def send(self, rank: int, message: Message) -> None:
         self.client.send(rank, message)
 
-    def abort_on(self, rank: int, rid: str, error: str | None = None) -> None:
-        """Aborts ``rid`` on its rank (``error``: it fails with that message); nothing is sent to a rank that is
-        down, whose requests have already failed."""
+    def abort_on(
+        self,
+        rank: int,
+        rid: str,
+        error: str | None = None,
+        status: int = 500,
+        settled: bool = False,
+    ) -> None:
+        """Aborts ``rid`` on its rank (``error``: it fails with that message and ``status``; ``settled``: PD, its
+        other side will write nothing more for it); nothing is sent to a rank that is down, whose requests have
+        already failed."""
         if self.ranks[rank].up:
-            self.client.send(rank, AbortRequest(rid, error=error))
+            self.client.send(
+                rank, AbortRequest(rid, error=error, status_code=status, settled=settled)
+            )
 
     def release(self, stream: RequestStream) -> None:
         """A stream's consumer is done: abort it on its rank unless it finished, and forget it."""
