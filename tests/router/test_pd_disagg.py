@@ -352,7 +352,7 @@ def test_decode_server_refuses_requests_without_bootstrap_and_duplicate_rooms(pd
             duplicate = await _generate(s, decode.url, PROMPTS[1], **fields)
             timed_out = await first
             settled = await wait_for(
-                lambda: drained(s, decode.url), timeout=TIMEOUT_S + 10, interval=0.2
+                lambda: drained(s, decode.url), timeout=2 * TIMEOUT_S + 10, interval=0.2
             )
             return plain, duplicate, timed_out, settled
 
@@ -364,7 +364,7 @@ def test_decode_server_refuses_requests_without_bootstrap_and_duplicate_rooms(pd
     )
     # the prefill server kept the destination but never got the request: the decode side gives up, and frees
     assert (
-        timed_out[0] == 500
+        timed_out[0] == 502  # the PD pair failed it, not this server
         and f"did not finish within {TIMEOUT_S} s" in timed_out[1]["error"]["message"]
     )
     assert settled
@@ -388,7 +388,7 @@ def test_unreachable_prefill_server_fails_the_decode_request_at_once(pd):
 
     (status, body), settled = run(scenario())
     assert (
-        status == 500
+        status == 502
         and f"bootstrap server at 127.0.0.1:{dead} is unreachable" in body["error"]["message"]
     )
     assert settled
