@@ -143,3 +143,35 @@ async def _total(s: aiohttp.ClientSession, url: str, n: int, seen: list[dict[str
 
 async def _zero(s: aiohttp.ClientSession, url: str) -> bool:
     return set((await in_flight(s, url)).values()) == {0}
+
+
+def test_a_failed_prefill_leg_fails_its_decode_request_by_room(procs):
+    """The prefill worker answers 503 (its rank is dead): the router tells the decode worker at once, by the
+    request's room, that the prefill side will write nothing for it (settled), instead of leaving the decode
+    request to wait for its transfer timeout."""
+    prefill = procs.upstream(name="prefill")
+    decode = procs.upstream(name="decode", token_delay=0.05)
+    router = procs.router(
+        *("--pd-disaggregation", "--prefill", prefill.url, "9000", "--decode", decode.url),
+        *("--worker-startup-check-interval", "0.1"),
+    )
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(prefill.url + "/_rank?rank=0&alive=0") as resp:
+                assert resp.status == 200
+            r = await generate(s, router.url, max_new_tokens=20, text="pd abort")
+
+            async def aborted() -> bool:
+                return bool((await get_json(s, decode.url + "/_stats"))["aborts"])
+
+            assert await wait_for(aborted, timeout=10)
+            return r, await get_json(s, decode.url + "/_stats")
+
+    r, stats = run(scenario())
+    assert r.ok  # the stand-in decode worker ignores the abort and runs its tokens out
+    [body] = stats["bodies"]
+    [abort] = stats["aborts"]
+    assert abort["bootstrap_room"] == [body["bootstrap_room"]]
+    assert abort["status_code"] == 502 and abort["settled"] is True
+    assert "prefill server" in abort["error"] and "DP rank 0 is not alive" in abort["error"]

@@ -59,6 +59,7 @@ class State:
     completed: int = 0
     aborted: int = 0
     bodies: list[dict] = field(default_factory=list)
+    aborts: list[dict] = field(default_factory=list)  # bodies of /abort_request
     ids: itertools.count = field(default_factory=itertools.count)
 
     def pick_rank(self, body: dict) -> int:
@@ -290,6 +291,10 @@ def make_app(state: State) -> web.Application:
         (state.dead.discard if alive else state.dead.add)(rank)
         return web.json_response({"dead": sorted(state.dead)})
 
+    async def abort_request(request: web.Request) -> web.Response:
+        state.aborts.append(await request.json())  # recorded only: the stand-in's requests run out
+        return web.json_response({"aborted": 0})
+
     async def stats(request: web.Request) -> web.Response:
         return web.json_response(
             {
@@ -300,6 +305,7 @@ def make_app(state: State) -> web.Application:
                 "aborted": state.aborted,
                 "shed": state.shed,
                 "bodies": state.bodies[-50:],
+                "aborts": state.aborts[-50:],
             }
         )
 
@@ -335,6 +341,7 @@ def make_app(state: State) -> web.Application:
     ):
         app.router.add_get(path, handler)
     app.router.add_post("/_rank", set_rank)
+    app.router.add_post("/abort_request", abort_request)
     return app
 
 
