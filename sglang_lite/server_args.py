@@ -80,7 +80,8 @@ _HELP = {
     "mamba_full_memory_ratio": "Memory of the GDN state pool (running requests and the prefix cache's state "
     "snapshots) over the full-attention KV pool's; sizes the snapshot slots (at least max_running_requests).",
     "max_mamba_cache_size": "GDN state slots in all (running requests plus prefix-cache snapshots), overriding "
-    "mamba_full_memory_ratio; must exceed max_running_requests.",
+    "mamba_full_memory_ratio; must exceed max_running_requests. Their bytes come out of the memory budget and "
+    "the KV pool gets the rest (a size that leaves it less than the context length is an error).",
     "grammar_compile_timeout": "Seconds a structured-output grammar (json_schema, regex, ebnf) may take to compile; "
     "past it the request is a 400 saying it is too complex, and the compile's slot goes to the next grammar.",
     "enable_cache_report": "Report prefix-cache hits in OpenAI usage (prompt_tokens_details.cached_tokens).",

@@ -15,6 +15,7 @@ from sglang_lite.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+MIB = 2**20
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -73,36 +74,64 @@ def device_budget_bytes(device: str, fraction: float) -> int:
 def resolve_max_total_tokens(
     args: ServerArgs, config: ModelConfig, dtype: torch.dtype, context_length: int
 ) -> int:
-    """Explicit ``max_total_tokens``, else what the budget holds after the running requests' state slots (with
-    speculation also the states a verify forward keeps: ``VerifyStates``, static under CUDA graphs) and,
-    with the prefix cache, the snapshot pool's share (``mamba_full_memory_ratio`` of the KV pool's memory),
-    capped at what could be used: every request row filled to the context length, and with the prefix cache as
+    """Explicit ``max_total_tokens``, else what the budget holds after the fixed state slots
+    (``fixed_state_slots``) and, with the prefix cache and no ``max_mamba_cache_size``, the
+    snapshot pool's share (``mamba_full_memory_ratio`` of the KV pool's memory), capped at what
+    could be used: every request row filled to the context length, and with the prefix cache as
     much again for cached prefixes. Rounded up to whole pages."""
     size = args.page_size
     if args.max_total_tokens is not None:
         return -(-args.max_total_tokens // size) * size
     budget = device_budget_bytes(args.device, args.mem_fraction_static)
-    states = args.max_running_requests
-    if (
-        args.speculative_steps
-    ):  # a verify forward keeps each request's GDN states after each of its k + 1 tokens
-        states += args.max_running_requests * (args.speculative_steps + 1)
-    budget -= states * ModelPools.bytes_per_request_state(config, dtype)
+    states_bytes = fixed_state_slots(args) * ModelPools.bytes_per_request_state(config, dtype)
     # the MTP head's KV sits in the same slots (speculation)
     draft_layers = 1 if args.speculative_steps else 0
     per_token = max(ModelPools.bytes_per_token(config, dtype, draft_layers), 1)
     rows = args.max_running_requests
     if args.prefix_cache:
-        per_token *= 1 + args.mamba_full_memory_ratio
         rows *= 2
-    fits = budget // per_token
+    if args.prefix_cache and args.max_mamba_cache_size is None:
+        per_token *= 1 + args.mamba_full_memory_ratio  # the snapshots' share grows with the pool
+    fits = max(budget - states_bytes, 0) // per_token
     tokens = min(fits, rows * context_length)
     if tokens < context_length:
-        raise MemoryError(
-            f"the KV pool would hold only {tokens} tokens, less than the context length {context_length}; raise "
-            "mem_fraction_static, lower max_running_requests or context_length, or set max_total_tokens"
-        )
+        raise MemoryError(_too_small(args, tokens, context_length, budget, states_bytes))
     return -(-int(tokens) // size) * size
+
+
+def fixed_state_slots(args: ServerArgs) -> int:
+    """GDN state slots whose number does not follow the KV pool: the running requests', with
+    speculation the states a verify forward keeps (``VerifyStates``, k + 1 a request, static
+    under CUDA graphs), and the snapshot slots an explicit ``max_mamba_cache_size`` asks for."""
+    running = args.max_running_requests
+    verify = running * (args.speculative_steps + 1) if args.speculative_steps else 0
+    return running + verify + _fixed_snapshots(args)
+
+
+def _fixed_snapshots(args: ServerArgs) -> int:
+    """Snapshot slots of an explicit ``max_mamba_cache_size`` (its slots less the running
+    requests'); 0 when it is unset or the prefix cache is off."""
+    if not args.prefix_cache or args.max_mamba_cache_size is None:
+        return 0
+    return args.max_mamba_cache_size - args.max_running_requests
+
+
+def _too_small(
+    args: ServerArgs, tokens: int, context_length: int, budget: int, states_bytes: int
+) -> str:
+    pool = f"the KV pool would hold only {tokens} tokens, less than the context length {context_length}"
+    if args.max_mamba_cache_size is None or not args.prefix_cache:
+        return (
+            f"{pool}; raise mem_fraction_static, lower max_running_requests or context_length, or set "
+            "max_total_tokens"
+        )
+    slots = f"--max-mamba-cache-size {args.max_mamba_cache_size}"
+    taken = f"{states_bytes / MIB:.1f} MiB of the budget's {max(budget, 0) / MIB:.1f} MiB"
+    return (
+        f"{pool}: the state slots of {slots} (the running requests' included) take {taken} "
+        f"(--mem-fraction-static {args.mem_fraction_static}); lower --max-mamba-cache-size, raise "
+        "--mem-fraction-static, or set --max-total-tokens"
+    )
 
 
 def resolve_state_snapshots(
@@ -114,7 +143,7 @@ def resolve_state_snapshots(
     if not args.prefix_cache:
         return 0
     if args.max_mamba_cache_size is not None:
-        return args.max_mamba_cache_size - args.max_running_requests
+        return _fixed_snapshots(args)
     kv_bytes = max_total_tokens * ModelPools.bytes_per_token(config, dtype)
     per_slot = max(ModelPools.bytes_per_request_state(config, dtype), 1)
     from_memory = int(args.mamba_full_memory_ratio * kv_bytes) // per_slot
