@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from sglang_lite.utils.cli import OneLineParser
 
 from .policies import LOAD_METRICS, POLICIES
+from .worker_urls import WorkerUrlError, check_bootstrap_port, check_worker_url
 
 
 @dataclass(frozen=True)
@@ -158,18 +159,46 @@ def _field_type(f: dataclasses.Field):
 
 
 def parse_prefill(entries: list[list[str]]) -> tuple[PrefillSpec, ...]:
+    """Raises WorkerUrlError for an entry that is not URL [BOOTSTRAP_PORT] or has a bad port."""
     specs = []
     for entry in entries:
-        assert 1 <= len(entry) <= 2, f"--prefill takes URL [BOOTSTRAP_PORT], got {entry}"
+        if not 1 <= len(entry) <= 2:
+            raise WorkerUrlError(f"--prefill takes URL [BOOTSTRAP_PORT], got {entry}")
         port = entry[1] if len(entry) == 2 else None
-        specs.append(PrefillSpec(entry[0], None if port in (None, "none", "None") else int(port)))
+        try:
+            port = None if port in ("none", "None") else check_bootstrap_port(port)
+        except WorkerUrlError as error:
+            raise WorkerUrlError(f"--prefill {' '.join(entry)}: {error}") from None
+        specs.append(PrefillSpec(entry[0], port))
     return tuple(specs)
 
 
+def check_worker_flags(config: RouterConfig) -> None:
+    """Raises WorkerUrlError, naming the flag, for the first worker URL the router would refuse."""
+    flags = (
+        ("--worker-urls", config.worker_urls),
+        ("--prefill", [p.url for p in config.prefill]),
+        ("--decode", config.decode),
+    )
+    for flag, urls in flags:
+        for url in urls:
+            try:
+                check_worker_url(url)
+            except WorkerUrlError as error:
+                raise WorkerUrlError(f"{flag}: {error}") from None
+
+
 def config_from_args(argv: list[str] | None = None) -> RouterConfig:
-    ns = vars(build_parser().parse_args(argv))
+    """Bad worker URLs and bootstrap ports are argparse errors (one line, exit status 2)."""
+    parser = build_parser()
+    ns = vars(parser.parse_args(argv))
     ns["worker_urls"] = tuple(ns["worker_urls"])
-    ns["prefill"] = parse_prefill(ns["prefill"])
     ns["decode"] = tuple(ns["decode"])
     ns["log_level"] = "warning" if ns["log_level"] == "warn" else ns["log_level"]
-    return RouterConfig(**ns)
+    try:
+        ns["prefill"] = parse_prefill(ns["prefill"])
+        config = RouterConfig(**ns)
+        check_worker_flags(config)
+    except WorkerUrlError as error:
+        parser.error(str(error))
+    return config

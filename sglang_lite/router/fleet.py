@@ -17,6 +17,7 @@ from aiohttp import web
 from .config import RouterConfig
 from .health import probe
 from .proxy import json_error
+from .worker_urls import check_bootstrap_port, check_worker_url
 from .workers import CircuitBreaker, Server, Worker, WorkerRegistry, normalize_url
 
 logger = logging.getLogger("sglang_lite.router")
@@ -45,14 +46,12 @@ class WorkerFleet:
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self, session: aiohttp.ClientSession) -> None:
-        """Wait for the command-line workers and register them in command-line order, whichever answered first."""
+        """Wait for the command-line workers and register them in command-line order, whichever answered first.
+
+        Every URL is checked before any is waited for: a bad one raises WorkerUrlError at once."""
         self.session = session
-        cfg = self.config
-        regular = [] if cfg.pd_disaggregation else cfg.worker_urls
-        ready = [self._ready_server(u, "regular") for u in regular]
-        ready += [self._ready_server(p.url, "prefill", p.bootstrap_port) for p in cfg.prefill]
-        ready += [self._ready_server(u, "decode") for u in cfg.decode]
-        tasks = [asyncio.ensure_future(r) for r in ready]
+        wanted = self._command_line_servers()
+        tasks = [asyncio.ensure_future(self._ready_server(*w)) for w in wanted]
         try:
             servers = await asyncio.gather(*tasks)
         except BaseException:  # one worker failed: the others' probes stop too
@@ -62,6 +61,15 @@ class WorkerFleet:
             raise
         for server in servers:
             self._register(server)
+
+    def _command_line_servers(self) -> list[tuple[str, str, int | None]]:
+        """(checked URL, role, bootstrap port) of each command-line worker."""
+        cfg = self.config
+        regular = [] if cfg.pd_disaggregation else cfg.worker_urls
+        wanted = [(url, "regular", None) for url in regular]
+        wanted += [(p.url, "prefill", p.bootstrap_port) for p in cfg.prefill]
+        wanted += [(url, "decode", None) for url in cfg.decode]
+        return [(check_worker_url(url), role, port) for url, role, port in wanted]
 
     def active_roles(self) -> tuple[str, ...]:
         return ("prefill", "decode") if self.config.pd_disaggregation else ("regular",)
@@ -73,6 +81,11 @@ class WorkerFleet:
         return [w for r in self.active_roles() for w in self.registries[r].workers]
 
     async def add_server(self, url: str, role: str, bootstrap_port: int | None = None) -> Server:
+        """Wait for the server at ``url`` and register it. A URL the router refuses (WorkerUrlError) or
+        one already registered under ``role`` raises a ValueError at once."""
+        url = check_worker_url(url)
+        if url in self.registries[role].servers:
+            raise ValueError(f"worker {url} is already registered")
         server = await self._ready_server(url, role, bootstrap_port)
         self._register(server)
         return server
@@ -120,12 +133,12 @@ class WorkerFleet:
     async def handle_add_worker(self, request: web.Request) -> web.Response:
         url = request.query.get("url")
         role = request.query.get("role", "decode" if self.config.pd_disaggregation else "regular")
-        if not url or role not in self.active_roles():
+        if url is None or role not in self.active_roles():
             return json_error(400, f"need ?url=... and a role in {self.active_roles()}")
-        port = request.query.get("bootstrap_port")
         try:
-            server = await self.add_server(url, role, int(port) if port else None)
-        except (ValueError, TimeoutError) as exc:  # WorkerAuthError is a ValueError
+            port = check_bootstrap_port(request.query.get("bootstrap_port"))
+            server = await self.add_server(url, role, port)
+        except (ValueError, TimeoutError) as exc:  # WorkerAuthError, WorkerUrlError are ValueErrors
             return json_error(400, str(exc))
         return web.json_response({"added": server.url, "dp_size": server.dp_size, "role": role})
 
