@@ -60,42 +60,41 @@ def _check_host(url: str, parts: SplitResult) -> None:
     if not host:
         _refuse(url, "it has no host")
     if "[" in parts.netloc:
-        _check_address(url, host, ipaddress.IPv6Address)
+        _check_address(url, host, ipaddress.IPv6Address, "IPv6")
         return
     labels = host.split(".")
     if all(label.isdigit() for label in labels):
-        _check_address(url, host, ipaddress.IPv4Address)
+        _check_address(url, host, ipaddress.IPv4Address, "IPv4")
         return
     if len(host) > MAX_HOST_CHARS or not all(LABEL.fullmatch(label) for label in labels):
         _refuse(url, f"the host {host!r} is not a DNS name or an IP address")
 
 
-def _check_address(url: str, host: str, kind: type) -> None:
+def _check_address(url: str, host: str, parse: type, name: str) -> None:
     try:
-        kind(host)
+        parse(host)
     except ValueError:
-        _refuse(url, f"the host {host!r} is not an {kind.__name__[:4]} address")
+        _refuse(url, f"the host {host!r} is not an {name} address")
 
 
 def _check_port(url: str, parts: SplitResult) -> None:
-    shown = parts.netloc.rpartition("]")[2].rpartition(":")
-    if not shown[1]:
-        return  # no port: the scheme's
-    try:
-        port = parts.port
-    except ValueError:  # not a number, or past 65535
-        port = None
-    if port is None or not 1 <= port <= 65535:
-        _refuse(url, f"the port must be a number in 1..65535, not {shown[2]!r}")
+    _, colon, port = parts.netloc.rpartition("]")[2].rpartition(":")
+    if colon and not is_port(port):  # no colon: the scheme's port
+        _refuse(url, f"the port must be a number in 1..65535, not {port!r}")
 
 
 def check_bootstrap_port(text: str | None) -> int | None:
     """A prefill worker's bootstrap port given as text: None when absent, else a port in 1..65535."""
     if not text:
         return None
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 65535:
+    if not is_port(text):
         raise WorkerUrlError(f"bootstrap_port must be a number in 1..65535, not {text[:20]!r}")
     return int(text)
+
+
+def is_port(text: str) -> bool:
+    """Plain ASCII digits (no sign, no underscores) of a number in 1..65535."""
+    return text.isascii() and text.isdigit() and len(text) <= 5 and 1 <= int(text) <= 65535
 
 
 def _refuse(url: str, rule: str) -> NoReturn:

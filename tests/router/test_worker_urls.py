@@ -39,6 +39,7 @@ BAD_URLS = [
     ("http://127.0.0.1:0", "port must be a number in 1..65535, not '0'"),
     ("http://127.0.0.1:", "port must be a number in 1..65535"),
     ("http://127.0.0.1:-1", "port must be a number in 1..65535"),
+    ("http://127.0.0.1:" + "9" * 5000, "port must be a number in 1..65535"),
     ("", "empty"),
     ("http://user:secret@127.0.0.1:1", "user name or password"),
     ("http://127.0.0.1:1@evil.example", "user name or password"),
@@ -70,7 +71,7 @@ def test_a_bad_worker_url_is_refused_naming_it_and_the_rule(url, rule):
         check_worker_url(url)
     message = str(refused.value)
     assert rule in message
-    assert not url or repr(url) in message  # the URL as typed, control characters escaped
+    assert not url or repr(url)[:100] in message  # the URL as typed (escaped, long ones cut)
 
 
 @pytest.mark.parametrize("url,used", GOOD_URLS)
