@@ -82,8 +82,8 @@ _HELP = {
     "max_mamba_cache_size": "GDN state slots in all (running requests plus prefix-cache snapshots), overriding "
     "mamba_full_memory_ratio; must exceed max_running_requests. Their bytes come out of the memory budget and "
     "the KV pool gets the rest (a size that leaves it less than the context length is an error).",
-    "grammar_compile_timeout": "Seconds a structured-output grammar (json_schema, regex, ebnf) may take to compile; "
-    "past it the request is a 400 saying it is too complex, and the compile's slot goes to the next grammar.",
+    "grammar_compile_timeout": "Seconds a grammar (json_schema, regex, ebnf) may take to compile; past it a 400.",
+    "grammar_mask_budget_ms": "CPU ms a grammar's token mask (or accepted token) may take; past it a 400.",
     "enable_cache_report": "Report prefix-cache hits in OpenAI usage (prompt_tokens_details.cached_tokens).",
     "disable_shared_experts_fusion": "Run the MoE shared expert separately instead of as an extra fused expert.",
     "skip_tokenizer_init": "Do not load a tokenizer: requests pass input_ids and get no text.",
@@ -116,9 +116,7 @@ _HELP = {
     "--tp-size > 1 a DP rank is never restarted: its world fails as a whole.",
 }
 
-_HELP.update(
-    speculative_flags.HELP
-)  # speculative decoding with the MTP head (scheduler/speculative.py)
+_HELP.update(speculative_flags.HELP)  # MTP speculative decoding (scheduler/speculative.py)
 
 
 @dataclass(frozen=True)
@@ -161,6 +159,7 @@ class ServerArgs:
     max_mamba_cache_size: int | None = None
     enable_cache_report: bool = False
     grammar_compile_timeout: float = 10.0
+    grammar_mask_budget_ms: float = 200.0
     disable_shared_experts_fusion: bool = False
     skip_tokenizer_init: bool = False
     disable_cuda_graph: bool = False
@@ -201,7 +200,7 @@ class ServerArgs:
             raise ValueError(
                 f"cpu_threads_per_rank must be positive, got {self.cpu_threads_per_rank}"
             )
-        self._check_positive("rank_hang_timeout_s")
+        self._check_positive("rank_hang_timeout_s", "grammar_mask_budget_ms")
         if self.rank_max_restarts < 0:
             raise ValueError(f"rank_max_restarts must be >= 0, got {self.rank_max_restarts}")
         self._check_choice("alt_stream_overlap", ALT_STREAM_OVERLAP)

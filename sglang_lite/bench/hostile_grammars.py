@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from sglang_lite.bench.hostile import ANSWERED, Case
+from sglang_lite.bench.hostile import ANSWERED, EITHER, Case
 from sglang_lite.bench.hostile_checks import chat_ok, native_ok
 from sglang_lite.bench.hostile_requests import (
     CHAT,
@@ -16,6 +16,10 @@ from sglang_lite.bench.hostile_requests import (
     gen,
     wide_schema,
 )
+
+# compiles in well under a second, then each token mask takes longer (seconds within a few tokens): refused by
+# the checker's or the rank's mask budget (--grammar-mask-budget-ms), or right if every mask stays within it
+GROWING_REGEX = "(.*){1,32000}[bc]"
 
 
 def grammar_cases() -> list[Case]:
@@ -72,6 +76,24 @@ def grammar_cases() -> list[Case]:
             gen({"regex": "(a+)+$", "max_new_tokens": 6}),
             ANSWERED,
             check=native_ok(pattern="a*"),
+        ),
+        Case(
+            "a regex whose masks grow with every token",
+            "/generate",
+            gen({"regex": GROWING_REGEX, "max_new_tokens": 6}),
+            EITHER,
+            check=native_ok(pattern="(?s).*[bc]"),
+        ),
+        Case(
+            "a regex whose masks grow, in a chat",
+            "/v1/chat/completions",
+            chat(
+                regex=GROWING_REGEX,
+                max_tokens=6,
+                chat_template_kwargs={"enable_thinking": False},
+            ),
+            EITHER,
+            check=chat_ok(),
         ),
         Case(
             "a self-referencing schema (optional)",

@@ -27,6 +27,8 @@ class SchedulerConfig:
     dp_rank: int = 0
     # speculative decoding: tokens the MTP head drafts per decode step (0: off)
     speculative_steps: int = 0
+    # CPU time one request's grammar may take per token mask or accepted token (past it the request fails, 400)
+    grammar_mask_budget_ms: float = ServerArgs.grammar_mask_budget_ms
 
     def __post_init__(self) -> None:
         assert self.max_total_tokens > 0 and self.max_running_requests > 0, (
@@ -71,4 +73,5 @@ class SchedulerConfig:
             random_seed=args.random_seed,
             device=args.device,
             speculative_steps=args.speculative_steps,
+            grammar_mask_budget_ms=args.grammar_mask_budget_ms,
         )

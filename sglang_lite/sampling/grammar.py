@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from sglang_lite.sampling.grammar_compile import compile_text
+from sglang_lite.sampling.grammar_cost import GrammarFault, MaskBudget
 from sglang_lite.sampling.params import GRAMMAR_FIELDS, SamplingParams
 
 COMPILE_THREADS = 2
@@ -229,7 +230,7 @@ def too_complex(key: GrammarKey, budget_s: float | None) -> str:
     )
 
 
-class GrammarDeadEnd(ValueError):
+class GrammarDeadEnd(GrammarFault):
     """A request's grammar allows no next token where its output stands (a dead branch of a grammar whose language
     is not empty: ``root ::= "a" [^\\s\\S] | "b"`` after ``a``): the request's fault, so it fails alone with a 400."""
 
@@ -258,11 +259,14 @@ def _outcome(future: Future) -> Any:
 
 class RequestGrammar:
     """One request's place in its grammar. ``stop_token_ids``: the tokens that end it once the grammar is complete
-    (the request's stop tokens)."""
+    (the request's stop tokens). ``mask_budget_s``: the CPU time a token mask or an accepted token may take (past
+    it GrammarTooExpensive, see ``grammar_cost``); None: no limit."""
 
     active = True  # it constrains every token of the output
 
-    def __init__(self, compiled: Any, stop_token_ids: list[int]) -> None:
+    def __init__(
+        self, compiled: Any, stop_token_ids: list[int], mask_budget_s: float | None = None
+    ) -> None:
         import xgrammar
 
         self.vocab_size = compiled.tokenizer_info.vocab_size
@@ -270,17 +274,21 @@ class RequestGrammar:
         self._matcher = xgrammar.GrammarMatcher(
             compiled, override_stop_tokens=stop_token_ids or None
         )
+        self._budget = MaskBudget(mask_budget_s)
 
     def restarted(self) -> RequestGrammar:
         """The same grammar from its start (for a parallel sample forked before any token)."""
-        return RequestGrammar(self._compiled, self._stop_token_ids)
+        return RequestGrammar(self._compiled, self._stop_token_ids, self._budget.budget_s)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        with self._budget.timed("a token mask"):
+            self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> None:
         """Advances past a sampled token; one the mask forbade is an error (of this request alone)."""
-        if not self._matcher.accept_token(token_id):
+        with self._budget.timed("accepting a token"):
+            accepted = self._matcher.accept_token(token_id)
+        if not accepted:
             raise ValueError(f"token {token_id} breaks the request's grammar")
 
     @property

@@ -5,12 +5,15 @@ The HTTP side compiles a grammar only to know whether it compiles (each rank com
 ``GrammarChecker.submit`` gives a Future of None, or of the ValueError naming the field. Each of ``workers``
 threads owns one process (``python -m sglang_lite.sampling.grammar_process``; the server starts one with itself,
 ``prestart``, the other at need) and hands it one grammar at a time: a compile that overruns ``budget_s`` fails as
-"too complex" and its process is killed and started again at once; the other worker goes on meanwhile.
+"too complex" and its process is killed and started again at once; the other worker goes on meanwhile. After a
+compile, the process follows the grammar's first tokens (``grammar_cost.check_mask_cost``): a grammar whose token
+mask already takes longer than ``mask_budget_s`` is refused as too expensive, before any rank meets it.
 Outcomes are cached per grammar (failures too, the least recently used forgotten); grammars waiting beyond
 ``max_queued`` are refused with ``GrammarBusy``.
 
-The protocol is one JSON object a line: the parent sends the tokenizer's xgrammar tables, the worker answers
-``{"ready": true}``; then ``{"kind", "text"}`` gets ``{"error": message or null}``.
+The protocol is one JSON object a line: the parent sends the tokenizer's xgrammar tables and the mask budget
+(``{"tables", "mask_budget_s"}``), the worker answers ``{"ready": true}``; then ``{"kind", "text"}`` gets
+``{"error": message or null}``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from sglang_lite.sampling.grammar import (
     GrammarKey,
     too_complex,
 )
+from sglang_lite.server_args import ServerArgs
 
 WORKER_START_TIMEOUT_S = 300.0  # importing xgrammar (and torch) on a loaded host
 
@@ -50,7 +54,9 @@ def xgrammar_tables(tokenizer: Any, vocab_size: int) -> str:
 
 
 class GrammarChecker:
-    """``tables``: () -> the tokenizer's xgrammar tables (``xgrammar_tables``), called at the first compile."""
+    """``tables``: () -> the tokenizer's xgrammar tables (``xgrammar_tables``), called at the first compile.
+    ``mask_budget_s``: the CPU time a token mask of a grammar may take as its first tokens are followed (None: not
+    followed)."""
 
     def __init__(
         self,
@@ -59,9 +65,11 @@ class GrammarChecker:
         workers: int = COMPILE_THREADS,
         max_queued: int = MAX_QUEUED_COMPILES,
         max_entries: int = MAX_CACHED_GRAMMARS,
+        mask_budget_s: float | None = ServerArgs.grammar_mask_budget_ms / 1000,
     ) -> None:
         self.tables = tables
         self.budget_s = budget_s
+        self.mask_budget_s = mask_budget_s
         self.max_queued = max_queued
         self.max_entries = max_entries
         self.killed = 0  # compiles stopped past their budget, since start
@@ -111,7 +119,7 @@ class GrammarChecker:
 
     def _start_threads(self) -> None:
         while len(self._threads) < self._num_workers:
-            worker = _Worker(self._get_tables)
+            worker = _Worker(self._setup_message)
             thread = threading.Thread(
                 target=self._serve, args=(worker,), name="grammar-check", daemon=True
             )
@@ -137,11 +145,12 @@ class GrammarChecker:
             else:
                 _settle(future, error)
 
-    def _get_tables(self) -> str:
+    def _setup_message(self) -> dict[str, Any]:
+        """The worker's first message: the tables and the mask budget."""
         with self._lock:
             if self._tables is None:
                 self._tables = self.tables()
-            return self._tables
+            return {"tables": self._tables, "mask_budget_s": self.mask_budget_s}
 
 
 def _settle(future: Future, error: str | None) -> None:
@@ -159,8 +168,8 @@ class _Worker:
     """One compile process, started when first needed, and again at once after it was killed (it imports
     xgrammar while nothing waits on it)."""
 
-    def __init__(self, tables: Callable[[], str]) -> None:
-        self._tables = tables
+    def __init__(self, setup: Callable[[], dict[str, Any]]) -> None:
+        self._setup = setup
         self._process: subprocess.Popen | None = None
         self._ready = False  # it has the tables and said so
         self._buffer = b""
@@ -197,7 +206,7 @@ class _Worker:
             self._process.wait()
 
     def _handshake(self) -> None:
-        self._send({"tables": self._tables()})
+        self._send(self._setup())
         if self._receive(WORKER_START_TIMEOUT_S) is None:
             self.stop()
             raise RuntimeError("the grammar compiler process did not start")
@@ -231,18 +240,23 @@ def _serve_stdin() -> None:
     import xgrammar
 
     from sglang_lite.sampling.grammar_compile import compile_text
+    from sglang_lite.sampling.grammar_cost import check_mask_cost
 
     # replies go to the pipe the parent reads; anything else printed (xgrammar's warnings) goes to stderr
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     lines = iter(sys.stdin.buffer.readline, b"")
-    info = xgrammar.TokenizerInfo.deserialize_json(json.loads(next(lines))["tables"])
+    setup = json.loads(next(lines))
+    info = xgrammar.TokenizerInfo.deserialize_json(setup["tables"])
+    mask_budget_s = setup.get("mask_budget_s")
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     _reply(replies, {"ready": True})
     for line in lines:
         request = json.loads(line)
         try:
-            compile_text(compiler, request["kind"], request["text"])
+            compiled = compile_text(compiler, request["kind"], request["text"])
+            if mask_budget_s is not None:
+                check_mask_cost(compiled, request["kind"], mask_budget_s)
             error = None
         except ValueError as refused:
             error = str(refused)

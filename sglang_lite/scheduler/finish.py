@@ -1,6 +1,6 @@
 """Ending requests and reporting them: the outputs a step sends (new tokens and text, ``meta_info``), finishing
 (text flushed, memory released and cached), failing (no flush, nothing cached: status 500 with the error, 400 for
-a grammar's dead end) and
+a grammar's dead end or overrun mask budget) and
 the parallel samples that end before they were forked."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import Any
 
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.protocol.outputs import BAD_REQUEST, INTERNAL_ERROR, ReqOutput
-from sglang_lite.sampling.grammar import GrammarDeadEnd, GrammarQueue
+from sglang_lite.sampling.grammar import GrammarQueue
+from sglang_lite.sampling.grammar_cost import GrammarFault
 from sglang_lite.sampling.logprobs import LogprobRecord
 from sglang_lite.scheduler.faults import breaks_the_device, describe, is_out_of_memory
 from sglang_lite.scheduler.queues import RequestQueues
@@ -53,9 +54,9 @@ class RequestEnder:
         self.fail(req, error)
 
     def fail(self, req: Req, error: Exception) -> None:
-        """Ends a request with the error; no text flush (the detokeniser may be what failed). A grammar's dead end
-        is the request's own fault: status 400 with its message."""
-        if isinstance(error, GrammarDeadEnd):
+        """Ends a request with the error; no text flush (the detokeniser may be what failed). A grammar's dead end,
+        or masks too expensive to follow, is the request's own fault: status 400 with its message."""
+        if isinstance(error, GrammarFault):
             self.end(req, FinishReason("abort", message=str(error), status_code=BAD_REQUEST))
             return
         self.end(req, FinishReason("abort", message=describe(error), status_code=INTERNAL_ERROR))

@@ -72,9 +72,12 @@ class RequestIntake:
 
     def grammar_of(self, req: Req, compiled: Any) -> RequestGrammar | ReasoningGrammar:
         """The grammar ends at the request's stop tokens (the model's eos ones under ``ignore_eos``); with
-        ``require_reasoning`` it starts after the reasoning's end."""
+        ``require_reasoning`` it starts after the reasoning's end. Each of its masks and accepted tokens may take
+        ``grammar_mask_budget_ms``."""
         grammar = RequestGrammar(
-            compiled, sorted(req.stop_token_ids) or list(self.config.eos_token_ids)
+            compiled,
+            sorted(req.stop_token_ids) or list(self.config.eos_token_ids),
+            self.config.grammar_mask_budget_ms / 1000,
         )
         if req.sampling_params.require_reasoning:
             return ReasoningGrammar(grammar, self.config.think_end_ids)
