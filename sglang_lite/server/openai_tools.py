@@ -5,7 +5,10 @@ is parsed (``--reasoning-parser``, ``--tool-call-parser``), and the OpenAI shape
   is parsed as a call. ``auto`` / ``required``: every tool is rendered; a named function: only that one.
 - ``required`` and a named function constrain the output, as SGLang does, with a JSON schema (xgrammar): a list of
   ``{"name", "parameters"}`` calls of the allowed functions (one at most without ``parallel_tool_calls``), which
-  becomes ``tool_calls`` whatever parser is configured.
+  becomes ``tool_calls`` whatever parser is configured. Each function's ``parameters`` schema moves into the list
+  schema's ``$defs`` (as ``tool<i>``, ``i`` its place in ``tools``, so two tools' ``$defs`` never clash) with its
+  local references (``#``, ``#/$defs/X`` as pydantic writes them) made to point there: they resolve as they do in
+  ``response_format``.
 - Tools without ``--tool-call-parser`` are rendered but not parsed (calls stay in ``content``), as in SGLang.
 - Reasoning is parsed with ``--reasoning-parser``, ``separate_reasoning`` (default true) and thinking on (not
   ``chat_template_kwargs.enable_thinking: false``); it starts inside reasoning when the prompt ends in an open
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from sglang_lite.sampling.grammar_compile import MAX_JSON_DEPTH
 from sglang_lite.server.io_struct import bad_request
 from sglang_lite.server.openai_protocol import ChatCompletionRequest
 from sglang_lite.server.parsers import (
@@ -93,22 +97,67 @@ def tool_call_schema(body: ChatCompletionRequest) -> str | None:
     choice = tool_choice(body)
     if choice in ("none", "auto"):
         return None
+    # by their place in ``tools``, which names their parameters schema in ``$defs`` and in errors
+    positions = {t.function.name: i for i, t in enumerate(body.tools or [])}
+    functions = {positions[t["function"]["name"]]: t["function"] for t in rendered_tools(body)}
     calls = [
         {
             "type": "object",
             "properties": {
-                "name": {"type": "string", "enum": [t["function"]["name"]]},
-                "parameters": t["function"].get("parameters") or {"type": "object"},
+                "name": {"type": "string", "enum": [function["name"]]},
+                "parameters": {"$ref": f"#/$defs/tool{i}"},
             },
             "required": ["name", "parameters"],
         }
-        for t in rendered_tools(body)
+        for i, function in functions.items()
     ]
     items = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items}
+    schema["$defs"] = {
+        f"tool{i}": _moved_parameters(i, function) for i, function in functions.items()
+    }
     if not body.parallel_tool_calls or not isinstance(choice, str):
         schema["maxItems"] = 1
     return json.dumps(schema)
+
+
+# keywords whose values are data, not schemas: a "$ref" in them is a value
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# keywords whose values map names (any names, "enum" and "default" included) to schemas
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
+
+
+def _moved_parameters(index: int, function: dict[str, Any]) -> Any:
+    """The parameters schema of ``tools[index]`` as ``#/$defs/tool<index>`` of the tool-call schema."""
+    try:
+        return moved_schema(function.get("parameters") or {"type": "object"}, f"/$defs/tool{index}")
+    except ValueError as error:
+        raise bad_request(f"tools.{index}.function.parameters {error}") from None
+
+
+def moved_schema(schema: Any, base: str, depth: int = 1) -> Any:
+    """``schema`` moved to the JSON pointer ``base`` of a larger schema: its local references (``#`` and ``#/...``)
+    point below ``base``; other references, and data (``const``, ``enum``, ...), are left as they are. A schema
+    nested deeper than ``MAX_JSON_DEPTH`` (which no grammar compiles) is a ValueError."""
+    if not isinstance(schema, dict):
+        return schema
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"nests more than {MAX_JSON_DEPTH} levels deep")
+    return {key: _moved_value(key, value, base, depth + 1) for key, value in schema.items()}
+
+
+def _moved_value(key: str, value: Any, base: str, depth: int) -> Any:
+    if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+        return "#" + base + value[1:]
+    if key in _DATA_KEYWORDS:
+        return value
+    if key in _SCHEMA_MAPS and isinstance(value, dict):
+        return {name: moved_schema(sub, base, depth + 1) for name, sub in value.items()}
+    if isinstance(value, list):  # allOf, anyOf, oneOf, prefixItems, ...
+        return [moved_schema(item, base, depth + 1) for item in value]
+    return moved_schema(value, base, depth)
 
 
 def forced_tool_message(text: str) -> dict[str, Any]:
