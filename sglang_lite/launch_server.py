@@ -64,7 +64,8 @@ def ready_line(args: ServerArgs) -> str:
 def run_server(args: ServerArgs, sock: socket.socket) -> None:
     import uvicorn
 
-    from sglang_lite.server.http_protocol import JsonErrorH11Protocol
+    from sglang_lite.server.connections import allow_open_files
+    from sglang_lite.server.http_protocol import edge_protocol
     from sglang_lite.server.http_server import create_app
     from sglang_lite.utils.process import stop_processes
 
@@ -86,8 +87,12 @@ def run_server(args: ServerArgs, sock: socket.socket) -> None:
 
     atexit.register(stop_ranks)
     uvicorn_level = "info" if args.log_level == "debug" else "warning"
+    allow_open_files(args.max_connections)
     config = uvicorn.Config(
-        app, log_level=uvicorn_level, timeout_keep_alive=30, http=JsonErrorH11Protocol
+        app,
+        log_level=uvicorn_level,
+        timeout_keep_alive=args.http_keep_alive_timeout_s,
+        http=edge_protocol(args),
     )
     config.access_log = args.log_level == "debug"
     server = Server(config)

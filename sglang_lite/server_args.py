@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_lite import assets
-from sglang_lite.utils import speculative_flags
+from sglang_lite.utils import http_flags, speculative_flags
 
 if TYPE_CHECKING:
     from sglang_lite.distributed.parallel_state import ParallelConfig
@@ -93,17 +93,9 @@ _HELP = {
     "cuda_graph_max_bs": "Largest decode batch captured into a CUDA graph.",
     "alt_stream_overlap": "flags: overlap as the SGLANG_*_ALT_STREAM flags say; auto: per captured batch size, time "
     "both variants and keep the faster.",
-    "host": "HTTP server bind address.",
     "log_level": "Log level of every process (the server, its ranks, the transfer engine); tracebacks of start-up "
     "failures only at debug.",
-    "port": "HTTP server port.",
-    "api_key": "Bearer key every endpoint but /health requires; empty: no key.",
-    "served_model_name": "Model name in the OpenAI API; default: the model folder's name.",
     "load_balance_method": "How the DP controller picks a rank for requests that name none.",
-    "max_queued_requests": "Waiting requests per DP rank; beyond it new requests get 503 with Retry-After.",
-    "max_request_body_bytes": "Largest accepted HTTP request body; larger gets 413.",
-    "max_concurrent_requests": "HTTP requests in progress at once (streams until their last event; /health, "
-    "/metrics and the loads endpoints are not counted); beyond it 503 with Retry-After.",
     "cpu_threads_per_rank": "torch threads per scheduler process when the device is the CPU (default: CPUs / "
     "scheduler processes on this node).",
     "rank_hang_timeout_s": "A DP rank that leaves a loads query unanswered this long is hung: killed and restarted.",
@@ -116,6 +108,7 @@ _HELP = {
     "--tp-size > 1 a DP rank is never restarted: its world fails as a whole.",
 }
 
+_HELP.update(http_flags.HELP)  # connections, timeouts and sizes at the HTTP edge
 _HELP.update(speculative_flags.HELP)  # MTP speculative decoding (scheduler/speculative.py)
 
 
@@ -176,6 +169,10 @@ class ServerArgs:
     max_queued_requests: int = 1024
     max_request_body_bytes: int = 16 * 1024 * 1024
     max_concurrent_requests: int = 4096
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 20.0
+    http_keep_alive_timeout_s: float = 30.0
+    max_connections: int = 8192
     cpu_threads_per_rank: int | None = None
     rank_hang_timeout_s: float = 60.0
     rank_max_restarts: int = 5
@@ -193,9 +190,7 @@ class ServerArgs:
             self._check_choice("quantization", QUANTIZATIONS)
         self._check_choice("schedule_policy", SCHEDULE_POLICIES)
         self._check_choice("load_balance_method", LOAD_BALANCE_METHODS)
-        self._check_positive(
-            "max_queued_requests", "max_request_body_bytes", "max_concurrent_requests"
-        )
+        http_flags.check(self)
         if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank <= 0:
             raise ValueError(
                 f"cpu_threads_per_rank must be positive, got {self.cpu_threads_per_rank}"
