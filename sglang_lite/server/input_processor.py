@@ -18,6 +18,13 @@ from sglang_lite.runtime.inputs import max_prompt_chars
 from sglang_lite.sampling.grammar import GrammarBusy, grammar_key
 from sglang_lite.sampling.grammar_process import GrammarChecker, xgrammar_tables
 from sglang_lite.sampling.params import SamplingParams, is_utf8
+from sglang_lite.server.chat_render import (
+    RenderLanes,
+    RenderTimeout,
+    chat_items,
+    check_chat_size,
+    stop_at_deadline,
+)
 from sglang_lite.server.io_struct import ChatPrompt, GenerateInput, RequestError, bad_request
 from sglang_lite.server_args import ServerArgs
 
@@ -41,6 +48,8 @@ class InputProcessor:
             lambda: xgrammar_tables(self.tokenizer, self.config.vocab_size),
             args.grammar_compile_timeout,
         )
+        self.renders = RenderLanes()
+        self._deadline_installed = False  # in the chat template's sandbox, at the first chat
 
     def set_config(self, config: SchedulerConfig) -> None:
         """The ranks' limits, once they are ready (the tokenizer is loaded before they start)."""
@@ -48,6 +57,7 @@ class InputProcessor:
 
     def shutdown(self) -> None:
         self.grammars.shutdown()
+        self.renders.shutdown()
 
     # ---- tokenising --------------------------------------------------------------------------------------------
     async def encode(
@@ -72,15 +82,22 @@ class InputProcessor:
         if self.tokenizer is None:
             raise bad_request("chat needs a tokenizer (the server skipped tokenizer init)")
         check_template_kwargs(template_kwargs)
+        check_chat_size({"messages": messages}, self.config.max_request_tokens)
         # every text the template renders, before any is rendered or tokenised
         chars = sum(_message_chars(m) for m in messages) + len(json.dumps(tools) if tools else "")
         self._check_prompt_chars(chars, "messages")
-        render = asyncio.to_thread(self._encode_chat, messages, template_kwargs, tools)
+        if not self._deadline_installed:
+            stop_at_deadline(self.tokenizer)
+            self._deadline_installed = True
+        items = chat_items({"messages": messages})
         try:
-            return await asyncio.wait_for(render, CHAT_TEMPLATE_TIMEOUT_S)
-        except asyncio.TimeoutError:
+            return await self.renders.run(
+                items, self._encode_chat, messages, template_kwargs, tools
+            )
+        except RenderTimeout:
+            seconds = self.renders.budget_s
             raise bad_request(
-                f"messages: the chat template took more than {CHAT_TEMPLATE_TIMEOUT_S:g} s to render"
+                f"messages: the chat template took more than {seconds:g} s to render"
             ) from None
 
     def _encode_chat(
@@ -93,6 +110,8 @@ class InputProcessor:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=False, add_generation_prompt=True, **template_kwargs
             )
+        except RenderTimeout:
+            raise
         except Exception as error:  # a template rejecting the conversation is the request's fault
             raise bad_request(f"messages: the chat template failed: {error}") from error
         self._check_prompt_chars(len(text), "messages")  # what the template made of them
@@ -221,10 +240,9 @@ TEMPLATE_PARAMETERS = frozenset(
         "return_dict",
         "return_assistant_tokens_mask",
         "tokenizer_kwargs",
+        "sanitize_control_tokens",
     }
 )
-# the server's own template renders in Jinja's sandbox; this bounds a render over a huge conversation
-CHAT_TEMPLATE_TIMEOUT_S = 10.0
 GRAMMAR_WAIT_FLOOR_S = 30.0
 
 

@@ -8,12 +8,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from sglang_lite.protocol.outputs import ReqOutput
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
+from sglang_lite.server.chat_render import check_chat_size
 from sglang_lite.server.dp_controller import requested_rank
 from sglang_lite.server.io_struct import GenerateInput, RequestError, bad_request, bootstrap_of
 from sglang_lite.server.model_info import served_model_name
@@ -80,7 +81,15 @@ def add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> Non
         )
         return await _respond(request, manager, body, inputs, shape)
 
-    @app.post("/v1/chat/completions")
+    async def chat_size(request: Request) -> None:
+        """Before pydantic validates the messages one by one: the raw JSON, parsed once and cached."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return  # not JSON: the body's validation says so
+        check_chat_size(body, manager.config.max_request_tokens)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(chat_size)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true")
