@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from sglang_lite.bench.hostile_sockets import EXCHANGES
+
 CASE_TIMEOUT_S = 30.0
 REFUSED = "4xx"  # a 4xx with the JSON error body
 ANSWERED = "ok"  # a 200 whose body ``check`` accepts
@@ -37,9 +39,8 @@ class Case:
     headers: dict[str, str] = field(default_factory=dict)
     # for a 200: the parsed body (a JSON value, or a stream's list of JSON events) -> None if right, else why
     check: Callable[[Any], str | None] | None = None
-    action: str = (
-        "send"  # send | raw | disconnect | slow_body | truncated | abort | rid_clash | idle
-    )
+    # send | disconnect | abort | rid_clash, or an exchange over a raw socket (hostile_sockets.EXCHANGES)
+    action: str = "send"
     rids: tuple[str, ...] = ()  # rids the case uses: free again afterwards
 
 
@@ -163,62 +164,6 @@ async def _send(
     return _answer(case, 200, events)
 
 
-async def _raw(
-    client: httpx.AsyncClient, case: Case, headers: dict[str, str]
-) -> tuple[int, str, str]:
-    """Bytes as they are on a fresh connection (no client would send them); the answer's status and body."""
-    reader, writer = await _connect(client)
-    try:
-        writer.write(case.body)
-        await writer.drain()
-        status, body = await _read_response(reader)
-    finally:
-        writer.close()
-    return _answer(case, status, _parse(body)) if status else (0, f"no HTTP answer: {body!r}", "")
-
-
-async def _slow_body(
-    client: httpx.AsyncClient, case: Case, headers: dict[str, str]
-) -> tuple[int, str, str]:
-    """Slowloris: the headers, then the body a few bytes a second for a few seconds, then the rest."""
-    body = encode(case.body)
-    reader, writer = await _connect(client)
-    try:
-        writer.write(_request_head(client, case, len(body), headers))
-        for i in range(0, 12, 3):
-            writer.write(body[i : i + 3])
-            await writer.drain()
-            await asyncio.sleep(0.5)
-        writer.write(body[12:])
-        await writer.drain()
-        status, answer = await _read_response(reader)
-    finally:
-        writer.close()
-    return _answer(case, status, _parse(answer)) if status else (0, "no HTTP answer", "")
-
-
-async def _truncated(
-    client: httpx.AsyncClient, case: Case, headers: dict[str, str]
-) -> tuple[int, str, str]:
-    """A body shorter than its Content-Length, then the connection closed: nothing to answer."""
-    body = encode(case.body)
-    reader, writer = await _connect(client)
-    writer.write(_request_head(client, case, len(body) + 1000, headers) + body)
-    await writer.drain()
-    writer.close()
-    return 0, "", ""
-
-
-async def _idle(
-    client: httpx.AsyncClient, case: Case, headers: dict[str, str]
-) -> tuple[int, str, str]:
-    """A connection opened and left silent for a while, then closed."""
-    reader, writer = await _connect(client)
-    await asyncio.sleep(2.0)
-    writer.close()
-    return 0, "", ""
-
-
 async def _disconnect(
     client: httpx.AsyncClient, case: Case, headers: dict[str, str]
 ) -> tuple[int, str, str]:
@@ -290,47 +235,25 @@ async def _rid_clash(
     return 200, "", ""
 
 
+async def _over_socket(
+    client: httpx.AsyncClient, case: Case, headers: dict[str, str]
+) -> tuple[int, str, str]:
+    """The case's exchange over a raw socket (``hostile_sockets.py``); an answer is judged like any other."""
+    exchange = EXCHANGES[case.action]
+    body = b"" if case.body is None else encode(case.body)
+    status, answer, why = await exchange(client.base_url, case.method, case.path, body, headers)
+    if why or not status:
+        return status, why, ""
+    return _answer(case, status, _parse(answer))
+
+
 _ACTIONS = {
     "send": _send,
-    "raw": _raw,
-    "slow_body": _slow_body,
-    "truncated": _truncated,
-    "idle": _idle,
     "disconnect": _disconnect,
     "abort": _abort,
     "rid_clash": _rid_clash,
+    **dict.fromkeys(EXCHANGES, _over_socket),
 }
-
-
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    """(status, body) of one HTTP/1.1 answer with a Content-Length, or (0, what came) for anything else."""
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError) as error:
-        return 0, getattr(error, "partial", b"")[:200]
-    lines = head.decode("latin-1").split("\r\n")
-    fields = dict(line.lower().split(": ", 1) for line in lines[1:] if ": " in line)
-    body = await reader.readexactly(int(fields.get("content-length", "0")))
-    return int(lines[0].split(" ", 2)[1]), body
-
-
-async def _connect(client: httpx.AsyncClient) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    url = client.base_url
-    return await asyncio.open_connection(url.host, url.port)
-
-
-def _request_head(
-    client: httpx.AsyncClient, case: Case, length: int, headers: dict[str, str]
-) -> bytes:
-    lines = [
-        f"{case.method} {case.path} HTTP/1.1",
-        f"Host: {client.base_url.host}",
-        "Content-Type: application/json",
-        f"Content-Length: {length}",
-        "Connection: close",
-        *[f"{k}: {v}" for k, v in headers.items()],
-    ]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
 # ---- afterwards ----------------------------------------------------------------------------------------------------

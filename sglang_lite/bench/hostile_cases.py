@@ -6,6 +6,7 @@ from sglang_lite.bench.hostile import Case
 from sglang_lite.bench.hostile_grammars import grammar_cases, template_and_tool_cases
 from sglang_lite.bench.hostile_requests import (
     body_cases,
+    edge_cases,
     field_cases,
     sampling_cases,
     unicode_cases,
@@ -17,6 +18,7 @@ def hostile_cases(vocab: int = 4096) -> list[Case]:
     """Every case; ``vocab``: the served model's vocabulary size (some cases bias every token)."""
     return [
         *body_cases(),
+        *edge_cases(),  # early: the slow ones wait out the server's timeouts beside the rest
         *field_cases(),
         *sampling_cases(vocab),
         *grammar_cases(),

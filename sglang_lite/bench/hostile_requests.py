@@ -278,3 +278,39 @@ def unicode_cases() -> list[Case]:
         ),
         Case("a 2 MB prompt", "/v1/completions", completion(prompt=HUGE_TEXT)),
     ]
+
+
+def edge_cases() -> list[Case]:
+    """Connections held or abused (over a raw socket, ``hostile_sockets.py``) and chats too large to render."""
+    return [
+        Case("slowloris headers (a byte every 0.5 s)", "/generate", gen(), action="slow_headers"),
+        Case("a body stalled half-way", "/generate", gen(), action="stalled_body"),
+        Case(
+            "Content-Length and Transfer-Encoding, a request smuggled after the chunked body",
+            "/generate",
+            action="smuggle",
+        ),
+        Case(
+            "a request beside 300 idle connections",
+            "/generate",
+            gen(),
+            ANSWERED,
+            action="idle_flood",
+            check=native_ok(),
+        ),
+        Case(
+            "200,000 messages without content",
+            "/v1/chat/completions",
+            chat(messages=[{"role": "user"}] * 200_000),
+        ),
+        Case(
+            "200,000 messages of empty content",
+            "/v1/chat/completions",
+            chat(messages=[{"role": "user", "content": ""}] * 200_000),
+        ),
+        Case(
+            "200,000 empty content parts",
+            "/v1/chat/completions",
+            chat(messages=[{"role": "user", "content": [{"type": "text", "text": ""}] * 200_000}]),
+        ),
+    ]

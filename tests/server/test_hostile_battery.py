@@ -24,6 +24,14 @@ MESSAGES = {
     "a structural tag of an unknown type": "structural_tag does not compile",
     "17 prompts x n=64": "1088 requests in one, more than --max-queued-requests",
     "echo, top 100 logprobs, n=64 of a 400-token prompt": "log-probability entries asked for",
+    "slowloris headers (a byte every 0.5 s)": "headers did not arrive within 10 s",
+    "a body stalled half-way": "body did not arrive within 20 s",
+    "Content-Length and Transfer-Encoding, a request smuggled after the chunked body": (
+        "both Content-Length and Transfer-Encoding"
+    ),
+    "200,000 messages without content": "200000 messages, content parts and tool calls",
+    "200,000 messages of empty content": "200000 messages, content parts and tool calls",
+    "200,000 empty content parts": "200001 messages, content parts and tool calls",
 }
 
 
