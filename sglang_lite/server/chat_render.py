@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 CHAT_TEMPLATE_TIMEOUT_S = 10.0
 LARGE_CHAT_ITEMS = 256  # messages, content parts and tool calls
-SMALL_RENDER_THREADS = 2
+# as many as asyncio's default pool: the tokenizer releases the GIL, so prompts tokenise in parallel
+SMALL_RENDER_THREADS = min(32, (os.cpu_count() or 1) + 4)
 LARGE_RENDER_SLOTS = 4  # large renders running or waiting
 CANNOT_STOP = (
     "chat template renders cannot be stopped at their deadline (only their wait is bounded)"
@@ -44,10 +46,13 @@ class RenderTimeout(Exception):
 
 def chat_items(body: Any) -> int:
     """Messages, content parts and tool calls of a chat request's raw JSON (0 for a shape pydantic will refuse)."""
-    messages = body.get("messages") if isinstance(body, dict) else None
-    if not isinstance(messages, list):
-        return 0
+    messages = _messages(body)
     return len(messages) + sum(_parts(m) for m in messages if isinstance(m, dict))
+
+
+def _messages(body: Any) -> list[Any]:
+    messages = body.get("messages") if isinstance(body, dict) else None
+    return messages if isinstance(messages, list) else []
 
 
 def _parts(message: dict[str, Any]) -> int:
@@ -60,19 +65,14 @@ def _parts(message: dict[str, Any]) -> int:
 
 def check_chat_size(body: Any, context_tokens: int) -> None:
     """A 400 naming ``messages`` for a conversation that renders more tokens than the context holds."""
-    if isinstance(body, dict) and isinstance(body.get("messages"), list):
-        if len(body["messages"]) > context_tokens:  # before counting a huge list's parts
-            raise _too_many(len(body["messages"]), context_tokens)
-    items = chat_items(body)
+    messages = len(_messages(body))
+    # a list of too many messages is refused without counting its parts
+    items = messages if messages > context_tokens else chat_items(body)
     if items > context_tokens:
-        raise _too_many(items, context_tokens)
-
-
-def _too_many(items: int, context_tokens: int) -> RequestError:
-    return bad_request(
-        f"messages: {items} messages, content parts and tool calls, more than the context length "
-        f"({context_tokens} tokens) can hold (each renders at least one token)"
-    )
+        raise bad_request(
+            f"messages: {items} messages, content parts and tool calls, more than the context length "
+            f"({context_tokens} tokens) can hold (each renders at least one token)"
+        )
 
 
 # ---- the deadline inside the template ---------------------------------------------------------------------------
@@ -127,8 +127,10 @@ def _render_by(tokenizer: Any, deadline: float) -> str:
 
 def run_by_deadline(deadline: float, work: Callable[..., T], *args: Any) -> T:
     """Runs ``work`` on this thread with the render deadline set (a render inside it stops there)."""
-    if time.monotonic() > deadline:
-        raise RenderTimeout()  # its wait for a thread used up its time
+    if (
+        time.monotonic() > deadline
+    ):  # its wait for a thread used up its time: the server's load, not the chat's
+        raise RequestError(503, "the chat renderer is busy; retry later", {"Retry-After": "1"})
     token = _deadline.set(deadline)
     try:
         return work(*args)

@@ -124,3 +124,20 @@ def test_a_huge_chat_in_a_large_context_is_a_400_within_the_budget(tokenizer) ->
         asyncio.run(run())
     finally:
         inputs.shutdown()
+
+
+def test_a_render_that_waits_past_its_deadline_for_a_thread_is_a_503() -> None:
+    async def run() -> None:
+        lanes = RenderLanes(budget_s=0.2)
+        release = threading.Event()
+        held = asyncio.ensure_future(lanes.run(LARGE_CHAT_ITEMS + 1, release.wait, BOUND_S))
+        queued = asyncio.ensure_future(lanes.run(LARGE_CHAT_ITEMS + 1, lambda: "late"))
+        await asyncio.sleep(0.3)  # past the queued render's deadline before the thread is free
+        release.set()
+        with pytest.raises(RequestError) as busy:
+            await asyncio.wait_for(queued, BOUND_S)
+        assert busy.value.status == 503 and busy.value.headers == {"Retry-After": "1"}
+        assert await asyncio.wait_for(held, BOUND_S) is True
+        lanes.shutdown()
+
+    asyncio.run(run())
