@@ -3,9 +3,10 @@ prefill server and a decode server with two DP ranks (the built-in model, defaul
 other: a decode rank is killed (kill -9) mid-transfer, the whole prefill server is stopped (SIGSTOP) for 10 s, and
 the prefill server's scheduler is killed. Every answer is compared with a plain server's on the same prompts.
 
-Prints, per fault (the requests that ended between it and the next) and in all: requests, completed, corrupted (an answer that differs from the plain server's),
-failures by status, unclean failures (not a 502/503 with the JSON error body), hung requests (past ``--hung-s``),
-the slowest request, and how long after the last fault a fresh request of every prompt first came back right.
+Prints, per fault (the requests that ended between it and the next) and in all: requests, completed, corrupted
+(an answer that differs from the plain server's), failures by status, unclean failures (not a 502/503 with the
+JSON error body), hung requests (past ``--hung-s``), the slowest request, and how long after the last fault a fresh
+request of every prompt first came back right.
 Plots every request (when it started, how long it took, its status) with the faults marked.
 
     python benchmarks/bench_pd_faults.py --out /tmp/pd_faults --plot docs/pd_faults.png
