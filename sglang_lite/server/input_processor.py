@@ -47,6 +47,7 @@ class InputProcessor:
         self.grammars = GrammarChecker(
             lambda: xgrammar_tables(self.tokenizer, self.config.vocab_size),
             args.grammar_compile_timeout,
+            mask_budget_s=args.grammar_mask_budget_ms / 1000,
         )
         self.renders = RenderLanes()
         self._deadline_installed = False  # in the chat template's sandbox, at the first chat
