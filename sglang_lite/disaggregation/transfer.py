@@ -9,8 +9,9 @@ batch (on GPU servers; polled block by block on CPU servers, see ``MooncakeTrans
 A write fails *settled* (``TransferError.settled``) only once none of its blocks can still land: the decode side
 frees the pages of a request that failed so, and a block the engine has not ended is waited for, never given up on
 (one that outlives twice its deadline makes the failure unsettled, and its request's pages stay held on both sides).
-A peer that fails a write is marked down: writes to it fail at once, without the engine's reconnect back-off (1, 2,
-4, ... seconds a write), until it answers a probe.
+A peer that fails a write (a block timed out, or one failed and the peer does not answer a probe) is marked down:
+writes to it fail at once, without the engine's reconnect back-off (1, 2, 4, ... seconds a write), until it answers
+a probe.
 """
 
 from __future__ import annotations
@@ -57,9 +58,13 @@ class TransferError(RuntimeError):
         settled: bool = True,
         underway: tuple[int, ...] = (),
         settle_by: float | None = None,
+        timed_out: bool = False,
     ) -> None:
         super().__init__(message)
         self.settled = settled
+        self.timed_out = (
+            timed_out  # a block outlived the deadline: the peer is stopped, dead or swamped
+        )
         self.underway = underway
         self.settle_by = settle_by
 
@@ -190,8 +195,11 @@ class MooncakeTransfer:
         write = self._write_polled if self.poll else self._write_batches
         try:
             return write(session, sources, targets, lengths)
-        except TransferError:
-            self._mark_down(session)
+        except TransferError as error:
+            # a block the peer refused (a bad address) is no sign of a dead peer: one that answers a probe is not
+            # marked down (a dead one refuses it at once)
+            if error.timed_out or self.engine.send_probe(session) != 0:
+                self._mark_down(session)
             raise
 
     def underway(self, batches: tuple[int, ...]) -> tuple[int, ...]:
@@ -247,7 +255,10 @@ class MooncakeTransfer:
             message = f"Mooncake write of {len(sources)} blocks to {session} failed: {'; '.join(errors[:3])}"
             if unended:
                 message += f" ({len(unended)} blocks still under way after {2 * budget:g} s)"
-            raise TransferError(message, settled=not unended, underway=tuple(unended))
+            timed_out = any("timed out" in e for e in errors)
+            raise TransferError(
+                message, settled=not unended, underway=tuple(unended), timed_out=timed_out
+            )
         return sum(lengths)
 
     def _write_batches(
@@ -269,6 +280,7 @@ class MooncakeTransfer:
                     f"to {session} failed (code {code}, after {seconds:.1f} s)",
                     settled=not timed_out,
                     settle_by=time.monotonic() + seconds if timed_out else None,
+                    timed_out=timed_out,
                 )
         return sum(lengths)
 

@@ -139,10 +139,10 @@ def test_a_refused_transfer_fails_both_sides_and_frees_everything(servers) -> No
             await runner.cleanup()
 
     (prefill_leg, decode_leg), ok = run(scenario())
-    assert prefill_leg[0] == 500 and "KV transfer to the decode server failed" in str(
+    assert prefill_leg[0] == 502 and "KV transfer to the decode server failed" in str(
         prefill_leg[1]
     )
-    assert decode_leg[0] == 500 and "the prefill server's KV transfer failed" in str(decode_leg[1])
+    assert decode_leg[0] == 502 and "the prefill server's KV transfer failed" in str(decode_leg[1])
     assert ok
 
 
@@ -158,7 +158,7 @@ def test_a_decode_request_whose_prefill_never_comes_times_out_and_frees(servers)
             )
 
     (status, body), ok = run(scenario())
-    assert status == 500 and f"did not finish within {TIMEOUT_S} s" in body["error"]["message"]
+    assert status == 502 and f"did not finish within {TIMEOUT_S} s" in body["error"]["message"]
     assert ok
 
 
@@ -173,7 +173,7 @@ def test_an_unreachable_prefill_server_fails_the_decode_request_at_once(servers)
             return leg, await wait_for(lambda: drained(s, d.url), timeout=20)
 
     (status, body), ok = run(scenario())
-    assert status == 500 and f"127.0.0.1:{dead} is unreachable" in body["error"]["message"]
+    assert status == 502 and f"127.0.0.1:{dead} is unreachable" in body["error"]["message"]
     assert ok
 
 

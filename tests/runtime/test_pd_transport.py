@@ -131,6 +131,9 @@ class RecordingEngine:
         self.batches.append(len(sources))
         return 0
 
+    def send_probe(self, session) -> int:
+        return 0  # the peer answers
+
     def transfer_submit_write(self, session, source, target, length) -> int:
         self.submitted.append(source)
         batch = len(self.submitted)
@@ -266,11 +269,18 @@ def test_a_block_still_under_way_at_twice_the_deadline_fails_unsettled(clock: Fa
 
 def test_a_peer_that_failed_is_refused_at_once_until_it_answers_a_probe(clock: FakeClock):
     engine = SlowEngine(clock, ends_on=2)
-    engine.fail = frozenset({1})
+    engine.fail = frozenset({1, 7})
     transfer = MooncakeTransfer(engine, "me:1", True)
+    with pytest.raises(
+        TransferError, match="block 0 failed"
+    ):  # a refused block, the peer answers: not down
+        transfer.write("peer:1", [7], [2], [8])
+    assert not transfer.is_down("peer:1") and engine.probes == 1
+    engine.probe = -102  # the peer is gone: its failed block marks it down
     with pytest.raises(TransferError, match="block 0 failed"):
         transfer.write("peer:1", [1], [2], [8])
     assert transfer.is_down("peer:1") and not transfer.is_down("other:1")
+    engine.probes = 0
     submitted = len(engine.submitted)
     with pytest.raises(PeerDown):  # no probe before PROBE_INTERVAL_S, nothing submitted
         transfer.write("peer:1", [3], [4], [8])
