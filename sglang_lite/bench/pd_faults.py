@@ -77,7 +77,7 @@ class Load:
         return list(await asyncio.gather(*(self.once(s, i) for i in range(len(self.prompts)))))
 
 
-async def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
+async def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
     """Polls an async predicate until true or ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

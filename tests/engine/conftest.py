@@ -1,4 +1,5 @@
-"""Tiny random transformers Qwen3.5 checkpoints (dense and MoE) and their transformers greedy outputs."""
+"""Tiny random transformers Qwen3.5 checkpoints (dense and MoE) and their transformers greedy outputs; the built-in
+tokenizer and a grammar cache for the grammar tests."""
 
 from __future__ import annotations
 
@@ -85,3 +86,21 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyCheck
 def random_prompts(lengths: list[int], vocab: int = 256, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+# ---- grammars on the built-in model's tokenizer (its vocabulary: 4096) -----------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer():
+    from sglang_lite.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def cache(tokenizer):
+    """A grammar cache with its checker processes, shut down after the module."""
+    from sglang_lite.sampling.grammar import GrammarCache
+
+    cache = GrammarCache(tokenizer, 4096)
+    yield cache
+    cache.shutdown()

@@ -15,11 +15,10 @@ import time
 import pytest
 
 from sglang_lite.runtime.factory import create_scheduler
-from sglang_lite.sampling.grammar import GrammarCache, GrammarKey
+from sglang_lite.sampling.grammar import GrammarKey
 from sglang_lite.sampling.grammar_cost import GrammarTooExpensive, MaskBudget, check_mask_cost
 from sglang_lite.sampling.grammar_process import GrammarChecker, xgrammar_tables
 from sglang_lite.server_args import ServerArgs
-from sglang_lite.tokenizer import load_tokenizer
 from tests.engine.conftest import random_prompts
 from tests.engine.test_scheduler import (
     GREEDY,
@@ -59,18 +58,6 @@ class CostlyMatcher:
 
     def __getattr__(self, name: str):
         return getattr(self.matcher, name)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(None)
-
-
-@pytest.fixture(scope="module")
-def cache(tokenizer):
-    cache = GrammarCache(tokenizer, VOCAB)
-    yield cache
-    cache.shutdown()
 
 
 def small_scheduler(mask_budget_ms: float):

@@ -15,7 +15,6 @@ from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.protocol.requests import validate_request
 from sglang_lite.sampling import SamplingParams
 from sglang_lite.sampling.grammar import (
-    GrammarCache,
     GrammarKey,
     ReasoningGrammar,
     RequestGrammar,
@@ -24,23 +23,10 @@ from sglang_lite.sampling.grammar import (
     mask_logits,
     reasoning_end_ids,
 )
-from sglang_lite.tokenizer import load_tokenizer
 from tests.engine.test_structured_output import SCHEMA, matches_schema
 
 VOCAB = 4096
 EOS = 4095
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(None)
-
-
-@pytest.fixture(scope="module")
-def cache(tokenizer):
-    cache = GrammarCache(tokenizer, VOCAB)
-    yield cache
-    cache.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from sglang_lite.sampling.grammar import (
     keep_possible_bans,
     mask_logits,
 )
-from sglang_lite.tokenizer import load_tokenizer
 
 VOCAB = 4096  # the built-in model's
 EOS = 4095
@@ -57,18 +56,6 @@ def matches_schema(value: object) -> bool:
 
 
 # ---- the grammar module ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(None)
-
-
-@pytest.fixture(scope="module")
-def cache(tokenizer):
-    cache = GrammarCache(tokenizer, VOCAB)
-    yield cache
-    cache.shutdown()
-
-
 def test_a_grammar_compiles_once_per_text(cache):
     key = GrammarKey("json_schema", json.dumps(SCHEMA))
     first = cache.compile(key)

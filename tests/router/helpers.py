@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from sglang_lite.bench.pd_faults import wait_for  # noqa: F401  (the tests import it from here)
+
 
 @dataclass
 class Result:
@@ -159,16 +161,6 @@ async def server_idle(session: aiohttp.ClientSession, server_url: str) -> bool:
 async def in_flight(session: aiohttp.ClientSession, router_url: str) -> dict[str, int]:
     workers = (await get_json(session, router_url + "/workers"))["workers"]
     return {w["url"]: w["in_flight"] for w in workers}
-
-
-async def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:
-    """Poll an async predicate until true or `timeout` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await predicate():
-            return True
-        await asyncio.sleep(interval)
-    return await predicate()
 
 
 def run(coro):
