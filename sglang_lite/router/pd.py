@@ -38,9 +38,9 @@ logger = logging.getLogger("sglang_lite.router")
 
 # (role, request) -> a worker of that role, or None
 PickWorker = Callable[[str, RequestInfo], Worker | None]
-PD_FAILURE = (
-    502  # what a PD server answers when its pair (or the transfer between them) failed the request
-)
+# what a PD server answers when its pair (or the transfer between them) failed the request: protocol/outputs.py's
+# PD_FAILURE, which the router cannot import (it imports no torch)
+PD_FAILURE = 502
 ABORT_TIMEOUT_S = 10.0  # the call that fails a decode request whose prefill leg failed
 
 
@@ -128,9 +128,8 @@ class PDForwarder:
         failed leg fails its decode request."""
         failed = True
         failure: tuple[int, str] | None = None
-        settled = (
-            False  # the prefill side will write nothing for it: refused, shed, or its rank died
-        )
+        # the prefill side will write nothing for it: refused, shed, or its rank died
+        settled = False
         try:
             upstream = await self.dispatcher.open(request, worker, payload)
             async with upstream:

@@ -28,9 +28,8 @@ from sglang_lite.scheduler.disagg.base import DONE, FAILED, PENDING, TransferSid
 from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
 
 logger = logging.getLogger(__name__)
-DRAIN_TIMEOUTS = (
-    2  # a given-up reservation is held this many timeouts at most, waiting for the final statuses
-)
+# a given-up reservation is held this many timeouts at most, waiting for the final statuses
+DRAIN_TIMEOUTS = 2
 
 
 class DecodeSide(TransferSide):
