@@ -5,6 +5,9 @@ the servers' /metrics routing counters and /v1/loads, and the router's /workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import statistics
 
 import aiohttp
@@ -23,6 +26,7 @@ from .helpers import (
     server_idle,
     wait_for,
 )
+from sglang_lite.bench.pd_faults import scheduler_pids
 
 FAST = ["--worker-startup-check-interval", "0.1", "--health-check-interval-secs", "0.5"]
 
@@ -154,25 +158,26 @@ def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
-            # 1. complete: 16 streams of 256 tokens (long enough to be seen together) are counted while they run,
-            # four on each rank.
-            streams = [
-                asyncio.create_task(
-                    generate(
-                        s,
-                        router.url,
-                        "/v1/chat/completions",
-                        stream=True,
-                        max_new_tokens=256,
-                        timeout=60,
+            # 1. complete: 16 streams are counted while they run, four on each rank. The servers' schedulers are
+            # stopped while the streams are sent, so all 16 are in flight together however fast the host is.
+            pids = [pid for u in urls for pid in await scheduler_pids(s, u)]
+            seen: list[dict[str, int]] = []
+            with paused(pids):
+                streams = [
+                    asyncio.create_task(
+                        generate(
+                            s,
+                            router.url,
+                            "/v1/chat/completions",
+                            stream=True,
+                            max_new_tokens=256,
+                            timeout=60,
+                        )
                     )
-                )
-                for _ in range(16)
-            ]
-            seen: list[
-                dict[str, int]
-            ] = []  # the snapshot that had all 16: streams end at their own pace
-            assert await wait_for(lambda: _total(s, router.url, 16, seen), timeout=10), seen[-3:]
+                    for _ in range(16)
+                ]
+                counted = await wait_for(lambda: _total(s, router.url, 16, seen), timeout=20)
+            assert counted, seen[-3:]
             during = seen[-1]
             results = await asyncio.gather(*streams)
             assert all(r.ok and finish_reason(r) == "length" for r in results), results[:2]
@@ -206,6 +211,18 @@ def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(
         (r.status == 504 or "mid-stream" in (r.error or "")) and r.elapsed < 5 for r in failed
     ), failed
     assert released and stopped
+
+
+@contextlib.contextmanager
+def paused(pids: list[int]):
+    """SIGSTOPs the processes for the block (far under --rank-hang-timeout-s) and always resumes them."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 async def _total(s: aiohttp.ClientSession, url: str, n: int, seen: list[dict[str, int]]) -> bool:
