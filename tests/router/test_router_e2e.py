@@ -13,6 +13,8 @@ import statistics
 import aiohttp
 import pytest
 
+from sglang_lite.bench.pd_faults import scheduler_pids
+
 from .helpers import (
     delta,
     finish_reason,
@@ -26,7 +28,6 @@ from .helpers import (
     server_idle,
     wait_for,
 )
-from sglang_lite.bench.pd_faults import scheduler_pids
 
 FAST = ["--worker-startup-check-interval", "0.1", "--health-check-interval-secs", "0.5"]
 
