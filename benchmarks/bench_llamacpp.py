@@ -41,7 +41,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_offline import MID, _model_config, random_prompts  # noqa: E402
-from llamacpp_build import BuildError, LlamaCpp, ensure_llamacpp  # noqa: E402
+from llamacpp_build import ISAS, BuildError, LlamaCpp, ensure_llamacpp, host_cpu  # noqa: E402
+
+from sglang_lite.kernels import cpu as cpu_kernels  # noqa: E402
 
 BIG = dict(
     hidden_size=1024,
@@ -232,9 +234,18 @@ def main() -> None:
     parser.add_argument(
         "--llamacpp-version", default="0.3.36", help="llama-cpp-python sdist version"
     )
+    parser.add_argument(
+        "--isa",
+        choices=ISAS,
+        default="native",
+        help="the instruction set of both sides: ours through SGLANG_CPU_ISA, llama.cpp built for it",
+    )
     args = parser.parse_args()
+    # the Engine's rank (a fresh interpreter) inherits both: our kernels and PyTorch's own on the ISA
+    os.environ["SGLANG_CPU_ISA"] = args.isa
+    os.environ.update(cpu_kernels.torch_isa_env(args.isa))
     try:
-        llama = ensure_llamacpp(args.llamacpp_version)
+        llama = ensure_llamacpp(args.llamacpp_version, isa=args.isa)
     except BuildError as exc:
         raise SystemExit(f"llama.cpp: {exc}") from None
     overrides = _model_config(args.model_config)
@@ -247,6 +258,9 @@ def main() -> None:
         ggufs = {t: convert(llama, model_dir, t, tmp) for t in GGUF_TYPES}
         best = run(args, llama, model_dir, ggufs)
     print_table(best, args, f"{shape} Qwen3.5-MoE, {params / 1e6:.0f}M parameters, bf16 checkpoint")
+    print(
+        f"ISAs compared: sglang_lite {cpu_kernels.describe_isa()}, llama.cpp {args.isa} build; {host_cpu()}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """llama.cpp for ``bench_llamacpp.py``: built once from the ``llama-cpp-python`` sdist (which vendors llama.cpp,
 its GGUF converter and ``gguf-py``), cached under the user's cache folder, and the converter run on a checkpoint.
 
-    python benchmarks/llamacpp_build.py [--version 0.3.36]   # build now (~10 min on 2 cores), say where
+    python benchmarks/llamacpp_build.py [--version 0.3.36] [--isa avx2]   # build now (~10 min on 2 cores), say where
+
+One build per ISA: ``native`` (``-DGGML_NATIVE=ON``: every extension of this CPU), ``avx2`` (x86-64-v3: AVX2, FMA,
+F16C, BMI2, no AVX-512, so that an AVX-512 host measures what an AVX2-only CPU runs) and ``avx512`` (x86-64-v4
+plus what this CPU has of AVX512-BF16/VNNI), the same targets as ``SGLANG_CPU_ISA`` forces on our kernels.
 
 The build needs cmake and a C++ compiler; without them it stops with a message saying which is missing. The sdist
 is fetched with pip (``pip download --no-binary :all:``) the first time, into the same cache folder.
@@ -19,6 +23,13 @@ from dataclasses import dataclass
 
 DEFAULT_VERSION = "0.3.36"
 TOOLS = ("llama-bench", "llama-batched-bench")
+ISAS = ("native", "avx2", "avx512")
+_X86_V3 = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON"]
+_ISA_OPTIONS = {
+    "native": ["-DGGML_NATIVE=ON"],
+    "avx2": ["-DGGML_NATIVE=OFF", *_X86_V3, "-DGGML_AVX512=OFF"],
+    "avx512": ["-DGGML_NATIVE=OFF", *_X86_V3, "-DGGML_AVX512=ON"],
+}
 
 
 class BuildError(RuntimeError):
@@ -39,18 +50,30 @@ class LlamaCpp:
         return os.path.join(self.source, "convert_hf_to_gguf.py")
 
 
+def host_cpu() -> str:
+    """This host's CPU model as /proc/cpuinfo names it (for the tables: a figure holds for the host it ran on)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("model name")), "")
+    except OSError:
+        line = ""
+    return line.partition(":")[2].strip() or "an unknown CPU"
+
+
 def cache_dir(version: str) -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "sglang_lite", f"llama.cpp-{version}")
 
 
-def ensure_llamacpp(version: str = DEFAULT_VERSION, jobs: int = 2) -> LlamaCpp:
-    """The cached build of llama.cpp as vendored in ``llama-cpp-python==version``, built first when missing."""
+def ensure_llamacpp(version: str = DEFAULT_VERSION, jobs: int = 2, isa: str = "native") -> LlamaCpp:
+    """The cached build of llama.cpp as vendored in ``llama-cpp-python==version`` for ``isa`` (one build folder
+    each), built first when missing."""
+    if isa not in ISAS:
+        raise BuildError(f"isa must be one of {ISAS}, got {isa!r}")
     root = cache_dir(version)
+    build = os.path.join(root, "build" if isa == "native" else f"build-{isa}")
     built = LlamaCpp(
-        os.path.join(root, "src", "vendor", "llama.cpp"),
-        os.path.join(root, "build", "bin"),
-        version,
+        os.path.join(root, "src", "vendor", "llama.cpp"), os.path.join(build, "bin"), version
     )
     if all(os.path.exists(built.tool(t)) for t in TOOLS) and os.path.exists(built.converter):
         return built
@@ -58,9 +81,10 @@ def ensure_llamacpp(version: str = DEFAULT_VERSION, jobs: int = 2) -> LlamaCpp:
     os.makedirs(root, exist_ok=True)
     if not os.path.exists(built.converter):
         _unpack(_download(version, root), os.path.join(root, "src"))
-    print(f"building llama.cpp {version} ({', '.join(TOOLS)}) into {root} once; ~10 min on 2 cores")
-    build = os.path.join(root, "build")
-    _run(["cmake", "-S", built.source, "-B", build, *_cmake_options()])
+    print(
+        f"building llama.cpp {version} for {isa} ({', '.join(TOOLS)}) into {build} once; ~10 min on 2 cores"
+    )
+    _run(["cmake", "-S", built.source, "-B", build, *_cmake_options(isa)])
     _run(["nice", "-n", "10", "cmake", "--build", build, "-j", str(jobs), "--target", *TOOLS])
     missing = [t for t in TOOLS if not os.path.exists(built.tool(t))]
     if missing:
@@ -68,10 +92,10 @@ def ensure_llamacpp(version: str = DEFAULT_VERSION, jobs: int = 2) -> LlamaCpp:
     return built
 
 
-def _cmake_options() -> list[str]:
+def _cmake_options(isa: str) -> list[str]:
     return [
         "-DCMAKE_BUILD_TYPE=Release",
-        "-DGGML_NATIVE=ON",
+        *_ISA_OPTIONS[isa],
         "-DLLAMA_CURL=OFF",
         "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -134,12 +158,16 @@ def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--version", default=DEFAULT_VERSION, help="llama-cpp-python sdist version")
-    version = parser.parse_args().version
+    parser.add_argument(
+        "--isa", choices=ISAS, default="native", help="the instruction set to build for"
+    )
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args()
     try:
-        built = ensure_llamacpp(version)
+        built = ensure_llamacpp(args.version, args.jobs, args.isa)
     except BuildError as exc:
         raise SystemExit(f"llama.cpp: {exc}") from None
-    print(f"llama.cpp {built.version}: {built.bin_dir} (converter {built.converter})")
+    print(f"llama.cpp {built.version} ({args.isa}): {built.bin_dir} (converter {built.converter})")
 
 
 if __name__ == "__main__":

@@ -121,6 +121,14 @@ SGLANG_CPU_KERNEL_CACHE = EnvStr(
     "",
     "Where the fused C++ CPU kernels are built (default ~/.cache/sglang_lite/cpu_kernels).",
 )
+SGLANG_CPU_ISA = EnvChoice(
+    "SGLANG_CPU_ISA",
+    "native",
+    ("native", "avx2", "avx512"),
+    "The instruction set the C++ CPU kernels are built for (a build cached per ISA): native (this CPU's, "
+    "-march=native), avx2 (x86-64-v3: AVX2, FMA, F16C, BMI2, no AVX-512) or avx512 (x86-64-v4, without BF16 "
+    "or VNNI). One this CPU cannot run is an error.",
+)
 SGLANG_CPU_BF16_DOT = EnvChoice(
     "SGLANG_CPU_BF16_DOT",
     "auto",

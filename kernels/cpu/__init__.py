@@ -41,10 +41,13 @@ from .build import (  # noqa: F401 - the package's build interface
     _build_and_load,
     available,
     build_directory,
+    describe_isa,
     enabled,
+    isa,
     prepare,
     require,
     stage_sources,
+    torch_isa_env,
 )
 
 

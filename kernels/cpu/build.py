@@ -28,19 +28,85 @@ _COMPILED = (
 _LIBRARY = "sglang_lite_cpu_ops"
 # -fopenmp: at::parallel_for's OpenMP region is inlined from the headers; the library it links (libgomp.so.1) is
 # the one torch has already loaded, so both share torch's thread pool.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_CFLAGS = ["-O3", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
+# What SGLANG_CPU_ISA can force instead of this CPU's own (native): the -march of the build and the /proc/cpuinfo
+# flags a host needs to run it. avx2 is x86-64-v3 (AVX2, FMA, F16C, BMI2; 16 vector registers of 256 bits), avx512
+# x86-64-v4 (AVX-512 F/BW/DQ/VL/CD; 32 of 512 bits, without BF16 or VNNI), so that an AVX-512 host builds, tests
+# and measures what an AVX2-only CPU runs. The kernels choose their register tiles from the target's macros.
+ISA_TARGETS = {
+    "avx2": ("x86-64-v3", ("avx2", "fma", "f16c", "bmi2")),
+    "avx512": (
+        "x86-64-v4",
+        ("avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512dq", "avx512vl"),
+    ),
+}
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 _error = ""
 
 
+def isa() -> str:
+    """The instruction set the kernels are built for: SGLANG_CPU_ISA (native, avx2 or avx512). A forced one this
+    CPU cannot run is a ValueError that names what the CPU lacks."""
+    chosen = envs.SGLANG_CPU_ISA.get()
+    if chosen == "native":
+        return chosen
+    march, needed = ISA_TARGETS[chosen]
+    flags = set(_cpu_features().partition(":")[2].split())
+    missing = [f for f in needed if f not in flags]
+    if missing:
+        raise ValueError(
+            f"SGLANG_CPU_ISA={chosen} (-march={march}) cannot run on this CPU: it lacks {', '.join(missing)}"
+        )
+    return chosen
+
+
+# PyTorch's own CPU kernels (ATen's vectorised ops, oneDNN, MKL) on the same ISA: read when torch is imported, so a
+# process must have them in its environment before it starts. The benchmarks set them for the processes they start
+# under a forced ISA, so that an AVX-512 host measures both sides of a comparison on AVX2.
+TORCH_ISA_ENV = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },
+    "avx512": {
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    },
+}
+
+
+def torch_isa_env(chosen: str) -> dict[str, str]:
+    """The environment that puts PyTorch's own CPU kernels on ``chosen`` (nothing for native)."""
+    return dict(TORCH_ISA_ENV.get(chosen, {}))
+
+
+def describe_isa() -> str:
+    """What the start-up log says of the target: the ISA, its -march, and the vector extensions it reaches."""
+    chosen = isa()
+    if chosen != "native":
+        return f"{chosen} (-march={ISA_TARGETS[chosen][0]}, SGLANG_CPU_ISA)"
+    flags = set(_cpu_features().partition(":")[2].split())
+    reached = [name for name in ("avx512_bf16", "avx512f", "avx2", "asimd") if name in flags]
+    return f"native (-march=native: {reached[0] if reached else 'no vector extension known to the kernels'})"
+
+
+def _march_flags() -> list[str]:
+    chosen = isa()
+    return ["-march=native"] if chosen == "native" else [f"-march={ISA_TARGETS[chosen][0]}"]
+
+
 def available() -> bool:
-    """True when the kernels are built and loaded (building them on the first call)."""
+    """True when the kernels are built and loaded (building them on the first call). A forced ISA this CPU cannot
+    run raises (``isa``) instead of falling back: the run asked for something it cannot have."""
     global _loaded, _error
     if _loaded is not None:  # asked before every op: no lock once decided
         return _loaded
+    isa()
     with _lock:
         if _loaded is None:
             try:
@@ -59,7 +125,11 @@ def prepare() -> str:
     pays the first build at start rather than in its first request; says which path float32 models will take."""
     if envs.SGLANG_KERNEL_BACKEND.get() in ("torch", "triton"):
         return f"off (SGLANG_KERNEL_BACKEND={envs.SGLANG_KERNEL_BACKEND.get()})"
-    return "on" if available() else f"off, the PyTorch references run ({_error})"
+    return (
+        f"on, built for {describe_isa()}"
+        if available()
+        else f"off, the PyTorch references run ({_error})"
+    )
 
 
 def enabled() -> bool:
@@ -80,13 +150,17 @@ def _build_and_load() -> None:
     build_dir = build_directory()
     sources = stage_sources(build_dir)
     if not os.path.exists(os.path.join(build_dir, _LIBRARY + ".so")):
-        logger.warning("building the C++ CPU kernels (once, ~30-60 s) into %s", build_dir)
+        logger.warning(
+            "building the C++ CPU kernels for %s (once, ~30-60 s) into %s",
+            describe_isa(),
+            build_dir,
+        )
     cpp_extension.load(
         name=_LIBRARY,
         sources=sources,
         build_directory=build_dir,
-        extra_cflags=_CFLAGS,
-        extra_ldflags=_LDFLAGS,
+        extra_cflags=_CFLAGS + _march_flags(),
+        extra_ldflags=list(_LDFLAGS),  # a copy: cpp_extension appends to the list it is given
         is_python_module=False,
         verbose=False,
     )
@@ -130,7 +204,9 @@ def _build_key(source_dir: str) -> str:
             digest.update(name.encode() + f.read())
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     digest.update(
-        " ".join(_CFLAGS + _LDFLAGS + [torch.__version__, torch_dir, sys.version]).encode()
+        " ".join(
+            _CFLAGS + _march_flags() + _LDFLAGS + [torch.__version__, torch_dir, sys.version]
+        ).encode()
     )
     digest.update(_cpu_features().encode())
     return digest.hexdigest()[:16]

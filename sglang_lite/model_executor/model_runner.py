@@ -50,10 +50,7 @@ class ModelRunner:
             logger.debug(
                 "weights stored [in, out] for the CPU's GEMMs: %d", store_input_major(model)
             )
-            logger.debug(
-                "fused C++ CPU kernels (float32 decode and prefill ops): %s",
-                cpu_kernels.prepare(),
-            )
+            logger.info("fused C++ CPU kernels: %s", cpu_kernels.prepare())
             logger.debug(
                 "decode steps as one C++ call per block: %s",
                 enable_decode_blocks(model, args.enable_torch_compile),

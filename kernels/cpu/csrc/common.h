@@ -143,9 +143,49 @@ inline GdnShapes check_gdn_operands(const at::Tensor& q, const at::Tensor& k, co
   return s;
 }
 
+// ---- the target's vector registers ------------------------------------------------------------------------------
+
+// How many vec16 values (16 floats, below) the target's vector registers hold at once, and the target's name. A
+// register tile's accumulators plus the operands it reuses must fit in them, or the accumulators live on the stack
+// and every FMA waits on a load and a store: AVX-512 has 32 registers of 16 floats; AVX2 16 of 8 (x86-64-v3, two
+// to a vec16); NEON 32 of 4 (four to a vec16); plain SSE 16 of 4. The build's -march (SGLANG_CPU_ISA) picks one.
+#if defined(__AVX512F__)
+inline constexpr int kVec16Registers = 32;
+inline constexpr const char* kIsa = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+inline constexpr int kVec16Registers = 8;
+inline constexpr const char* kIsa = "avx2";
+#elif defined(__ARM_NEON) || defined(__aarch64__)
+inline constexpr int kVec16Registers = 8;
+inline constexpr const char* kIsa = "neon";
+#else
+inline constexpr int kVec16Registers = 4;
+inline constexpr const char* kIsa = "generic";
+#endif
+
 // ---- 16 floats at a time ---------------------------------------------------------------------------------------
 
-// 16 floats: one AVX-512 register, two AVX2 ones, four NEON ones (the compiler splits it for the target).
+// Floats in one vector register of the target (16 on AVX-512, 8 on AVX2, 4 on NEON and SSE), and that register.
+#if defined(__AVX512F__)
+inline constexpr int kLanes = 16;
+#elif defined(__AVX__)
+inline constexpr int kLanes = 8;
+#else
+inline constexpr int kLanes = 4;
+#endif
+typedef float vreg __attribute__((vector_size(4 * kLanes)));
+typedef int32_t ivreg __attribute__((vector_size(4 * kLanes)));
+
+inline vreg load_reg(const float* p) {
+  vreg v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// 16 floats, the unit of the kernels' tiles: one AVX-512 register, or 16 / kLanes registers held as an array of them.
+// (GCC lowers a 64-byte vector type on a target without 64-byte registers through the stack: a tile of them spends
+// most of its instructions on loads and stores. An array of native vectors stays in registers.)
+#if defined(__AVX512F__)
 typedef float vec16 __attribute__((vector_size(64)));
 
 inline vec16 load16(const float* p) {
@@ -155,6 +195,42 @@ inline vec16 load16(const float* p) {
 }
 
 inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+#else
+struct vec16 {
+  static constexpr int kParts = 16 / kLanes;
+  vreg part[kParts];
+  vec16& operator+=(const vec16& o) {
+    for (int i = 0; i < kParts; ++i) part[i] += o.part[i];
+    return *this;
+  }
+};
+
+inline vec16 operator+(vec16 a, const vec16& b) { return a += b; }
+
+inline vec16 operator*(float s, const vec16& v) {
+  vec16 r;
+  for (int i = 0; i < vec16::kParts; ++i) r.part[i] = s * v.part[i];
+  return r;
+}
+
+inline vec16 operator*(const vec16& v, float s) { return s * v; }
+
+inline vec16 operator*(const vec16& a, const vec16& b) {
+  vec16 r;
+  for (int i = 0; i < vec16::kParts; ++i) r.part[i] = a.part[i] * b.part[i];
+  return r;
+}
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  for (int i = 0; i < vec16::kParts; ++i) v.part[i] = load_reg(p + kLanes * i);
+  return v;
+}
+
+inline void store16(float* p, const vec16& v) {
+  for (int i = 0; i < vec16::kParts; ++i) std::memcpy(p + kLanes * i, &v.part[i], sizeof(vreg));
+}
+#endif
 
 // silu(gate) * up over one row [gate (inter) | up (inter)] of an MLP's first projection, in place over the gate half.
 inline void silu_and_mul(float* gate_up, int64_t inter) {

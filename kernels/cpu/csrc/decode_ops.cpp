@@ -418,23 +418,22 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, co
 }
 
 // The first index of each row's maximum of [B, V] float32 logits (rows may be strided), NaN counting as the maximum:
-// torch's argmax(dim=-1). One pass 16 columns at a time for the maximum and whether a NaN is there, one to its first
-// index.
+// torch's argmax(dim=-1). One pass a vector register at a time for the maximum and whether a NaN is there, one to its
+// first index.
 static int64_t argmax_row(const float* row, int64_t vocab) {
-  typedef int32_t ivec16 __attribute__((vector_size(64)));
   const float lowest = -std::numeric_limits<float>::infinity();
-  vec16 top = {};
+  vreg top = {};
   top += lowest;
-  ivec16 nan = {};
+  ivreg nan = {};
   int64_t v = 0;
-  for (; v + 16 <= vocab; v += 16) {
-    const vec16 x = load16(row + v);
+  for (; v + kLanes <= vocab; v += kLanes) {
+    const vreg x = load_reg(row + v);
     top = x > top ? x : top;
     nan |= x != x;
   }
   float best = lowest;
   bool any_nan = false;
-  for (int lane = 0; lane < 16; ++lane) {
+  for (int lane = 0; lane < kLanes; ++lane) {
     best = std::max(best, top[lane]);
     any_nan |= nan[lane] != 0;
   }
@@ -442,15 +441,15 @@ static int64_t argmax_row(const float* row, int64_t vocab) {
     best = std::max(best, row[v]);
     any_nan |= row[v] != row[v];
   }
-  // the first 16 columns that hold it, then the column
-  vec16 target = {};
+  // the first register's worth of columns that holds it, then the column
+  vreg target = {};
   target += best;
   int64_t at = 0;
-  for (; at + 16 <= vocab; at += 16) {
-    const vec16 x = load16(row + at);
-    const ivec16 hit = any_nan ? (x != x) : (x == target);
+  for (; at + kLanes <= vocab; at += kLanes) {
+    const vreg x = load_reg(row + at);
+    const ivreg hit = any_nan ? (x != x) : (x == target);
     int32_t found = 0;
-    for (int lane = 0; lane < 16; ++lane) found |= hit[lane];
+    for (int lane = 0; lane < kLanes; ++lane) found |= hit[lane];
     if (found) break;
   }
   if (any_nan) {

@@ -13,7 +13,7 @@
 #include <chrono>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -27,9 +27,6 @@ struct F32Weight {
   static vec16 load(const float* p) { return load16(p); }
   static float at(const float* p) { return *p; }
 };
-
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -57,13 +54,17 @@ struct Bf16Weight {
     vec16 v;
     std::memcpy(&v, &f, sizeof(v));
     return v;
-#else
-    u16x16 h;
-    std::memcpy(&h, p, sizeof(h));
-    const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+#elif defined(__AVX2__)  // two vpmovzxwd and two shifts, one per 8 weights
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
     vec16 v;
-    std::memcpy(&v, &bits, sizeof(v));
+    v.part[0] = (vreg)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16));
+    v.part[1] = (vreg)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16));
     return v;
+#else
+    float wide[16];
+    for (int i = 0; i < 16; ++i) wide[i] = bf16_to_float(p[i]);
+    return load16(wide);
 #endif
   }
   static float at(const uint16_t* p) { return bf16_to_float(*p); }
@@ -84,10 +85,17 @@ struct Fp8Weight {
     vec16 v;
     std::memcpy(&v, &f, sizeof(v));
     return v;
-#else
+#elif defined(__AVX2__) && defined(__F16C__)  // the same moves on 16 bytes, then two vcvtph2ps of 8 halves
+    const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
     vec16 v;
-    for (int i = 0; i < 16; ++i) v[i] = at(p + i);
+    v.part[0] = (vreg)_mm256_cvtph_ps(_mm256_castsi256_si128(half));
+    v.part[1] = (vreg)_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
     return v;
+#else
+    float wide[16];
+    for (int i = 0; i < 16; ++i) wide[i] = at(p + i);
+    return load16(wide);
 #endif
   }
   static float at(const uint8_t* p) {  // the same value times 2^-8
@@ -130,6 +138,28 @@ inline float k_block_scale(const KScales& s, int64_t k0) {
 }
 
 // ---- widening products --------------------------------------------------------------------------------------------
+
+// Rows of A that a register tile of 16 NV columns takes (common.h's kVec16Registers): its TB NV accumulators, NV
+// weight vectors reused across the rows and a broadcast activation fit the target's registers. AVX-512: 8 rows of
+// 32 columns, 4 of 64, 2 of 128; AVX2 and NEON (a quarter of the room): 6 rows of 16 columns (12 ymm accumulators,
+// the classic AVX2 tile), 2 of 32, 1 of wider; plain SSE 2 rows of 16.
+template <int NV>
+constexpr int row_tile() {
+  if constexpr (kVec16Registers >= 32) return NV <= 2 ? 8 : (NV <= 4 ? 4 : (NV <= 8 ? 2 : 1));
+  if constexpr (kVec16Registers >= 8) return NV == 1 ? 6 : (NV == 2 ? 2 : 1);
+  return NV == 1 ? 2 : 1;
+}
+
+// Whether many rows through 16 NV columns run faster as NV passes of 16 columns: where row_tile<1> rows of 16
+// columns do more FMAs per weight vector loaded than row_tile<NV> rows of NV vectors, or the wide tile does not fit
+// (AVX2: 6 x 16 against 2 x 32). On AVX-512 the wide tiles fit and are kept.
+template <int NV>
+constexpr bool kSplitColumns =
+    NV > 1 && (row_tile<1>() > NV * row_tile<NV>() || NV * (row_tile<NV>() + 1) > kVec16Registers);
+
+// Vectors of 16 columns that one or two rows' products take at a time, reading long runs of each weight row: as many
+// as the registers hold with room for the weights (8 on AVX-512, 4 on AVX2 and NEON).
+inline constexpr int kWideVectors = kVec16Registers >= 32 ? 8 : 4;
 
 // C[t, 0:16 NV] = sum_k A[t, k] W[k, 0:16 NV] for TB rows t: TB NV accumulators in registers, each W row segment
 // loaded (and widened) once for all TB rows; a scaled weight's block scale multiplies the activation instead.
@@ -202,12 +232,18 @@ void one_row_times_columns(const float* x, const typename W::T* Wp, int64_t ldw,
   for (int v = 0; v < NV; ++v) store16(y + 16 * v, acc[v]);
 }
 
-// Every row of A through one block of 16 NV columns, RB rows at a time: RB NV accumulators stay in registers (16:
-// 8 rows of 32 columns, 4 of 64, 2 of 128).
+// Every row of A through one block of 16 NV columns, row_tile<NV> rows at a time, so that the tile's accumulators stay
+// in registers (or NV passes of 16 columns, kSplitColumns).
 template <class W, int NV>
 void all_rows_times_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw, int64_t K,
                             float* C, int64_t ldc, const KScales& s, bool add = false) {
-  constexpr int RB = NV <= 2 ? 8 : (NV <= 4 ? 4 : (NV <= 8 ? 2 : 1));
+  constexpr int RB = row_tile<NV>();
+  if constexpr (kSplitColumns<NV>) {
+    if (M > RB) {  // one pass per 16 columns (their scale block is this one's: s stays)
+      for (int v = 0; v < NV; ++v) all_rows_times_columns<W, 1>(A, lda, M, Wp + 16 * v, ldw, K, C + 16 * v, ldc, s, add);
+      return;
+    }
+  }
   int64_t t = 0;
   for (; t + RB <= M; t += RB) rows_times_columns<W, RB, NV>(A + t * lda, lda, Wp, ldw, K, C + t * ldc, ldc, s, add);
   const float* a = A + t * lda;
@@ -594,12 +630,19 @@ WeightScales weight_scales(const c10::optional<at::Tensor>& scale, const at::Ten
 
 // ---- small matmuls of a weight in any layout (the experts' as loaded, attention's, [out, in] linear rows) -------
 
-// Columns n0 .. n0 + width of C = A W^T for TB rows, W^T's row k contiguous over n (width <= 64; FULL: exactly 64,
-// a constant trip count, so the block's accumulators stay in registers).
+// Their register tiles: kMatmulRows rows of A at a time, kMatmulColumns columns of a [in, out] weight or kMatmulDepth
+// lanes of four [out, in] weight rows, so that the accumulators (16 vec16 on AVX-512, 6 on AVX2 and NEON, 2 on
+// SSE) fit with room for the weights.
+inline constexpr int kMatmulRows = kVec16Registers >= 32 ? 4 : (kVec16Registers >= 8 ? 3 : 2);
+inline constexpr int64_t kMatmulColumns = kVec16Registers >= 32 ? 64 : (kVec16Registers >= 8 ? 32 : 16);
+inline constexpr int64_t kMatmulDepth = kVec16Registers >= 32 ? 16 : (kVec16Registers >= 8 ? 8 : 4);
+
+// Columns n0 .. n0 + width of C = A W^T for TB rows, W^T's row k contiguous over n (width <= kMatmulColumns; FULL:
+// exactly that, a constant trip count, so the block's accumulators stay in registers).
 template <class W, int TB, bool FULL>
 void contiguous_n_block(const float* A, int64_t lda, const typename W::T* Wp, int64_t wk, int64_t K, float* C,
                         int64_t ldc, int64_t width) {
-  constexpr int64_t NB = 64;
+  constexpr int64_t NB = kMatmulColumns;
   const int64_t cols = FULL ? NB : width;
   float acc[TB][NB];
   for (int t = 0; t < TB; ++t) {
@@ -619,7 +662,7 @@ void contiguous_n_block(const float* A, int64_t lda, const typename W::T* Wp, in
 template <class W, int TB>
 void matmul_rows_contiguous_n(const float* A, int64_t lda, const typename W::T* Wp, int64_t wk, int64_t N, int64_t K,
                               float* C, int64_t ldc) {  // wn == 1: row k of W^T is contiguous over n
-  constexpr int64_t NB = 64;
+  constexpr int64_t NB = kMatmulColumns;
   int64_t n0 = 0;
   for (; n0 + NB <= N; n0 += NB) contiguous_n_block<W, TB, true>(A, lda, Wp + n0, wk, K, C + n0, ldc, NB);
   if (n0 < N) contiguous_n_block<W, TB, false>(A, lda, Wp + n0, wk, K, C + n0, ldc, N - n0);
@@ -628,7 +671,7 @@ void matmul_rows_contiguous_n(const float* A, int64_t lda, const typename W::T* 
 template <class W, int TB>
 void matmul_rows_contiguous_k(const float* A, int64_t lda, const typename W::T* Wp, int64_t wn, int64_t N, int64_t K,
                               float* C, int64_t ldc) {  // wk == 1: row n of W is contiguous over k
-  constexpr int64_t RB = 4, KB = 16;
+  constexpr int64_t RB = 4, KB = kMatmulDepth;
   const int64_t k_main = K - K % KB;
   int64_t n0 = 0;
   for (; n0 + RB <= N; n0 += RB) {
@@ -685,14 +728,14 @@ template <class W = F32Weight>
 void matmul_wt(const float* A, int64_t lda, int64_t rows, const typename W::T* Wp, int64_t wn, int64_t wk, int64_t N,
                int64_t K, float* C, int64_t ldc) {
   static_assert(!W::kScaled, "block-scaled weights take the [in, out] products");
-  constexpr int64_t TB = 4;
+  constexpr int TB = kMatmulRows;
   int64_t t = 0;
   for (; t + TB <= rows; t += TB) matmul_block<W, TB>(A + t * lda, lda, Wp, wn, wk, N, K, C + t * ldc, ldc);
   const float* a = A + t * lda;
   float* c = C + t * ldc;
   switch (rows - t) {
-    case 3: return matmul_block<W, 3>(a, lda, Wp, wn, wk, N, K, c, ldc);
-    case 2: return matmul_block<W, 2>(a, lda, Wp, wn, wk, N, K, c, ldc);
+    case 3: return matmul_block<W, (TB > 3 ? 3 : 1)>(a, lda, Wp, wn, wk, N, K, c, ldc);
+    case 2: return matmul_block<W, (TB > 2 ? 2 : 1)>(a, lda, Wp, wn, wk, N, K, c, ldc);
     case 1: return matmul_block<W, 1>(a, lda, Wp, wn, wk, N, K, c, ldc);
     default: return;
   }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 namespace sgl_cpu {
@@ -57,14 +58,15 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
     if (M == 1 && dot) return one_row_bf16_dp(xs, K, w, ldw, N, o);
   }
   if (M == 1) {
-    constexpr int kWideVectors = std::is_same_v<W, F32Weight> ? 32 : 16;
-    const bool wide = !W::kScaled && N >= 16 * kWideVectors * 2 * at::get_num_threads();
-    const int64_t width = wide ? 16 * kWideVectors : 128, blocks = N / width;
+    // (on AVX2 and NEON half as wide: the one-row tile keeps 4 weight rows' products in flight per vector)
+    constexpr int kRowVectors = (std::is_same_v<W, F32Weight> ? 32 : 16) / (kVec16Registers >= 32 ? 1 : 2);
+    const bool wide = !W::kScaled && N >= 16 * kRowVectors * 2 * at::get_num_threads();
+    const int64_t width = wide ? 16 * kRowVectors : 128, blocks = N / width;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t blk = begin; blk < end; ++blk) {
         const int64_t n0 = blk * width;
         if (wide) {
-          one_row_times_columns<W, kWideVectors>(xs, w + n0, ldw, K, o + n0, sc.columns(n0));
+          one_row_times_columns<W, kRowVectors>(xs, w + n0, ldw, K, o + n0, sc.columns(n0));
         } else {
           one_row_times_columns<W, 8>(xs, w + n0, ldw, K, o + n0, sc.columns(n0));
         }
@@ -157,6 +159,7 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
 TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? scale, int[] block, int bf16_dot) -> Tensor");
   m.def("has_dpbf16() -> bool", []() { return sgl_cpu::kHaveDpbf16; });
+  m.def("isa() -> str", []() { return std::string(sgl_cpu::kIsa); });
   m.def("bf16_dot_speed() -> float", []() { return sgl_cpu::bf16_dot_speed(); });
   m.def("bf16_dot_for(int mode, int rows) -> bool",
         [](int64_t mode, int64_t rows) { return sgl_cpu::bf16_dot_for(mode, rows); });

@@ -141,9 +141,11 @@ void project_experts(const std::vector<int64_t>& hit, const Routing& routing, co
       if (wide && count == 1 && n1 - n0 == 128) {
         one_row_times_columns<W, 8>(a, w.of(e) + n0, w.row_stride, depth, c + n0, scales.columns(n0));
       } else if (wide) {
-        rows_times_weight_columns<W, 8>(a, lda, count, w.of(e), w.row_stride, depth, n0, n1, c, width, scales);
+        rows_times_weight_columns<W, kWideVectors>(a, lda, count, w.of(e), w.row_stride, depth, n0, n1, c, width,
+                                                   scales);
       } else {
-        rows_times_weight_columns<W, 4>(a, lda, count, w.of(e), w.row_stride, depth, n0, n1, c, width, scales);
+        rows_times_weight_columns<W, kWideVectors / 2>(a, lda, count, w.of(e), w.row_stride, depth, n0, n1, c, width,
+                                                       scales);
       }
     }
   });

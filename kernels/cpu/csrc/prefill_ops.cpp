@@ -54,12 +54,19 @@ void state_block(float* S, int64_t dv, int64_t dk, float decay, const float* kn,
   }
 }
 
-// The same over every column: blocks of 64 and 16 columns, then the last dv % 16 one by one.
+// Vectors of a state block: its 3 kStateVectors vec16 (delta and the two reads) stay in registers (64 columns on
+// AVX-512, 32 on AVX2 and NEON).
+constexpr int kStateVectors = kVec16Registers >= 32 ? 4 : (kVec16Registers >= 8 ? 2 : 1);
+
+// The same over every column: blocks of 16 kStateVectors and 16 columns, then the last dv % 16 one by one.
 template <bool UPDATE, bool READ>
 void state_pass(float* S, int64_t dv, int64_t dk, float decay, const float* kn, const float* delta, const float* a,
                 const float* b, float* rk, float* rq) {
+  constexpr int64_t kWidth = 16 * kStateVectors;
   int64_t j = 0;
-  for (; j + 64 <= dv; j += 64) state_block<4, UPDATE, READ>(S + j, dv, dk, decay, kn, delta + j, a, b, rk + j, rq + j);
+  for (; j + kWidth <= dv; j += kWidth) {
+    state_block<kStateVectors, UPDATE, READ>(S + j, dv, dk, decay, kn, delta + j, a, b, rk + j, rq + j);
+  }
   for (; j + 16 <= dv; j += 16) state_block<1, UPDATE, READ>(S + j, dv, dk, decay, kn, delta + j, a, b, rk + j, rq + j);
   for (; j < dv; ++j) {
     float ak = 0.0f, aq = 0.0f;
