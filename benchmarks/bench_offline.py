@@ -49,8 +49,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
-import torch
-from tqdm import tqdm
+from sglang_lite.envs import torch_isa_env
+
+
+def _force_isa_from_argv() -> None:
+    """--isa before torch is imported: PyTorch reads its own ISA (transformers' side) from the environment then,
+    and the engine's rank, a fresh interpreter, inherits both it and SGLANG_CPU_ISA."""
+    if "--isa" in sys.argv[:-1]:
+        isa = sys.argv[sys.argv.index("--isa") + 1]
+        os.environ.update({"SGLANG_CPU_ISA": isa, **torch_isa_env(isa)})
+
+
+_force_isa_from_argv()
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import Machine, decode_work, measure_machine, prefill_work  # noqa: E402
@@ -280,6 +293,11 @@ def print_table(
         f"torch.compile {'on' if args.torch_compile else 'off'}, load average {os.getloadavg()[0]:.1f} "
         f"(best of {args.repeats})"
     )
+    from sglang_lite.kernels import cpu as cpu_kernels
+
+    print(
+        f"ISA: our kernels {cpu_kernels.describe_isa()}, PyTorch's {torch.backends.cpu.get_cpu_capability()}"
+    )
     print(f"{'':>6} {'wall clock tok/s':^36} {'tok per CPU-second':^36}")
     print(
         f"{'batch':>6} {'transformers':>13} {'sglang_lite':>12} {'ratio':>9} "
@@ -451,6 +469,12 @@ def main() -> None:
         help="torch threads of both sides (default: torch's choice here, the CPU count in the engine)",
     )
     parser.add_argument("--max-total-tokens", type=int, default=16384)
+    parser.add_argument(
+        "--isa",
+        choices=("native", "avx2", "avx512"),
+        default="native",
+        help="the instruction set of both sides: our kernels (SGLANG_CPU_ISA) and PyTorch's (transformers')",
+    )
     parser.add_argument(
         "--model-shape",
         choices=SHAPES,

@@ -129,6 +129,28 @@ SGLANG_CPU_ISA = EnvChoice(
     "-march=native), avx2 (x86-64-v3: AVX2, FMA, F16C, BMI2, no AVX-512) or avx512 (x86-64-v4, without BF16 "
     "or VNNI). One this CPU cannot run is an error.",
 )
+# PyTorch's own CPU kernels (ATen's vectorised ops, oneDNN, MKL) on a forced ISA: read when torch is imported, so a
+# process must have them in its environment before it starts. The benchmarks set them for a forced ISA, so that an
+# AVX-512 host measures both sides of a comparison on AVX2.
+_TORCH_ISA_ENV = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },
+    "avx512": {
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    },
+}
+
+
+def torch_isa_env(isa: str) -> dict[str, str]:
+    """The environment that puts PyTorch's own CPU kernels on ``isa`` (SGLANG_CPU_ISA's values; none for native)."""
+    return dict(_TORCH_ISA_ENV.get(isa, {}))
+
+
 SGLANG_CPU_BF16_DOT = EnvChoice(
     "SGLANG_CPU_BF16_DOT",
     "auto",

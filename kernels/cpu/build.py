@@ -14,6 +14,7 @@ import threading
 import torch
 
 from sglang_lite import envs
+from sglang_lite.envs import torch_isa_env  # noqa: F401 - the package's build interface
 
 logger = logging.getLogger(__name__)
 
@@ -61,28 +62,6 @@ def isa() -> str:
             f"SGLANG_CPU_ISA={chosen} (-march={march}) cannot run on this CPU: it lacks {', '.join(missing)}"
         )
     return chosen
-
-
-# PyTorch's own CPU kernels (ATen's vectorised ops, oneDNN, MKL) on the same ISA: read when torch is imported, so a
-# process must have them in its environment before it starts. The benchmarks set them for the processes they start
-# under a forced ISA, so that an AVX-512 host measures both sides of a comparison on AVX2.
-TORCH_ISA_ENV = {
-    "avx2": {
-        "ATEN_CPU_CAPABILITY": "avx2",
-        "ONEDNN_MAX_CPU_ISA": "AVX2",
-        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-    },
-    "avx512": {
-        "ATEN_CPU_CAPABILITY": "avx512",
-        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
-        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
-    },
-}
-
-
-def torch_isa_env(chosen: str) -> dict[str, str]:
-    """The environment that puts PyTorch's own CPU kernels on ``chosen`` (nothing for native)."""
-    return dict(TORCH_ISA_ENV.get(chosen, {}))
 
 
 def describe_isa() -> str:
