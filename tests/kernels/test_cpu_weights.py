@@ -203,3 +203,31 @@ def test_mixed_weight_dtypes_are_an_error_naming_them():
             torch.ones(1, 1),
             torch.zeros(1, 1, dtype=torch.int32),
         )
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("columns", [8192, 8205])
+@pytest.mark.parametrize("depth", [128, 301])
+def test_one_row_through_a_wide_weight(columns, depth, dtype):
+    """One row through a weight of 8192 columns or more (an LM head): each thread sums a range of its rows, read
+    whole, and the sums are added (the columns past the last 16 in the scalar tail); float32 activations."""
+
+    def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _randn(1, depth, seed=seed), _input_major(
+            _randn(columns, depth, seed=seed + 1).to(dtype)
+        )
+
+    for got, (x, w) in _twice(linear, inputs):
+        assert_rel_close(got, F.linear(x, w.float()), F32)
+
+
+@pytest.mark.parametrize("rows", [9, 40, 300])
+def test_many_rows_through_a_float32_weight(rows):
+    """More than 8 rows of a float32 weight stored [in, out] run from contiguous copies of its 32-column blocks
+    (as bf16 blocks are widened once); widths around the blocks and a scalar tail, a depth over 256 rows."""
+
+    def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _randn(rows, 300, seed=seed), _input_major(_randn(1100, 300, seed=seed + 1))
+
+    for got, (x, w) in _twice(linear, inputs):
+        assert_rel_close(got, F.linear(x, w), F32)

@@ -232,6 +232,25 @@ void one_row_times_columns(const float* x, const typename W::T* Wp, int64_t ldw,
   for (int v = 0; v < NV; ++v) store16(y + 16 * v, acc[v]);
 }
 
+// y[0:n] += x W[:, 0:n] for one row x and n (a multiple of 16) columns of an unscaled weight, K rows: four weight
+// rows at a time, each read whole as one run of n elements, the accumulators y itself (in L1 or L2).
+template <class W>
+void one_row_add_long_run(const float* x, const typename W::T* Wp, int64_t ldw, int64_t K, int64_t n, float* y) {
+  static_assert(!W::kScaled, "scaled weights take their block scales per 128 columns");
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    const float a0 = x[k], a1 = x[k + 1], a2 = x[k + 2], a3 = x[k + 3];
+    const typename W::T *w0 = Wp + k * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
+    for (int64_t j = 0; j < n; j += 16) {
+      store16(y + j, load16(y + j) + (a0 * W::load(w0 + j) + a1 * W::load(w1 + j)) +
+                         (a2 * W::load(w2 + j) + a3 * W::load(w3 + j)));
+    }
+  }
+  for (; k < K; ++k) {
+    for (int64_t j = 0; j < n; j += 16) store16(y + j, load16(y + j) + x[k] * W::load(Wp + k * ldw + j));
+  }
+}
+
 // Every row of A through one block of 16 NV columns, row_tile<NV> rows at a time, so that the tile's accumulators stay
 // in registers (or NV passes of 16 columns, kSplitColumns).
 template <class W, int NV>
@@ -260,11 +279,13 @@ void all_rows_times_columns(const float* A, int64_t lda, int64_t M, const typena
   }
 }
 
-// ---- many rows through a block of a 16-bit weight: widened once ------------------------------------------------
+// ---- many rows through a block of an unscaled weight: widened (or copied) once ---------------------------------
 
-// The weights whose blocks many rows take widened once: unscaled and narrower than float32 (bf16).
+// The weights whose blocks many rows take widened (or, float32, copied) once into contiguous rows: the unscaled ones.
+// A float32 weight's rows are as far apart as a bf16 one's, and its copied blocks ran many rows 1.9-2x as fast on
+// AVX2 and AVX-512 (bench_cpu_isa.py, docs/performance.md).
 template <class W>
-constexpr bool kWidenedOnce = !W::kScaled && !std::is_same_v<W, F32Weight>;
+constexpr bool kWidenedOnce = !W::kScaled;
 
 // Rows of K whose widened block of 32 columns (32 KB of float32) stays in L1 while every group of rows passes.
 constexpr int64_t kPackedDepth = 256;
@@ -288,12 +309,12 @@ const float* pack_widened(const typename W::T* Wp, int64_t ldw, int64_t K) {
   return out;
 }
 
-// C[:, 0:32] = A W[:, 0:32] for M (> kPackRows) rows of an unscaled 16-bit weight: the block widened once, then K
+// C[:, 0:32] = A W[:, 0:32] for M (> kPackRows) rows of an unscaled weight: the block widened once, then K
 // in parts of kPackedDepth rows, each part through every group of 8 rows (the later parts adding to C).
 template <class W>
 void many_rows_times_32_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw,
                                 int64_t K, float* C, int64_t ldc) {
-  static_assert(kWidenedOnce<W>, "scaled weights widen with their block scales, float32 ones need no widening");
+  static_assert(kWidenedOnce<W>, "scaled weights widen with their block scales");
   const float* packed = pack_widened<W>(Wp, ldw, K);
   for (int64_t k0 = 0; k0 < K; k0 += kPackedDepth) {
     const int64_t depth = std::min(kPackedDepth, K - k0);
@@ -302,7 +323,7 @@ void many_rows_times_32_columns(const float* A, int64_t lda, int64_t M, const ty
 }
 
 // C[:, 0:32] = A W[:, 0:32] for every row of A (M rows), widened: once per block for many rows of an unscaled
-// 16-bit weight, else in registers for each group of rows.
+// weight, else in registers for each group of rows.
 template <class W>
 void all_rows_times_32_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw,
                                int64_t K, float* C, int64_t ldc, const KScales& s) {

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 #include <type_traits>
 
 namespace sgl_cpu {
@@ -45,6 +46,35 @@ void one_row_bf16_dp(const float*, int64_t, const uint16_t*, int64_t, int64_t, f
 }
 #endif
 
+// One row through a wide unscaled weight (an LM head: N >= kSplitKColumns): each thread takes a range of K, reading
+// its weight rows whole, as one stream (a copy's pattern, ~15% more bandwidth than column blocks whose rows are a
+// whole row apart on both AVX2 and AVX-512 hosts; the figures: docs/performance.md), into its own float32 sums of
+// every column, which are added at the end.
+constexpr int64_t kSplitKColumns = 8192;
+
+template <class W>
+void one_row_split_k(const float* x, int64_t K, const typename W::T* w, int64_t ldw, int64_t N, float* o) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), K / 64));
+  const int64_t n16 = N - N % 16;
+  thread_local std::vector<float> sums;
+  sums.assign(parts * n16, 0.0f);
+  float* partial = sums.data();
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t k0 = K * p / parts, k1 = K * (p + 1) / parts;
+      one_row_add_long_run<W>(x + k0, w + k0 * ldw, ldw, k1 - k0, n16, partial + p * n16);
+    }
+  });
+  at::parallel_for(0, n16 / 16, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin * 16; j < end * 16; j += 16) {
+      vec16 total = load16(partial + j);
+      for (int64_t p = 1; p < parts; ++p) total += load16(partial + p * n16 + j);
+      store16(o + j, total);
+    }
+  });
+  rows_times_weight_columns<W>(x, K, 1, w, ldw, K, n16, N, o, N, WeightScales{});  // the last N % 16 columns
+}
+
 // y = x W^T for W [N, K] stored [in, out] (row k of W^T contiguous, ldw apart).
 template <class W>
 void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, int64_t N,
@@ -53,6 +83,9 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
   // One row reads each weight once, from memory: blocks of 512 columns (128 where that leaves too few blocks for
   // the threads, or the weight has 128-column scale blocks) stream runs of 4 weight rows at a time; register-blocked
   // 32-column blocks, reading short runs far apart, fell below MKL (docs/performance.md).
+  if constexpr (!W::kScaled) {
+    if (M == 1 && N >= kSplitKColumns && K >= 128) return one_row_split_k<W>(xs, K, w, ldw, N, o);
+  }
   const bool dot = std::is_same_v<W, Bf16Weight> && bf16_dot_for(bf16_dot, M);
   if constexpr (std::is_same_v<W, Bf16Weight> && kHaveDpbf16) {
     if (M == 1 && dot) return one_row_bf16_dp(xs, K, w, ldw, N, o);
