@@ -173,16 +173,21 @@ def run_isa(isa: str, args: argparse.Namespace) -> tuple[str, list[dict]] | None
 
 
 def print_table(results: dict[str, list[dict]]) -> None:
+    """Per ISA: PyTorch on that ISA, ours, and ours over PyTorch."""
     isas = list(results)
-    first = results[isas[0]]
+    names = [i.split()[0] for i in isas]
     print(f"\nGFLOP/s, {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}")
-    header = f"{'case':<40}{'size':>11}{'torch':>9}" + "".join(f"{i.split()[0]:>9}" for i in isas)
-    print(header + "".join(f"{'vs torch ' + i.split()[0]:>17}" for i in isas))
-    for j, row in enumerate(first):
-        line = f"{row['case']:<40}{row['size']:>11}{row['torch']:>9.1f}"
-        ours = [results[i][j]["ours"] for i in isas]
-        line += "".join(f"{v:>9.1f}" if v else f"{'-':>9}" for v in ours)
-        line += "".join(f"{v / row['torch']:>16.2f}x" if v else f"{'-':>17}" for v in ours)
+    print(
+        f"{'case':<40}{'size':>11}"
+        + "".join(f"{'torch ' + n:>14}{n:>9}{'ratio':>8}" for n in names)
+    )
+    for j, row in enumerate(results[isas[0]]):
+        line = f"{row['case']:<40}{row['size']:>11}"
+        for isa in isas:
+            theirs, ours = results[isa][j]["torch"], results[isa][j]["ours"]
+            line += f"{theirs:>14.1f}" + (
+                f"{ours:>9.1f}{ours / theirs:>7.2f}x" if ours else f"{'-':>9}{'-':>8}"
+            )
         print(line)
     print("ISAs: " + "; ".join(isas))
 
