@@ -66,6 +66,25 @@ async def generate(
     return result
 
 
+def chat_streams(
+    session: aiohttp.ClientSession, url: str, count: int, max_new_tokens: int = 256
+) -> list:
+    """``count`` streamed chat completions started as tasks (a minute each at most)."""
+    return [
+        asyncio.create_task(
+            generate(
+                session,
+                url,
+                "/v1/chat/completions",
+                stream=True,
+                max_new_tokens=max_new_tokens,
+                timeout=60,
+            )
+        )
+        for _ in range(count)
+    ]
+
+
 async def read_events(resp: aiohttp.ClientResponse, result: Result, start: float) -> None:
     async for line in resp.content:
         if not line.startswith(b"data: "):

@@ -16,6 +16,7 @@ import pytest
 from sglang_lite.bench.pd_faults import scheduler_pids
 
 from .helpers import (
+    chat_streams,
     delta,
     finish_reason,
     generate,
@@ -164,19 +165,7 @@ def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(
             pids = [pid for u in urls for pid in await scheduler_pids(s, u)]
             seen: list[dict[str, int]] = []
             with paused(pids):
-                streams = [
-                    asyncio.create_task(
-                        generate(
-                            s,
-                            router.url,
-                            "/v1/chat/completions",
-                            stream=True,
-                            max_new_tokens=256,
-                            timeout=60,
-                        )
-                    )
-                    for _ in range(16)
-                ]
+                streams = chat_streams(s, router.url, 16)
                 counted = await wait_for(lambda: _total(s, router.url, 16, seen), timeout=20)
             assert counted, seen[-3:]
             during = seen[-1]

@@ -12,7 +12,17 @@ import asyncio
 
 import aiohttp
 
-from .helpers import delta, finish_reason, generate, get_json, in_flight, routed, run, wait_for
+from .helpers import (
+    chat_streams,
+    delta,
+    finish_reason,
+    generate,
+    get_json,
+    in_flight,
+    routed,
+    run,
+    wait_for,
+)
 
 
 def test_pd_injects_bootstrap_fields_sends_to_both_and_returns_decode(procs):
@@ -87,19 +97,7 @@ def test_pd_with_real_servers_counts_both_sides_and_returns_decode(procs, dp_pai
     async def scenario():
         async with aiohttp.ClientSession() as s:
             before = [await routed(s, u.url) for u in dp_pair]
-            streams = [
-                asyncio.create_task(
-                    generate(
-                        s,
-                        router.url,
-                        "/v1/chat/completions",
-                        stream=True,
-                        max_new_tokens=256,
-                        timeout=60,
-                    )
-                )
-                for _ in range(6)
-            ]
+            streams = chat_streams(s, router.url, 6)
             # keep the snapshot that had every leg in flight: the legs end at their own pace
             seen: list[dict[str, int]] = []
             assert await wait_for(lambda: _total(s, router.url, 12, seen), timeout=10), seen[-3:]
