@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -257,6 +258,7 @@ class WorldLoop:
 
     def run(self) -> None:
         plan = _alt_stream_plan(self.scheduler.model)
+        gc.freeze()  # the model and pools live as long as the rank: out of the collector's sweeps (2% of a decode)
         self.reply(Ready(self.dp_rank, os.getpid(), self.scheduler.config, plan))
         # ready once every rank of the world has built its model
         self.send_replies(gather=self.state.world_size > 1)
