@@ -1,5 +1,5 @@
-"""Speculative decoding with an MTP head against plain decoding, side by side in one run (``bench_offline.py
---speculative`` runs this).
+"""Speculative decoding (the MTP head, NEXTN, or prompt lookup, NGRAM) against plain decoding, side by side in
+one run (``bench_offline.py --speculative`` runs this).
 
 ``--head builtin`` (the default) is the built-in model's own trained head (``scripts/train_tiny_model.py``). For
 the cost of speculating apart from what a head wins, a head can be added to a copy of the model instead:
@@ -13,6 +13,12 @@ alternating so that they share the host's noise. Accepted length: tokens per ver
 the corrected or bonus token) from ``meta_info``.
 
     python benchmarks/bench_speculative.py --batch-sizes 1 4 16 --steps 1 2 3 --threads 2
+    python benchmarks/bench_speculative.py --algorithm NGRAM --prompts repeating --batch-sizes 1 4 --steps 2 4 8
+
+``--algorithm NGRAM`` drafts by prompt lookup (no head: ``--head`` is ignored, the built-in model runs). Its
+``--prompts repeating`` are prompts that repeat themselves as users' do: a function from this repository's source
+followed by "rewritten with a docstring" and its first line (code editing), or a text followed by a request to
+summarise it and its first sentence; the model's continuation copies from the prompt where it can.
 
 ``--costs`` times the parts of a step instead, in this process (one scheduler, ``--threads`` torch threads), per
 batch size: a plain decode step, and in a speculative step (``--steps`` k, the largest given) the MTP head's
@@ -68,10 +74,45 @@ def model_with_head(folder: str, head: str, shape: str = "tiny") -> str:
 
 
 def prompts_for(kind: str, tokenizer, count: int, length: int) -> list[list[int]]:
-    """``source``: ``source_prompts``; ``function``: ``function_prompts``."""
+    """``source``: ``source_prompts``; ``function``: ``function_prompts``; ``repeating``: ``repeating_prompts``."""
     if kind == "function":
         return function_prompts(tokenizer, count)
+    if kind == "repeating":
+        return repeating_prompts(tokenizer, count, length)
     return source_prompts(tokenizer, count, length)
+
+
+def repeating_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """``count`` prompts that ask for their own text again: a function of this repository (at most ``length``
+    tokens of it) then "the same function, rewritten with a docstring" and its first line; every other prompt a
+    module docstring then a request to summarise it and its first sentence."""
+    import ast
+
+    functions, texts = [], []
+    for file in sorted(glob.glob(os.path.join(ROOT, "sglang_lite", "**", "*.py"), recursive=True)):
+        with open(file) as f:
+            source = f.read()
+        tree = ast.parse(source)
+        if ast.get_docstring(tree):
+            texts.append(ast.get_docstring(tree))
+        functions += [ast.get_source_segment(source, node) for node in ast.walk(tree)]
+        functions = [f for f in functions if f and f.startswith("def ") and f.count("\n") >= 6]
+        if len(functions) >= count and len(texts) >= count:
+            break
+    prompts = []
+    for i in range(count):
+        if i % 2 == 0:
+            body = tokenizer.decode(tokenizer.encode(functions[i // 2])[:length])
+            ask = (
+                "\n\n\n# The same function, rewritten with a docstring:\n"
+                + body.splitlines()[0]
+                + "\n"
+            )
+        else:
+            body = tokenizer.decode(tokenizer.encode(texts[i // 2])[:length])
+            ask = "\n\nSummarise the text above.\n\n" + body.split(". ")[0]
+        prompts.append(tokenizer.encode(body + ask))
+    return prompts
 
 
 def function_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -129,11 +170,13 @@ def main() -> None:
     parser.add_argument("--costs", action="store_true", help="time the parts of a step (see above)")
     parser.add_argument(
         "--prompts",
-        choices=("source", "function"),
+        choices=("source", "function", "repeating"),
         default="source",
         help="source: this repository's Python, cut into --input-len tokens; function: prefixes of one held-out "
-        "function of the kind the built-in model learnt (its drafts are accepted more often)",
+        "function of the kind the built-in model learnt (its drafts are accepted more often); repeating: prompts "
+        "that ask for their own text again (see above)",
     )
+    parser.add_argument("--algorithm", choices=("NEXTN", "NGRAM"), default="NEXTN")
     parser.add_argument(
         "--model-shape",
         choices=("tiny", "mid"),
@@ -142,7 +185,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        path = model_with_head(folder, args.head, args.model_shape)
+        head = (
+            "builtin" if args.algorithm == "NGRAM" else args.head
+        )  # the model runs without its head
+        path = model_with_head(folder, head, args.model_shape)
         (run_costs if args.costs else run)(args, path)
 
 
@@ -180,15 +226,18 @@ def step_times(args: argparse.Namespace, path: str, steps: int, batch: list[list
     from sglang_lite.runtime.factory import create_scheduler
     from sglang_lite.server_args import ServerArgs
 
-    spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": steps} if steps else {}
+    spec = (
+        {"speculative_algorithm": args.algorithm, "speculative_num_steps": steps} if steps else {}
+    )
     scheduler = create_scheduler(
         ServerArgs(model_path=path, max_total_tokens=16384, max_running_requests=len(batch), **spec)
     )
     # the verify forward (its LM head too), and the LM head calls of the rest
-    timers = {name: Timer(scheduler.model, name) for name in ("forward_verify", "logits")}
-    if steps:  # the head's pass over kept tokens (its LM head and argmax too), and its chain steps
-        timers["kept"] = Timer(scheduler.speculation, "_mtp_extend")
-        timers["forward_mtp"] = Timer(scheduler.model, "forward_mtp", inside=timers["kept"])
+    timers = {name: Timer(scheduler.runner, name) for name in ("forward_verify", "logits")}
+    # the head's pass over kept tokens (its LM head and argmax too), and its chain steps
+    if steps and args.algorithm != "NGRAM":
+        timers["kept"] = Timer(scheduler.speculation.drafter, "_extend")
+        timers["forward_mtp"] = Timer(scheduler.runner, "forward_mtp", inside=timers["kept"])
     params = {"max_new_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
     for i, prompt in enumerate(batch):
         scheduler.add_request(str(i), prompt, params)
@@ -255,7 +304,7 @@ def run(args: argparse.Namespace, path: str) -> None:
         k: Engine(
             path,
             **common,
-            **({"speculative_num_steps": k, "speculative_algorithm": "NEXTN"} if k else {}),
+            **({"speculative_num_steps": k, "speculative_algorithm": args.algorithm} if k else {}),
         )
         for k in settings
     }
@@ -265,9 +314,10 @@ def run(args: argparse.Namespace, path: str) -> None:
         )
         for engine in engines.values():
             generate(engine, prompts[:2], 4)  # warm up
+        drafts = "prompt lookup" if args.algorithm == "NGRAM" else f"head: {args.head}"
         print(
-            f"head: {args.head}; prompts {args.prompts}, input {args.input_len}, output {args.output_len}, "
-            f"threads {args.threads}"
+            f"{args.algorithm} ({drafts}); prompts {args.prompts}, input {args.input_len}, output "
+            f"{args.output_len}, threads {args.threads}, {time.strftime('%Y-%m-%d %H:%M')}"
         )
         header = "| batch | " + " | ".join(
             "plain tok/s" if k == 0 else f"k={k} tok/s (x) | k={k} accepted" for k in settings

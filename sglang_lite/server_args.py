@@ -109,7 +109,7 @@ _HELP = {
 }
 
 _HELP.update(http_flags.HELP)  # connections, timeouts and sizes at the HTTP edge
-_HELP.update(speculative_flags.HELP)  # MTP speculative decoding (scheduler/speculative.py)
+_HELP.update(speculative_flags.HELP)  # speculative decoding (scheduler/speculative/)
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,8 @@ class ServerArgs:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    speculative_ngram_min_match_window_size: int | None = None
+    speculative_ngram_max_match_window_size: int | None = None
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)

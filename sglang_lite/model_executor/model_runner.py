@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -14,13 +15,14 @@ from sglang_lite.model_executor.cuda_graph_runner import CudaGraphRunner
 from sglang_lite.model_executor.decode_blocks import enable_decode_blocks
 from sglang_lite.model_executor.spec_graph_runner import SpecGraphRunner
 from sglang_lite.model_executor.weight_layout import store_input_major
+from sglang_lite.models.qwen3_5 import Qwen3_5ForCausalLM
 from sglang_lite.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Runs forwards for the scheduler and prepares the device for them.
+    """Runs forwards for the scheduler and prepares the device for them (the ``Runner`` of ``base.py``).
 
     On a GPU it captures CUDA graphs of decode batches. On the CPU it stores the weights [in, out] and builds the
     fused C++ kernels before the first request; the kernel dispatch then takes them for float32 calls in decode
@@ -28,7 +30,7 @@ class ModelRunner:
     and decode steps run one C++ call per block (``decode_blocks.py``).
     """
 
-    def __init__(self, model: torch.nn.Module, pools: ModelPools, args: ServerArgs) -> None:
+    def __init__(self, model: Qwen3_5ForCausalLM, pools: ModelPools, args: ServerArgs) -> None:
         self.model = model
         self.config = model.config
         self.graph_runner: CudaGraphRunner | None = None
@@ -102,6 +104,17 @@ class ModelRunner:
         if self.spec_graphs is not None and self.spec_graphs.can_run_head(batch):
             return self.spec_graphs.head(batch, hidden)
         return self.model.mtp(batch, hidden)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def graph_bytes(self) -> int:
+        """What the CUDA graphs of decode batches (or of speculation's steps) took, measured at capture."""
+        graphs = (self.graph_runner, self.spec_graphs)
+        return sum(g.memory_bytes for g in graphs if g is not None)
+
+    def stream_plan(self) -> dict[str, Any] | None:
+        return self.model.streams.describe()
 
     def forward_idle(self) -> None:
         """An empty forward: under DP attention, a DP rank with nothing to run joins the other ranks' MLPs."""

@@ -47,6 +47,9 @@ class SpecGraphRunner:
         # what capturing reserves, the static verify states included (/v1/loads graph_gb)
         reserved = torch.cuda.memory_reserved(self.device) if use_graphs else 0
         self.tokens = steps + 1  # verified a request: its last token and its drafts
+        self.has_head = hasattr(
+            model, "mtp"
+        )  # drafts from the MTP head (NEXTN), else from elsewhere (NGRAM)
         self.use_graphs = use_graphs
         self.verify_sizes = capture_batch_sizes(max_bs)
         self.head_sizes = capture_batch_sizes(self.verify_sizes[-1] * self.tokens)
@@ -76,7 +79,7 @@ class SpecGraphRunner:
                 self.verify_inputs.pad(0, bs * self.tokens)
                 graph, out = capture_graph(lambda bs=bs: self._verify(bs), pool, self.device)
                 self.verify_graphs[bs], self.verify_outputs[bs] = graph, out
-            for rows in reversed(self.head_sizes):
+            for rows in reversed(self.head_sizes if self.has_head else []):
                 self.head_inputs.pad(0, rows)
                 graph, out = capture_graph(lambda rows=rows: self._head(rows), pool, self.device)
                 self.head_graphs[rows], self.head_outputs[rows] = graph, out
@@ -124,7 +127,7 @@ class SpecGraphRunner:
 
     # ---- the MTP head ---------------------------------------------------------------------------------------------
     def can_run_head(self, batch: ForwardBatch) -> bool:
-        return batch.is_decode and batch.num_tokens <= self.head_sizes[-1]
+        return self.has_head and batch.is_decode and batch.num_tokens <= self.head_sizes[-1]
 
     def head(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """The MTP head's hidden state [T, H] over ``batch``'s rows (``hidden``: the model's there)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from sglang_lite.config import ModelConfig
 from sglang_lite.server_args import ServerArgs
+from sglang_lite.utils import speculative_flags
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,11 @@ class SchedulerConfig:
     random_seed: int = 0
     device: str = "cpu"
     dp_rank: int = 0
-    # speculative decoding: tokens the MTP head drafts per decode step (0: off)
+    # speculative decoding: the algorithm (``utils/speculative_flags.ALGORITHMS``; None: off), the tokens it drafts
+    # per decode step, and NGRAM's (shortest, longest) suffix matched
+    speculative_algorithm: str | None = None
     speculative_steps: int = 0
+    ngram_window: tuple[int, int] = speculative_flags.DEFAULT_NGRAM_WINDOW
     # CPU time one request's grammar may take per token mask or accepted token (past it the request fails, 400)
     grammar_mask_budget_ms: float = ServerArgs.grammar_mask_budget_ms
 
@@ -46,7 +50,8 @@ class SchedulerConfig:
     @classmethod
     def from_dict(cls, fields: dict) -> SchedulerConfig:
         """Back from ``dataclasses.asdict`` after a trip through msgpack (which turns tuples into lists)."""
-        tuples = {k: tuple(fields[k]) for k in ("eos_token_ids", "think_end_ids") if k in fields}
+        names = ("eos_token_ids", "think_end_ids", "ngram_window")
+        tuples = {k: tuple(fields[k]) for k in names if k in fields}
         return cls(**dict(fields, **tuples))
 
     @classmethod
@@ -72,6 +77,8 @@ class SchedulerConfig:
             stream_interval=args.stream_interval,
             random_seed=args.random_seed,
             device=args.device,
+            speculative_algorithm=args.speculative_algorithm,
             speculative_steps=args.speculative_steps,
+            ngram_window=speculative_flags.ngram_window(args),
             grammar_mask_budget_ms=args.grammar_mask_budget_ms,
         )

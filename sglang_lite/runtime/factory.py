@@ -29,6 +29,7 @@ from sglang_lite.scheduler.disagg import AttentionGroup, DisaggSide, NullSide, c
 from sglang_lite.scheduler.scheduler import Scheduler, create_request_memory
 from sglang_lite.server_args import ServerArgs
 from sglang_lite.tokenizer.loader import load_server_tokenizer
+from sglang_lite.utils import speculative_flags
 
 
 def eos_token_ids(model_dir: str, config_eos: tuple[int, ...]) -> tuple[int, ...]:
@@ -56,7 +57,7 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
         weight_dtype=resolve_weight_dtype(args, dtype),
         fp8_weights=fp8_weights,
         fp8_misaligned=fp8_misaligned,
-        with_mtp=args.speculative_steps > 0,
+        with_mtp=speculative_flags.uses_mtp_head(args),
     )
     context_length = args.context_length or model.config.max_position_embeddings
     max_total_tokens = resolve_max_total_tokens(args, model.config, dtype, context_length)
@@ -74,7 +75,7 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
         args.device,
         resolve_state_snapshots(args, model.config, dtype, max_total_tokens),
         page_size=args.page_size,
-        draft_layers=1 if args.speculative_steps else 0,
+        draft_layers=1 if speculative_flags.uses_mtp_head(args) else 0,
     )
     memory = create_request_memory(pools)
     return Scheduler(

@@ -12,6 +12,7 @@ from sglang_lite.config import ModelConfig
 from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.server_args import ServerArgs
+from sglang_lite.utils import speculative_flags
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def resolve_max_total_tokens(
     budget = device_budget_bytes(args.device, args.mem_fraction_static)
     states_bytes = fixed_state_slots(args) * ModelPools.bytes_per_request_state(config, dtype)
     # the MTP head's KV sits in the same slots (speculation)
-    draft_layers = 1 if args.speculative_steps else 0
+    draft_layers = 1 if speculative_flags.uses_mtp_head(args) else 0
     per_token = max(ModelPools.bytes_per_token(config, dtype, draft_layers), 1)
     rows = args.max_running_requests
     if args.prefix_cache:

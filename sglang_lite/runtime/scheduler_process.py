@@ -28,7 +28,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -67,6 +67,9 @@ from sglang_lite.runtime.transport import pull_socket, push_socket, send
 from sglang_lite.scheduler.faults import breaks_the_device, describe
 from sglang_lite.server_args import ServerArgs, set_global_server_args
 from sglang_lite.utils.process import keep_freed_heap_memory
+
+if TYPE_CHECKING:  # the front end imports this module without torch
+    from sglang_lite.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 # --log-level -> Mooncake's MC_LOG_LEVEL
@@ -257,7 +260,7 @@ class WorldLoop:
         self.stopped = False
 
     def run(self) -> None:
-        plan = _alt_stream_plan(self.scheduler.model)
+        plan = self.scheduler.runner.stream_plan()
         gc.freeze()  # the model and pools live as long as the rank: out of the collector's sweeps (2% of a decode)
         self.reply(Ready(self.dp_rank, os.getpid(), self.scheduler.config, plan))
         # ready once every rank of the world has built its model
@@ -417,7 +420,7 @@ def _join_world(args: ServerArgs, spec: RankSpec) -> ParallelState:
     )
 
 
-def _create_scheduler(args: ServerArgs, dp_rank: int) -> Any:
+def _create_scheduler(args: ServerArgs, dp_rank: int) -> Scheduler:
     import torch
 
     from sglang_lite.runtime.factory import create_scheduler
@@ -426,12 +429,6 @@ def _create_scheduler(args: ServerArgs, dp_rank: int) -> Any:
         torch.set_num_threads(args.cpu_threads)
     set_global_server_args(args)  # the one setter: model code reads it lazily, at construction
     return create_scheduler(args, dp_rank=dp_rank)
-
-
-def _alt_stream_plan(runner: Any) -> dict[str, Any] | None:
-    """The alternate-stream plan of the model the scheduler runs, when the model has one."""
-    streams = getattr(getattr(runner, "model", None), "streams", None)
-    return streams.describe() if streams is not None else None
 
 
 def _die_with_parent() -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sglang_lite.forward_batch import ForwardMode
+from sglang_lite.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.scheduler.request import Req
 
 
@@ -54,6 +55,19 @@ class ScheduleBatch:
             r.fill_ids[r.num_computed : r.num_computed + n]
             for r, n in zip(self.reqs, self.extend_lens)
         ]
+
+    def forward_batch(self, pools: ModelPools, device: str, kv_slots: list[int]) -> ForwardBatch:
+        """The model's input for this batch, its new tokens' KV going to ``kv_slots``."""
+        return build_forward_batch(
+            pools,
+            self.mode,
+            self.new_token_ids(),
+            self.prefix_lens,
+            [r.req_row for r in self.reqs],
+            [r.state_slot for r in self.reqs],
+            device,
+            kv_slots,
+        )
 
     def advance(self) -> None:
         """The forward ran: its new tokens are computed (their KV slots are in the requests' rows)."""

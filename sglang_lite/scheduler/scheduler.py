@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from sglang_lite.distributed import get_parallel_state
-from sglang_lite.forward_batch import build_forward_batch
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.radix_cache import RadixCache
 from sglang_lite.mem_cache.request_memory import RequestMemory
+from sglang_lite.model_executor import Runner
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.protocol.loads import SchedulerLoads
 from sglang_lite.protocol.outputs import ReqOutput
@@ -61,28 +61,21 @@ from sglang_lite.scheduler.speculative import create_speculation
 logger = logging.getLogger(__name__)
 
 
-def _weight_bytes(model: Any) -> int:
-    """Bytes of the weights of an nn.Module, or of the module a runner wraps as ``.model``."""
-    module = model if hasattr(model, "parameters") else getattr(model, "model", None)
-    if module is None:
-        return 0
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
 class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        model: Any,
+        runner: Runner,
         pools: ModelPools,
         tokenizer: Any = None,
         disagg: DisaggSide | None = None,
         memory: RequestMemory | None = None,
     ) -> None:
         """``memory``: the owner of the requests' memory over ``pools`` (one is made when not given; a PD side
-        built beforehand shares it). ``disagg``: this rank's PD side."""
+        built beforehand shares it). ``disagg``: this rank's PD side. ``runner``: what runs the model's
+        forwards."""
         self.config = config
-        self.model = model
+        self.runner = runner
         self.pools = pools
         self.tokenizer = tokenizer
         self.sampler = StepSampler(
@@ -100,25 +93,20 @@ class Scheduler:
         self.intake = RequestIntake(config, tokenizer)
         self.prefill = PrefillManager(config, self.queues, self.memory)
         self.ender = RequestEnder(
-            self.memory, self.queues, self.grammar_queue, config.speculative_steps > 0
+            self.memory, self.queues, self.grammar_queue, config.speculative_algorithm is not None
         )
         self.forks = ForkManager(self.queues, self.memory, self.intake.new_req)
         self.disagg = disagg or NullSide()
         self.output = OutputProcessor(config, self.sampler, self.ender, self.forks, self.disagg)
-        self.speculation = create_speculation(config, model, pools, self.memory, self.output)
+        self.speculation = create_speculation(config, runner, pools, self.memory, self.output)
         self.decode = DecodeManager(
             config, self.queues, self.memory, self.speculation.tokens_per_step
         )
         self.disagg.bind(_PDHost(self))
         self.num_prefill_tokens = 0  # prompt (and re-prefill) tokens run through extend forwards
         self._memory_failures = MemoryFailures()
-        self._weight_bytes = _weight_bytes(model)
-        # what the CUDA graphs of decode batches (or of speculation's steps) took, measured at capture (none on
-        # the CPU)
-        self._graph_bytes = sum(
-            getattr(getattr(model, name, None), "memory_bytes", 0)
-            for name in ("graph_runner", "spec_graphs")
-        )
+        self._weight_bytes = runner.weight_bytes()
+        self._graph_bytes = runner.graph_bytes()
 
     # ---- requests in --------------------------------------------------------------------------------------------
     def add_request(
@@ -232,16 +220,17 @@ class Scheduler:
         return self.prefill.schedule(reserved, ratio) or self.decode.schedule()
 
     def _run_batch(self, batch: ScheduleBatch) -> None:
-        counts = batch.extend_lens  # one token a request in decode, but with drafts to verify
-        if batch.is_decode and self.speculation.enabled:
+        # a decode step runs each request's last token and the drafts it verifies (speculation)
+        counts = batch.extend_lens
+        if batch.is_decode:
             counts = [self.speculation.tokens_per_step(r) for r in batch.reqs]
         try:
             kv_slots = self.memory.alloc_kv(batch.reqs, counts)
         except Exception as error:
             self._fail_step(batch.reqs, error)
             return
-        if batch.is_decode and self.speculation.enabled:
-            self._run_speculative(batch, kv_slots)
+        if batch.is_decode:
+            self._run_decode(batch, kv_slots)
             return
         try:
             logits = self.run(batch, kv_slots)
@@ -259,8 +248,8 @@ class Scheduler:
             return
         self._memory_failures.on_step_ok()
 
-    def _run_speculative(self, batch: ScheduleBatch, kv_slots: list[int]) -> None:
-        """A decode step with the MTP head's drafts (``speculative.py``): it samples and appends itself."""
+    def _run_decode(self, batch: ScheduleBatch, kv_slots: list[int]) -> None:
+        """A decode step (``speculation.run_decode``: plain, or drafts verified): it samples and appends itself."""
         try:
             self.speculation.run_decode(batch, kv_slots)
         except Exception as error:
@@ -272,51 +261,28 @@ class Scheduler:
         self._memory_failures.on_step_ok()
 
     def run(self, batch: ScheduleBatch, kv_slots: list[int]) -> torch.Tensor:
-        """One forward over KV slots allocated for it; logits [B, vocab] of each request's last new token."""
-        forward_batch = build_forward_batch(
-            self.pools,
-            batch.mode,
-            batch.new_token_ids(),
-            batch.prefix_lens,
-            [r.req_row for r in batch.reqs],
-            [r.state_slot for r in batch.reqs],
-            self.config.device,
-            kv_slots,
-        )
-        if not batch.is_decode:
-            self.num_prefill_tokens += forward_batch.num_tokens
+        """A prefill forward over KV slots allocated for it; logits [B, vocab] of each request's last new token."""
+        forward_batch = batch.forward_batch(self.pools, self.config.device, kv_slots)
+        self.num_prefill_tokens += forward_batch.num_tokens
         wants_input = any(r.logprob is not None and r.logprob.wants_input for r in batch.reqs)
         with torch.inference_mode():
-            if self.speculation.enabled and not batch.is_decode:
-                logits = self.speculation.forward_extend(forward_batch, wants_input)
-                if not wants_input:
-                    return logits
-            elif batch.is_decode or not wants_input:
-                return self.model.forward_batch(forward_batch)
-            else:
-                logits = self.model.forward_batch(forward_batch, all_logits=True)
-            self.sampler.record_prompt(batch.reqs, batch.extend_lens, batch.prefix_lens, logits)
-            return logits[forward_batch.last_token_indices]
+            logits = self.speculation.forward_extend(forward_batch, wants_input)
+        if not wants_input:
+            return logits
+        self.sampler.record_prompt(batch.reqs, batch.extend_lens, batch.prefix_lens, logits)
+        return logits[forward_batch.last_token_indices]
 
     def process_results(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
+        """A prefill forward's results: sampled where complete, the requests placed, then drafts for them."""
         completes = self.output.process(batch, logits)
-        if batch.is_decode:
-            self.decode.on_step()
-        else:
-            self.prefill.place_prefilled(batch.reqs, completes)
-            if self.speculation.enabled:
-                self.speculation.after_extend(batch.reqs)
+        self.prefill.place_prefilled(batch.reqs, completes)
+        self.speculation.after_extend(batch.reqs)
         self.queues.drop_finished()
 
     def _run_idle(self) -> None:
         """An empty forward that joins the world's MoE collectives; a rank that fails one cannot go on."""
-        forward_idle = getattr(self.model, "forward_idle", None)
-        if (
-            forward_idle is None
-        ):  # a runner without it: the model has no cross-rank collectives to join
-            return
         try:
-            forward_idle()
+            self.runner.forward_idle()
         except Exception as error:
             raise RankBroken(describe(error)) from error
 

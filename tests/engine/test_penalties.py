@@ -184,8 +184,8 @@ def scheduler():
 def run_recording_logits(scheduler, params: dict) -> tuple[list[int], list[torch.Tensor]]:
     """One request alone; its output and the model's raw logits at each step."""
     logits: list[torch.Tensor] = []
-    forward = scheduler.run
-    scheduler.run = lambda batch, kv_slots: logits.append(forward(batch, kv_slots)) or logits[-1]
+    forward = scheduler.runner.forward_batch
+    scheduler.runner.forward_batch = lambda *args: logits.append(forward(*args)) or logits[-1]
     try:
         scheduler.add_request("r", PROMPT, params)
         output: list[int] = []
@@ -193,7 +193,7 @@ def run_recording_logits(scheduler, params: dict) -> tuple[list[int], list[torch
             output += [t for out in scheduler.step() for t in out.new_token_ids]
             scheduler.check_invariants()
     finally:
-        del scheduler.run
+        del scheduler.runner.forward_batch
     return output, [step[0].float() for step in logits]
 
 

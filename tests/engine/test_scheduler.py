@@ -401,16 +401,16 @@ def test_a_failing_forward_fails_its_batch_and_the_rank_goes_on(scheduler, monke
     scheduler.add_request("survivor", first, {**GREEDY, "max_new_tokens": 6})
     outputs: dict[str, list] = {}
     drain_step(scheduler, outputs)  # the survivor decodes from now on
-    real_forward = scheduler.model.forward_batch
+    real_forward = scheduler.runner.forward_batch
     calls = []
 
-    def forward_failing_once(forward_batch):
+    def forward_failing_once(forward_batch, all_logits=False):
         calls.append(forward_batch)
         if len(calls) == 1:  # the prefill of "victim" alone: its KV slots are already allocated
             raise RuntimeError("a kernel raised")
-        return real_forward(forward_batch)
+        return real_forward(forward_batch, all_logits)
 
-    monkeypatch.setattr(scheduler.model, "forward_batch", forward_failing_once)
+    monkeypatch.setattr(scheduler.runner, "forward_batch", forward_failing_once)
     scheduler.add_request("victim", second, {**GREEDY, "max_new_tokens": 6})
     drain_step(scheduler, outputs)
     assert_failed_with(outputs["victim"], "RuntimeError: a kernel raised")
@@ -435,14 +435,14 @@ def doomed_scheduler():
 
 
 def failing_forward(monkeypatch, scheduler, errors: list[BaseException]) -> None:
-    real_forward = scheduler.model.forward_batch
+    real_forward = scheduler.runner.forward_batch
 
-    def forward(forward_batch):
+    def forward(forward_batch, all_logits=False):
         if errors:
             raise errors.pop(0)
-        return real_forward(forward_batch)
+        return real_forward(forward_batch, all_logits)
 
-    monkeypatch.setattr(scheduler.model, "forward_batch", forward)
+    monkeypatch.setattr(scheduler.runner, "forward_batch", forward)
 
 
 def test_out_of_memory_fails_the_batch_until_it_keeps_happening(doomed_scheduler, monkeypatch):

@@ -113,21 +113,13 @@ def test_dp_attention_divides_the_request_and_chunk_totals_over_the_dp_ranks() -
         ServerArgs(tp_size=4, dp_size=4, enable_dp_attention=True, max_running_requests=2)
 
 
-class CountingRunner:
-    """The scheduler's model runner, recording each forward it runs."""
-
-    def __init__(self, runner: object) -> None:
-        self.runner, self.forwards = runner, []
-
-    def forward_batch(self, batch: object) -> object:
-        self.forwards.append("batch")
-        return self.runner.forward_batch(batch)
-
-    def forward_idle(self) -> None:
-        self.forwards.append("idle")
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.runner, name)
+def count_forwards(runner) -> list[str]:
+    """The forwards ``runner`` runs from now on, in order ("batch" or "idle"; an idle one runs nothing)."""
+    forwards: list[str] = []
+    real_forward = runner.forward_batch
+    runner.forward_batch = lambda *args: forwards.append("batch") or real_forward(*args)
+    runner.forward_idle = lambda: forwards.append("idle")
+    return forwards
 
 
 def test_a_lockstep_step_runs_exactly_one_forward_real_or_idle() -> None:
@@ -140,12 +132,12 @@ def test_a_lockstep_step_runs_exactly_one_forward_real_or_idle() -> None:
             max_running_requests=2,
         )
     )
-    scheduler.model = runner = CountingRunner(scheduler.model)
+    forwards = count_forwards(scheduler.runner)
     scheduler.step()  # nothing to do and not in lockstep: no forward
     scheduler.step(must_forward=True)
     scheduler.add_request("r", [1, 2, 3], {"max_new_tokens": 2, "ignore_eos": True})
     outputs = scheduler.step(must_forward=True)
-    assert runner.forwards == ["idle", "batch"] and outputs[0].new_token_ids
+    assert forwards == ["idle", "batch"] and outputs[0].new_token_ids
 
 
 # ---- the HTTP server ---------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ class Counted:
 def with_static_graphs(args, max_bs: int):
     """A scheduler whose runner takes ``SpecGraphRunner(use_graphs=False)`` for what it would capture."""
     scheduler = create_scheduler(args)
-    runner = scheduler.model
+    runner = scheduler.runner
     graphs = SpecGraphRunner(
         runner.model, runner.pools, args.speculative_num_steps, max_bs, use_graphs=False
     )
@@ -79,7 +79,7 @@ def test_static_graph_path_keeps_greedy_tokens(spec_checkpoints, kind, page_size
 def test_capture_sizes_cover_rows(spec_checkpoints):
     path = spec_checkpoints[("moe", "repeat")]
     scheduler, _, _ = with_static_graphs(scheduler_args(path, **NEXTN), max_bs=6)
-    graphs = scheduler.model.spec_graphs
+    graphs = scheduler.runner.spec_graphs
     assert graphs.verify_sizes == [1, 2, 4, 6]
     assert graphs.head_sizes[-1] == 6 * 4  # every request's last token and its 3 drafts
     assert graphs.can_verify([4] * 6) and not graphs.can_verify([4] * 7)

@@ -162,7 +162,7 @@ def test_a_failing_verify_forward_fails_its_batch_and_frees_its_slots(
             break
         scheduler.step()
     assert both_drafted()
-    real = scheduler.model.forward_verify
+    real = scheduler.runner.forward_verify
 
     def verify_failing_once(batch, counts):
         if not failed:
@@ -171,7 +171,7 @@ def test_a_failing_verify_forward_fails_its_batch_and_frees_its_slots(
         return real(batch, counts)
 
     failed: list = []
-    monkeypatch.setattr(scheduler.model, "forward_verify", verify_failing_once)
+    monkeypatch.setattr(scheduler.runner, "forward_verify", verify_failing_once)
     outputs = scheduler.step()
     scheduler.check_invariants()
     assert failed and {o.rid for o in outputs if o.finished} == {"a", "b"}

@@ -68,7 +68,16 @@ def test_reports_accepted_drafts_in_meta_info_loads_and_metrics(spec_server):
             + ["--speculative-num-draft-tokens", "5"],
             "speculative_num_steps + 1",
         ),
-        (["--speculative-num-steps", "2"], "need --speculative-algorithm NEXTN"),
+        (["--speculative-num-steps", "2"], "need --speculative-algorithm"),
+        (
+            ["--speculative-algorithm", "NEXTN", "--speculative-ngram-max-match-window-size", "4"],
+            "need --speculative-algorithm NGRAM",
+        ),
+        (
+            ["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size", "5"]
+            + ["--speculative-ngram-max-match-window-size", "3"],
+            "must not exceed",
+        ),
         (["--speculative-algorithm", "MEDUSA"], "invalid choice"),
         (
             ["--speculative-algorithm", "NEXTN", "--enable-dp-attention"]

@@ -1,10 +1,10 @@
-"""Speculative decoding with the checkpoint's MTP head (SGLang's NEXTN, a chain of ``steps`` drafts).
+"""Drafts verified in one forward of the model (``DraftVerify``): what every speculative algorithm shares.
 
 A decode step of a request holding drafts runs, for the whole decode batch at once:
 
 1. KV slots for its last token and its drafts (``1 + len(drafts)`` positions);
-2. the rest of its chain: the MTP head, one token at a time, from the first draft (``Drafts``) on, writing its
-   own KV (a draft layer of the pools) at the positions the verify forward fills next;
+2. the drafter's chain (``Drafter.propose``; the MTP head writes its own KV at the positions the verify forward
+   fills next, prompt lookup just reads the request's tokens);
 3. one verify forward of the model over ``[last token, d1 .. dk]``, one row a token as in a decode step
    (``forward_batch.build_rows_batch``), its Gated DeltaNet layers keeping the states after each token
    (``forward_batch.VerifyStates``);
@@ -12,80 +12,41 @@ A decode step of a request holding drafts runs, for the whole decode batch at on
    (its length, a stop token or stop string: ``tokens_to_take``), so nothing is produced past them;
 5. the memory brought back to the last kept token: the rejected positions' KV pages freed, the GDN states after
    the last kept token restored; then the tokens appended one by one as a plain decode step appends its one;
-6. the MTP head over the kept positions (rows again) with the model's own hidden states, which rewrites its KV
-   there and drafts the first token of the next step.
+6. the drafter over the kept positions (``Drafter.after_verify``): the next step's drafts.
 
-The runner replays CUDA graphs of the head's steps and of the verify forward where it captured them
+The runner replays CUDA graphs of the verify forward (and of the MTP head's steps) where it captured them
 (``model_executor/spec_graph_runner.py``), and runs them eagerly elsewhere.
 
-After each prefill forward the head runs over the new positions, so a request enters decoding with its first
-draft. Requests with a grammar are not drafted for: they decode one token a step inside the same verify forward,
-sampled as without speculation. Penalties (the drafts before a row counted), logit biases and the min-tokens ban on
-stop tokens are applied to each verify row as the sampler would. Output log-probabilities of
-kept tokens come from the verify forward's raw logits at the positions that chose them, as a plain step records
-them. Greedy output is the same as without speculation; sampled output keeps the model's distribution.
+After each prefill forward the drafter sees the new positions (``Drafter.after_prefill``), so a request enters
+decoding with its first drafts. Requests with a grammar are not drafted for: they decode one token a step inside
+the same verify forward, sampled as without speculation; so do requests the drafter has nothing for. Penalties
+(the drafts before a row counted), logit biases and the min-tokens ban on stop tokens are applied to each verify
+row as the sampler would. Output log-probabilities of kept tokens come from the verify forward's raw logits at the
+positions that chose them, as a plain step records them. Greedy output is the same as without speculation (up to
+the verify forward's rows being computed as a batch of rows, not one at a time); sampled output keeps the model's
+distribution.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
 
 import torch
 
-from sglang_lite.forward_batch import (
-    ForwardBatch,
-    ForwardMode,
-    VerifyStates,
-    build_forward_batch,
-    build_rows_batch,
-)
+from sglang_lite.forward_batch import ForwardBatch, VerifyStates, build_rows_batch
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.request_memory import RequestMemory
-from sglang_lite.protocol.config import SchedulerConfig
+from sglang_lite.model_executor import Runner
 from sglang_lite.sampling.logprobs import logprob_entries, record_output
 from sglang_lite.sampling.penalties import has_count_penalty
-from sglang_lite.sampling.sampler import argmax_rows
 from sglang_lite.sampling.speculative import verify_chain
 from sglang_lite.scheduler.batch import ScheduleBatch
 from sglang_lite.scheduler.output import OutputProcessor
 from sglang_lite.scheduler.request import Req
+from sglang_lite.scheduler.speculative.base import Drafter, Kept, SpecStats, drafts_for
+from sglang_lite.scheduler.speculative.null import NullSpeculation
 from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer
-
-
-@dataclass
-class Drafts:
-    """A request's first draft and the MTP head's hidden state that produced it (the next chain step's input)."""
-
-    token: int
-    hidden: torch.Tensor  # [hidden]
-
-
-@dataclass
-class SpecStats:
-    """Since start: verify steps (one per request and decode step, with drafts or not), drafts proposed, drafts
-    accepted, tokens produced by those steps."""
-
-    verify_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    tokens: int = 0
-
-    @property
-    def accept_length(self) -> float:
-        """Tokens per verify step (accepted drafts plus the corrected or bonus token)."""
-        return self.tokens / self.verify_steps if self.verify_steps else 0.0
-
-    @property
-    def accept_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-
-def drafts_for(req: Req) -> bool:
-    """Whether the request may be drafted for: it has no grammar (whose matcher would have to follow the drafts)."""
-    return req.grammar is None
 
 
 def tokens_to_take(req: Req, tokens: list[int]) -> int:
@@ -113,30 +74,20 @@ def _copy_detokenizer(req: Req) -> IncrementalDetokenizer | None:
     return detokenizer
 
 
-class NullSpeculation:
-    """No speculation: decode steps run one token per request."""
-
-    enabled = False
-    stats = SpecStats()
-
-    def tokens_per_step(self, req: Req) -> int:
-        return 1
-
-
-class MtpSpeculation:
-    """The MTP head's chain drafts, verified in one forward; see the module docstring for a step."""
-
-    enabled = True
+class DraftVerify:
+    """A drafter's chains, verified in one forward of the model; see the module docstring for a step."""
 
     def __init__(
         self,
+        drafter: Drafter,
         steps: int,
-        runner: Any,
+        runner: Runner,
         pools: ModelPools,
         memory: RequestMemory,
         output: OutputProcessor,
         device: str,
     ) -> None:
+        self.drafter = drafter
         self.steps = steps
         self.runner = runner
         self.pools = pools
@@ -144,7 +95,8 @@ class MtpSpeculation:
         self.output = output
         self.device = device
         self.stats = SpecStats()
-        self._prefill: tuple[ForwardBatch, torch.Tensor] | None = None
+        self.plain = NullSpeculation(runner, pools, memory, output, device)
+        self._prefill: tuple[ForwardBatch, torch.Tensor | None] | None = None
         self._unkept: dict[int, list[int]] = {}
 
     def tokens_per_step(self, req: Req) -> int:
@@ -152,67 +104,38 @@ class MtpSpeculation:
         return 1 + self._num_drafts(req)
 
     def _num_drafts(self, req: Req) -> int:
-        if req.drafts is None:
+        if not drafts_for(req):
             return 0
         # no draft past the request's last token
-        return max(0, min(self.steps, req.remaining_new_tokens - 1))
+        return max(0, min(self.steps, self.drafter.num_drafts(req), req.remaining_new_tokens - 1))
 
     # ---- prefill ------------------------------------------------------------------------------------------------
     def forward_extend(self, forward_batch: ForwardBatch, all_logits: bool) -> torch.Tensor:
-        """A prefill forward whose hidden states are kept for the MTP head (``after_extend``)."""
+        """A prefill forward; its hidden states kept for the drafter when it takes them (``after_extend``)."""
+        if not self.drafter.keeps_hidden:
+            self._prefill = (forward_batch, None)
+            return self.runner.forward_batch(forward_batch, all_logits)
         hidden = self.runner.forward_hidden(forward_batch)
         self._prefill = (forward_batch, hidden)
         rows = hidden if all_logits else hidden[forward_batch.last_token_indices]
         return self.runner.logits(rows)
 
     def after_extend(self, reqs: list[Req]) -> None:
-        """The MTP head over each drafted request's new positions; a request that is decoding now gets its
-        first draft."""
+        """The drafter over each drafted request's new positions whose following tokens are known (the prompt's
+        next, or the one just sampled): a request that is decoding now gets its first drafts."""
         forward_batch, hidden = self._prefill
         self._prefill = None
-        entries = []
+        kept = []
         starts = forward_batch.cu_seqlens.tolist()
         for i, req in enumerate(reqs):
             if not (req.holds_memory and drafts_for(req)):
                 continue
             prefix, count = forward_batch.prefix_lens[i], forward_batch.extend_lens[i]
             following = req.fill_ids[prefix + 1 : prefix + count + 1]
-            # the token after the last position is known: the prompt's next, or the one just sampled
             if len(following) == count:
-                entries.append((req, prefix, following, hidden[starts[i] : starts[i] + count]))
-        self._mtp_extend(entries)
-
-    def _mtp_extend(
-        self, entries: list[tuple[Req, int, list[int], torch.Tensor]], as_rows: bool = False
-    ) -> None:
-        """The head at positions ``prefix..`` of each request (tokens ``following``, the model's hidden states
-        there): its KV there, and the first draft from its last position. ``as_rows``: one row a token, as a
-        verify forward (a decode step's few kept tokens; a prefill's run as an extend)."""
-        if not entries:
-            return
-        table = self.pools.req_to_token
-        slots = [
-            s
-            for req, start, toks, _ in entries
-            for s in table.slots(req.req_row, start, start + len(toks))
-        ]
-        build = build_rows_batch if as_rows else _build_extend
-        batch = build(
-            self.pools,
-            [toks for _, _, toks, _ in entries],
-            [start for _, start, _, _ in entries],
-            [req.req_row for req, _, _, _ in entries],
-            [req.state_slot for req, _, _, _ in entries],
-            self.device,
-            slots,
-        )
-        last_rows = torch.tensor(list(accumulate(len(toks) for _, _, toks, _ in entries))) - 1
-        with torch.inference_mode():
-            out = self.runner.forward_mtp(batch, torch.cat([h for _, _, _, h in entries]))
-            last = out[last_rows.to(out.device)]
-            tokens = argmax_rows(self.runner.logits(last)).tolist()
-        for (req, _, _, _), token, hidden in zip(entries, tokens, last):
-            req.drafts = Drafts(token, hidden.clone())  # not a view keeping the whole output alive
+                rows = None if hidden is None else hidden[starts[i] : starts[i] + count]
+                kept.append(Kept(req, prefix, following, rows))
+        self.drafter.after_prefill(kept)
 
     # ---- a decode step --------------------------------------------------------------------------------------------
     def run_decode(self, batch: ScheduleBatch, kv_slots: list[int]) -> None:
@@ -220,6 +143,9 @@ class MtpSpeculation:
         ``kv_slots``)."""
         reqs = batch.reqs
         counts = [self.tokens_per_step(r) for r in reqs]
+        if max(counts) == 1 and not self.drafter.keeps_hidden:
+            self._run_plain(reqs, batch, kv_slots)
+            return
         per_req = _split(kv_slots, counts)
         # a request's slots until it keeps its positions: freed if the step fails before
         self._unkept = {id(r): slots for r, slots in zip(reqs, per_req)}
@@ -231,11 +157,20 @@ class MtpSpeculation:
         finally:
             self._unkept = {}
 
+    def _run_plain(self, reqs: list[Req], batch: ScheduleBatch, kv_slots: list[int]) -> None:
+        """A step with no drafts at all, run as a plain decode step (cheaper than a verify forward; a drafter
+        that takes the model's hidden states always has drafts, or its requests are ending)."""
+        starts = [r.num_computed for r in reqs]
+        for req in reqs:  # before the tokens: a request that finishes reports its counts then
+            self._count(req, 0, 1)
+        self.plain.run_decode(batch, kv_slots)
+        self._draft_next(reqs, [1] * len(reqs), starts, [None] * len(reqs))
+
     def _run(
         self, reqs: list[Req], counts: list[int], per_req: list[list[int]], kv_slots: list[int]
     ) -> None:
         starts = [r.num_computed for r in reqs]
-        chains = self._draft(reqs, counts, starts, per_req)
+        chains = self.drafter.propose(reqs, counts, starts, per_req)
         tokens = [[r.output_ids[-1], *chain] for r, chain in zip(reqs, chains)]
         forward_batch = build_rows_batch(
             self.pools,
@@ -249,33 +184,6 @@ class MtpSpeculation:
         with torch.inference_mode():
             hidden, logits, verify = self.runner.forward_verify(forward_batch, counts)
         self._accept(reqs, chains, counts, starts, per_req, verify, hidden, logits)
-
-    def _draft(
-        self, reqs: list[Req], counts: list[int], starts: list[int], per_req: list[list[int]]
-    ) -> list[list[int]]:
-        """Each request's chain of ``counts[i] - 1`` drafts: the first from the last step, the others from the
-        MTP head at positions ``start, start + 1, ..`` (its KV in the slots the verify forward fills next)."""
-        chains = [[r.drafts.token] if n > 1 else [] for r, n in zip(reqs, counts)]
-        hidden = {i: r.drafts.hidden for i, (r, n) in enumerate(zip(reqs, counts)) if n > 1}
-        for step in range(1, max(counts) - 1):
-            rows = [i for i, n in enumerate(counts) if n - 1 > step]
-            batch = build_forward_batch(
-                self.pools,
-                ForwardMode.DECODE,
-                [[chains[i][-1]] for i in rows],
-                [starts[i] + step - 1 for i in rows],
-                [reqs[i].req_row for i in rows],
-                [reqs[i].state_slot for i in rows],
-                self.device,
-                [per_req[i][step - 1] for i in rows],
-            )
-            with torch.inference_mode():
-                out = self.runner.forward_mtp(batch, torch.stack([hidden[i] for i in rows]))
-                drafted = argmax_rows(self.runner.logits(out)).tolist()
-            for i, token, state in zip(rows, drafted, out):
-                chains[i].append(token)
-                hidden[i] = state
-        return chains
 
     def _accept(
         self,
@@ -349,17 +257,20 @@ class MtpSpeculation:
         return torch.cat(out)
 
     def _draft_next(
-        self, reqs: list[Req], taken: list[int], prefixes: list[int], hidden: list[torch.Tensor]
+        self,
+        reqs: list[Req],
+        taken: list[int],
+        prefixes: list[int],
+        hidden: list[torch.Tensor | None],
     ) -> None:
-        """The head over each running drafted request's kept positions (its ``taken`` newest tokens follow
-        them; ``hidden`` the model's states there): the next step's first drafts."""
-        entries = []
+        """The drafter over each running drafted request's kept positions (its ``taken`` newest tokens follow
+        them; ``hidden`` the model's states there): the next step's drafts."""
+        kept = []
         for req, n, prefix, states in zip(reqs, taken, prefixes, hidden):
-            req.drafts = None
             if req.holds_memory and drafts_for(req):
                 following = req.output_ids[len(req.output_ids) - n :]
-                entries.append((req, prefix, following, states))
-        self._mtp_extend(entries, as_rows=True)
+                kept.append(Kept(req, prefix, following, states))
+        self.drafter.after_verify(kept)
 
     def _keep(
         self,
@@ -397,44 +308,9 @@ def _logprob_entries(req: Req, logits: torch.Tensor, tokens: list[int]) -> list[
     return logprob_entries(logits[: len(tokens)], targets, [req.logprob] * len(tokens))
 
 
-def _build_extend(
-    pools: ModelPools,
-    token_ids: list[list[int]],
-    prefix_lens: list[int],
-    req_rows: list[int],
-    state_slots: list[int],
-    device: str,
-    out_cache_loc: list[int],
-) -> ForwardBatch:
-    return build_forward_batch(
-        pools,
-        ForwardMode.EXTEND,
-        token_ids,
-        prefix_lens,
-        req_rows,
-        state_slots,
-        device,
-        out_cache_loc,
-    )
-
-
 def _split(values: list[int], counts: list[int]) -> list[list[int]]:
     out, start = [], 0
     for n in counts:
         out.append(values[start : start + n])
         start += n
     return out
-
-
-def create_speculation(
-    config: SchedulerConfig,
-    runner: Any,
-    pools: ModelPools,
-    memory: RequestMemory,
-    output: OutputProcessor,
-) -> MtpSpeculation | NullSpeculation:
-    """The rank's speculation: the MTP head's chain drafts when ``speculative_steps`` is set (the model runner
-    must hold a model loaded with its head), else none."""
-    if config.speculative_steps == 0:
-        return NullSpeculation()
-    return MtpSpeculation(config.speculative_steps, runner, pools, memory, output, config.device)
