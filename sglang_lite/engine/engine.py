@@ -9,6 +9,7 @@ guard.
 
 from __future__ import annotations
 
+import os
 import queue
 import uuid
 from collections.abc import Iterator
@@ -34,7 +35,9 @@ UNBOUNDED_QUEUE = 2**31 - 1
 
 
 class Engine:
-    def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
+    def __init__(self, model_path: str | os.PathLike | None = None, **server_args: Any) -> None:
+        if model_path is not None:
+            model_path = os.fspath(model_path)  # a pathlib.Path too
         server_args.setdefault("max_queued_requests", UNBOUNDED_QUEUE)
         # the rank's INFO lines would interleave with the caller's output (upstream's Engine: errors only)
         server_args.setdefault("log_level", "error")

@@ -25,18 +25,19 @@ class Algorithm:
 ALGORITHMS = {
     "NEXTN": Algorithm("mtp", uses_mtp_head=True, default_steps=3),
     "EAGLE": Algorithm("mtp", uses_mtp_head=True, default_steps=3),
-    "NGRAM": Algorithm("ngram", uses_mtp_head=False, default_steps=4),
+    "NGRAM": Algorithm("ngram", uses_mtp_head=False, default_steps=6),
 }
 SPECULATIVE_ALGORITHMS = tuple(ALGORITHMS)
 FLAGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 NGRAM_FLAGS = ("speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size")
-DEFAULT_NGRAM_WINDOW = (1, 12)
+# SGLang's longest window; the shortest is 2, not its 1: a one-token match drafts poorly (docs/performance.md)
+DEFAULT_NGRAM_WINDOW = (2, 12)
 HELP = {
     "speculative_algorithm": "Speculative decoding, verified by the model in one forward (greedy output "
     "unchanged): NEXTN (alias EAGLE) drafts with the checkpoint's MTP head; NGRAM drafts by prompt lookup, "
     "continuing the latest earlier occurrence of the request's last tokens in its own prompt and output (no draft "
     "model); unset: off.",
-    "speculative_num_steps": "Tokens drafted per decode step (default 3 for NEXTN, 4 for NGRAM, or "
+    "speculative_num_steps": "Tokens drafted per decode step (default 3 for NEXTN, 6 for NGRAM, or "
     "--speculative-num-draft-tokens - 1).",
     "speculative_eagle_topk": "Drafts per step of the chain; only 1 (a chain) is supported.",
     "speculative_num_draft_tokens": "Tokens one verify forward runs per request: --speculative-num-steps + 1.",

@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
 
 import pytest
 
-from sglang_lite import Engine
+from sglang_lite import Engine, assets
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def engine():
+    # the built-in model's folder as a pathlib.Path: the Engine takes any os.PathLike
     with Engine(
-        load_format="dummy", max_total_tokens=1024, max_running_requests=4, context_length=256
+        pathlib.Path(assets.model_dir(None)),
+        load_format="dummy",
+        max_total_tokens=1024,
+        max_running_requests=4,
+        context_length=256,
     ) as engine:
         yield engine
 
