@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import re
+import signal
 import time
 from dataclasses import dataclass
 
 import aiohttp
 
-from sglang_lite.bench.pd_faults import wait_for  # noqa: F401  (the tests import it from here)
+from sglang_lite.bench.pd_faults import scheduler_pids, wait_for  # noqa: F401  (the tests import them from here)
 
 
 @dataclass
@@ -184,3 +187,15 @@ async def in_flight(session: aiohttp.ClientSession, router_url: str) -> dict[str
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))  # no test coroutine may run past a minute
+
+
+@contextlib.contextmanager
+def paused(pids: list[int]):
+    """SIGSTOPs the processes for the block (far under --rank-hang-timeout-s) and always resumes them."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)

@@ -5,15 +5,10 @@ the servers' /metrics routing counters and /v1/loads, and the router's /workers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
 import statistics
 
 import aiohttp
 import pytest
-
-from sglang_lite.bench.pd_faults import scheduler_pids
 
 from .helpers import (
     chat_streams,
@@ -24,8 +19,10 @@ from .helpers import (
     get_text,
     in_flight,
     parse_counter,
+    paused,
     routed,
     run,
+    scheduler_pids,
     server_idle,
     wait_for,
 )
@@ -201,18 +198,6 @@ def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(
         (r.status == 504 or "mid-stream" in (r.error or "")) and r.elapsed < 5 for r in failed
     ), failed
     assert released and stopped
-
-
-@contextlib.contextmanager
-def paused(pids: list[int]):
-    """SIGSTOPs the processes for the block (far under --rank-hang-timeout-s) and always resumes them."""
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
 
 
 async def _total(s: aiohttp.ClientSession, url: str, n: int, seen: list[dict[str, int]]) -> bool:

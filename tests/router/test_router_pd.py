@@ -19,8 +19,10 @@ from .helpers import (
     generate,
     get_json,
     in_flight,
+    paused,
     routed,
     run,
+    scheduler_pids,
     wait_for,
 )
 
@@ -97,12 +99,16 @@ def test_pd_with_real_servers_counts_both_sides_and_returns_decode(procs, dp_pai
     async def scenario():
         async with aiohttp.ClientSession() as s:
             before = [await routed(s, u.url) for u in dp_pair]
-            streams = chat_streams(s, router.url, 6)
-            # keep the snapshot that had every leg in flight: the legs end at their own pace
+            # keep the snapshot that had every leg in flight: the servers' schedulers are stopped while the streams
+            # are sent, so both legs of all six are in flight together however fast (or loaded) the host is
+            pids = [pid for u in dp_pair for pid in await scheduler_pids(s, u.url)]
             seen: list[dict[str, int]] = []
-            assert await wait_for(lambda: _total(s, router.url, 12, seen), timeout=10), seen[-3:]
-            during = seen[-1]
+            with paused(pids):
+                streams = chat_streams(s, router.url, 6)
+                counted = await wait_for(lambda: _total(s, router.url, 12, seen), timeout=20)
             results = await asyncio.gather(*streams)
+            assert counted, (seen[-3:], results[:2])
+            during = seen[-1]
             released = await wait_for(lambda: _zero(s, router.url), timeout=5)
             batch = {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 1}}
             async with s.post(router.url + "/generate", json=batch) as resp:
