@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -42,11 +43,14 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_lite.bench.balance import BalanceSampler, BalanceStats, LoadSeries, format_table
-from sglang_lite.bench.replay import replay_closed_loop, summarize
-from sglang_lite.bench.traces import AgenticTraceConfig, agentic_trace
 from sglang_lite.protocol.loads import section
+from sglang_lite.sim.balance_sampling import BalanceSampler, BalanceStats, LoadSeries, format_table
+from sglang_lite.sim.traces import AgenticTraceConfig, agentic_trace
 from sglang_lite.utils.process import wait_until_healthy
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.tools
+
+from tests.tools.replay import replay_closed_loop, summarize  # noqa: E402
 
 # Small enough for the tiny model on a CPU, still input-heavy and growing turn by turn.
 SMALL_TRACE = AgenticTraceConfig(
@@ -364,7 +368,6 @@ async def run_policy(
 def fit_cost(args: argparse.Namespace, policies: list[str], out: Path):
     """The cost model fitted to the real runs (all policies pooled: the cost is the cluster's, not the policy's),
     and a few lines saying what was fitted from what."""
-    from sglang_lite.sim.config import load_cluster_file
     from sglang_lite.sim.fit import (
         fit_decode,
         fit_prefill,
@@ -373,6 +376,7 @@ def fit_cost(args: argparse.Namespace, policies: list[str], out: Path):
         request_weighted_batch,
         tpot_observations,
     )
+    from sglang_lite.sim.sim_config import load_cluster_file
 
     cost, _ = load_cluster_file()
     records = [json.loads((out / f"real_{p}.json").read_text()) for p in policies]
@@ -440,7 +444,7 @@ def simulate_like(
     args: argparse.Namespace, policies: list[str], out: Path, cost=None, prefix_cache: bool = False
 ):
     from sglang_lite.sim.cluster import simulate
-    from sglang_lite.sim.config import ClusterConfig, SimConfig, load_cluster_file
+    from sglang_lite.sim.sim_config import ClusterConfig, SimConfig, load_cluster_file
 
     cost = cost or load_cluster_file()[0]
     # Without DP attention sglang_lite's ranks step independently, so each rank is simulated as a decode server of

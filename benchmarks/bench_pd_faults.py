@@ -29,15 +29,18 @@ from pathlib import Path
 import aiohttp
 
 from sglang_lite.assets import TINY_MODEL_DIR
-from sglang_lite.bench.pd_faults import (
+from sglang_lite.config import ModelConfig
+from sglang_lite.utils.process import wait_until_healthy
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.tools
+
+from tests.tools.pd_faults import (
     Load,
     kill_rank,
     stop_for,
     verdicts,
     wait_for,
 )
-from sglang_lite.config import ModelConfig
-from sglang_lite.utils.process import wait_until_healthy
 
 COMMON = ["--host", "127.0.0.1", "--cpu-threads-per-rank", "1"]
 

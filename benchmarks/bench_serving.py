@@ -12,7 +12,7 @@ reports them, else one per streamed chunk.
 Backends: ``sglang`` (POST /generate), ``openai`` (POST /v1/completions), ``openai-chat`` (POST
 /v1/chat/completions). Datasets: ``fixed`` (every prompt input-len tokens, every output output-len tokens),
 ``random`` (lengths uniform in [len * (1 - range_ratio), len]) and ``agentic`` (``--sessions`` multi-turn sessions
-from the trace generator, ``sglang_lite.bench.traces``: a first prompt of about input-len tokens, then each turn
+from the trace generator, ``sglang_lite.sim.traces``: a first prompt of about input-len tokens, then each turn
 appends an answer and a tool result, so each prompt extends the last; the turns of a session go in order, one
 session per concurrent client; token-id prompts, so sglang or openai backends). Outputs run to their length
 (``ignore_eos``). Against an sglang_lite server the table also shows the prefix-cache hit rate of each level: the
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -36,6 +37,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.tools
 
 WORDS = (
     "alpha beta gamma delta kernel token batch cache queue rank model layer tensor stream router server "
@@ -87,8 +90,8 @@ def make_prompts(args: argparse.Namespace) -> list[Prompt]:
 
 def agentic_prompts(args: argparse.Namespace) -> list[Prompt]:
     """Multi-turn sessions whose prompts grow turn by turn (token ids shared with the previous turn)."""
-    from sglang_lite.bench.replay import PromptTokens
-    from sglang_lite.bench.traces import AgenticTraceConfig, agentic_trace
+    from sglang_lite.sim.traces import AgenticTraceConfig, agentic_trace
+    from tests.tools.replay import PromptTokens
 
     cfg = AgenticTraceConfig(
         first_input_mean=args.input_len,

@@ -1,7 +1,7 @@
 """Soak with faults (not in CI): a ``--dp-size 2`` server (the built-in model, random weights, the Qwen3.5 parsers)
-behind the router, N minutes of valid traffic at 32 closed-loop streams (``sglang_lite.bench.soak``: native and
+behind the router, N minutes of valid traffic at 32 closed-loop streams (``tests.tools.soak``: native and
 OpenAI, streaming and not, structured output, n > 1, multi-turn chats with prefix-cache hits) with the hostile
-battery (``sglang_lite.bench.hostile_cases``) sent to the server in a loop beside it; one rank killed (SIGKILL) at
+battery (``tests.tools.hostile_cases``) sent to the server in a loop beside it; one rank killed (SIGKILL) at
 35% of the run and the other hung (SIGSTOP, found by ``--rank-hang-timeout-s``) at 65%.
 
 It reports the valid requests that failed (each must name a rank that was killed or hung), the hostile requests
@@ -29,10 +29,12 @@ from typing import Any
 import httpx
 import psutil
 
-from sglang_lite.bench.hostile import run_case, wait_idle
-from sglang_lite.bench.hostile_cases import hostile_cases
-from sglang_lite.bench.soak import Result, run_traffic
-from sglang_lite.bench.soak_report import plot, summarize
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.tools
+
+from tests.tools.hostile import run_case, wait_idle  # noqa: E402
+from tests.tools.hostile_cases import hostile_cases  # noqa: E402
+from tests.tools.soak import Result, run_traffic  # noqa: E402
+from tests.tools.soak_report import plot, summarize  # noqa: E402
 
 SERVER_FLAGS = [
     "--dp-size",

@@ -108,7 +108,7 @@ class Spinner:
 
 
 def run_cases(args: argparse.Namespace, spin_receiver: bool) -> list[tuple[str, dict]]:
-    from sglang_lite.disaggregation.transfer import MooncakeTransfer
+    from sglang_lite.pd_transport.transfer import MooncakeTransfer
 
     parent, child = mp.Pipe()
     proc = mp.get_context("spawn").Process(target=receiver, args=(child, 16 << 20, spin_receiver))

@@ -13,7 +13,7 @@ from sglang_lite.forward_batch import ForwardMode, build_forward_batch
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.request_memory import Holding, RequestMemory
 from sglang_lite.models.loader import load_model
-from sglang_lite.tokenizer.loader import load_tokenizer
+from sglang_lite.tokenizer.hf_tokenizer import load_tokenizer
 
 
 @torch.no_grad()

@@ -141,7 +141,7 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None
     dist_timeout: float = 300.0
-    # prefill/decode disaggregation (sglang_lite/scheduler/disagg.py, sglang_lite/server/bootstrap.py)
+    # prefill/decode disaggregation (sglang_lite/scheduler/pd_side.py, sglang_lite/server/bootstrap.py)
     disaggregation_mode: str = "null"
     disaggregation_bootstrap_port: int = 8998
     disaggregation_transfer_backend: str = "mooncake"

@@ -25,7 +25,7 @@ from sglang_lite.sampling.grammar import GrammarCache, grammar_key
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.server_args import ServerArgs
-from sglang_lite.tokenizer.loader import load_server_tokenizer
+from sglang_lite.tokenizer.hf_tokenizer import load_server_tokenizer
 
 Prompt = str | list[str] | None
 InputIds = list[int] | list[list[int]] | None

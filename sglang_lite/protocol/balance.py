@@ -1,6 +1,6 @@
 """DP-rank balance as the upstream p2c study measures it, over samples of every rank's ``/v1/loads`` entry.
 
-One implementation for the benchmark sampler (``bench/balance.py``), the simulator and the router's live page
+One implementation for the benchmark sampler (``sim/balance_sampling.py``), the simulator and the router's live page
 (``router/dashboard/``), so that their figures agree. Plain Python, no numpy: the router imports it and must start
 fast.
 

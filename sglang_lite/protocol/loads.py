@@ -127,7 +127,7 @@ class SchedulerLoads:
     snapshot_slots: int = 0
     snapshot_slots_used: int = 0
     snapshots_evicted: int = 0
-    # prefill/decode disaggregation (``scheduler/disagg.py``): "null" serves whole requests, every queue empty
+    # prefill/decode disaggregation (``scheduler/pd_side/``): "null" serves whole requests, every queue empty
     mode: str = "null"
     # waiting for the decode side's destination (SGLang's bootstrap queue)
     prefill_prealloc_queue_reqs: int = 0

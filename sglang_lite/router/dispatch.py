@@ -1,6 +1,6 @@
 """One dispatch to one worker: its in-flight count, the upstream exchange, and the breaker's verdict.
 
-Shared by the plain forwarding (with retries, in app.py) and the PD forwarder (pd.py); it knows neither.
+Shared by the plain forwarding (with retries, in app.py) and the PD forwarder (pd_router.py); it knows neither.
 """
 
 from __future__ import annotations

@@ -9,13 +9,13 @@ import os
 import torch
 
 from sglang_lite.config import ModelConfig
-from sglang_lite.disaggregation.layout import PoolShard
-from sglang_lite.disaggregation.transfer import MooncakeTransfer, local_hostname
 from sglang_lite.distributed import get_parallel_state
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.model_executor import ModelRunner
 from sglang_lite.models.loader import load_model
+from sglang_lite.pd_transport.layout import PoolShard
+from sglang_lite.pd_transport.transfer import MooncakeTransfer, local_hostname
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.runtime.memory import (
     resolve_dtype,
@@ -25,10 +25,10 @@ from sglang_lite.runtime.memory import (
     resolve_weight_dtype,
 )
 from sglang_lite.sampling.grammar import reasoning_end_ids
-from sglang_lite.scheduler.disagg import AttentionGroup, DisaggSide, NullSide, create_side
+from sglang_lite.scheduler.pd_side import AttentionGroup, DisaggSide, NullSide, create_side
 from sglang_lite.scheduler.scheduler import Scheduler, create_request_memory
 from sglang_lite.server_args import ServerArgs
-from sglang_lite.tokenizer.loader import load_server_tokenizer
+from sglang_lite.tokenizer.hf_tokenizer import load_server_tokenizer
 from sglang_lite.utils import speculative_flags
 
 
@@ -96,7 +96,7 @@ def _pd_side(
     if args.disaggregation_mode == "null":
         return NullSide()
     # a CPU server's cores run the forwards: a write polls rather than spin a core (MooncakeTransfer.write); a
-    # write's deadline is half the transfer timeout, so that a failed one settles within it (decode.py)
+    # write's deadline is half the transfer timeout, so that a failed one settles within it (pd_side/decode_side.py)
     transfer = MooncakeTransfer.start(
         local_hostname(args.host),
         args.disaggregation_ib_device,

@@ -10,11 +10,11 @@ import torch
 
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.scheduler.batch import ScheduleBatch
-from sglang_lite.scheduler.disagg.base import DisaggSide
 from sglang_lite.scheduler.faults import breaks_the_device
 from sglang_lite.scheduler.finish import RequestEnder
 from sglang_lite.scheduler.forks import ForkManager
-from sglang_lite.scheduler.loads import ThroughputMeter
+from sglang_lite.scheduler.load_report import ThroughputMeter
+from sglang_lite.scheduler.pd_side.base import DisaggSide
 from sglang_lite.scheduler.request import FinishReason, Req
 from sglang_lite.scheduler.sampling import StepSampler
 

@@ -1,6 +1,6 @@
 """Where each unfinished request of a rank is: waiting, part-way through its prefill (chunked), or decoding.
 
-Requests in a PD queue are the rank's PD side's (``disagg/``); those whose grammar compiles are the grammar
+Requests in a PD queue are the rank's PD side's (``pd_side/``); those whose grammar compiles are the grammar
 queue's. The prefill and decode managers move requests between these three places; ending one takes it out.
 """
 

@@ -39,7 +39,6 @@ from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.batch import ScheduleBatch
 from sglang_lite.scheduler.decode import AdmissionOrder, DecodeManager
-from sglang_lite.scheduler.disagg import DisaggSide, NullSide
 from sglang_lite.scheduler.faults import (
     MemoryFailures,
     RankBroken,
@@ -50,8 +49,9 @@ from sglang_lite.scheduler.faults import (
 from sglang_lite.scheduler.finish import RequestEnder
 from sglang_lite.scheduler.forks import ForkManager
 from sglang_lite.scheduler.intake import RequestIntake
-from sglang_lite.scheduler.loads import LoadInputs, report_loads
+from sglang_lite.scheduler.load_report import LoadInputs, report_loads
 from sglang_lite.scheduler.output import OutputProcessor
+from sglang_lite.scheduler.pd_side import DisaggSide, NullSide
 from sglang_lite.scheduler.prefill import PrefillManager
 from sglang_lite.scheduler.queues import RequestQueues
 from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
@@ -380,7 +380,7 @@ def create_request_memory(pools: ModelPools) -> RequestMemory:
 
 
 class _PDHost:
-    """What the rank's PD side may ask of the scheduler (``disagg.base.SideHost``)."""
+    """What the rank's PD side may ask of the scheduler (``pd_side.base.SideHost``)."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self._queues = scheduler.queues

@@ -7,7 +7,7 @@ import bisect
 from collections import Counter, defaultdict
 from typing import Any
 
-from sglang_lite.disaggregation.transfer import LATENCY_BUCKETS_S, SIZE_BUCKETS_BYTES
+from sglang_lite.pd_transport.transfer import LATENCY_BUCKETS_S, SIZE_BUCKETS_BYTES
 
 PREFIX = "sglang_lite"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

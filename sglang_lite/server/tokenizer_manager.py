@@ -4,7 +4,7 @@
 - ``StreamRegistry`` (``request_streams.py``): the streams of dispatched requests, outputs routed to them, aborts,
   per-request metrics, and the queries asked of the ranks.
 - ``RankSupervisor`` (``supervisor.py``): each rank's health, restarts with backoff.
-- ``PDFront`` (``disagg.py``): the PD part (bootstrap rooms, destinations, reservations); ``NoPD`` on a plain server.
+- ``PDFront`` (``pd_front.py``): the PD part (bootstrap rooms, destinations, reservations); ``NoPD`` on a plain server.
 
 The manager itself dispatches: validate, pick a rank, register the streams, send, and wait for the rank's answer.
 It is also what the scheduler client hands replies to, and it keeps the names the endpoints and tests use.
@@ -21,11 +21,11 @@ from sglang_lite.protocol.outputs import ReqOutput, join_outputs
 from sglang_lite.protocol.requests import fork_rids
 from sglang_lite.runtime.client import SchedulerClient
 from sglang_lite.runtime.messages import UNAVAILABLE, Ack, AddRequest, QueryReply
-from sglang_lite.server.disagg import create_pd_front
 from sglang_lite.server.dp_controller import DPController, InvalidRank
 from sglang_lite.server.input_processor import InputProcessor
 from sglang_lite.server.io_struct import ChatPrompt, GenerateInput, RequestError, bad_request
 from sglang_lite.server.metrics import ServerMetrics
+from sglang_lite.server.pd_front import create_pd_front
 from sglang_lite.server.request_streams import RequestStream, StreamRegistry
 from sglang_lite.server.supervisor import (
     DOWN,
@@ -36,7 +36,7 @@ from sglang_lite.server.supervisor import (
     RankSupervisor,
 )
 from sglang_lite.server_args import ServerArgs
-from sglang_lite.tokenizer.loader import load_server_tokenizer
+from sglang_lite.tokenizer.hf_tokenizer import load_server_tokenizer
 
 __all__ = [
     "DOWN",

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from sglang_lite.sim.config import (
+from sglang_lite.sim.sim_config import (
     SimConfig,
     load_cluster_file,
     load_trace_config,

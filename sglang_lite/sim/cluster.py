@@ -20,13 +20,13 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from sglang_lite.bench.traces import TraceRequest, iter_agentic_sessions
 from sglang_lite.protocol.balance import BalanceStats, balance_stats
-from sglang_lite.sim.config import SimConfig
-from sglang_lite.sim.decode import DecodeServer
-from sglang_lite.sim.prefill import PrefillServer
-from sglang_lite.sim.request import SimRequest
+from sglang_lite.sim.decode_server import DecodeServer
+from sglang_lite.sim.prefill_server import PrefillServer
 from sglang_lite.sim.router_sim import SimRouter
+from sglang_lite.sim.sim_config import SimConfig
+from sglang_lite.sim.sim_request import SimRequest
+from sglang_lite.sim.traces import TraceRequest, iter_agentic_sessions
 
 # ~ a request's wait before it decodes (1.7 s at ~13 ms a step), for `lasting`
 LASTING_HORIZON_STEPS = 130

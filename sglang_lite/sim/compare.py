@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from sglang_lite.sim.cluster import SimResult, simulate
-from sglang_lite.sim.config import SimConfig
+from sglang_lite.sim.sim_config import SimConfig
 
 METRICS = (  # (key in SimResult.row(), column title, format)
     ("output_tok_s_per_gpu", "tok/s/GPU", "{:.1f}"),
@@ -96,7 +96,7 @@ def plot_grid(results: dict[tuple[str, int], SimResult], path: str | Path) -> No
 
 
 def plot_ranks(result: SimResult, path: str | Path) -> None:
-    from sglang_lite.bench.balance import plot_series
+    from sglang_lite.sim.balance_sampling import plot_series
 
     ranks = [f"rank{i}" for i in range(result.running.shape[1])]
     title = f"{result.config.policy}, concurrency {result.config.concurrency}"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_lite.sim.config import CostModel
+from sglang_lite.sim.sim_config import CostModel
 
 
 def read_observations(csv_path: str | Path, window_s: float = 0.0) -> np.ndarray:

@@ -1,5 +1,6 @@
-"""The HTTP server's flags at its edge (connections, timeouts, sizes, request counts): their help and checks. Kept
-apart from ``server_args.py`` so that one stays short; it reads the arguments duck-typed."""
+"""The HTTP-edge section of the server arguments (connections, timeouts, sizes, request counts): their help and
+their checks, which belong together and to nothing else of the server's configuration. ``server_args.py`` holds
+the fields; this module reads them duck-typed."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 from sglang_lite.protocol.outputs import join_outputs
 from sglang_lite.runtime.factory import create_scheduler
 from sglang_lite.sampling import SamplingParams
-from sglang_lite.scheduler.loads import ThroughputMeter
+from sglang_lite.scheduler.load_report import ThroughputMeter
 from sglang_lite.scheduler.policy import NewTokenRatio, PrefillBudget, order_waiting, plan_prefill
 from sglang_lite.scheduler.request import Req, ReqStatus
 from sglang_lite.server_args import ServerArgs

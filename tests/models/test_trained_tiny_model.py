@@ -12,7 +12,7 @@ import torch
 from sglang_lite import load_model
 from sglang_lite.assets import TINY_MODEL_DIR
 from sglang_lite.generate import greedy_generate
-from sglang_lite.tokenizer.loader import load_tokenizer
+from sglang_lite.tokenizer.hf_tokenizer import load_tokenizer
 
 # Python written for this test, in no corpus.
 UNSEEN_PYTHON = '''def merge_intervals(intervals):

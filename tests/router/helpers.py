@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from sglang_lite.bench.pd_faults import scheduler_pids, wait_for  # noqa: F401  (the tests import them from here)
+from tests.tools.pd_faults import scheduler_pids, wait_for  # noqa: F401  (the tests import them from here)
 
 
 @dataclass

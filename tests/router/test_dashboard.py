@@ -12,10 +12,10 @@ import aiohttp
 import numpy as np
 import pytest
 
-from sglang_lite.bench.balance import balance_stats as sampler_balance_stats
 from sglang_lite.router.dashboard import page_html
 from sglang_lite.router.dashboard.page import STATIC
 from sglang_lite.router.dashboard.watch import _percentile
+from sglang_lite.sim.balance_sampling import balance_stats as sampler_balance_stats
 from tests.router.helpers import generate, get_json, run, wait_for
 
 KEY = "dash-key"

@@ -11,7 +11,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from sglang_lite.bench.balance import balance_stats as sampler_balance_stats
+from sglang_lite.sim.balance_sampling import balance_stats as sampler_balance_stats
 from tests.router.browser import Browser, chromium_path
 from tests.router.conftest import REPO
 from tests.router.helpers import generate

@@ -15,7 +15,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from sglang_lite.bench.pd_faults import (
+from tests.tools.pd_faults import (
     Load,
     healthy,
     kill_rank,

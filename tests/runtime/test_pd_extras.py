@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_lite.disaggregation.extras import ExtrasArea, decode, encode, extras_size
+from sglang_lite.pd_transport.extras import ExtrasArea, decode, encode, extras_size
 from sglang_lite.sampling.logprobs import (
     LogprobParams,
     LogprobRecord,

@@ -12,8 +12,8 @@ import torch
 from transformers import Qwen3_5MoeTextConfig
 
 from sglang_lite.config import ModelConfig
-from sglang_lite.disaggregation.layout import PoolLayout, PoolShard, request_blocks
 from sglang_lite.mem_cache.pools import LinearStatePool, ModelPools, ReqToTokenPool, TokenKVPool
+from sglang_lite.pd_transport.layout import PoolLayout, PoolShard, request_blocks
 from tests.hf_checkpoints import BASE, MOE
 
 # 8 query heads over 2 KV heads (replicated over 4 ranks), 4 GDN key heads with 2 value heads each

@@ -11,8 +11,10 @@ import torch
 
 import sglang_lite
 from sglang_lite.config import ModelConfig
-from sglang_lite.disaggregation import transfer as transfer_module
-from sglang_lite.disaggregation.layout import (
+from sglang_lite.mem_cache.allocator import PageAllocator
+from sglang_lite.mem_cache.pools import ModelPools
+from sglang_lite.pd_transport import transfer as transfer_module
+from sglang_lite.pd_transport.layout import (
     HeadRange,
     PoolLayout,
     PoolShard,
@@ -20,7 +22,7 @@ from sglang_lite.disaggregation.layout import (
     request_blocks,
     slot_runs,
 )
-from sglang_lite.disaggregation.transfer import (
+from sglang_lite.pd_transport.transfer import (
     ENGINE_SYNC_TIMEOUT_S,
     LATENCY_BUCKETS_S,
     MAX_BATCH_BLOCKS,
@@ -31,8 +33,6 @@ from sglang_lite.disaggregation.transfer import (
     TransferError,
     TransferStats,
 )
-from sglang_lite.mem_cache.allocator import PageAllocator
-from sglang_lite.mem_cache.pools import ModelPools
 
 TINY = Path(sglang_lite.__file__).parent / "assets" / "tiny_qwen3_5_moe"
 

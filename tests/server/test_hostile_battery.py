@@ -1,4 +1,4 @@
-"""The hostile battery (sglang_lite/bench/hostile_cases.py, about 125 requests) against a ``--dp-size 2`` server with
+"""The hostile battery (tests/tools/hostile_cases.py, about 125 requests) against a ``--dp-size 2`` server with
 the Qwen3.5 parsers, eight at a time: each is a 4xx with the JSON error body or a right 200 within 30 s; then no
 rank died or was restarted, both hold nothing, and every rid a case used serves again."""
 
@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from sglang_lite.bench.hostile import rids_reusable, run_battery, used_rids, wait_idle
-from sglang_lite.bench.hostile_cases import hostile_cases
 from tests.server.conftest import ServerProcess, start_server
+from tests.tools.hostile import rids_reusable, run_battery, used_rids, wait_idle
+from tests.tools.hostile_cases import hostile_cases
 
 # refusals whose message this work added: the battery must get them for the right reason
 MESSAGES = {

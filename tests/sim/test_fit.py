@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from sglang_lite.sim.config import load_cluster_file
 from sglang_lite.sim.fit import fit_decode, fit_prefill, fit_transfer, read_observations
+from sglang_lite.sim.sim_config import load_cluster_file
 
 
 def test_windowed_observations_match_a_trailing_throughput_window(tmp_path):

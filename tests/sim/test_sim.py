@@ -6,15 +6,15 @@ import random
 import numpy as np
 import pytest
 
-from sglang_lite.bench.traces import TraceRequest
 from sglang_lite.router.policies import Policy, healthy_workers
 from sglang_lite.sim import router_sim
 from sglang_lite.sim.__main__ import main
 from sglang_lite.sim.cluster import simulate
-from sglang_lite.sim.config import SimConfig, load_cluster_file
-from sglang_lite.sim.decode import DecodeServer
+from sglang_lite.sim.decode_server import DecodeServer
 from sglang_lite.sim.fit import fit_decode, read_observations
-from sglang_lite.sim.request import SimRequest
+from sglang_lite.sim.sim_config import SimConfig, load_cluster_file
+from sglang_lite.sim.sim_request import SimRequest
+from sglang_lite.sim.traces import TraceRequest
 
 SHORT = dict(concurrency=48, duration_s=120.0, warmup_s=20.0)
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from sglang_lite.sampling.draft_acceptance import verify_chain
 from sglang_lite.sampling.params import SamplingParams
-from sglang_lite.sampling.speculative import verify_chain
 from tests.engine.conftest import random_prompts
 from tests.speculative.conftest import run_scheduler, scheduler_args
 

@@ -4,7 +4,7 @@ Every `--dashboard-interval-secs` one task polls every server's `/v1/loads` (cor
 sample: per DP rank (`url@rank`, as the balance sampler names them) the router's in-flight count and the rank's
 running, waiting, outstanding and KV tokens. Samples are kept for `--dashboard-history-secs`. Asked for the data,
 it computes the upstream p2c study's balance figures over the samples of the last `--dashboard-window-secs`
-(`protocol/balance.py`, the code `bench/balance.py` uses), and the router's TTFT and request-duration percentiles
+(`protocol/balance.py`, the code `sim/balance_sampling.py` uses), and the router's TTFT and request-duration percentiles
 over the requests that ended in that window.
 
 The routing path only appends one tuple per request to `RouterMetrics.recent`; the sampling and the figures run on

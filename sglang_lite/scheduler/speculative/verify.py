@@ -8,7 +8,7 @@ A decode step of a request holding drafts runs, for the whole decode batch at on
 3. one verify forward of the model over ``[last token, d1 .. dk]``, one row a token as in a decode step
    (``forward_batch.build_rows_batch``), its Gated DeltaNet layers keeping the states after each token
    (``forward_batch.VerifyStates``);
-4. ``sampling.speculative.verify_chain``: the accepted drafts plus one token, cut where the request would finish
+4. ``sampling.draft_acceptance.verify_chain``: the accepted drafts plus one token, cut where the request would finish
    (its length, a stop token or stop string: ``tokens_to_take``), so nothing is produced past them;
 5. the memory brought back to the last kept token: the rejected positions' KV pages freed, the GDN states after
    the last kept token restored; then the tokens appended one by one as a plain decode step appends its one;
@@ -38,9 +38,9 @@ from sglang_lite.forward_batch import ForwardBatch, VerifyStates, build_rows_bat
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.model_executor import Runner
+from sglang_lite.sampling.draft_acceptance import verify_chain
 from sglang_lite.sampling.logprobs import logprob_entries, record_output
 from sglang_lite.sampling.penalties import has_count_penalty
-from sglang_lite.sampling.speculative import verify_chain
 from sglang_lite.scheduler.batch import ScheduleBatch
 from sglang_lite.scheduler.output import OutputProcessor
 from sglang_lite.scheduler.request import Req

@@ -5,7 +5,7 @@ The router sends one body, with ``bootstrap_host``, ``bootstrap_port`` and ``boo
 decode server. The decode rank reserves memory and answers ``Reserved``; its server POSTs the destination to
 ``http://bootstrap_host:bootstrap_port/pd/target``, the prefill server's bootstrap server, which hands it to the
 prefill rank running that room (``TransferTarget``), or keeps it until the room's request arrives. The prefill rank
-then writes the request's KV, states and first token into the decode rank's memory (``scheduler/disagg.py``).
+then writes the request's KV, states and first token into the decode rank's memory (``scheduler/pd_side/``).
 """
 
 from __future__ import annotations

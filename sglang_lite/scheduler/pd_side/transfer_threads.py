@@ -16,15 +16,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from sglang_lite.disaggregation.extras import ExtrasArea
-from sglang_lite.disaggregation.layout import META_FIELDS, Blocks, Meta
-from sglang_lite.disaggregation.transfer import (
+from sglang_lite.pd_transport.extras import ExtrasArea
+from sglang_lite.pd_transport.layout import META_FIELDS, Blocks, Meta
+from sglang_lite.pd_transport.transfer import (
     PROBE_INTERVAL_S,
     MooncakeTransfer,
     PeerDown,
     TransferError,
 )
-from sglang_lite.scheduler.disagg.base import DONE, FAILED
+from sglang_lite.scheduler.pd_side.base import DONE, FAILED
 
 logger = logging.getLogger(__name__)
 STATUS_RETRIES = 5

@@ -13,8 +13,8 @@ from __future__ import annotations
 import heapq
 
 from sglang_lite.scheduler.policy import PrefillBudget, plan_prefill, reserved_decode_tokens
-from sglang_lite.sim.config import ClusterConfig, CostModel
-from sglang_lite.sim.request import SimRequest
+from sglang_lite.sim.sim_config import ClusterConfig, CostModel
+from sglang_lite.sim.sim_request import SimRequest
 
 UNLIMITED = 1 << 60
 

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from sglang_lite.bench.traces import TraceRequest, group_sessions
+from sglang_lite.sim.traces import TraceRequest, group_sessions
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """PD prefill side: a request waits in the bootstrap queue until its decode rank's destination arrives
 (``on_target``, forwarded by the prefill server's bootstrap server), is prefilled like any other request, and
 instead of decoding, its KV, GDN conv and recurrent states, first token and log-probabilities are written into the
-decode DP rank's memory by the Mooncake engine on a transfer thread (the inflight queue; ``sender.py``). Under
+decode DP rank's memory by the Mooncake engine on a transfer thread (the inflight queue; ``transfer_threads.py``). Under
 tensor parallelism every rank of this DP rank's attention group writes the heads it holds into each decode rank
 that holds them too, then its own metadata sub-row there. What the request held is freed once every rank of the
 group is done (they agree first: their pools must stay identical); it then finishes with its one token. A write
@@ -15,12 +15,12 @@ import sys
 import time
 from typing import Any
 
-from sglang_lite.disaggregation.extras import encode as encode_extras
-from sglang_lite.disaggregation.extras import extras_size
-from sglang_lite.disaggregation.layout import MAX_SOURCES, PoolLayout, request_blocks
-from sglang_lite.disaggregation.transfer import TransferError
-from sglang_lite.scheduler.disagg.base import DONE, FAILED, PENDING, UNSETTLED, TransferSide
-from sglang_lite.scheduler.disagg.sender import Job, Sender, Write
+from sglang_lite.pd_transport.extras import encode as encode_extras
+from sglang_lite.pd_transport.extras import extras_size
+from sglang_lite.pd_transport.layout import MAX_SOURCES, PoolLayout, request_blocks
+from sglang_lite.pd_transport.transfer import TransferError
+from sglang_lite.scheduler.pd_side.base import DONE, FAILED, PENDING, UNSETTLED, TransferSide
+from sglang_lite.scheduler.pd_side.transfer_threads import Job, Sender, Write
 from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
 
 logger = logging.getLogger(__name__)

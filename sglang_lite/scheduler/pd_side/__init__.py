@@ -1,14 +1,17 @@
-"""Prefill/decode disaggregation inside one scheduler: SGLang's PD queues on each side (``prefill.py``,
-``decode.py``) behind the small interface of ``base.py``; a rank that serves whole requests has a ``NullSide``."""
+"""The rank's side of prefill/decode disaggregation inside one scheduler: SGLang's PD queues on each side
+(``prefill_side.py``, ``decode_side.py``; the prefill side's writes on ``transfer_threads.py``) behind the small
+interface of ``base.py``; a rank that serves whole requests has a ``NullSide``. The other PD places: the transport
+(``sglang_lite/pd_transport/``), the server's front (``server/pd_front.py``) and the router
+(``router/pd_router.py``)."""
 
 from __future__ import annotations
 
-from sglang_lite.disaggregation.layout import PoolShard
-from sglang_lite.disaggregation.transfer import MooncakeTransfer
 from sglang_lite.mem_cache.request_memory import RequestMemory
-from sglang_lite.scheduler.disagg.base import AttentionGroup, DisaggSide, NullSide, SideHost
-from sglang_lite.scheduler.disagg.decode import DecodeSide
-from sglang_lite.scheduler.disagg.prefill import PrefillSide
+from sglang_lite.pd_transport.layout import PoolShard
+from sglang_lite.pd_transport.transfer import MooncakeTransfer
+from sglang_lite.scheduler.pd_side.base import AttentionGroup, DisaggSide, NullSide, SideHost
+from sglang_lite.scheduler.pd_side.decode_side import DecodeSide
+from sglang_lite.scheduler.pd_side.prefill_side import PrefillSide
 
 __all__ = [
     "AttentionGroup",

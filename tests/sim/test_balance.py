@@ -5,8 +5,8 @@ import csv
 import numpy as np
 import pytest
 
-from sglang_lite.bench.balance import LoadSeries, format_table
 from sglang_lite.protocol.balance import balance_stats, mean_cv, outstanding_of
+from sglang_lite.sim.balance_sampling import LoadSeries, format_table
 
 
 def test_statistics_on_hand_made_series():
@@ -120,7 +120,7 @@ def test_sampler_counts_and_logs_failed_polls(caplog):
     import asyncio
     import socket
 
-    from sglang_lite.bench.balance import BalanceSampler
+    from sglang_lite.sim.balance_sampling import BalanceSampler
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

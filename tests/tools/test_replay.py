@@ -6,8 +6,8 @@ import json
 
 from aiohttp import web
 
-from sglang_lite.bench.replay import PromptTokens, replay_closed_loop, replay_timestamps, summarize
-from sglang_lite.bench.traces import agentic_trace
+from sglang_lite.sim.traces import agentic_trace
+from tests.tools.replay import PromptTokens, replay_closed_loop, replay_timestamps, summarize
 
 
 async def _fake_server(log: list[tuple[str, int, int]]) -> web.AppRunner:

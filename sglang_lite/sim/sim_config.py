@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sglang_lite.bench.traces import AgenticTraceConfig
+from sglang_lite.sim.traces import AgenticTraceConfig
 
 DEFAULT_CLUSTER_FILE = Path(__file__).with_name("default_cluster.json")
 

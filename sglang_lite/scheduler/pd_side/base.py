@@ -9,12 +9,12 @@ from typing import Any, Protocol
 
 import torch
 
-from sglang_lite.disaggregation.extras import ExtrasArea
-from sglang_lite.disaggregation.layout import MAX_SOURCES, META_FIELDS, PoolLayout, PoolShard
-from sglang_lite.disaggregation.transfer import MooncakeTransfer
 from sglang_lite.distributed import all_gather_objects
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.request_memory import RequestMemory
+from sglang_lite.pd_transport.extras import ExtrasArea
+from sglang_lite.pd_transport.layout import MAX_SOURCES, META_FIELDS, PoolLayout, PoolShard
+from sglang_lite.pd_transport.transfer import MooncakeTransfer
 from sglang_lite.protocol.outputs import PD_FAILURE
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams

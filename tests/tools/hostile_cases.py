@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from sglang_lite.bench.hostile import Case
-from sglang_lite.bench.hostile_grammars import grammar_cases, template_and_tool_cases
-from sglang_lite.bench.hostile_requests import (
+from tests.tools.hostile import Case
+from tests.tools.hostile_grammars import grammar_cases, template_and_tool_cases
+from tests.tools.hostile_requests import (
     body_cases,
     edge_cases,
     field_cases,
     sampling_cases,
     unicode_cases,
 )
-from sglang_lite.bench.hostile_streams import n_logprob_stream_cases, rid_cases
+from tests.tools.hostile_streams import n_logprob_stream_cases, rid_cases
 
 
 def hostile_cases(vocab: int = 4096) -> list[Case]:

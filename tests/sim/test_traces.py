@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_lite.bench.traces import (
+from sglang_lite.sim.traces import (
     AgenticTraceConfig,
     agentic_trace,
     group_sessions,

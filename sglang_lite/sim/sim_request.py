@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang_lite.bench.traces import TraceRequest
+from sglang_lite.sim.traces import TraceRequest
 
 
 @dataclass(eq=False)

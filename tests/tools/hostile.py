@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from sglang_lite.bench.hostile_sockets import EXCHANGES
+from tests.tools.hostile_sockets import EXCHANGES
 
 CASE_TIMEOUT_S = 30.0
 REFUSED = "4xx"  # a 4xx with the JSON error body

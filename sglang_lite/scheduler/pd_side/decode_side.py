@@ -19,12 +19,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from sglang_lite.disaggregation.extras import decode as decode_extras
-from sglang_lite.disaggregation.extras import extras_size
-from sglang_lite.disaggregation.layout import Meta
+from sglang_lite.pd_transport.extras import decode as decode_extras
+from sglang_lite.pd_transport.extras import extras_size
+from sglang_lite.pd_transport.layout import Meta
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
-from sglang_lite.scheduler.disagg.base import DONE, FAILED, PENDING, TransferSide
+from sglang_lite.scheduler.pd_side.base import DONE, FAILED, PENDING, TransferSide
 from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
 
 logger = logging.getLogger(__name__)

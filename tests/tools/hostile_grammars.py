@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from sglang_lite.bench.hostile import ANSWERED, EITHER, Case
-from sglang_lite.bench.hostile_checks import chat_ok, native_ok
-from sglang_lite.bench.hostile_requests import (
+from tests.tools.hostile import ANSWERED, EITHER, Case
+from tests.tools.hostile_checks import chat_ok, native_ok
+from tests.tools.hostile_requests import (
     CHAT,
     HUGE_TEXT,
     WEATHER,

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from sglang_lite.scheduler.policy import PrefillBudget, plan_prefill
-from sglang_lite.sim.config import ClusterConfig, CostModel
-from sglang_lite.sim.request import SimRequest
+from sglang_lite.sim.sim_config import ClusterConfig, CostModel
+from sglang_lite.sim.sim_request import SimRequest
 
 UNLIMITED = 1 << 60
 

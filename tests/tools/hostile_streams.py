@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from sglang_lite.bench.hostile import ANSWERED, EITHER, Case
-from sglang_lite.bench.hostile_checks import (
+from tests.tools.hostile import ANSWERED, EITHER, Case
+from tests.tools.hostile_checks import (
     completion_ok,
     native_ok,
     native_stream_ok,
     openai_stream_ok,
 )
-from sglang_lite.bench.hostile_requests import chat, completion, gen
+from tests.tools.hostile_requests import chat, completion, gen
 
 UNICODE_RID = "hostile-\u00e9\U0001f600\u0000"
 

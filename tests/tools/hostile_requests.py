@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sglang_lite.bench.hostile import ANSWERED, EITHER, Case
-from sglang_lite.bench.hostile_checks import (
+from tests.tools.hostile import ANSWERED, EITHER, Case
+from tests.tools.hostile_checks import (
     chat_ok,
     completion_ok,
     native_ok,

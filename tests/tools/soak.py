@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from sglang_lite.bench.hostile import sse_events
+from tests.tools.hostile import sse_events
 
 REQUEST_TIMEOUT_S = 120.0
 SCHEMA = {

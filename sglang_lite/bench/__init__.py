@@ -1,1 +1,0 @@
-"""Benchmark helpers: DP-rank balance sampling, request traces and their replay."""
