@@ -41,7 +41,7 @@ class Meta(IntEnum):
     SOURCES = 3  # prefill ranks that write into the rank (each its own sub-row)
     CACHED = 4  # prompt tokens the prefill server's prefix cache served
     ROOM = 5  # the request's bootstrap room: a late write of an earlier request's sub-row is told apart
-    STATUS = 7  # PENDING, DONE or FAILED (scheduler.disagg.base)
+    STATUS = 7  # PENDING, DONE or FAILED (scheduler.pd_side.base)
 
 
 class Region(NamedTuple):

@@ -26,7 +26,7 @@ from .fleet import WorkerAuthError, WorkerFleet, fetch_dp_size
 from .health import HealthChecker
 from .load_monitor import LoadMonitor
 from .metrics import RouterMetrics
-from .pd import PDForwarder
+from .pd_router import PDForwarder
 from .policies import Policy, RequestInfo, create_policy
 from .proxy import (
     FIRST_EVENT_AT,
