@@ -44,7 +44,7 @@ from sglang_lite.sampling.penalties import has_count_penalty
 from sglang_lite.scheduler.batch import ScheduleBatch
 from sglang_lite.scheduler.output import OutputProcessor
 from sglang_lite.scheduler.request import Req
-from sglang_lite.scheduler.speculative.base import Drafter, Kept, SpecStats, drafts_for
+from sglang_lite.scheduler.speculative.base import Drafter, Kept, drafts_for
 from sglang_lite.scheduler.speculative.null import NullSpeculation
 from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -74,8 +74,9 @@ def _copy_detokenizer(req: Req) -> IncrementalDetokenizer | None:
     return detokenizer
 
 
-class DraftVerify:
-    """A drafter's chains, verified in one forward of the model; see the module docstring for a step."""
+class DraftVerify(NullSpeculation):
+    """A drafter's chains, verified in one forward of the model; see the module docstring for a step. A step in
+    which no request has drafts is the plain step it extends."""
 
     def __init__(
         self,
@@ -87,15 +88,9 @@ class DraftVerify:
         output: OutputProcessor,
         device: str,
     ) -> None:
+        super().__init__(runner, pools, memory, output, device)
         self.drafter = drafter
         self.steps = steps
-        self.runner = runner
-        self.pools = pools
-        self.memory = memory
-        self.output = output
-        self.device = device
-        self.stats = SpecStats()
-        self.plain = NullSpeculation(runner, pools, memory, output, device)
         self._prefill: tuple[ForwardBatch, torch.Tensor | None] | None = None
         self._unkept: dict[int, list[int]] = {}
 
@@ -163,7 +158,7 @@ class DraftVerify:
         starts = [r.num_computed for r in reqs]
         for req in reqs:  # before the tokens: a request that finishes reports its counts then
             self._count(req, 0, 1)
-        self.plain.run_decode(batch, kv_slots)
+        super().run_decode(batch, kv_slots)
         self._draft_next(reqs, [1] * len(reqs), starts, [None] * len(reqs))
 
     def _run(
