@@ -47,9 +47,8 @@ class SpecGraphRunner:
         # what capturing reserves, the static verify states included (/v1/loads graph_gb)
         reserved = torch.cuda.memory_reserved(self.device) if use_graphs else 0
         self.tokens = steps + 1  # verified a request: its last token and its drafts
-        self.has_head = hasattr(
-            model, "mtp"
-        )  # drafts from the MTP head (NEXTN), else from elsewhere (NGRAM)
+        # drafts from the MTP head (NEXTN), else from elsewhere (NGRAM: no head graphs)
+        self.has_head = hasattr(model, "mtp")
         self.use_graphs = use_graphs
         self.verify_sizes = capture_batch_sizes(max_bs)
         self.head_sizes = capture_batch_sizes(self.verify_sizes[-1] * self.tokens)

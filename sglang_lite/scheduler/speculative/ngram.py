@@ -78,9 +78,7 @@ class NgramDrafter(Drafter):
         for k in kept:
             self._look_up(k.req)
 
-    def after_verify(self, kept: list[Kept]) -> None:
-        for k in kept:
-            self._look_up(k.req)
+    after_verify = after_prefill  # new tokens either way: index them, look up the next drafts
 
     def _look_up(self, req: Req) -> None:
         """Indexes the request's tokens not indexed yet, then drafts its next step."""

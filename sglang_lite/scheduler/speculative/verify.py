@@ -109,7 +109,7 @@ class DraftVerify(NullSpeculation):
         """A prefill forward; its hidden states kept for the drafter when it takes them (``after_extend``)."""
         if not self.drafter.keeps_hidden:
             self._prefill = (forward_batch, None)
-            return self.runner.forward_batch(forward_batch, all_logits)
+            return super().forward_extend(forward_batch, all_logits)
         hidden = self.runner.forward_hidden(forward_batch)
         self._prefill = (forward_batch, hidden)
         rows = hidden if all_logits else hidden[forward_batch.last_token_indices]
