@@ -90,6 +90,8 @@ _HELP = {
     "disable_cuda_graph": "Run decode steps eagerly instead of replaying captured CUDA graphs.",
     "enable_torch_compile": "CPU: run decode steps through torch.compile (compiled on first use, per batch-size "
     "regime; prefill stays eager).",
+    "enable_deterministic_inference": "Batch-invariant kernels: a request's tokens and logprobs are the same bits "
+    "alone or in any batch, chunk, prefix-cache hit or verify step (docs/determinism.md).",
     "cuda_graph_max_bs": "Largest decode batch captured into a CUDA graph.",
     "alt_stream_overlap": "flags: overlap as the SGLANG_*_ALT_STREAM flags say; auto: per captured batch size, time "
     "both variants and keep the faster.",
@@ -157,6 +159,7 @@ class ServerArgs:
     skip_tokenizer_init: bool = False
     disable_cuda_graph: bool = False
     enable_torch_compile: bool = False
+    enable_deterministic_inference: bool = False
     cuda_graph_max_bs: int = 64
     alt_stream_overlap: str = "flags"
     log_level: str = "info"

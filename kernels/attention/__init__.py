@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import cpu
+from .. import batch_invariant, cpu
 from ..dispatch import use_native, use_triton
 from . import naive, triton_attention
 
@@ -44,9 +44,41 @@ def extend_attention(
 ) -> torch.Tensor:
     """New tokens ([T, H, hd], packed by request) attend causally to their request's prefix and to themselves."""
     args = (q, k_cache, v_cache, page_table, req_pool_indices, prefix_lens, extend_lens, scale)
+    if batch_invariant.enabled() and (
+        use_native(q, k_cache, v_cache, backend=backend) or use_triton(q, backend)
+    ):
+        return _extend_as_decode(*args, page_size=page_size, backend=backend)
     if use_triton(q, backend):
         return triton_attention.extend_attention(*args, page_size=page_size)
     return naive.extend_attention(*args, page_size)
+
+
+def _extend_as_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    scale: float,
+    *,
+    page_size: int,
+    backend: str | None,
+) -> torch.Tensor:
+    """Batch invariant extend (C++ or Triton): each new token as one decode query over its request's first
+    prefix + i + 1 tokens, so that its arithmetic is a decode step's whatever the chunk, the batch or the prefix
+    cache's hit (the decode kernels split a query's keys by its own length alone)."""
+    rows = req_pool_indices.repeat_interleave(extend_lens)
+    starts = (
+        torch.cumsum(extend_lens, 0) - extend_lens
+    )  # each request's first token among the new ones
+    index = torch.arange(q.shape[0], device=q.device)
+    firsts = (prefix_lens - starts).repeat_interleave(extend_lens)
+    lens = firsts + index + 1
+    return decode_attention(
+        q, k_cache, v_cache, page_table, rows, lens, scale, page_size=page_size, backend=backend
+    )
 
 
 def decode_attention(

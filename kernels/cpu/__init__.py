@@ -25,6 +25,7 @@ import torch
 
 from sglang_lite import envs
 
+from .. import batch_invariant
 from .blocks import (  # noqa: F401 - the decode blocks, one call each
     AttentionHeads,
     DecodeLayers,
@@ -44,6 +45,7 @@ from .build import (  # noqa: F401 - the package's build interface
     describe_isa,
     enabled,
     isa,
+    loaded,
     prepare,
     require,
     stage_sources,
@@ -100,9 +102,14 @@ def causal_conv1d_update(
     state_indices: torch.Tensor,
     activation: str | None = "silu",
 ) -> torch.Tensor:
-    """As ``conv1d.naive.causal_conv1d_update``: x [B, D]; the float32 pool's slots are shifted in place."""
+    """As ``conv1d.naive.causal_conv1d_update``: x [B, D]; the float32 pool's slots are shifted in place. Batch
+    invariant: through the prefill kernel, one token a request, so that a decode token's arithmetic is a prompt
+    token's (a retracted request's prompt and output, prefilled again, give the same bits)."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported activation {activation!r}")
+    if batch_invariant.enabled():
+        one_each = _one_token_each(x)
+        return causal_conv1d_fn(x, weight, conv_states, state_indices, one_each, activation)
     return _ops().causal_conv1d_update(
         _last_dim_contiguous(x),
         _float(weight).contiguous(),
@@ -110,6 +117,11 @@ def causal_conv1d_update(
         state_indices,
         activation is not None,
     )
+
+
+def _one_token_each(rows: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens of a decode batch as a prefill: one token per request."""
+    return torch.arange(rows.shape[0] + 1, dtype=torch.int64, device=rows.device)
 
 
 def causal_conv1d_fn(
@@ -178,7 +190,13 @@ def fused_recurrent_gated_delta_rule(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
-    """As ``gated_delta_rule.naive.fused_recurrent_gated_delta_rule``; the float32 pool is updated in place."""
+    """As ``gated_delta_rule.naive.fused_recurrent_gated_delta_rule``; the float32 pool is updated in place. Batch
+    invariant: through the prefill kernel, one token a request (as ``causal_conv1d_update``)."""
+    if batch_invariant.enabled():
+        one_each = _one_token_each(q)
+        return chunk_gated_delta_rule(
+            q, k, v, g, beta, ssm_states, state_indices, one_each, scale, use_qk_l2norm
+        )
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     q = _last_dim_contiguous(q)
     k = _last_dim_contiguous(k)
@@ -244,7 +262,7 @@ def has_dpbf16() -> bool:
 
 def bf16_dot_speed() -> float:
     """vdpbf16ps's products per second over the float32 FMA's on this CPU, measured once per process (0 without
-    the instruction): auto takes vdpbf16ps for more than two rows where this is 1.5 or more."""
+    the instruction): auto takes vdpbf16ps for more than two rows where this is 1 or more."""
     return float(_ops().bf16_dot_speed())
 
 
@@ -254,6 +272,11 @@ def bf16_dot_takes(rows: int, mode: int | None = None) -> bool:
     return bool(_ops().bf16_dot_for(bf16_dot() if mode is None else mode, rows))
 
 
+def set_batch_invariant(on: bool) -> None:
+    """The C++ side of ``kernels.batch_invariant`` (which calls this): gemm.h's switch."""
+    _ops().set_batch_invariant(on)
+
+
 def takes_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -261,11 +284,16 @@ def takes_linear(
     block: tuple[int, int] | None = None,
 ) -> bool:
     """The shapes and layouts ``linear`` serves: float32 weights [N, K] of N >= 16 stored [in, out] and up to
-    LINEAR_MAX_ROWS rows, or stored [out, in] (contiguous) and up to LINEAR_MAX_ROWS_OUT_IN rows; bf16 weights in
+    LINEAR_MAX_ROWS rows, or stored [out, in] (contiguous) and up to LINEAR_MAX_ROWS_OUT_IN rows (batch invariant:
+    every float32 weight contiguous along one dimension, at any size); bf16 weights in
     either layout at any row count; FP8 weights (with ``scale`` for ``block``) stored [in, out] in scale blocks of a
     multiple of 128 output columns."""
     if weight.dim() != 2 or not weight.is_cpu:
         return False
+    if weight.dtype == torch.float32 and batch_invariant.enabled():
+        return (
+            weight.stride(0) == 1 or weight.stride(1) == 1
+        )  # MKL's blocking follows the shapes: every size here
     rows = x.shape[0] if x.dim() == 2 else x.numel() // max(x.shape[-1], 1)
     if weight.dtype in WIDENED_WEIGHTS:
         if scale is not None or weight.dtype != torch.bfloat16:

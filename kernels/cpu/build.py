@@ -116,6 +116,11 @@ def enabled() -> bool:
     return envs.SGLANG_KERNEL_BACKEND.get() not in ("torch", "triton") and available()
 
 
+def loaded() -> bool:
+    """Whether the kernels are loaded already (never builds)."""
+    return bool(_loaded)
+
+
 def require() -> None:
     """Raise, with the build's reason, when the kernels cannot be built (``SGLANG_KERNEL_BACKEND=native``)."""
     if not available():
@@ -143,6 +148,9 @@ def _build_and_load() -> None:
         is_python_module=False,
         verbose=False,
     )
+    from .. import batch_invariant  # the process's switch, set before the kernels loaded
+
+    torch.ops.sglang_lite_cpu.set_batch_invariant(batch_invariant.enabled())
 
 
 def build_directory(source_dir: str = _SOURCE_DIR) -> str:

@@ -9,6 +9,7 @@ import torch
 
 from sglang_lite.distributed import get_parallel_state
 from sglang_lite.forward_batch import ForwardBatch, ForwardMode, VerifyStates, build_forward_batch
+from sglang_lite.kernels import batch_invariant
 from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.model_executor.cuda_graph_runner import CudaGraphRunner
@@ -33,6 +34,8 @@ class ModelRunner:
     def __init__(self, model: Qwen3_5ForCausalLM, pools: ModelPools, args: ServerArgs) -> None:
         self.model = model
         self.config = model.config
+        # the kernels' batch-invariant mode is the process's: one rank, one process
+        batch_invariant.set_enabled(args.enable_deterministic_inference)
         self.graph_runner: CudaGraphRunner | None = None
         self.pools = pools
         on_gpu = model.lm_head.weight.device.type == "cuda"
@@ -61,7 +64,11 @@ class ModelRunner:
         # recompiling. dynamic=True lets one graph serve every batch size after the first few.
         self.compiled_body = None
         if args.enable_torch_compile and not on_gpu:
-            self.compiled_body = torch.compile(model.model, dynamic=True)
+            # its fused kernels reduce in orders of their own
+            if args.enable_deterministic_inference:
+                logger.info("torch.compile is off under --enable-deterministic-inference")
+            else:
+                self.compiled_body = torch.compile(model.model, dynamic=True)
         logger.debug(
             "stream plan: %s; CUDA graphs: %s",
             model.streams.describe(),

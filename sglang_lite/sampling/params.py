@@ -74,6 +74,13 @@ class SamplingParams:
         if isinstance(params, SamplingParams):
             return dataclasses.replace(params)
         params = dict(params or {})
+        if "sampling_seed" in params:  # SGLang's name for the seed
+            alias = params.pop("sampling_seed")
+            if alias is not None and params.get("seed") not in (None, alias):
+                raise ValueError(
+                    "sampling parameters seed and sampling_seed differ: give one of them"
+                )
+            params["seed"] = alias if alias is not None else params.get("seed")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:

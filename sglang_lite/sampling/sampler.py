@@ -124,3 +124,16 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+_MASK64 = 2**64 - 1
+
+
+def step_seed(seed: int, position: int) -> int:
+    """The seed of a request's draw at output ``position`` under batch invariance (splitmix64 of the two): a draw
+    then depends on the request's seed and position alone, not on how many draws its generator made before (a
+    retraction, a PD hand-over, a DP rank's restart)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & (2**63 - 1)

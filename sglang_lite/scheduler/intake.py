@@ -66,6 +66,7 @@ class RequestIntake:
             ),
             stop_token_ids=frozenset(set(params.stop_token_ids) | eos),
             generator=make_generator(seed, self.config.device),
+            seed=seed,
             detokenizer=detokenizer,
             stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_lite.kernels import batch_invariant
 from sglang_lite.sampling.grammar import (
     check_some_token_allowed,
     keep_possible_bans,
@@ -18,7 +19,7 @@ from sglang_lite.sampling.grammar import (
 )
 from sglang_lite.sampling.logprobs import logprob_entries, record_input, record_output
 from sglang_lite.sampling.penalties import PenaltyBook
-from sglang_lite.sampling.sampler import sample
+from sglang_lite.sampling.sampler import sample, step_seed
 from sglang_lite.scheduler.request import Req
 
 
@@ -53,6 +54,7 @@ class StepSampler:
         logits = mask_logits(logits, grammars)
         check_some_token_allowed(logits, grammars)
         banned = keep_possible_bans(logits, banned, grammars)
+        key_generators(reqs)
         tokens = sample(
             logits, [r.sampling_params for r in reqs], [r.generator for r in reqs], banned
         )
@@ -111,3 +113,13 @@ class StepSampler:
         ):
             return None
         return max(max(params.logprob_start_len, req.logprob_record.input_upto) - 1, 0)
+
+
+def key_generators(reqs: list[Req]) -> None:
+    """Under batch invariance, reseed each sampled request's generator for its next draw (``step_seed`` of its seed
+    and output position); otherwise each goes on from its last draw."""
+    if not batch_invariant.enabled():
+        return
+    for req in reqs:
+        if req.generator is not None and not req.sampling_params.is_greedy:
+            req.generator.manual_seed(step_seed(req.seed, len(req.output_ids)))

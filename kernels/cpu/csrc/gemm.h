@@ -10,6 +10,7 @@
 
 #include "common.h"
 
+#include <atomic>
 #include <chrono>
 #include <type_traits>
 
@@ -219,9 +220,11 @@ void one_row_times_columns(const float* x, const typename W::T* Wp, int64_t ldw,
         }
       }
 #pragma GCC unroll 16  // widened weights (NV <= 16): the accumulators stay in registers
-      for (int v = 0; v < NV; ++v) {
-        acc[v] += a0 * W::load(w0 + 16 * v) + a1 * W::load(w1 + 16 * v) + a2 * W::load(w2 + 16 * v) +
-                  a3 * W::load(w3 + 16 * v);
+      for (int v = 0; v < NV; ++v) {  // one product at a time, in k order: the tiles' order (batch invariance)
+        acc[v] += a0 * W::load(w0 + 16 * v);
+        acc[v] += a1 * W::load(w1 + 16 * v);
+        acc[v] += a2 * W::load(w2 + 16 * v);
+        acc[v] += a3 * W::load(w3 + 16 * v);
       }
     }
     for (; k < k1; ++k) {
@@ -241,9 +244,13 @@ void one_row_add_long_run(const float* x, const typename W::T* Wp, int64_t ldw, 
   for (; k + 4 <= K; k += 4) {
     const float a0 = x[k], a1 = x[k + 1], a2 = x[k + 2], a3 = x[k + 3];
     const typename W::T *w0 = Wp + k * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
-    for (int64_t j = 0; j < n; j += 16) {
-      store16(y + j, load16(y + j) + (a0 * W::load(w0 + j) + a1 * W::load(w1 + j)) +
-                         (a2 * W::load(w2 + j) + a3 * W::load(w3 + j)));
+    for (int64_t j = 0; j < n; j += 16) {  // in k order, as the other products
+      vec16 sum = load16(y + j);
+      sum += a0 * W::load(w0 + j);
+      sum += a1 * W::load(w1 + j);
+      sum += a2 * W::load(w2 + j);
+      sum += a3 * W::load(w3 + j);
+      store16(y + j, sum);
     }
   }
   for (; k < K; ++k) {
@@ -539,23 +546,15 @@ inline void all_rows_times_32_columns_dp(const Bf16Pairs&, int64_t, int64_t, con
 constexpr int64_t kBf16Widen = 0, kBf16Auto = 1, kBf16Dot = 2;
 
 // How many times the float32 FMA's products per second this CPU's vdpbf16ps reaches (each instruction does twice
-// the products): twelve independent chains of each instruction in registers, best of five short runs (~1 ms). A CPU
-// that issues it as fast as an FMA reads ~2; the Intel Xeon (Emerald Rapids) this was measured on reads 0.5.
+// the products): twelve independent chains of each instruction in registers, the two timed in turn, best of nine
+// short runs each (~2 ms; in turn, so that a neighbour's burst slows both rather than one). A CPU that issues it as
+// fast as an FMA reads ~2; the Intel Xeon (Emerald Rapids) this was measured on reads 0.5.
 inline double measure_bf16_dot_speed() {
 #if defined(__AVX512BF16__)
   constexpr int kChains = 12;
   constexpr int64_t kSteps = 20000;
-  const auto seconds = [](auto&& body) {
-    double best = 1e30;
-    for (int run = 0; run < 5; ++run) {
-      const auto t0 = std::chrono::steady_clock::now();
-      body();
-      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    return best;
-  };
   float sink = 0.0f;
-  const double dot = seconds([&] {
+  const auto dot_chains = [&] {
     __m512 acc[kChains];
     for (int c = 0; c < kChains; ++c) acc[c] = _mm512_setzero_ps();
     __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80);
@@ -565,8 +564,8 @@ inline double measure_bf16_dot_speed() {
       asm volatile("" : "+v"(a));  // keeps the loop from being folded
     }
     for (int c = 0; c < kChains; ++c) sink += _mm512_reduce_add_ps(acc[c]);
-  });
-  const double fma = seconds([&] {
+  };
+  const auto fma_chains = [&] {
     __m512 acc[kChains];
     for (int c = 0; c < kChains; ++c) acc[c] = _mm512_setzero_ps();
     __m512 a = _mm512_set1_ps(1.0f);
@@ -576,7 +575,17 @@ inline double measure_bf16_dot_speed() {
       asm volatile("" : "+v"(a));
     }
     for (int c = 0; c < kChains; ++c) sink += _mm512_reduce_add_ps(acc[c]);
-  });
+  };
+  const auto seconds = [](auto& body) {
+    const auto t0 = std::chrono::steady_clock::now();
+    body();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  double dot = 1e30, fma = 1e30;
+  for (int run = 0; run < 9; ++run) {
+    dot = std::min(dot, seconds(dot_chains));
+    fma = std::min(fma, seconds(fma_chains));
+  }
   asm volatile("" : : "x"(sink));
   return 2.0 * fma / dot;
 #else
@@ -589,12 +598,33 @@ inline double bf16_dot_speed() {
   return speed;
 }
 
+// ---- batch invariance (--enable-deterministic-inference) -----------------------------------------------------------
+
+// Whether every product computes each row of its result in an order that does not depend on how many rows it has:
+// no split of K over the threads, no MKL, the same bf16 path at every row count. (Every product here already adds
+// each output's k terms one at a time in k order, whatever its tile; these are the paths that chose by row count.)
+// One switch per process, as SGLang's batch-invariant mode; kernels/cpu sets it.
+inline std::atomic<bool>& batch_invariant_flag() {
+  static std::atomic<bool> flag{false};
+  return flag;
+}
+
+inline bool batch_invariant() { return batch_invariant_flag().load(std::memory_order_relaxed); }
+
+// The speed (above) from which vdpbf16ps runs many rows: where it does more products per second than the FMA (and
+// saves the widening's instructions too). CPUs read far from it: 0.5 on the Intel Xeon measured, 2 on AMD Zen 4,
+// where a busy VM once read 1.33 (an earlier threshold of 1.5 then flipped the choice from one process to the next).
+constexpr double kDotSpeedForManyRows = 1.0;
+
 // Whether a bf16 product of `rows` rows takes vdpbf16ps under `mode`. auto: one or two rows always (a product bound
-// by reading the weight, where it issues half the instructions of widening), more where the CPU runs it at 1.5x the
-// FMA's products or more (widening runs more rows at the FMA's rate; the figures: docs/performance.md).
+// by reading the weight, where it issues half the instructions of widening), more where the CPU's speed reaches
+// kDotSpeedForManyRows (widening runs more rows at the FMA's rate; the figures: docs/performance.md). Batch
+// invariant, auto takes it at every row count: a choice by the CPU's features alone, never by a timing, which
+// could read differently in another process (a DP rank).
 inline bool bf16_dot_for(int64_t mode, int64_t rows) {
   if (!kHaveDpbf16 || mode == kBf16Widen) return false;
-  return mode == kBf16Dot || rows <= 2 || bf16_dot_speed() >= 1.5;
+  if (mode == kBf16Dot || batch_invariant()) return true;
+  return rows <= 2 || bf16_dot_speed() >= kDotSpeedForManyRows;
 }
 
 // C[:, n0:n1] = A W[:, n0:n1] for bf16 weights: blocks of 32 columns through vdpbf16ps from the rows' bf16 pairs

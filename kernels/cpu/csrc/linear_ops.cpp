@@ -50,12 +50,16 @@ void one_row_bf16_dp(const float*, int64_t, const uint16_t*, int64_t, int64_t, f
 // range of K, reading its weight rows whole, as one stream (a copy's pattern), into its own float32 sums of every
 // column, which are added at the end. From memory, 6144 columns ran 10-25% faster than in column blocks (whose rows
 // are a whole row apart), 3072 the same or up to 10% faster, 1024 no faster, on AVX2 and AVX-512 alike
-// (docs/performance.md).
+// (docs/performance.md). More rows through such a weight take the same parts of K, each part's sums in k order and
+// the parts added in order: a row's values do not depend on how many rows came with it (a speculative verify step
+// computes what a decode step does). Batch invariant (no split: the parts follow the threads): the column blocks.
 constexpr int64_t kSplitKColumns = 3072;
+
+int64_t split_k_parts(int64_t K) { return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), K / 64)); }
 
 template <class W>
 void one_row_split_k(const float* x, int64_t K, const typename W::T* w, int64_t ldw, int64_t N, float* o) {
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), K / 64));
+  const int64_t parts = split_k_parts(K);
   const int64_t n16 = N - N % 16;
   thread_local std::vector<float> sums;
   sums.assign(parts * n16, 0.0f);
@@ -76,6 +80,40 @@ void one_row_split_k(const float* x, int64_t K, const typename W::T* w, int64_t 
   rows_times_weight_columns<W>(x, K, 1, w, ldw, K, n16, N, o, N, WeightScales{});  // the last N % 16 columns
 }
 
+// Rows of a panel at a time through the parts of K (each part's sums of every column kept until they are added).
+constexpr int64_t kSplitKPanelRows = 32;
+
+// M > 1 rows through a wide unscaled weight, as one_row_split_k computes one: per panel of rows, part 0 of K into o,
+// every later part into its own sums, added to o in order; the last N % 16 columns over all of K.
+template <class W>
+void rows_split_k(const float* xs, int64_t lda, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, int64_t N,
+                  float* o) {
+  const int64_t parts = split_k_parts(K), n16 = N - N % 16, blocks = n16 / 16;
+  std::vector<float> later((parts - 1) * std::min(M, kSplitKPanelRows) * n16);
+  for (int64_t m0 = 0; m0 < M; m0 += kSplitKPanelRows) {
+    const int64_t rows = std::min(kSplitKPanelRows, M - m0);
+    const float* panel = xs + m0 * lda;
+    float* out = o + m0 * N;
+    at::parallel_for(0, blocks, grain(rows * K * 16 / 4), [&](int64_t begin, int64_t end) {
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t k0 = K * p / parts, k1 = K * (p + 1) / parts;
+        float* sums = p == 0 ? out : later.data() + (p - 1) * rows * n16;
+        const int64_t ld = p == 0 ? N : n16;
+        rows_times_weight_columns<W>(panel + k0, lda, rows, w + k0 * ldw, ldw, k1 - k0, begin * 16, end * 16, sums, ld,
+                                     WeightScales{});
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = begin * 16; j < end * 16; j += 16) {
+          vec16 total = load16(out + r * N + j);
+          for (int64_t p = 1; p < parts; ++p) total += load16(later.data() + ((p - 1) * rows + r) * n16 + j);
+          store16(out + r * N + j, total);
+        }
+      }
+    });
+  }
+  rows_times_weight_columns<W>(xs, lda, M, w, ldw, K, n16, N, o, N, WeightScales{});  // the last N % 16 columns
+}
+
 // y = x W^T for W [N, K] stored [in, out] (row k of W^T contiguous, ldw apart).
 template <class W>
 void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, int64_t N,
@@ -84,10 +122,13 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
   // One row reads each weight once, from memory: blocks of 512 columns (128 where that leaves too few blocks for
   // the threads, or the weight has 128-column scale blocks) stream runs of 4 weight rows at a time; register-blocked
   // 32-column blocks, reading short runs far apart, fell below MKL (docs/performance.md).
-  if constexpr (!W::kScaled) {
-    if (M == 1 && N >= kSplitKColumns && K >= 128) return one_row_split_k<W>(xs, K, w, ldw, N, o);
-  }
   const bool dot = std::is_same_v<W, Bf16Weight> && bf16_dot_for(bf16_dot, M);
+  if constexpr (!W::kScaled) {
+    if (N >= kSplitKColumns && K >= 128 && !dot && !batch_invariant()) {
+      if (M == 1) return one_row_split_k<W>(xs, K, w, ldw, N, o);
+      return rows_split_k<W>(xs, lda, M, K, w, ldw, N, o);
+    }
+  }
   if constexpr (std::is_same_v<W, Bf16Weight> && kHaveDpbf16) {
     if (M == 1 && dot) return one_row_bf16_dp(xs, K, w, ldw, N, o);
   }
@@ -197,6 +238,8 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
   m.def("bf16_dot_speed() -> float", []() { return sgl_cpu::bf16_dot_speed(); });
   m.def("bf16_dot_for(int mode, int rows) -> bool",
         [](int64_t mode, int64_t rows) { return sgl_cpu::bf16_dot_for(mode, rows); });
+  m.def("set_batch_invariant(bool on) -> ()", [](bool on) { sgl_cpu::batch_invariant_flag().store(on); });
+  m.def("batch_invariant() -> bool", []() { return sgl_cpu::batch_invariant(); });
 }
 
 TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) { m.impl("linear_rows", &sgl_cpu::linear_rows); }

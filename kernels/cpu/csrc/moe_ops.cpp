@@ -86,7 +86,7 @@ void experts_by_row_chunks(const float* xs, int64_t x_row, const at::Tensor& w13
 }
 
 // Float32 experts of many rows (a prefill's) go to MKL's GEMM, one expert at a time (faster at the mid shape than
-// every expert in the work items, and no slower at H 512).
+// every expert in the work items, and no slower at H 512); not when batch invariant (gemm.h).
 void experts_through_mkl(const std::vector<int64_t>& big, const Routing& routing, const float* in, int64_t lda,
                          int64_t depth, const Experts<F32Weight>& w, int64_t width, float* out) {
   const auto options = at::TensorOptions().dtype(at::kFloat);
@@ -174,7 +174,7 @@ void experts_input_major(const float* xs, int64_t x_row, const Experts<W>& w13, 
   });
   std::vector<int64_t> hit, big;
   for (int64_t e = 0; e < experts; ++e) {
-    const bool mkl = std::is_same_v<W, F32Weight> && routing.rows(e) >= kMklRows;
+    const bool mkl = std::is_same_v<W, F32Weight> && routing.rows(e) >= kMklRows && !batch_invariant();
     if (mkl) {
       big.push_back(e);
     } else if (routing.rows(e) > 0) {

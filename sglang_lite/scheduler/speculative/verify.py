@@ -44,6 +44,7 @@ from sglang_lite.sampling.penalties import has_count_penalty
 from sglang_lite.scheduler.batch import ScheduleBatch
 from sglang_lite.scheduler.output import OutputProcessor
 from sglang_lite.scheduler.request import Req
+from sglang_lite.scheduler.sampling import key_generators
 from sglang_lite.scheduler.speculative.base import Drafter, Kept, drafts_for
 from sglang_lite.scheduler.speculative.null import NullSpeculation
 from sglang_lite.tokenizer.detokenizer import IncrementalDetokenizer
@@ -222,6 +223,7 @@ class DraftVerify(NullSpeculation):
     def _take(self, req: Req, logits: torch.Tensor, chain: list[int]) -> list[int]:
         """The accepted drafts and one more token, cut where the request finishes."""
         logits = self._as_sampled(req, logits, chain)
+        key_generators([req])
         proposed = verify_chain(logits, chain, req.sampling_params, req.generator)
         kept = proposed[: tokens_to_take(req, proposed)]
         self._count(req, len(chain), len(kept))

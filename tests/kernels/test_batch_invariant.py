@@ -1,0 +1,193 @@
+"""Batch invariance of the C++ CPU kernels (``kernels/batch_invariant.py``): a row computed alone and the same row
+inside batches of any size give the same bits.
+
+With the switch, every path: linear layers of float32, bf16 and FP8 weights in both layouts (MKL's sizes and the
+split of K included), the fused MoE (experts of more rows than MKL's threshold included), and extend attention
+against decode attention over the same keys. Without it, the products a speculative verify step shares with a
+decode step (a few rows against one) still agree: every product adds its k terms in k order whatever its tile, and
+wide weights split K the same way at every row count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_lite.kernels import cpu, decode_attention, extend_attention, fused_moe, linear
+from sglang_lite.kernels.batch_invariant import batch_invariant_mode
+from sglang_lite.kernels.quant.naive import quantize_blocks
+
+from .utils import assert_rel_close
+
+F32 = torch.float32
+BF16 = torch.bfloat16
+FP8 = torch.float8_e4m3fn
+BLOCK = (128, 128)
+BATCHES = (2, 5, 9, 37, 300)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    cpu.require()
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _input_major(w: torch.Tensor) -> torch.Tensor:
+    return w.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _weight(dtype: torch.dtype, n: int, k: int, layout: str):
+    """(weight, scale) as the engine stores them: [in, out] (``input_major``) or [out, in]."""
+    w = _randn(n, k, seed=n + k) * 0.05
+    if dtype == FP8:
+        q, scale = quantize_blocks(w, BLOCK, FP8)
+        return _input_major(q), scale
+    w = w.to(dtype)
+    return (_input_major(w) if layout == "input_major" else w), None
+
+
+def _first_row_differs(run, x: torch.Tensor, batches=BATCHES) -> list[tuple[int, float]]:
+    """(rows, largest difference) for each batch whose first row is not the first row computed alone."""
+    alone = run(x[:1])
+    bad = []
+    for rows in batches:
+        first = run(x[:rows])[:1]
+        if not torch.equal(first, alone):
+            bad.append((rows, (first - alone).abs().max().item()))
+    return bad
+
+
+LINEAR_CASES = [
+    (F32, "input_major"),
+    (F32, "output_major"),
+    (BF16, "input_major"),
+    (BF16, "output_major"),
+    (FP8, "input_major"),
+]
+# widths: a gate of one column, tails of 16 and of 1, and one past the split of K (3072 columns)
+SHAPES = [(1, 64), (17, 100), (1000, 512), (3200, 256)]
+
+
+@pytest.mark.parametrize("dtype, layout", LINEAR_CASES)
+@pytest.mark.parametrize("columns, depth", SHAPES)
+@pytest.mark.parametrize("mode", ["auto", "widen"])
+def test_linear_rows_are_batch_invariant_with_the_switch(
+    dtype, layout, columns, depth, mode, monkeypatch
+):
+    if dtype == FP8 and columns % 128:
+        pytest.skip("FP8 weights come in blocks of 128 output columns")
+    monkeypatch.setenv("SGLANG_CPU_BF16_DOT", mode)
+    weight, scale = _weight(dtype, columns, depth, layout)
+    x = _randn(300, depth, seed=1)
+    with batch_invariant_mode():
+        bad = _first_row_differs(
+            lambda rows: linear(rows, weight, scale, BLOCK if scale is not None else None), x
+        )
+    assert not bad, f"row 0 alone differs from row 0 in batches of (rows, max diff) {bad}"
+
+
+@pytest.mark.parametrize(
+    "dtype, layout", [(F32, "input_major"), (BF16, "input_major"), (FP8, "input_major")]
+)
+@pytest.mark.parametrize("columns, depth", [(1000, 512), (3200, 256), (4096, 1024)])
+@pytest.mark.parametrize("mode", ["widen", "dot"])
+def test_verify_sized_batches_match_one_row_without_the_switch(
+    dtype, layout, columns, depth, mode, monkeypatch
+):
+    """A verify step's rows (2 to 64 here) through the products a decode step of one row takes: the same bits.
+    bf16 modes are forced (auto chooses by a timing on CPUs where vdpbf16ps is slow: README)."""
+    monkeypatch.setenv("SGLANG_CPU_BF16_DOT", mode)
+    weight, scale = _weight(dtype, columns, depth, layout)
+    x = _randn(64, depth, seed=2)
+    bad = _first_row_differs(
+        lambda rows: linear(rows, weight, scale, BLOCK if scale is not None else None),
+        x,
+        (2, 4, 9, 33, 64),
+    )
+    assert not bad, f"row 0 alone differs from row 0 in batches of (rows, max diff) {bad}"
+
+
+@pytest.mark.parametrize("rows", [2, 9, 40])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_rows_through_a_wide_weight_split_k_as_one_row_does(rows, dtype, monkeypatch):
+    """Several rows through a weight of 3072+ columns take the parts of K one row takes: against float32."""
+    monkeypatch.setenv("SGLANG_CPU_BF16_DOT", "widen")
+    weight, _ = _weight(dtype, 3203, 301, "input_major")
+    x = _randn(rows, 301, seed=3)
+    assert_rel_close(linear(x, weight), torch.nn.functional.linear(x, weight.float()), F32)
+
+
+def _experts(dtype: torch.dtype, experts: int, hidden: int, inter: int):
+    w13 = _randn(experts, 2 * inter, hidden, seed=3) * 0.05
+    w2 = _randn(experts, hidden, inter, seed=4) * 0.05
+    if dtype == FP8:
+        (q13, s13), (q2, s2) = quantize_blocks(w13, BLOCK, FP8), quantize_blocks(w2, BLOCK, FP8)
+        return _input_major(q13), _input_major(q2), dict(w13_scale=s13, w2_scale=s2, block=BLOCK)
+    return _input_major(w13.to(dtype)), _input_major(w2.to(dtype)), {}
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, FP8])
+@pytest.mark.parametrize("switch", [True, False])
+def test_moe_token_is_batch_invariant(dtype, switch):
+    """Token 0 alone and among 300 tokens that crowd its experts (past MKL's 128 rows an expert for float32):
+    with the switch always the same bits; without it, for the few tokens of a verify step."""
+    experts, top_k, hidden, inter = 8, 2, 256, 128
+    w13, w2, scales = _experts(dtype, experts, hidden, inter)
+    x = _randn(300, hidden, seed=5)
+    ids = torch.stack([torch.arange(300) % 3, 3 + torch.arange(300) % 2], dim=1)  # experts 0-4 only
+    weights = torch.softmax(_randn(300, top_k, seed=6), dim=-1)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        n = rows.shape[0]
+        return fused_moe(rows, w13, w2, weights[:n], ids[:n], **scales)
+
+    with batch_invariant_mode(switch):
+        bad = _first_row_differs(run, x, BATCHES if switch else (2, 5, 9, 16))
+    assert not bad, f"token 0 alone differs from token 0 in batches of (tokens, max diff) {bad}"
+
+
+def _pool(tokens: int, kv_heads: int, hd: int):
+    k_cache = _randn(tokens, kv_heads, hd, seed=7)
+    v_cache = _randn(tokens, kv_heads, hd, seed=8)
+    return k_cache, v_cache
+
+
+def test_extend_attention_is_decode_attention_per_token_with_the_switch():
+    """Each new token of an extend, in one pass, in two chunks (the second over the first's keys as its prefix)
+    and batched with another request, equals a decode step of that token over the same keys."""
+    heads, kv_heads, hd, length = 4, 2, 32, 40
+    k_cache, v_cache = _pool(2 * length, kv_heads, hd)
+    table = torch.arange(2 * length, dtype=torch.int32).view(
+        2, length
+    )  # request r: slots r * length ...
+    q = _randn(2 * length, heads, hd, seed=9)
+    scale = hd**-0.5
+
+    def extend(rows, prefixes, extends, queries):
+        t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        return extend_attention(
+            queries, k_cache, v_cache, table, t(rows), t(prefixes), t(extends), scale
+        )
+
+    with batch_invariant_mode():
+        decoded = decode_attention(
+            q[:length],
+            k_cache,
+            v_cache,
+            table,
+            torch.zeros(length, dtype=torch.int64),
+            torch.arange(1, length + 1),
+            scale,
+        )
+        one_pass = extend([0], [0], [length], q[:length])
+        chunks = torch.cat(
+            [extend([0], [0], [13], q[:13]), extend([0], [13], [length - 13], q[13:length])]
+        )
+        batched = extend([1, 0], [0, 0], [length, length], torch.cat([q[length:], q[:length]]))[
+            length:
+        ]
+    for name, got in (("one pass", one_pass), ("two chunks", chunks), ("batched", batched)):
+        assert torch.equal(got, decoded), f"{name}: max diff {(got - decoded).abs().max().item()}"
