@@ -39,7 +39,8 @@ def enable_decode_blocks(model: nn.Module, torch_compile: bool) -> str:
 def _why_not(model: nn.Module, torch_compile: bool) -> str:
     if torch_compile:
         return "torch.compile traces the modules"
-    if batch_invariant.enabled():  # a decode row then takes a prompt row's kernels (kernels/batch_invariant.py)
+    # batch invariant, a decode row takes a prompt row's kernels (kernels/batch_invariant.py)
+    if batch_invariant.enabled():
         return "batch invariant: decode runs the prefill's ops"
     if not cpu_kernels.enabled():
         return "the C++ kernels are off"
