@@ -22,7 +22,7 @@ import torch
 
 from sglang_lite import envs
 
-from . import cpu
+from . import batch_invariant, cpu
 
 BACKENDS = envs.SGLANG_KERNEL_BACKEND.choices
 
@@ -96,3 +96,9 @@ def use_native(*tensors: torch.Tensor, backend: str | None = None) -> bool:
         cpu.require()
         return True
     return cpu.available()
+
+
+def as_decode_blocks(*tensors: torch.Tensor) -> bool:
+    """True when a module should take the decode blocks' own C++ step for an elementwise part (rotary, the gates,
+    silu * up): batch invariance on the CPU, where a prompt token must compute what a decode token does."""
+    return batch_invariant.enabled() and use_native(*tensors)

@@ -201,3 +201,25 @@ def test_each_bound_names_its_field(field: str, value: object) -> None:
 )
 def test_each_bound_itself_is_accepted(field: str, value: object) -> None:
     SamplingParams.from_dict({field: value}).validate(vocab_size=VOCAB)
+
+
+def test_sampling_seed_is_the_seed_under_sglang_name():
+    assert SamplingParams.from_dict({"sampling_seed": 7}).seed == 7
+    assert SamplingParams.from_dict({"sampling_seed": 7, "seed": 7}).seed == 7
+    assert SamplingParams.from_dict({"sampling_seed": None, "seed": 3}).seed == 3
+    with pytest.raises(ValueError, match="seed and sampling_seed differ"):
+        SamplingParams.from_dict({"sampling_seed": 7, "seed": 8})
+
+
+def test_step_seeds_depend_on_seed_and_position_only():
+    from sglang_lite.sampling.sampler import step_seed
+
+    seeds = {
+        step_seed(seed, position)
+        for seed in (INT64_MIN, -1, 0, 1, INT64_MAX)
+        for position in range(50)
+    }
+    assert len(seeds) == 250 and all(
+        0 <= s <= INT64_MAX for s in seeds
+    )  # distinct, and torch takes them
+    assert step_seed(5, 3) == step_seed(5, 3)

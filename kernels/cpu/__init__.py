@@ -374,3 +374,28 @@ def fused_moe(
         rows = slice(start, start + MOE_CHUNK_TOKENS)
         out[rows] = _ops().fused_moe(x[rows], w13, w2, topk_weights[rows], topk_ids[rows], *extra)
     return out
+
+
+# ---- the decode blocks' own elementwise steps, for the modules under batch invariance (layer_ops.cpp) -------------
+
+
+def rotary_rows(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
+    """x [T, heads, hd] rotated (partial NeoX) as the attention block rotates it: a contiguous copy."""
+    return _ops().rotary_rows(_last_dim_contiguous(x), positions, cos_sin_cache, rotary_dim)
+
+
+def sigmoid_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """out * sigmoid(gate), both [T, heads, hd], as the attention block gates its output."""
+    return _ops().sigmoid_gate_rows(_last_dim_contiguous(out), _last_dim_contiguous(gate))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of rows [gate | up] [T, 2I]: [T, I], as the MLP blocks compute it."""
+    return _ops().silu_and_mul_rows(_last_dim_contiguous(gate_up))
+
+
+def add_gated(routed: torch.Tensor, shared: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
+    """routed + sigmoid(logit) * shared ([T, H], logit [T, 1]), as the MoE block adds a separate shared expert."""
+    return _ops().add_gated_rows(routed, shared, logit)

@@ -14,6 +14,7 @@ from sglang_lite.distributed import attn_all_reduce, get_parallel_state
 from sglang_lite.forward_batch import ForwardBatch
 from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.kernels import decode_attention, extend_attention, fused_qk_gemma_rmsnorm, store_kv
+from sglang_lite.kernels.dispatch import as_decode_blocks
 from sglang_lite.layers.linear import (
     Linear,
     PackedLinear,
@@ -80,6 +81,10 @@ class Qwen3_5Attention(nn.Module):
         q, k = self._rotary[0](batch.positions, q, k)
         out = self._attend(q, k, v, batch)
         # gated per head, then heads merged: gate is a strided view, which a merge first would have copied
+        if as_decode_blocks(
+            out, gate
+        ):  # batch invariant: the block's gate (a prompt token's = a decode token's)
+            return attn_all_reduce(self.o_proj(cpu_kernels.sigmoid_gate(out, gate).flatten(1)))
         return attn_all_reduce(self.o_proj((out * torch.sigmoid(gate)).flatten(1)))
 
     def prepare_decode_block(self, norm: GemmaRMSNorm) -> None:

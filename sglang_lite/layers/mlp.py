@@ -16,6 +16,7 @@ from sglang_lite.config import ModelConfig, shard_size
 from sglang_lite.distributed import get_parallel_state
 from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.kernels import fused_moe, moe_route
+from sglang_lite.kernels.dispatch import as_decode_blocks
 from sglang_lite.layers.linear import (
     NO_SPLIT,
     Linear,
@@ -53,7 +54,10 @@ class GatedMLP(nn.Module):
         ) | input_columns("down_proj.weight", self.split, self.intermediate_size)
 
     def forward(self, x: torch.Tensor, ctx: OverlapContext = PLAIN) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if as_decode_blocks(gate_up):  # batch invariant: the block's silu * up
+            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
     def prepare_decode_block(self, norm: GemmaRMSNorm) -> None:
@@ -220,6 +224,9 @@ class Qwen3_5SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, ctx: OverlapContext = PLAIN) -> torch.Tensor:
         if self.fuse_shared_expert:
             return self._fused(x)
+        if as_decode_blocks(x):  # batch invariant: the shared expert added as the block adds it
+            shared_logit = self.shared_expert_gate(x)
+            return cpu_kernels.add_gated(self._routed(x), self.shared_expert(x), shared_logit)
         # The shared expert only reads x and fused_moe does not write into its input, so no clone is needed.
         shared, routed = overlap(
             lambda: self._shared(x), lambda: self._routed(x), ctx.alt, ctx.plan.moe_shared_routed, x

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from sglang_lite.distributed import get_parallel_state
-from sglang_lite.kernels import batch_invariant
 from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.layers.mlp import Qwen3_5SparseMoeBlock
 from sglang_lite.layers.quant import Fp8Linear, Fp8SparseMoeBlock
@@ -39,9 +38,6 @@ def enable_decode_blocks(model: nn.Module, torch_compile: bool) -> str:
 def _why_not(model: nn.Module, torch_compile: bool) -> str:
     if torch_compile:
         return "torch.compile traces the modules"
-    # batch invariant, a decode row takes a prompt row's kernels (kernels/batch_invariant.py)
-    if batch_invariant.enabled():
-        return "batch invariant: decode runs the prefill's ops"
     if not cpu_kernels.enabled():
         return "the C++ kernels are off"
     if get_parallel_state().config.dp_attention:

@@ -3,7 +3,8 @@ inside batches of any size give the same bits.
 
 With the switch, every path: linear layers of float32, bf16 and FP8 weights in both layouts (MKL's sizes and the
 split of K included), the fused MoE (experts of more rows than MKL's threshold included), and extend attention
-against decode attention over the same keys. Without it, the products a speculative verify step shares with a
+against decode attention over the same keys; a decode token's conv and delta rule against a prompt token's, and the
+decode blocks' elementwise steps the modules take then. Without it, the products a speculative verify step shares with a
 decode step (a few rows against one) still agree: every product adds its k terms in k order whatever its tile, and
 wide weights split K the same way at every row count.
 """
@@ -13,7 +14,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_lite.kernels import cpu, decode_attention, extend_attention, fused_moe, linear
+from sglang_lite.kernels import (
+    causal_conv1d_fn,
+    causal_conv1d_update,
+    chunk_gated_delta_rule,
+    cpu,
+    decode_attention,
+    extend_attention,
+    fused_moe,
+    fused_recurrent_gated_delta_rule,
+    linear,
+)
 from sglang_lite.kernels.batch_invariant import batch_invariant_mode
 from sglang_lite.kernels.quant.naive import quantize_blocks
 
@@ -191,3 +202,55 @@ def test_extend_attention_is_decode_attention_per_token_with_the_switch():
         ]
     for name, got in (("one pass", one_pass), ("two chunks", chunks), ("batched", batched)):
         assert torch.equal(got, decoded), f"{name}: max diff {(got - decoded).abs().max().item()}"
+
+
+def test_decode_token_is_a_prompt_token_with_the_switch():
+    """The conv and the delta rule of a decode step (one token a request) equal the last token of a prefill over
+    the same tokens, state for state: a retracted request prefilled again computes what its decode steps did."""
+    tokens, dim, taps, hk, hv, dk, dv = 9, 48, 4, 2, 4, 32, 32
+    x = _randn(tokens, dim, seed=10)
+    weight = _randn(dim, taps, seed=11) * 0.3
+    q, k = _randn(tokens, hk, dk, seed=12), _randn(tokens, hk, dk, seed=13)
+    v = _randn(tokens, hv, dv, seed=14)
+    g, beta = -torch.rand(tokens, hv) * 0.5, torch.rand(tokens, hv)
+    slot = torch.tensor([1], dtype=torch.int64)
+    cu = torch.tensor([0, tokens], dtype=torch.int64)
+    head = torch.tensor([0, tokens - 1], dtype=torch.int64)
+
+    def pools():
+        return torch.zeros(3, dim, taps - 1), torch.zeros(3, hv, dk, dv)
+
+    with batch_invariant_mode():
+        conv_all, ssm_all = pools()
+        conv_out = causal_conv1d_fn(x, weight, conv_all, slot, cu)
+        delta_out = chunk_gated_delta_rule(q, k, v, g, beta, ssm_all, slot, cu)
+        conv_step, ssm_step = pools()
+        causal_conv1d_fn(x[:-1], weight, conv_step, slot, head)
+        chunk_gated_delta_rule(q[:-1], k[:-1], v[:-1], g[:-1], beta[:-1], ssm_step, slot, head)
+        last = causal_conv1d_update(x[-1:], weight, conv_step, slot)
+        last_delta = fused_recurrent_gated_delta_rule(
+            q[-1:], k[-1:], v[-1:], g[-1:], beta[-1:], ssm_step, slot
+        )
+    assert torch.equal(last, conv_out[-1:]) and torch.equal(conv_step, conv_all)
+    assert torch.equal(last_delta, delta_out[-1:]) and torch.equal(ssm_step, ssm_all)
+
+
+def test_block_steps_for_the_modules_compute_what_torch_does():
+    """The decode blocks' elementwise steps as ops (the modules take them under the switch): rotary, the output
+    gate, silu * up and a separate shared expert's gated sum, against their PyTorch forms."""
+    from sglang_lite.kernels.rotary import naive as rotary_ref
+
+    q = _randn(5, 4, 64, seed=15)[:, :, :48]  # a strided view, as the modules hand it over
+    positions = torch.tensor([0, 3, 7, 1, 30])
+    cos_sin = _randn(32, 32, seed=16)
+    want, _ = rotary_ref.apply_rotary(q, q, positions, cos_sin, 32)
+    assert_rel_close(cpu.rotary_rows(q, positions, cos_sin, 32), want, F32)
+    out, gate = _randn(5, 4, 16, seed=17), _randn(5, 4, 32, seed=18)[..., 16:]
+    assert_rel_close(cpu.sigmoid_gate(out, gate), out * torch.sigmoid(gate), F32)
+    gate_up = _randn(6, 40, seed=19)
+    gate_half, up = gate_up.chunk(2, dim=-1)
+    assert_rel_close(cpu.silu_and_mul(gate_up), torch.nn.functional.silu(gate_half) * up, F32)
+    routed, shared, logit = _randn(6, 24, seed=20), _randn(6, 24, seed=21), _randn(6, 1, seed=22)
+    assert_rel_close(
+        cpu.add_gated(routed, shared, logit), routed + torch.sigmoid(logit) * shared, F32
+    )

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -142,6 +143,20 @@ inline GdnShapes check_gdn_operands(const at::Tensor& q, const at::Tensor& k, co
               ssm_states.sizes());
   return s;
 }
+
+// ---- batch invariance (--enable-deterministic-inference) -----------------------------------------------------------
+
+// Whether every kernel computes each row of its result in an order that does not depend on how many rows it has
+// (kernels/batch_invariant.py): in the products (gemm.h) no split of K over the threads, no MKL, the same bf16 path
+// at every row count (every product already adds each output's k terms one at a time in k order, whatever its tile;
+// these are the paths that chose by row count); the decode blocks run a decode token through the prefill kernels.
+// One switch per process, as SGLang's batch-invariant mode; kernels/cpu sets it.
+inline std::atomic<bool>& batch_invariant_flag() {
+  static std::atomic<bool> flag{false};
+  return flag;
+}
+
+inline bool batch_invariant() { return batch_invariant_flag().load(std::memory_order_relaxed); }
 
 // ---- the target's vector registers ------------------------------------------------------------------------------
 

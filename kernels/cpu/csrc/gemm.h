@@ -10,7 +10,6 @@
 
 #include "common.h"
 
-#include <atomic>
 #include <chrono>
 #include <type_traits>
 
@@ -597,19 +596,6 @@ inline double bf16_dot_speed() {
   static const double speed = measure_bf16_dot_speed();
   return speed;
 }
-
-// ---- batch invariance (--enable-deterministic-inference) -----------------------------------------------------------
-
-// Whether every product computes each row of its result in an order that does not depend on how many rows it has:
-// no split of K over the threads, no MKL, the same bf16 path at every row count. (Every product here already adds
-// each output's k terms one at a time in k order, whatever its tile; these are the paths that chose by row count.)
-// One switch per process, as SGLang's batch-invariant mode; kernels/cpu sets it.
-inline std::atomic<bool>& batch_invariant_flag() {
-  static std::atomic<bool> flag{false};
-  return flag;
-}
-
-inline bool batch_invariant() { return batch_invariant_flag().load(std::memory_order_relaxed); }
 
 // The speed (above) from which vdpbf16ps runs many rows: where it does more products per second than the FMA (and
 // saves the widening's instructions too). CPUs read far from it: 0.5 on the Intel Xeon measured, 2 on AMD Zen 4,

@@ -115,7 +115,77 @@ void store_rows(const float* src, int64_t row, int64_t head, int64_t tokens, int
   }
 }
 
+// rows[r] *= sigmoid(gates[r]) for `count` rows of n: the attention output's gate.
+void gate_by_sigmoid(float* rows, const Rows& gates, int64_t count, int64_t n) {
+  for (int64_t r = 0; r < count; ++r) {
+    const float* gate = gates[r];
+    float* row = rows + r * n;
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) row[d] *= sigmoid(gate[d]);
+  }
+}
+
+// out += sigmoid(logit) * shared over a row of n: a separate shared expert's contribution.
+void add_gated(float* out, const float* shared, float logit, int64_t n) {
+  const float gate = sigmoid(logit);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) out[j] += gate * shared[j];
+}
+
 }  // namespace
+
+// ---- the blocks' own steps as ops: with batch invariance the modules take them too (layers/*.py), so that a
+// prompt token computes what a decode token does ---------------------------------------------------------------------
+
+// x [T, heads, hd] (last dimension contiguous) rotated as the attention block rotates: a contiguous copy.
+at::Tensor rotary_rows(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin,
+                       int64_t rotary_dim) {
+  check_float(x, "x", 3);
+  check_float(cos_sin, "cos_sin_cache", 2);
+  TORCH_CHECK(rotary_dim <= x.size(2) && rotary_dim % 2 == 0 && cos_sin.size(1) == rotary_dim,
+              "cos_sin_cache must be [P, ", rotary_dim, "] with an even rotary_dim <= ", x.size(2));
+  TORCH_CHECK(positions.numel() == x.size(0), "positions must hold one entry per token");
+  at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
+  rotate(out.data_ptr<float>(), x.size(0), x.size(1), x.size(2), Index(positions, "positions"), cos_sin,
+         rotary_dim);
+  return out;
+}
+
+// out [T, heads, hd] times sigmoid(gate) [T, heads, hd] (strided views): a contiguous result.
+at::Tensor sigmoid_gate_rows(const at::Tensor& out, const at::Tensor& gate) {
+  check_float(out, "out", 3);
+  check_float(gate, "gate", 3);
+  TORCH_CHECK(gate.sizes() == out.sizes(), "gate must be shaped like out ", out.sizes(), ", got ", gate.sizes());
+  at::Tensor result = out.clone(at::MemoryFormat::Contiguous);
+  gate_by_sigmoid(result.data_ptr<float>(), Rows(gate), out.size(0) * out.size(1), out.size(2));
+  return result;
+}
+
+// silu(gate) * up of rows [gate | up] [T, 2I]: [T, I].
+at::Tensor silu_and_mul_rows(const at::Tensor& gate_up) {
+  check_float(gate_up, "gate_up", 2);
+  const int64_t inter = gate_up.size(1) / 2;
+  at::Tensor rows = gate_up.clone(at::MemoryFormat::Contiguous);
+  for (int64_t r = 0; r < rows.size(0); ++r) silu_and_mul(rows.data_ptr<float>() + r * 2 * inter, inter);
+  return rows.narrow(1, 0, inter).contiguous();
+}
+
+// routed + sigmoid(logit) * shared, rows [T, H] and logit [T, 1]: a separate shared expert added.
+at::Tensor add_gated_rows(const at::Tensor& routed, const at::Tensor& shared, const at::Tensor& logit) {
+  check_float(routed, "routed", 2);
+  check_float(shared, "shared", 2);
+  check_float(logit, "logit", 2);
+  TORCH_CHECK(shared.sizes() == routed.sizes() && logit.size(0) == routed.size(0) && logit.size(1) == 1,
+              "routed and shared must be [T, H] and logit [T, 1]");
+  at::Tensor out = routed.clone(at::MemoryFormat::Contiguous);
+  const at::Tensor s = shared.contiguous();
+  const int64_t width = out.size(1);
+  for (int64_t r = 0; r < out.size(0); ++r) {
+    add_gated(out.data_ptr<float>() + r * width, s.data_ptr<float>() + r * width,
+              logit.data_ptr<float>()[r * logit.stride(0)], width);
+  }
+  return out;
+}
 
 // A speculative verify forward's rows (forward_batch.VerifyStates): rows[j] the rows of each request's token j,
 // reqs[j] those requests; after each token the layer's states go to conv[req, j, layer], ssm[req, j, layer].
@@ -182,9 +252,27 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(key_dim)));
   const int64_t taps = conv_weight.size(1);
   // The conv update and the delta rule over `n` rows whose inputs are `x` (rows x_row apart), gates g and beta,
-  // state slots `at`: conv outputs to `c`, attention outputs to `out` (rows contiguous).
+  // state slots `slots_of` (as an Index and a tensor): conv outputs to `c`, attention outputs to `out` (rows
+  // contiguous). Batch invariant: the prefill kernels, one token a request, as the modules run them then
+  // (kernels/cpu/__init__.py), so that a decode token computes what a prompt token does.
   auto mix = [&](const float* x, int64_t x_row, int64_t n, const float* g, const float* beta, const Index& slot_of,
-                 float* c, float* out) {
+                 const at::Tensor& slots_of, float* c, float* out) {
+    if (batch_invariant()) {
+      const auto f32 = at::TensorOptions().dtype(at::kFloat);
+      const at::Tensor one_each = at::arange(n + 1, at::TensorOptions().dtype(at::kLong));
+      const at::Tensor xs = at::from_blob(const_cast<float*>(x), {n, conv_dim}, {x_row, 1}, f32);
+      const at::Tensor mixed = causal_conv1d_prefill(xs, conv_weight, conv_states, slots_of, one_each, true);
+      const at::Tensor q = mixed.narrow(1, 0, keys).view({n, key_heads, key_dim});
+      const at::Tensor k = mixed.narrow(1, keys, keys).view({n, key_heads, key_dim});
+      const at::Tensor v = mixed.narrow(1, 2 * keys, values).view({n, value_heads, value_dim});
+      const at::Tensor g_t = at::from_blob(const_cast<float*>(g), {n, value_heads}, f32);
+      const at::Tensor beta_t = at::from_blob(const_cast<float*>(beta), {n, value_heads}, f32);
+      const double scale_as_modules = std::pow(static_cast<double>(key_dim), -0.5);  // Python's dk ** -0.5
+      const at::Tensor o_t = gated_delta_rule_prefill(q, k, v, g_t, beta_t, ssm_states, slots_of, one_each,
+                                                      scale_as_modules, true);
+      std::copy_n(o_t.data_ptr<float>(), n * values, out);
+      return;
+    }
     conv_update_core(x, x_row, n, conv_dim, conv_weight.data_ptr<float>(), taps, conv_states.data_ptr<float>(), slot_of,
                      conv_states.stride(0), conv_states.stride(1), true, c);
     delta_rule_decode_core(Rows(c, key_heads, conv_dim, key_dim), Rows(c + keys, key_heads, conv_dim, key_dim),
@@ -193,7 +281,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
                            slot_of, ssm_states.stride(0), ssm_states.stride(1), scale, true, out);
   };
   if (verify == nullptr) {
-    mix(qkvz, qkvz_width, batch, gates, gates + batch * value_heads, slots, conv, o);
+    mix(qkvz, qkvz_width, batch, gates, gates + batch * value_heads, slots, state_slots, conv, o);
   } else {
     TORCH_CHECK(verify->rows.size() == verify->reqs.size(), "verify rows and requests differ in steps");
     TORCH_CHECK(conv_states.stride(2) == 1, "conv_states must have contiguous taps to be recorded");
@@ -213,9 +301,9 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
         std::copy_n(gates + (batch + r) * value_heads, value_heads, beta.data() + i * value_heads);
         row_slots[i] = slots[r];
       }
-      const Index step_slots(at::from_blob(row_slots.data(), {n}, at::TensorOptions().dtype(at::kLong)),
-                             "verify slots");
-      mix(x.data(), conv_dim, n, g.data(), beta.data(), step_slots, c.data(), out.data());
+      const at::Tensor step_slots_t = at::from_blob(row_slots.data(), {n}, at::TensorOptions().dtype(at::kLong));
+      const Index step_slots(step_slots_t, "verify slots");
+      mix(x.data(), conv_dim, n, g.data(), beta.data(), step_slots, step_slots_t, c.data(), out.data());
       for (int64_t i = 0; i < n; ++i) {
         std::copy_n(out.data() + i * values, values, o + rows[i] * values);
         record_states(*verify, reqs[i], static_cast<int64_t>(j),
@@ -295,12 +383,8 @@ std::tuple<at::Tensor, at::Tensor> attention_decode_block(
                         TokenTable(page_table, page_size),
                         Index(req_pool_indices, "req_pool_indices"), Index(seq_lens, "seq_lens"), longest,
                         static_cast<float>(scale), attended);
-  for (int64_t r = 0; r < batch * heads; ++r) {  // times sigmoid(gate), the second half of each head's [q | gate]
-    const float* gate = qkv + (r / heads) * qkv_width + (r % heads) * 2 * hd + hd;
-    float* row = attended + r * hd;
-#pragma omp simd
-    for (int64_t d = 0; d < hd; ++d) row[d] *= sigmoid(gate[d]);
-  }
+  // times sigmoid(gate), the second half of each head's [q | gate]
+  gate_by_sigmoid(attended, Rows(qkv + hd, heads, qkv_width, 2 * hd), batch * heads, hd);
   at::Tensor out = at::empty({batch, width}, hidden.options());
   project(attended, queries, batch, queries, o_w, o_s, out.data_ptr<float>());
   return {out, res};
@@ -345,11 +429,7 @@ std::tuple<at::Tensor, at::Tensor> moe_decode_block(
   if (!fused) {
     gated_mlp(normed, batch, width, *shared_gate_up_w, shared_gate_up_s, *shared_down_w, shared_down_s, project,
               shared_gate_up, shared);
-    for (int64_t r = 0; r < batch; ++r) {
-      const float gate = sigmoid(shared_logit[r]);
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) o[r * width + j] += gate * shared[r * width + j];
-    }
+    for (int64_t r = 0; r < batch; ++r) add_gated(o + r * width, shared + r * width, shared_logit[r], width);
   }
   return {out, res};
 }
@@ -534,6 +614,10 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
         "int[] block, int bf16_dot) -> (Tensor, Tensor)");
   m.def("mtp_input_block(Tensor embedded, Tensor hidden, Tensor embed_norm_w, float embed_eps, "
         "Tensor hidden_norm_w, float hidden_eps, Tensor fc_w, Tensor? fc_s, int[] block, int bf16_dot) -> Tensor");
+  m.def("rotary_rows(Tensor x, Tensor positions, Tensor cos_sin, int rotary_dim) -> Tensor");
+  m.def("sigmoid_gate_rows(Tensor out, Tensor gate) -> Tensor");
+  m.def("silu_and_mul_rows(Tensor gate_up) -> Tensor");
+  m.def("add_gated_rows(Tensor routed, Tensor shared, Tensor logit) -> Tensor");
   m.def("mlp_decode_block(Tensor hidden, Tensor residual, Tensor norm_weight, float eps, Tensor gate_up_w, "
         "Tensor? gate_up_s, Tensor down_w, Tensor? down_s, int[] block, int bf16_dot) -> (Tensor, Tensor)");
 }
@@ -544,4 +628,8 @@ TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) {
   m.impl("moe_decode_block", &sgl_cpu::moe_decode_block);
   m.impl("mlp_decode_block", &sgl_cpu::mlp_decode_block);
   m.impl("mtp_input_block", &sgl_cpu::mtp_input_block);
+  m.impl("rotary_rows", &sgl_cpu::rotary_rows);
+  m.impl("sigmoid_gate_rows", &sgl_cpu::sigmoid_gate_rows);
+  m.impl("silu_and_mul_rows", &sgl_cpu::silu_and_mul_rows);
+  m.impl("add_gated_rows", &sgl_cpu::add_gated_rows);
 }

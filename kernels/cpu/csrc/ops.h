@@ -72,6 +72,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, const c10::optional<at::Tensor>& shared,
                                              int64_t top_k, bool renormalize, int64_t shared_id);
 
+// prefill_ops.cpp
+at::Tensor gated_delta_rule_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                    const at::Tensor& beta, const at::Tensor& ssm_states,
+                                    const at::Tensor& state_indices, const at::Tensor& cu_seqlens, double scale,
+                                    bool use_qk_l2norm);
+at::Tensor causal_conv1d_prefill(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& conv_states,
+                                 const at::Tensor& state_indices, const at::Tensor& cu_seqlens, bool silu);
 // linear_ops.cpp, moe_ops.cpp
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                        at::IntArrayRef block, int64_t bf16_dot);

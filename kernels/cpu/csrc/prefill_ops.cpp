@@ -114,6 +114,10 @@ std::vector<int64_t> request_bounds(const at::Tensor& cu_seqlens, int64_t batch,
 
 // ---- gated delta rule over packed requests -----------------------------------------------------------------------
 
+}  // namespace
+
+namespace sgl_cpu {  // the ops (ops.h): the decode blocks take them too, batch invariant
+
 // q, k [T, HK, dk]; v [T, HV, dv]; g, beta [T, HV]; ssm_states [S, HV, dk, dv] (float32, updated in place: each
 // request starts from its slot's state and leaves its final state there). Returns o [T, HV, dv].
 at::Tensor gated_delta_rule_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -243,7 +247,7 @@ at::Tensor causal_conv1d_prefill(const at::Tensor& x, const at::Tensor& weight, 
   return out;
 }
 
-}  // namespace
+}  // namespace sgl_cpu
 
 TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
   m.def("gated_delta_rule_prefill(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) ssm_states, "
@@ -253,6 +257,6 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) {
-  m.impl("gated_delta_rule_prefill", &gated_delta_rule_prefill);
-  m.impl("causal_conv1d_prefill", &causal_conv1d_prefill);
+  m.impl("gated_delta_rule_prefill", &sgl_cpu::gated_delta_rule_prefill);
+  m.impl("causal_conv1d_prefill", &sgl_cpu::causal_conv1d_prefill);
 }
