@@ -30,6 +30,12 @@ prompts, less the time of their first token.
 
     python benchmarks/bench_offline.py --scaling --tp-size 2 --input-len 1024 --batch-sizes 4
 
+``--deterministic`` compares the engine with itself instead: without and with ``enable_deterministic_inference``
+(batch-invariant kernels) on the same model, side by side in one run (``bench_deterministic.py``): tok/s, the
+flag's cost in each phase, and whether the first prompt's output ids are the same alone and in the batch.
+
+    python benchmarks/bench_offline.py --deterministic --model-shape mid --threads 2 --batch-sizes 1 32
+
 ``--speculative`` runs ``bench_speculative.py`` with the other flags: plain against speculative decoding (MTP head)
 side by side, tok/s and mean accepted length at each batch size; ``--speculative --costs`` the parts of a step.
 
@@ -228,13 +234,14 @@ def hf_generate(model: torch.nn.Module, prompts: list[list[int]], output_len: in
     assert out.shape == (len(prompts), ids.shape[1] + output_len)
 
 
-def engine_generate(engine, prompts: list[list[int]], output_len: int) -> None:
+def engine_generate(engine, prompts: list[list[int]], output_len: int) -> list[list[int]]:
     """The Engine's call, its prompts prefilled in full as transformers' are: the same prompts run several times
-    (repeats, the one-token call), so the prefix cache is emptied first."""
+    (repeats, the one-token call), so the prefix cache is emptied first. Each prompt's output ids."""
     params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
     engine.flush_cache()
     results = engine.generate(input_ids=prompts, sampling_params=params)
     assert all(len(r["output_ids"]) == output_len for r in results)
+    return [r["output_ids"] for r in results]
 
 
 def measure_side(generate, prompts: list[list[int]], output_len: int, repeats: int) -> Side:
@@ -251,16 +258,7 @@ def run(args: argparse.Namespace, model_dir: str, dummy: bool) -> list[Row]:
     hf_model = build_hf_model(model_dir, dummy)
     vocab = hf_model.config.vocab_size
     rows = []
-    with Engine(
-        model_dir,
-        load_format="dummy" if dummy else "auto",
-        skip_tokenizer_init=True,
-        max_running_requests=max(args.batch_sizes),
-        max_total_tokens=args.max_total_tokens,
-        enable_torch_compile=args.torch_compile,
-        cpu_threads_per_rank=args.threads,
-        tp_size=args.tp_size,
-    ) as engine:
+    with Engine(model_dir, **engine_options(args, dummy)) as engine:
         warm = random_prompts(2, 16, vocab, seed=99)
         hf_generate(hf_model, warm, 4)
         engine_generate(engine, warm, 4)
@@ -275,18 +273,30 @@ def run(args: argparse.Namespace, model_dir: str, dummy: bool) -> list[Row]:
                     ("hf", partial(hf_generate, hf_model)),
                 ):
                     side = measure_side(generate, prompts, args.output_len, 1)
-                    sides[name] = side if name not in sides else _better(sides[name], side)
+                    sides[name] = side if name not in sides else best_side(sides[name], side)
             rows.append(Row(batch_size, sides["hf"], sides["engine"]))
     return rows
 
 
-def _better(a: Side, b: Side) -> Side:
+def engine_options(args: argparse.Namespace, dummy: bool) -> dict:
+    """The Engine's keyword arguments from the command line."""
+    return dict(
+        load_format="dummy" if dummy else "auto",
+        skip_tokenizer_init=True,
+        max_running_requests=max(args.batch_sizes),
+        max_total_tokens=args.max_total_tokens,
+        enable_torch_compile=args.torch_compile,
+        cpu_threads_per_rank=args.threads,
+        tp_size=args.tp_size,
+    )
+
+
+def best_side(a: Side, b: Side) -> Side:
     return Side(best([a.speed, b.speed]), min(a.whole_s, b.whole_s), min(a.prefill_s, b.prefill_s))
 
 
-def print_table(
-    rows: list[Row], args: argparse.Namespace, machine: Machine, model_dir: str
-) -> None:
+def print_setup(args: argparse.Namespace) -> None:
+    """The run's shape, threads, host load and instruction sets: the header of a table."""
     print(
         f"\n{args.model_shape} Qwen3.5-MoE, engine TP={args.tp_size}, {args.input_len} prompt tokens, "
         f"{args.output_len} new tokens, {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, engine "
@@ -298,6 +308,12 @@ def print_table(
     print(
         f"ISA: our kernels {cpu_kernels.describe_isa()}, PyTorch's {torch.backends.cpu.get_cpu_capability()}"
     )
+
+
+def print_table(
+    rows: list[Row], args: argparse.Namespace, machine: Machine, model_dir: str
+) -> None:
+    print_setup(args)
     print(f"{'':>6} {'wall clock tok/s':^36} {'tok per CPU-second':^36}")
     print(
         f"{'batch':>6} {'transformers':>13} {'sglang_lite':>12} {'ratio':>9} "
@@ -501,6 +517,12 @@ def main() -> None:
         "--hidden", type=int, default=1024, help="hidden size of the --scaling model"
     )
     parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="the engine without and with --enable-deterministic-inference instead of against "
+        "transformers (bench_deterministic.py)",
+    )
+    parser.add_argument(
         "--speculative",
         action="store_true",
         help="speculative decoding with an MTP head against plain decoding instead (bench_speculative.py; "
@@ -532,12 +554,18 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_heap_memory()  # as in the engine's scheduler process, so both sides allocate alike
-    machine = measure_machine()
+    # the roofline's limits; --deterministic has no roofline
+    machine = None if args.deterministic else measure_machine()
     overrides = _model_config(args.model_config)
     if overrides:
         args.model_shape = "custom"
     with shape_checkpoint(args.model_shape, overrides) as (model_dir, dummy):
-        print_table(run(args, model_dir, dummy), args, machine, model_dir)
+        if args.deterministic:
+            import bench_deterministic
+
+            bench_deterministic.compare(args, model_dir, dummy)
+        else:
+            print_table(run(args, model_dir, dummy), args, machine, model_dir)
 
 
 def _model_config(value: str | None) -> dict:

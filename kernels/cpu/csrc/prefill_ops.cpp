@@ -205,7 +205,10 @@ at::Tensor causal_conv1d_prefill(const at::Tensor& x, const at::Tensor& weight, 
   const int64_t x_row = x.stride(0), s_slot = conv_states.stride(0), s_chan = conv_states.stride(1);
   const int64_t s_tap = conv_states.stride(2);
   const int64_t blocks = (dim + kConvChannels - 1) / kConvChannels;
-  at::parallel_for(0, batch * blocks, 1, [&](int64_t begin, int64_t end) {
+  // items of a few tokens (a decode step's, batch invariant) run on the calling thread, as the decode update's do
+  const int64_t tokens_per_request = std::max<int64_t>(1, tokens / std::max<int64_t>(1, batch));
+  const int64_t item_grain = grain(tokens_per_request * kConvChannels * taps);
+  at::parallel_for(0, batch * blocks, item_grain, [&](int64_t begin, int64_t end) {
     std::vector<float> history(std::max<int64_t>(width, 1) * kConvChannels);  // [K-1, channels]: the state
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / blocks, d0 = (item % blocks) * kConvChannels;
