@@ -14,6 +14,9 @@ companion of gpu_check.py, which checks the kernels one by one and runs these ch
 5. The built-in model with its trained MTP head: greedy output with NEXTN speculation (k = 1, 2, 3 in CUDA graphs
    of the draft and verify steps, k = 3 eagerly) equals plain decoding, the tokens per verify step, and the decode
    speeds against plain.
+6. Deterministic inference (``enable_deterministic_inference``, the kernels' batch invariance): the logits of every
+   prompt token alone, packed with other prompts, in prefill chunks beside them and in decode steps (CUDA graphs)
+   are the same bits, for the dense, MoE (bf16) and block-FP8 checkpoints.
 
 Prints PASS/FAIL per check and exits non-zero when any fails. ``--device cpu`` runs the same checks on the CPU
 (no graphs; TP=2 over gloo), to know the script runs end to end; on a machine without a GPU, the default says so
@@ -40,6 +43,7 @@ from bench_alt_stream import overlap_flags  # noqa: E402
 
 from sglang_lite import Engine, load_model  # noqa: E402
 from sglang_lite.forward_batch import ForwardMode, build_forward_batch  # noqa: E402
+from sglang_lite.kernels.batch_invariant import batch_invariant_mode  # noqa: E402
 from sglang_lite.mem_cache.pools import ModelPools  # noqa: E402
 from sglang_lite.model_executor import ModelRunner  # noqa: E402
 from sglang_lite.sampling.grammar import mask_logits  # noqa: E402
@@ -188,6 +192,97 @@ def check_engine(checkpoint: TinyCheckpoint, kind: str) -> None:
         f"{same}/{len(prompts)} requests identical, {tokens}/{16 * len(prompts)} tokens; "
         f"used tokens after: {loads['num_used_tokens']}",
     )
+
+
+# ---- deterministic inference: the same bits alone, packed, chunked and decoded ---------------------------------
+INVARIANCE_LENGTHS = [1, 17, 64, 65, 100]
+DECODED_TAIL = 4  # the "decoded" way prefills a prompt but its last 4 tokens, then decodes them
+
+
+def check_batch_invariance(path: str, kind: str, dtype: torch.dtype, fp8: bool = False) -> None:
+    """Under ``enable_deterministic_inference`` (the Triton matmul for linear layers, the GDN prefill token by
+    token, extend attention as decode queries, fixed tiles everywhere): every prompt token's logits with its
+    prompt alone, packed with the four other prompts, prefilled beside them in chunks of 24 or 7 tokens (each chunk
+    resuming the states the last one left, as a prefix-cache hit does), and the last tokens as decode steps of
+    the five (CUDA graphs), are the same bits. On the CPU (``--device cpu``) in float32, the dtype of its batch
+    invariant C++ kernels (other dtypes run the PyTorch references there)."""
+    dtype = dtype if DEVICE != "cpu" else torch.float32
+    server_args = ServerArgs(
+        device=DEVICE,
+        max_running_requests=32,
+        cuda_graph_max_bs=8,
+        enable_deterministic_inference=True,
+        disable_shared_experts_fusion=False,
+    )
+    fp8_weights = {"fp8_weights": DEVICE != "cpu"} if fp8 else {}
+    with batch_invariant_mode():
+        model = load_model(path, dtype=dtype, device=DEVICE, server_args=server_args, **fp8_weights)
+        pools = ModelPools.create(model.config, 8192, 32, 256, dtype, DEVICE)
+        runner = ModelRunner(model, pools, server_args)
+        gen = torch.Generator().manual_seed(3)
+        prompts = [
+            torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist()
+            for n in INVARIANCE_LENGTHS
+        ]
+        alone = [run_in_rounds(runner, [p], chunk=len(p))[0] for p in prompts]
+        ways = {
+            "packed": run_in_rounds(runner, prompts, chunk=max(INVARIANCE_LENGTHS)),
+            "chunks of 24": run_in_rounds(runner, prompts, chunk=24),
+            "chunks of 7": run_in_rounds(runner, prompts, chunk=7),
+            "decoded": run_in_rounds(runner, prompts, chunk=64, decoded=DECODED_TAIL),
+        }
+    for way, logits in ways.items():
+        same = sum(torch.equal(a, b) for a, b in zip(alone, logits))
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(alone, logits))
+        report(
+            f"{kind} {str(dtype)[6:]} deterministic: {way} vs alone",
+            same == len(prompts),
+            f"{same}/{len(prompts)} prompts' logits the same bits, max abs diff {diff:.2e}",
+        )
+
+
+def run_in_rounds(
+    runner: ModelRunner, prompts: list[list[int]], chunk: int, decoded: int = 0
+) -> list[torch.Tensor]:
+    """Each prompt's logits [n, vocab] from forwards of all prompts together in rounds: extends of up to
+    ``chunk`` tokens of each prompt until all but its last ``decoded`` tokens are in, then decode steps (a
+    prompt keeps at least one token to prefill)."""
+    pools = runner.pools
+    rows, slots = pools.req_to_token.allocator.alloc(len(prompts)), pools.states.alloc(len(prompts))
+    prefill = [max(1, len(p) - decoded) for p in prompts]
+    done = [0] * len(prompts)
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        extend = any(d < n for d, n in zip(done, prefill))
+        ends = [
+            min(d + chunk, n) if extend else min(d + 1, len(p))
+            for d, n, p in zip(done, prefill, prompts)
+        ]
+        live = [i for i in range(len(prompts)) if ends[i] > done[i]]
+        tokens = [prompts[i][done[i] : ends[i]] for i in live]
+        starts = [done[i] for i in live]
+        where = [rows[i] for i in live], [slots[i] for i in live]
+        for i, part in zip(live, forward_round(runner, tokens, starts, *where, extend)):
+            logits[i].append(part)
+            done[i] = ends[i]
+    return [torch.cat(parts) for parts in logits]
+
+
+def forward_round(
+    runner: ModelRunner,
+    tokens: list[list[int]],
+    starts: list[int],
+    rows: list[int],
+    slots: list[int],
+    extend: bool,
+) -> tuple[torch.Tensor, ...]:
+    """One forward of ``tokens[i]`` after the first ``starts[i]`` tokens of request row ``rows[i]`` (state slot
+    ``slots[i]``), an extend or a decode step: each request's logits, of all its new tokens in an extend."""
+    pools = runner.pools
+    kv_slots = pools.alloc_kv(rows, starts, [len(t) for t in tokens])
+    mode = ForwardMode.EXTEND if extend else ForwardMode.DECODE
+    batch = build_forward_batch(pools, mode, tokens, starts, rows, slots, DEVICE, kv_slots)
+    return runner.forward_batch(batch, all_logits=extend).split([len(t) for t in tokens])
 
 
 # ---- serving paths under CUDA graphs: TP, penalties, a grammar, n > 1, the prefix cache -----------------------
@@ -365,6 +460,7 @@ def model_checks(root: str) -> list[tuple]:
             (check_graph_decode, path, kind, False),
             (check_graph_decode, path, kind, True),
             (check_engine, TinyCheckpoint(kind, os.path.join(root, "engine")), kind),
+            (check_batch_invariance, path, kind, torch.bfloat16),
         ]
     # every part of a fused projection (GDN qkv | z, attention q | k | v, experts' gate | up) a whole number of
     # 128-row blocks, as in released checkpoints: the GPU keeps FP8 only shards on block boundaries
@@ -374,6 +470,7 @@ def model_checks(root: str) -> list[tuple]:
         (check_fp8_logits, hf, path),
         (check_graph_decode, path, "fp8 moe", False, True),
         (check_graph_decode, path, "fp8 moe", True, True),
+        (check_batch_invariance, path, "fp8 moe", torch.float32, True),
         (check_serving, tp_size()),
         (check_speculation,),
     ]

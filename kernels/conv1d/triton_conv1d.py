@@ -5,6 +5,10 @@ Prefill: one program per (request, channel block, tile of BLOCK_T tokens), so a 
 (one program walking all of a request's tiles gave 64 programs at B=1, D=8192, for an H200's 132 SMs, and lost to
 F.conv1d there). The tile that starts a request reads the pooled initial state; a second launch writes the
 final state, after every read of the old one.
+
+Both kernels add a token's K products in tap order into one fp32 sum, each input read from the request's tokens or
+the pooled ones before them: a token's output is the same bits however its prompt is split into chunks, wherever
+a prefix-cache hit resumes it, and whether it is prefilled or decoded (batch invariance needs no switch here).
 """
 
 from __future__ import annotations
@@ -31,6 +35,40 @@ def _load_input(
         other=0.0,
     )
     return tl.where((pos >= 0)[:, None], from_x.to(tl.float32), from_state.to(tl.float32))
+
+
+@triton.jit
+def _taps(
+    x_req,
+    w_ptr,
+    state_ptr,
+    pos,
+    chans,
+    length,
+    stride_x,
+    stride_w,
+    stride_sd,
+    K: tl.constexpr,
+    D: tl.constexpr,
+    FROM_STATE: tl.constexpr,
+):
+    """The sum over taps 0..K-1, in that order, of input(pos + tap - (K-1)) * w[tap] in fp32 -> [P, BLOCK_D].
+    ``FROM_STATE`` (a request's first tile): inputs before the request come from the pooled state; later tiles
+    reach back to none."""
+    chan_ok = (chans < D)[None, :]
+    acc = tl.zeros((pos.shape[0], chans.shape[0]), dtype=tl.float32)
+    for tap in tl.static_range(K):
+        src = pos + tap - (K - 1)
+        w = tl.load(w_ptr + chans * stride_w + tap, mask=chans < D, other=0.0).to(tl.float32)
+        if FROM_STATE:
+            value = _load_input(x_req, state_ptr, src, chans, length, stride_x, stride_sd, K, D)
+        else:
+            src_ok = ((src >= 0) & (src < length))[:, None] & chan_ok
+            value = tl.load(
+                x_req + src[:, None] * stride_x + chans[None, :], mask=src_ok, other=0.0
+            )
+        acc += value.to(tl.float32) * w[None, :]
+    return acc
 
 
 @triton.jit
@@ -62,29 +100,12 @@ def _causal_conv1d_fwd_kernel(
     state_ptr = states_ptr + tl.load(slots_ptr + req).to(tl.int64) * stride_ss
     x_req = x_ptr + start.to(tl.int64) * stride_x
     chans = dblock * BLOCK_D + tl.arange(0, BLOCK_D)
-    chan_ok = (chans < D)[None, :]
     pos = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    x_tile = x_req + pos[:, None] * stride_x + chans[None, :]
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    # inputs from x; positions before the request start read as 0 here
-    for tap in tl.static_range(K):
-        shift = tap - (K - 1)
-        src_ok = ((pos + shift >= 0) & (pos + shift < length))[:, None] & chan_ok
-        w = tl.load(w_ptr + chans * stride_w + tap, mask=chans < D, other=0.0).to(tl.float32)
-        acc += (
-            tl.load(x_tile + shift * stride_x, mask=src_ok, other=0.0).to(tl.float32) * w[None, :]
-        )
+    strides = stride_x, stride_w, stride_sd
     if tile == 0:  # the first K-1 outputs also see the pooled inputs before the request
-        for tap in tl.static_range(K - 1):
-            shift = tap - (K - 1)
-            w = tl.load(w_ptr + chans * stride_w + tap, mask=chans < D, other=0.0).to(tl.float32)
-            in_state = ((pos + shift < 0) & (pos + shift >= 1 - K))[:, None] & chan_ok
-            old = tl.load(
-                state_ptr + chans[None, :] * stride_sd + (pos + tap)[:, None],
-                mask=in_state,
-                other=0.0,
-            )
-            acc += old.to(tl.float32) * w[None, :]
+        acc = _taps(x_req, w_ptr, state_ptr, pos, chans, length, *strides, K, D, True)
+    else:
+        acc = _taps(x_req, w_ptr, state_ptr, pos, chans, length, *strides, K, D, False)
     if SILU:
         acc = acc * tl.sigmoid(acc)
     out_mask = (pos < length)[:, None] & (chans < D)[None, :]
@@ -146,21 +167,17 @@ def _causal_conv1d_update_kernel(
     req, dblock = tl.program_id(0), tl.program_id(1)
     state_ptr = states_ptr + tl.load(slots_ptr + req).to(tl.int64) * stride_ss
     chans = dblock * BLOCK_D + tl.arange(0, BLOCK_D)
-    taps = tl.arange(0, BLOCK_K)  # window of K inputs: K-1 pooled ones, then this token
     chan_ok = (chans < D)[:, None]
-    old = tl.load(
-        state_ptr + chans[:, None] * stride_sd + taps[None, :],
-        mask=chan_ok & (taps < K - 1)[None, :],
-        other=0.0,
-    )
     x = tl.load(x_ptr + req.to(tl.int64) * stride_x + chans, mask=chans < D, other=0.0)
-    window = tl.where((taps == K - 1)[None, :], x.to(tl.float32)[:, None], old.to(tl.float32))
-    w = tl.load(
-        w_ptr + chans[:, None] * stride_w + taps[None, :],
-        mask=chan_ok & (taps < K)[None, :],
-        other=0.0,
-    )
-    y = tl.sum(window * w.to(tl.float32), axis=1)
+    # the window of K inputs (K-1 pooled ones, then this token) tap by tap, in the prefill kernel's order
+    y = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for tap in tl.static_range(K):
+        if tap < K - 1:
+            value = tl.load(state_ptr + chans * stride_sd + tap, mask=chans < D, other=0.0)
+        else:
+            value = x
+        w = tl.load(w_ptr + chans * stride_w + tap, mask=chans < D, other=0.0).to(tl.float32)
+        y += value.to(tl.float32) * w
     if SILU:
         y = y * tl.sigmoid(y)
     tl.store(
@@ -168,7 +185,8 @@ def _causal_conv1d_update_kernel(
         y.to(out_ptr.dtype.element_ty),
         mask=chans < D,
     )
-    # Shift by one: slot j takes window[j + 1]; gathered above, so the barrier orders all reads before the writes.
+    # Shift by one: slot j takes window[j + 1]; the barrier orders all reads of the old state before the writes.
+    taps = tl.arange(0, BLOCK_K)
     shifted = tl.load(
         state_ptr + chans[:, None] * stride_sd + taps[None, :] + 1,
         mask=chan_ok & (taps < K - 2)[None, :],

@@ -2,14 +2,15 @@
 
 Each public function runs the Triton kernel on a GPU and, on the CPU, the fused C++ kernel for float32 data (the
 PyTorch reference for other dtypes); ``backend`` forces one
-(see ``kernels/dispatch.py``).
+(see ``kernels/dispatch.py``). Under batch invariance the Triton prefill is the decode kernel's recurrence token
+by token (``triton_gdn.recurrent_prefill_triton``), whatever the split of a prompt into chunks.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import cpu
+from .. import batch_invariant, cpu
 from ..dispatch import use_native, use_triton
 from . import naive, triton_gdn
 
@@ -47,11 +48,12 @@ def chunk_gated_delta_rule(
         return cpu.chunk_gated_delta_rule(
             q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, scale, use_qk_l2norm
         )
-    impl = (
-        triton_gdn.chunk_gated_delta_rule_triton
-        if use_triton(q, backend)
-        else naive.chunk_gated_delta_rule
-    )
+    if not use_triton(q, backend):
+        impl = naive.chunk_gated_delta_rule
+    elif batch_invariant.enabled():
+        impl = triton_gdn.recurrent_prefill_triton
+    else:
+        impl = triton_gdn.chunk_gated_delta_rule_triton
     return impl(
         q, k, v, g, beta, ssm_states, state_indices, cu_seqlens, scale, use_qk_l2norm, chunk_size
     )

@@ -9,7 +9,11 @@ decay D_ij = exp(c_i - c_j) for j <= i):
   A = strictly_lower(diag(beta) K K^T * D);  T = (I + A)^-1 by forward substitution (the UT transform);
   U = T diag(beta) V;  W = T diag(beta exp(c)) K;  V' = U - W S;
   O = diag(exp(c)) Q S + (Q K^T * D) V';  S <- exp(c_last) S + (diag(exp(c_last - c)) K)^T V'.
-This is exactly the token recurrence regrouped, so chunked prefill and token-by-token decode agree.
+This is exactly the token recurrence regrouped, so chunked prefill and token-by-token decode agree (to rounding).
+
+Batch invariance (``kernels/batch_invariant.py``) needs the same bits, not agreement: the chunks start where each
+call's tokens start, so a prompt prefilled in two chunks, or resumed from a prefix-cache hit, regroups its sums.
+There prefill runs the decode kernel over each request's tokens in turn (``recurrent_prefill_triton``).
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ def _recurrent_kernel(
     out_ptr,
     states_ptr,
     slots_ptr,
+    cu_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -93,41 +98,50 @@ def _recurrent_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     L2NORM: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
-    """One decode step for (request, value head, dv block); the pooled state block is updated in place."""
+    """The recurrence token by token for (request, value head, dv block): a decode step's one token, or with
+    ``VARLEN`` the request's tokens cu[req]:cu[req + 1] one after another, the same arithmetic per token (the
+    state rounded to the pool's dtype after each, as a decode step stores it). The pooled state block is updated
+    in place."""
     req = tl.program_id(0)
     hv = tl.program_id(1)
     vblock = tl.program_id(2)
     hk = hv // GROUP
+    if VARLEN:
+        start = tl.load(cu_ptr + req).to(tl.int64)
+        end = tl.load(cu_ptr + req + 1).to(tl.int64)
+    else:
+        start = req.to(tl.int64)
+        end = start + 1
     ks = tl.arange(0, BK)
     vs = vblock * BV + tl.arange(0, BV)
-    q = tl.load(q_ptr + req * stride_qt + hk * stride_qh + ks, mask=ks < DK, other=0.0).to(
-        tl.float32
-    )
-    k = tl.load(k_ptr + req * stride_kt + hk * stride_kh + ks, mask=ks < DK, other=0.0).to(
-        tl.float32
-    )
-    v = tl.load(v_ptr + req * stride_vt + hv * stride_vh + vs, mask=vs < DV, other=0.0).to(
-        tl.float32
-    )
-    if L2NORM:
-        q, k = _l2norm_rows(q), _l2norm_rows(k)
-    q = q * scale
-    g = tl.load(g_ptr + req * stride_gt + hv).to(tl.float32)
-    beta = tl.load(beta_ptr + req * stride_bt + hv).to(tl.float32)
     slot = tl.load(slots_ptr + req).to(tl.int64)
     s_ptrs = states_ptr + slot * stride_ss + hv * stride_sh + ks[:, None] * stride_sk + vs[None, :]
     s_mask = (ks < DK)[:, None] & (vs < DV)[None, :]
-    state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32) * tl.exp(g)
-    delta = beta * (v - tl.sum(state * k[:, None], axis=0))
-    state += k[:, None] * delta[None, :]
+    state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+    for tok in range(start, end):
+        q = tl.load(q_ptr + tok * stride_qt + hk * stride_qh + ks, mask=ks < DK, other=0.0)
+        k = tl.load(k_ptr + tok * stride_kt + hk * stride_kh + ks, mask=ks < DK, other=0.0)
+        q, k = q.to(tl.float32), k.to(tl.float32)
+        v = tl.load(v_ptr + tok * stride_vt + hv * stride_vh + vs, mask=vs < DV, other=0.0)
+        v = v.to(tl.float32)
+        if L2NORM:
+            q, k = _l2norm_rows(q), _l2norm_rows(k)
+        q = q * scale
+        g = tl.load(g_ptr + tok * stride_gt + hv).to(tl.float32)
+        beta = tl.load(beta_ptr + tok * stride_bt + hv).to(tl.float32)
+        state = state * tl.exp(g)
+        delta = beta * (v - tl.sum(state * k[:, None], axis=0))
+        state += k[:, None] * delta[None, :]
+        o = tl.sum(state * q[:, None], axis=0)
+        tl.store(
+            out_ptr + tok * stride_ot + hv * stride_oh + vs,
+            o.to(out_ptr.dtype.element_ty),
+            mask=vs < DV,
+        )
+        state = state.to(states_ptr.dtype.element_ty).to(tl.float32)
     tl.store(s_ptrs, state.to(states_ptr.dtype.element_ty), mask=s_mask)
-    o = tl.sum(state * q[:, None], axis=0)
-    tl.store(
-        out_ptr + req * stride_ot + hv * stride_oh + vs,
-        o.to(out_ptr.dtype.element_ty),
-        mask=vs < DV,
-    )
 
 
 @triton.jit
@@ -440,14 +454,62 @@ def fused_recurrent_gated_delta_rule_triton(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """One decode token per request (its row of q, k, v, g, beta) through the recurrence."""
     dims = _check_gdn_inputs(q, k, v, g, beta, ssm_states, state_indices)
     if state_indices.shape[0] != q.shape[0]:
         raise ValueError(
             f"state_indices has {state_indices.shape[0]} entries for {q.shape[0]} decode tokens"
         )
     out = _output(v, out)
+    args = (q, k, v, g, beta, ssm_states, state_indices, out)
+    return _launch_recurrent(*args, dims, None, scale, use_qk_l2norm)
+
+
+def recurrent_prefill_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``chunk_gated_delta_rule_triton``'s prefill (same arguments; ``chunk_size`` unused) token by token, with
+    the arithmetic of a decode step: batch invariance's prefill. A token's output and the states after it are
+    then the same bits however the prompt is split into chunks, wherever a prefix-cache hit resumes it, and
+    whether the token is prefilled or decoded; the chunked kernel's chunks start where each call's tokens do."""
+    dims = _check_gdn_inputs(q, k, v, g, beta, ssm_states, state_indices)
+    if cu_seqlens.shape != (state_indices.shape[0] + 1,):
+        raise ValueError(
+            f"cu_seqlens must be [{state_indices.shape[0] + 1}], got {tuple(cu_seqlens.shape)}"
+        )
+    out = _output(v, out)
+    args = (q, k, v, g, beta, ssm_states, state_indices, out)
+    return _launch_recurrent(*args, dims, cu_seqlens, scale, use_qk_l2norm)
+
+
+def _launch_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    out: torch.Tensor,
+    dims: _GdnDims,
+    cu_seqlens: torch.Tensor | None,
+    scale: float | None,
+    use_qk_l2norm: bool,
+) -> torch.Tensor:
     block_v = min(_pad(dims.dv), 64)  # more programs per head: decode batches are small
-    grid = (q.shape[0], dims.hv, triton.cdiv(dims.dv, block_v))
+    grid = (state_indices.shape[0], dims.hv, triton.cdiv(dims.dv, block_v))
     if grid[0]:
         _recurrent_kernel[grid](
             q_ptr=q,
@@ -458,6 +520,7 @@ def fused_recurrent_gated_delta_rule_triton(
             out_ptr=out,
             states_ptr=ssm_states,
             slots_ptr=state_indices,
+            cu_ptr=state_indices if cu_seqlens is None else cu_seqlens,
             **_strides(q, k, v, g, beta, out, ssm_states),
             scale=dims.dk**-0.5 if scale is None else scale,
             GROUP=dims.hv // dims.hk,
@@ -466,5 +529,6 @@ def fused_recurrent_gated_delta_rule_triton(
             BK=_pad(dims.dk),
             BV=block_v,
             L2NORM=use_qk_l2norm,
+            VARLEN=cu_seqlens is not None,
         )
     return out

@@ -5,16 +5,19 @@ weights at a few rows (decode batches, short prompts), where MKL packs the whole
 it far below the GEMM peak, and reads an [out, in] weight far below the memory bandwidth at batch 1
 (docs/performance.md); with bf16 or FP8 weights at any size, each weight widened to float32 in registers.
 ``model_executor/weight_layout.py`` stores every projection [in, out] for it. Everything else, GPUs included, is
-``F.linear`` on weights widened to x's dtype first; ``backend`` forces one (see ``kernels/dispatch.py``).
+``F.linear`` on weights widened to x's dtype first, except under batch invariance (``kernels/batch_invariant.py``)
+on a GPU: cuBLAS chooses its kernel and split of K by the row count too, so there the Triton matmul of
+``triton_linear`` runs, its tiles and K order fixed whatever the rows. ``backend`` forces one (see
+``kernels/dispatch.py``; ``"triton"`` runs the Triton matmul with or without the switch).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import cpu
-from ..dispatch import use_native
-from . import naive
+from .. import batch_invariant, cpu
+from ..dispatch import use_native, use_triton
+from . import naive, triton_linear
 
 
 def linear(
@@ -33,6 +36,9 @@ def linear(
         if x.dim() == 2:
             return cpu.linear(x, weight, weight_scale, block)
         flat = cpu.linear(x.reshape(-1, x.shape[-1]), weight, weight_scale, block)
+        return flat.view(*x.shape[:-1], weight.shape[0])
+    if use_triton(x, backend) and (batch_invariant.enabled() or backend == "triton"):
+        flat = triton_linear.linear(x.reshape(-1, x.shape[-1]), weight, weight_scale, block)
         return flat.view(*x.shape[:-1], weight.shape[0])
     return naive.linear(x, weight, weight_scale, block)
 

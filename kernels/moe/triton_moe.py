@@ -6,6 +6,11 @@ rows and a block of intermediate columns, reading the gate and up rows of w13 si
 Kernel 2 computes ``w * (act W_down^T)`` per (token, selected expert) row; the launcher sums the k' rows of a
 token in fp32. topk_ids may hold any expert id below w13.shape[0], so a shared expert appended as expert E
 (with its own per-token weight) runs in the same pass as the routed ones.
+
+Batch invariant as they stand: the tiles (BLOCK_M rows of one expert, 64 columns, 64-deep K slices) are constants
+and each program walks K in order into one fp32 accumulator, so a row's sums never depend on the token count or
+on which rows share its block; no atomics. Under the switch only the final sum over a token's k' rows changes
+(``sum_slots``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import batch_invariant
 from ..dispatch import dot_precision, triton_interpreting
 from ..triton_utils import dot_accumulate
 
@@ -335,5 +341,16 @@ def fused_moe(
         UPCAST=triton_interpreting(),
         PRECISION=dot_precision(x.dtype),
     )
-    # each token's k' rows are summed here, in fp32 and in a fixed order (no atomics: deterministic)
-    return rows_out.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
+    return sum_slots(rows_out.view(num_tokens, top_k, hidden)).to(x.dtype)
+
+
+def sum_slots(rows: torch.Tensor) -> torch.Tensor:
+    """[T, k', H] fp32 -> [T, H]: each token's k' weighted expert rows summed in fp32 (no atomics). Under batch
+    invariance slot after slot, an order fixed per element, where torch's reduction picks its blocking (and with
+    it the order of the k' terms) from the whole tensor's sizes by rules it does not promise to keep."""
+    if not batch_invariant.enabled():
+        return rows.sum(1)
+    total = rows[:, 0].clone()
+    for slot in range(1, rows.shape[1]):
+        total += rows[:, slot]
+    return total

@@ -3,7 +3,8 @@
 x is quantized per token group first, and so is the activation between the two GEMMs (per (token, expert) row),
 as SGLang's FP8 fused MoE does; each K step multiplies one weight block and scales the fp32 partial sums by the
 row's group scale and the column's block scale. Routing and the alignment by expert are ``triton_moe``'s; no
-host reads (graph-capturable).
+host reads (graph-capturable). Batch invariant as ``triton_moe``: constant tiles (K slices of one weight block),
+K in order, per-row activation scales, the switch's in-order sum of a token's rows.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import triton.language as tl
 
 from ..dispatch import triton_interpreting
 from ..quant.triton_quant import per_token_group_quant
-from .triton_moe import BLOCK_M, _check_moe_args, align_by_expert
+from .triton_moe import BLOCK_M, _check_moe_args, align_by_expert, sum_slots
 
 
 @triton.jit
@@ -253,4 +254,4 @@ def fused_moe(
         BLOCK_K=block_k,
         UPCAST=triton_interpreting(),
     )
-    return rows_out.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
+    return sum_slots(rows_out.view(num_tokens, top_k, hidden)).to(x.dtype)

@@ -3,7 +3,8 @@
 
 The GEMM walks K one weight block (``BLOCK_K`` = the block's K size = the activation group) at a time: one FP8 x FP8
 dot per tile, scaled in fp32 by the row's group scale and the column's weight-block scale, summed in fp32.
-No host reads: the launches can be captured in a CUDA graph.
+No host reads: the launches can be captured in a CUDA graph. Batch invariant with the switch: activation scales
+per row, K in order, and the GEMM's tile fixed at every row count.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import batch_invariant
 from ..dispatch import triton_interpreting
 from .naive import MIN_AMAX, fp8_max
 
@@ -148,7 +150,9 @@ def w8a8_block_fp8_matmul(
     out = torch.empty(num_rows, num_cols, dtype=out_dtype, device=x_q.device)
     if num_rows == 0:
         return out
-    block_m = 16 if num_rows <= 16 else 64
+    # a decode batch's few rows take a 16-row tile; under batch invariance every row count takes the 64-row one
+    # (a different tile is a different dot instruction, and FP8 ones accumulate with limited precision)
+    block_m = 16 if num_rows <= 16 and not batch_invariant.enabled() else 64
     block_n = 64
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, block_n))
     _w8a8_block_fp8_matmul_kernel[grid](
