@@ -21,7 +21,15 @@ FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 
 def resolve_dtype(args: ServerArgs) -> torch.dtype:
-    """auto: the checkpoint's float dtype on GPU; float32 on CPU, where half precision is slow."""
+    """auto: the checkpoint's float dtype on GPU; float32 on CPU, where half precision is slow. Deterministic
+    inference on the CPU computes in float32 whatever the dtype: its batch-invariant kernels are the C++ ones, which
+    take float32 activations (``resolve_weight_dtype`` keeps bf16 weights bf16)."""
+    if _deterministic_on_cpu(args):
+        if args.dtype not in ("auto", "float32"):
+            logger.info(
+                "deterministic inference on the CPU: float32 activations, %s weights", args.dtype
+            )
+        return torch.float32
     if args.dtype != "auto":
         return FLOAT_DTYPES[args.dtype]
     if not args.device.startswith("cuda"):
@@ -33,6 +41,8 @@ def resolve_weight_dtype(args: ServerArgs, dtype: torch.dtype) -> torch.dtype:
     """The projections' weights: in the compute dtype, except on the CPU at ``--dtype auto``, where a bf16
     checkpoint's stay bf16 when the C++ kernels build: they widen each weight in registers (float32 activations and
     accumulation), and a decode step, which waits on reading the weights, reads half the bytes."""
+    if _deterministic_on_cpu(args) and args.dtype == "bfloat16":
+        return torch.bfloat16
     if args.dtype != "auto" or args.device.startswith("cuda") or dtype != torch.float32:
         return dtype
     if _checkpoint_dtype(args.model_dir) != "bfloat16" or not cpu_kernels.enabled():
@@ -41,6 +51,14 @@ def resolve_weight_dtype(args: ServerArgs, dtype: torch.dtype) -> torch.dtype:
         "CPU: the checkpoint's bf16 weights stay bf16 (the C++ kernels read them); activations float32"
     )
     return torch.bfloat16
+
+
+def _deterministic_on_cpu(args: ServerArgs) -> bool:
+    return (
+        args.enable_deterministic_inference
+        and not args.device.startswith("cuda")
+        and cpu_kernels.enabled()
+    )
 
 
 def resolve_fp8_weights(args: ServerArgs) -> tuple[bool | None, str]:
