@@ -318,3 +318,18 @@ def test_bfloat16_dtype_runs_float32_activations_with_the_flag(checkpoint):
         model,
         "--dtype bfloat16, batched with 10 others",
     )
+
+
+def test_retraction_equals_alone(model, reference):
+    """A pool too small for the batch: decode retracts requests, which prefill their prompt and output so far
+    again and go on; each prompt's ids and logprobs as alone."""
+
+    def together(engine: Engine) -> list[dict]:
+        return generate(engine, model.prompts, [GREEDY] * len(model.prompts))
+
+    small = {"max_total_tokens": 320, "schedule_conservativeness": 0.0, "chunked_prefill_size": 64}
+    retracted = model.run(together, **DETERMINISTIC, **small)
+    assert sum(r["meta_info"]["num_retractions"] for r in retracted) > 0, (
+        "the pool was meant to run out"
+    )
+    check_equal([completion(r) for r in retracted], reference, model, "retracted")
