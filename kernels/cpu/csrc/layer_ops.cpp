@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <numeric>
 #include <tuple>
 #include <vector>
 
@@ -252,25 +253,32 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(key_dim)));
   const int64_t taps = conv_weight.size(1);
   // The conv update and the delta rule over `n` rows whose inputs are `x` (rows x_row apart), gates g and beta,
-  // state slots `slots_of` (as an Index and a tensor): conv outputs to `c`, attention outputs to `out` (rows
+  // state slots `slot_of`: conv outputs to `c`, attention outputs to `out` (rows
   // contiguous). Batch invariant: the prefill kernels, one token a request, as the modules run them then
   // (kernels/cpu/__init__.py), so that a decode token computes what a prompt token does.
+  // the conv's weights taps-major ([K, D]), as the prefill kernel reads them (batch invariant)
+  std::vector<float> taps_major;
+  if (batch_invariant()) {
+    const float* w = conv_weight.data_ptr<float>();
+    taps_major.resize(conv_dim * taps);
+    for (int64_t d = 0; d < conv_dim; ++d) {
+      for (int64_t j = 0; j < taps; ++j) taps_major[j * conv_dim + d] = w[d * taps + j];
+    }
+  }
   auto mix = [&](const float* x, int64_t x_row, int64_t n, const float* g, const float* beta, const Index& slot_of,
-                 const at::Tensor& slots_of, float* c, float* out) {
+                 float* c, float* out) {
     if (batch_invariant()) {
-      const auto f32 = at::TensorOptions().dtype(at::kFloat);
-      const at::Tensor one_each = at::arange(n + 1, at::TensorOptions().dtype(at::kLong));
-      const at::Tensor xs = at::from_blob(const_cast<float*>(x), {n, conv_dim}, {x_row, 1}, f32);
-      const at::Tensor mixed = causal_conv1d_prefill(xs, conv_weight, conv_states, slots_of, one_each, true);
-      const at::Tensor q = mixed.narrow(1, 0, keys).view({n, key_heads, key_dim});
-      const at::Tensor k = mixed.narrow(1, keys, keys).view({n, key_heads, key_dim});
-      const at::Tensor v = mixed.narrow(1, 2 * keys, values).view({n, value_heads, value_dim});
-      const at::Tensor g_t = at::from_blob(const_cast<float*>(g), {n, value_heads}, f32);
-      const at::Tensor beta_t = at::from_blob(const_cast<float*>(beta), {n, value_heads}, f32);
-      const double scale_as_modules = std::pow(static_cast<double>(key_dim), -0.5);  // Python's dk ** -0.5
-      const at::Tensor o_t = gated_delta_rule_prefill(q, k, v, g_t, beta_t, ssm_states, slots_of, one_each,
-                                                      scale_as_modules, true);
-      std::copy_n(o_t.data_ptr<float>(), n * values, out);
+      std::vector<int64_t> one_each(n + 1);
+      std::iota(one_each.begin(), one_each.end(), int64_t{0});
+      conv_prefill_core(x, x_row, n, conv_dim, taps_major.data(), taps, conv_states.data_ptr<float>(), slot_of,
+                        conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), one_each.data(), n,
+                        true, c);
+      const float scale_as_modules = static_cast<float>(std::pow(static_cast<double>(key_dim), -0.5));  // dk ** -0.5
+      delta_rule_prefill_core(Rows(c, key_heads, conv_dim, key_dim), Rows(c + keys, key_heads, conv_dim, key_dim),
+                              Rows(c + 2 * keys, value_heads, conv_dim, value_dim), g, value_heads, beta, value_heads,
+                              GdnShapes{n, key_heads, key_dim, value_heads, value_dim}, ssm_states.data_ptr<float>(),
+                              slot_of, ssm_states.stride(0), ssm_states.stride(1), one_each.data(), n,
+                              scale_as_modules, true, out);
       return;
     }
     conv_update_core(x, x_row, n, conv_dim, conv_weight.data_ptr<float>(), taps, conv_states.data_ptr<float>(), slot_of,
@@ -281,7 +289,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
                            slot_of, ssm_states.stride(0), ssm_states.stride(1), scale, true, out);
   };
   if (verify == nullptr) {
-    mix(qkvz, qkvz_width, batch, gates, gates + batch * value_heads, slots, state_slots, conv, o);
+    mix(qkvz, qkvz_width, batch, gates, gates + batch * value_heads, slots, conv, o);
   } else {
     TORCH_CHECK(verify->rows.size() == verify->reqs.size(), "verify rows and requests differ in steps");
     TORCH_CHECK(conv_states.stride(2) == 1, "conv_states must have contiguous taps to be recorded");
@@ -301,9 +309,9 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
         std::copy_n(gates + (batch + r) * value_heads, value_heads, beta.data() + i * value_heads);
         row_slots[i] = slots[r];
       }
-      const at::Tensor step_slots_t = at::from_blob(row_slots.data(), {n}, at::TensorOptions().dtype(at::kLong));
-      const Index step_slots(step_slots_t, "verify slots");
-      mix(x.data(), conv_dim, n, g.data(), beta.data(), step_slots, step_slots_t, c.data(), out.data());
+      const Index step_slots(at::from_blob(row_slots.data(), {n}, at::TensorOptions().dtype(at::kLong)),
+                             "verify slots");
+      mix(x.data(), conv_dim, n, g.data(), beta.data(), step_slots, c.data(), out.data());
       for (int64_t i = 0; i < n; ++i) {
         std::copy_n(out.data() + i * values, values, o + rows[i] * values);
         record_states(*verify, reqs[i], static_cast<int64_t>(j),

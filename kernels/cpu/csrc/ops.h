@@ -73,6 +73,13 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, co
                                              int64_t top_k, bool renormalize, int64_t shared_id);
 
 // prefill_ops.cpp
+void delta_rule_prefill_core(const Rows& qs, const Rows& ks, const Rows& vs, const float* gp, int64_t g_row,
+                             const float* bp, int64_t b_row, const GdnShapes& shapes, float* states, const Index& slots,
+                             int64_t s_slot, int64_t s_head, const int64_t* bounds, int64_t batch, float sc,
+                             bool use_qk_l2norm, float* o);
+void conv_prefill_core(const float* xs, int64_t x_row, int64_t tokens, int64_t dim, const float* w, int64_t taps,
+                       float* states, const Index& slots, int64_t s_slot, int64_t s_chan, int64_t s_tap,
+                       const int64_t* bounds, int64_t batch, bool silu, float* o);
 at::Tensor gated_delta_rule_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                     const at::Tensor& beta, const at::Tensor& ssm_states,
                                     const at::Tensor& state_indices, const at::Tensor& cu_seqlens, double scale,

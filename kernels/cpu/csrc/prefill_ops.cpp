@@ -7,6 +7,7 @@
 // state in L1/L2: one pass over the state per token, which decays and updates it for this token and reads it for
 // the next (S^T k and S^T q). That is 6 dk dv flops per token and head, fewer than the chunked form's.
 #include "common.h"
+#include "ops.h"
 
 #include <torch/library.h>
 
@@ -125,19 +126,26 @@ at::Tensor gated_delta_rule_prefill(const at::Tensor& q, const at::Tensor& k, co
                                     const at::Tensor& state_indices, const at::Tensor& cu_seqlens, double scale,
                                     bool use_qk_l2norm) {
   const GdnShapes shapes = check_gdn_operands(q, k, v, g, beta, ssm_states);
-  const int64_t tokens = shapes.tokens, hk = shapes.hk, dk = shapes.dk, hv = shapes.hv, dv = shapes.dv;
   Index slots(state_indices, "state_indices");
   const int64_t batch = state_indices.numel();
   check_slots(slots, batch, ssm_states.size(0), "state_indices");
-  const std::vector<int64_t> bounds = request_bounds(cu_seqlens, batch, tokens);
-  at::Tensor out = at::empty({tokens, hv, dv}, v.options());
-  const int64_t groups = hv / hk;
-  const Rows qs(q), ks(k), vs(v);
-  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
-  float *states = ssm_states.data_ptr<float>(), *o = out.data_ptr<float>();
-  const int64_t s_slot = ssm_states.stride(0), s_head = ssm_states.stride(1);
-  const int64_t g_row = g.stride(0), b_row = beta.stride(0);
-  const float sc = static_cast<float>(scale);
+  const std::vector<int64_t> bounds = request_bounds(cu_seqlens, batch, shapes.tokens);
+  at::Tensor out = at::empty({shapes.tokens, shapes.hv, shapes.dv}, v.options());
+  delta_rule_prefill_core(Rows(q), Rows(k), Rows(v), g.data_ptr<float>(), g.stride(0), beta.data_ptr<float>(),
+                          beta.stride(0), shapes, ssm_states.data_ptr<float>(), slots, ssm_states.stride(0),
+                          ssm_states.stride(1), bounds.data(), batch, static_cast<float>(scale), use_qk_l2norm,
+                          out.data_ptr<float>());
+  return out;
+}
+
+// The gated delta rule of `batch` requests, request b's tokens [bounds[b], bounds[b + 1]) (the op's operands as
+// pointers: q, k rows of dk by (token * HK + key head), v rows of dv by (token * HV + head), g and beta rows apart
+// by g_row and b_row), states at slots[b] * s_slot + head * s_head, o [T, HV, dv].
+void delta_rule_prefill_core(const Rows& qs, const Rows& ks, const Rows& vs, const float* gp, int64_t g_row,
+                             const float* bp, int64_t b_row, const GdnShapes& shapes, float* states, const Index& slots,
+                             int64_t s_slot, int64_t s_head, const int64_t* bounds, int64_t batch, float sc,
+                             bool use_qk_l2norm, float* o) {
+  const int64_t hk = shapes.hk, dk = shapes.dk, hv = shapes.hv, dv = shapes.dv, groups = hv / hk;
   at::parallel_for(0, batch * hv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(4 * dk + 3 * dv);
     float *qn = scratch.data(), *kn = qn + dk, *qn_next = kn + dk, *kn_next = qn_next + dk;
@@ -173,7 +181,6 @@ at::Tensor gated_delta_rule_prefill(const at::Tensor& q, const at::Tensor& k, co
       }
     }
   });
-  return out;
 }
 
 // ---- causal conv1d over packed requests --------------------------------------------------------------------------
@@ -200,10 +207,18 @@ at::Tensor causal_conv1d_prefill(const at::Tensor& x, const at::Tensor& weight, 
   const std::vector<int64_t> bounds = request_bounds(cu_seqlens, batch, tokens);
   const at::Tensor taps_major = weight.t().contiguous();  // [K, D]: each tap's weights along the channels
   at::Tensor out = at::empty({tokens, dim}, x.options());
-  const float *xs = x.data_ptr<float>(), *w = taps_major.data_ptr<float>();
-  float *states = conv_states.data_ptr<float>(), *o = out.data_ptr<float>();
-  const int64_t x_row = x.stride(0), s_slot = conv_states.stride(0), s_chan = conv_states.stride(1);
-  const int64_t s_tap = conv_states.stride(2);
+  conv_prefill_core(x.data_ptr<float>(), x.stride(0), tokens, dim, taps_major.data_ptr<float>(), taps,
+                    conv_states.data_ptr<float>(), slots, conv_states.stride(0), conv_states.stride(1),
+                    conv_states.stride(2), bounds.data(), batch, silu, out.data_ptr<float>());
+  return out;
+}
+
+// The conv of `batch` requests, request b's tokens [bounds[b], bounds[b + 1]) of x (rows x_row apart), w the taps'
+// weights [K, D] (taps-major), states at slots[b] * s_slot (channels s_chan, taps s_tap apart), o [T, D].
+void conv_prefill_core(const float* xs, int64_t x_row, int64_t tokens, int64_t dim, const float* w, int64_t taps,
+                       float* states, const Index& slots, int64_t s_slot, int64_t s_chan, int64_t s_tap,
+                       const int64_t* bounds, int64_t batch, bool silu, float* o) {
+  const int64_t width = taps - 1;
   const int64_t blocks = (dim + kConvChannels - 1) / kConvChannels;
   // items of a few tokens (a decode step's, batch invariant) run on the calling thread, as the decode update's do
   const int64_t tokens_per_request = std::max<int64_t>(1, tokens / std::max<int64_t>(1, batch));
@@ -247,7 +262,6 @@ at::Tensor causal_conv1d_prefill(const at::Tensor& x, const at::Tensor& weight, 
       }
     }
   });
-  return out;
 }
 
 }  // namespace sgl_cpu
