@@ -8,13 +8,19 @@ argument; tests use ``batch_invariant_mode``). What it changes:
 - C++ products (``kernels/cpu``): already add each output's k terms one at a time in k order whatever their tile;
   with the switch no K split over the threads, no MKL, and bf16 weights take one path at every row count. Float32
   weights then run there at every size (MKL's blocking depends on the shapes).
-- Attention on the CPU: each new token of an extend runs as a decode query over its own prefix
+- Attention (C++ and Triton): each new token of an extend runs as a decode query over its own prefix
   (``kernels/attention``), the arithmetic of a decode step whatever the chunk or batch.
-- Triton: no atomics, fixed splits (``kernels/*/triton_*.py`` read ``enabled()``).
-- Sampling (``sampling/sampler.py``): a seeded request draws from a generator keyed by its seed and position.
+- The conv and the gated delta rule: a decode step runs through the prefill kernels, one token a request
+  (``kernels/cpu``, and the decode blocks in C++), so that a decode token computes what a prompt token does; on
+  Triton the prefill is the decode kernel's recurrence token by token, and both conv kernels add their taps in order.
+- The decode blocks' elementwise steps (rotary, the output gate, silu * up, a separate shared expert's gate) run in
+  the modules too (``dispatch.as_decode_blocks``).
+- Triton products: linear layers through a Triton matmul whose tiles follow (N, K) alone (cuBLAS picks by the rows),
+  the FP8 GEMM's row tile fixed, the MoE's per-token sum in slot order; no atomics anywhere.
+- Sampling (``scheduler/sampling.key_generators``): a seeded request's generator is reseeded per draw from its seed
+  and position.
 
-The Gated DeltaNet's CPU kernels run the recurrence token by token (prefill and decode alike), and norms, routing
-and the conv compute per row already: they need no switch.
+Norms, routing and the GDN gating compute each row on their own already: they need no switch.
 """
 
 from __future__ import annotations
