@@ -367,6 +367,13 @@ def _strides(q, k, v, g, beta, out, ssm_states) -> dict[str, int]:
     )
 
 
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, state_indices: torch.Tensor) -> None:
+    if cu_seqlens.shape != (state_indices.shape[0] + 1,):
+        raise ValueError(
+            f"cu_seqlens must be [{state_indices.shape[0] + 1}], got {tuple(cu_seqlens.shape)}"
+        )
+
+
 def _output(v: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
     if out.shape != v.shape or out.stride(-1) != 1:
@@ -393,10 +400,7 @@ def chunk_gated_delta_rule_triton(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     dims = _check_gdn_inputs(q, k, v, g, beta, ssm_states, state_indices)
-    if cu_seqlens.shape != (state_indices.shape[0] + 1,):
-        raise ValueError(
-            f"cu_seqlens must be [{state_indices.shape[0] + 1}], got {tuple(cu_seqlens.shape)}"
-        )
+    _check_cu_seqlens(cu_seqlens, state_indices)
     # an upper bound: see below
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
@@ -485,10 +489,7 @@ def recurrent_prefill_triton(
     then the same bits however the prompt is split into chunks, wherever a prefix-cache hit resumes it, and
     whether the token is prefilled or decoded; the chunked kernel's chunks start where each call's tokens do."""
     dims = _check_gdn_inputs(q, k, v, g, beta, ssm_states, state_indices)
-    if cu_seqlens.shape != (state_indices.shape[0] + 1,):
-        raise ValueError(
-            f"cu_seqlens must be [{state_indices.shape[0] + 1}], got {tuple(cu_seqlens.shape)}"
-        )
+    _check_cu_seqlens(cu_seqlens, state_indices)
     out = _output(v, out)
     args = (q, k, v, g, beta, ssm_states, state_indices, out)
     return _launch_recurrent(*args, dims, cu_seqlens, scale, use_qk_l2norm)

@@ -21,14 +21,15 @@ FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 
 def resolve_dtype(args: ServerArgs) -> torch.dtype:
-    """auto: the checkpoint's float dtype on GPU; float32 on CPU, where half precision is slow. Deterministic
-    inference on the CPU computes in float32 whatever the dtype: its batch-invariant kernels are the C++ ones, which
-    take float32 activations (``resolve_weight_dtype`` keeps bf16 weights bf16)."""
-    if _deterministic_on_cpu(args):
+    """auto: the checkpoint's float dtype on GPU; float32 on CPU, where half precision is slow. On the CPU with its
+    C++ kernels the activations are float32 at bfloat16 too (the dtype of the weights there: ``resolve_weight_dtype``;
+    bf16 activations would run the PyTorch references, slower, and not batch invariant) and under deterministic
+    inference whatever the dtype (its batch-invariant kernels are the C++ ones)."""
+    if _cpu_kernels(args) and (
+        args.dtype in ("auto", "bfloat16") or args.enable_deterministic_inference
+    ):
         if args.dtype not in ("auto", "float32"):
-            logger.info(
-                "deterministic inference on the CPU: float32 activations, %s weights", args.dtype
-            )
+            logger.info("CPU: float32 activations, %s weights", args.dtype)
         return torch.float32
     if args.dtype != "auto":
         return FLOAT_DTYPES[args.dtype]
@@ -38,10 +39,11 @@ def resolve_dtype(args: ServerArgs) -> torch.dtype:
 
 
 def resolve_weight_dtype(args: ServerArgs, dtype: torch.dtype) -> torch.dtype:
-    """The projections' weights: in the compute dtype, except on the CPU at ``--dtype auto``, where a bf16
-    checkpoint's stay bf16 when the C++ kernels build: they widen each weight in registers (float32 activations and
-    accumulation), and a decode step, which waits on reading the weights, reads half the bytes."""
-    if _deterministic_on_cpu(args) and args.dtype == "bfloat16":
+    """The projections' weights: in the compute dtype, except on the CPU with its C++ kernels at ``--dtype
+    bfloat16`` (bf16), and at ``--dtype auto``, where a bf16 checkpoint's stay bf16: they widen each weight in
+    registers (float32 activations and accumulation), and a decode step, which waits on reading the weights, reads
+    half the bytes."""
+    if _cpu_kernels(args) and args.dtype == "bfloat16":
         return torch.bfloat16
     if args.dtype != "auto" or args.device.startswith("cuda") or dtype != torch.float32:
         return dtype
@@ -53,12 +55,9 @@ def resolve_weight_dtype(args: ServerArgs, dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16
 
 
-def _deterministic_on_cpu(args: ServerArgs) -> bool:
-    return (
-        args.enable_deterministic_inference
-        and not args.device.startswith("cuda")
-        and cpu_kernels.enabled()
-    )
+def _cpu_kernels(args: ServerArgs) -> bool:
+    """The run is on the CPU and takes its C++ kernels."""
+    return not args.device.startswith("cuda") and cpu_kernels.enabled()
 
 
 def resolve_fp8_weights(args: ServerArgs) -> tuple[bool | None, str]:

@@ -62,6 +62,13 @@ def test_auto_keeps_a_bf16_checkpoint_in_bf16_on_the_cpu(bf16_checkpoint, tmp_pa
         make_hf_model(seed=5), str(tmp_path)
     )  # a float32 checkpoint stays float32
     assert resolve_weight_dtype(ServerArgs(model_path=fp32), torch.float32) == torch.float32
+    # --dtype bfloat16 on the CPU: bf16 weights, float32 activations (of any checkpoint), as auto's
+    bf16 = ServerArgs(model_path=fp32, dtype="bfloat16")
+    assert resolve_dtype(bf16) == torch.float32
+    assert resolve_weight_dtype(bf16, resolve_dtype(bf16)) == torch.bfloat16
+    # deterministic inference computes in float32 at any dtype
+    half = ServerArgs(model_path=fp32, dtype="float16", enable_deterministic_inference=True)
+    assert resolve_dtype(half) == torch.float32
 
 
 def test_only_the_projections_weights_are_bf16(bf16_checkpoint):
