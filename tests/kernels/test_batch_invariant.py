@@ -235,7 +235,7 @@ def test_decode_token_is_a_prompt_token_with_the_switch():
     assert torch.equal(last_delta, delta_out[-1:]) and torch.equal(ssm_step, ssm_all)
 
 
-def test_block_steps_for_the_modules_compute_what_torch_does():
+def test_block_steps_for_the_modules_match_their_reference_forms():
     """The decode blocks' elementwise steps as ops (the modules take them under the switch): rotary, the output
     gate, silu * up and a separate shared expert's gated sum, against their PyTorch forms."""
     from sglang_lite.kernels.rotary import naive as rotary_ref
