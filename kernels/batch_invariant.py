@@ -43,7 +43,7 @@ def set_enabled(on: bool) -> None:
     _on = bool(on)
     from . import cpu
 
-    if cpu.build.loaded():
+    if cpu.loaded():
         cpu.set_batch_invariant(_on)
 
 

@@ -222,4 +222,3 @@ def test_step_seeds_depend_on_seed_and_position_only():
     assert len(seeds) == 250 and all(
         0 <= s <= INT64_MAX for s in seeds
     )  # distinct, and torch takes them
-    assert step_seed(5, 3) == step_seed(5, 3)

@@ -70,9 +70,8 @@ def _extend_as_decode(
     prefix + i + 1 tokens, so that its arithmetic is a decode step's whatever the chunk, the batch or the prefix
     cache's hit (the decode kernels split a query's keys by its own length alone)."""
     rows = req_pool_indices.repeat_interleave(extend_lens)
-    starts = (
-        torch.cumsum(extend_lens, 0) - extend_lens
-    )  # each request's first token among the new ones
+    # each request's first token among the new ones
+    starts = torch.cumsum(extend_lens, 0) - extend_lens
     index = torch.arange(q.shape[0], device=q.device)
     firsts = (prefix_lens - starts).repeat_interleave(extend_lens)
     lens = firsts + index + 1

@@ -291,9 +291,8 @@ def takes_linear(
     if weight.dim() != 2 or not weight.is_cpu:
         return False
     if weight.dtype == torch.float32 and batch_invariant.enabled():
-        return (
-            weight.stride(0) == 1 or weight.stride(1) == 1
-        )  # MKL's blocking follows the shapes: every size here
+        # MKL's blocking follows the shapes: every size here
+        return weight.stride(0) == 1 or weight.stride(1) == 1
     rows = x.shape[0] if x.dim() == 2 else x.numel() // max(x.shape[-1], 1)
     if weight.dtype in WIDENED_WEIGHTS:
         if scale is not None or weight.dtype != torch.bfloat16:

@@ -81,9 +81,8 @@ class Qwen3_5Attention(nn.Module):
         q, k = self._rotary[0](batch.positions, q, k)
         out = self._attend(q, k, v, batch)
         # gated per head, then heads merged: gate is a strided view, which a merge first would have copied
-        if as_decode_blocks(
-            out, gate
-        ):  # batch invariant: the block's gate (a prompt token's = a decode token's)
+        # batch invariant: the block's gate (a prompt token's = a decode token's)
+        if as_decode_blocks(out, gate):
             return attn_all_reduce(self.o_proj(cpu_kernels.sigmoid_gate(out, gate).flatten(1)))
         return attn_all_reduce(self.o_proj((out * torch.sigmoid(gate)).flatten(1)))
 

@@ -64,7 +64,7 @@ def resolve_fp8_weights(args: ServerArgs) -> tuple[bool | None, str]:
     """``load_model``'s ``fp8_weights`` and ``fp8_misaligned``: a GPU keeps quantized projections FP8 (a shard that
     cuts a block is refused); the CPU keeps those whose blocks align when its C++ kernels build (they dequantize FP8
     weights in registers) and dequantizes the others at load."""
-    if args.device.startswith("cuda") or not cpu_kernels.enabled():
+    if not _cpu_kernels(args):
         return None, "error"
     return True, "dequantize"
 

@@ -61,9 +61,8 @@ class Req:
     # eos ids (unless ignore_eos) and the request's own
     stop_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
-    seed: int = (
-        0  # the generator's: batch invariant, each draw reseeds it from this and the position
-    )
+    # the generator's: batch invariant, each draw reseeds it from this and the position
+    seed: int = 0
     detokenizer: IncrementalDetokenizer | None = None
     stop_matcher: StopStringMatcher | None = None
     arrival_time: float = field(default_factory=time.monotonic)

@@ -252,11 +252,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
                   dt_bias.data_ptr<float>(), gates, gates + batch * value_heads);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(key_dim)));
   const int64_t taps = conv_weight.size(1);
-  // The conv update and the delta rule over `n` rows whose inputs are `x` (rows x_row apart), gates g and beta,
-  // state slots `slot_of`: conv outputs to `c`, attention outputs to `out` (rows
-  // contiguous). Batch invariant: the prefill kernels, one token a request, as the modules run them then
-  // (kernels/cpu/__init__.py), so that a decode token computes what a prompt token does.
-  // the conv's weights taps-major ([K, D]), as the prefill kernel reads them (batch invariant)
+  // Batch invariant: the conv's weights taps-major ([K, D]), as the prefill kernel reads them.
   std::vector<float> taps_major;
   if (batch_invariant()) {
     const float* w = conv_weight.data_ptr<float>();
@@ -265,6 +261,10 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
       for (int64_t j = 0; j < taps; ++j) taps_major[j * conv_dim + d] = w[d * taps + j];
     }
   }
+  // The conv update and the delta rule over `n` rows whose inputs are `x` (rows x_row apart), gates g and beta,
+  // state slots `slot_of`: conv outputs to `c`, attention outputs to `out` (rows contiguous). Batch invariant: the
+  // prefill kernels, one token a request, as the modules run them then (kernels/cpu/__init__.py), so that a decode
+  // token computes what a prompt token does.
   auto mix = [&](const float* x, int64_t x_row, int64_t n, const float* g, const float* beta, const Index& slot_of,
                  float* c, float* out) {
     if (batch_invariant()) {

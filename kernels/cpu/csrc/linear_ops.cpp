@@ -239,7 +239,6 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
   m.def("bf16_dot_for(int mode, int rows) -> bool",
         [](int64_t mode, int64_t rows) { return sgl_cpu::bf16_dot_for(mode, rows); });
   m.def("set_batch_invariant(bool on) -> ()", [](bool on) { sgl_cpu::batch_invariant_flag().store(on); });
-  m.def("batch_invariant() -> bool", []() { return sgl_cpu::batch_invariant(); });
 }
 
 TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) { m.impl("linear_rows", &sgl_cpu::linear_rows); }
