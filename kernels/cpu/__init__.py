@@ -398,3 +398,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def add_gated(routed: torch.Tensor, shared: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
     """routed + sigmoid(logit) * shared ([T, H], logit [T, 1]), as the MoE block adds a separate shared expert."""
     return _ops().add_gated_rows(routed, shared, logit)
+
+
+# ---- MXFP4 weights (kernels/quant/mxfp4.py's layout, read as they are) ------------------------------------------
+
+
+def takes_linear_mxfp4(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear_mxfp4`` serves these operands (none yet: the references run)."""
+    return False
+
+
+def takes_moe_mxfp4(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """Whether ``fused_moe_mxfp4`` serves these experts (none yet: the references run)."""
+    return False

@@ -10,6 +10,7 @@ import torch
 
 from .. import cpu
 from ..dispatch import use_native, use_triton
+from ..quant import mxfp4
 from . import naive, triton_moe, triton_moe_fp8
 
 
@@ -52,6 +53,7 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
+    weight_format: str | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """``sum_i w_i * down_e(silu(gate_e(x)) * up_e(x))`` over each token's selected experts (any k' columns).
@@ -61,7 +63,14 @@ def fused_moe(
     ceil(H / bk)] and ``w2_scale`` [E, ceil(H / bn), ceil(I / bk)] for ``block`` (bn, bk). On a GPU and in the
     reference, activations are quantized per token group of bk columns (see ``kernels/quant``); the CPU's C++ kernel
     keeps them float32 and dequantizes the weights in registers (the dequantized model's products).
+    ``weight_format="mxfp4"``: w13 uint8 [E, 2I, H / 2] and w2 uint8 [E, H, I / 2] hold e2m1 codes two a byte,
+    ``w13_scale`` uint8 [E, 2I, ceil(H / 32)] and ``w2_scale`` uint8 [E, H, ceil(I / 32)] their e8m0 scales
+    (``kernels/quant/mxfp4.py``); weight-only, x is not quantized.
     """
+    if weight_format == "mxfp4":
+        return _fused_moe_mxfp4(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, backend)
+    if weight_format is not None:
+        raise ValueError(f"unknown weight_format {weight_format!r}; expected None or 'mxfp4'")
     native = use_native(x, backend=backend) and cpu.takes_moe(w13, block)
     if native and w13.dtype == w2.dtype:
         return cpu.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
@@ -73,6 +82,31 @@ def fused_moe(
         w13, w2 = w13.to(x.dtype), w2.to(x.dtype)
     impl = triton_moe if use_triton(x, backend) else naive
     return impl.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+def _fused_moe_mxfp4(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    backend: str | None,
+) -> torch.Tensor:
+    hidden = mxfp4.check_shapes(w13, w13_scale, "w13")
+    inter = mxfp4.check_shapes(w2, w2_scale, "w2")
+    if x.shape[-1] != hidden or w13.shape[1] != 2 * inter or w2.shape[1] != hidden:
+        raise ValueError(
+            f"MXFP4 experts w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} (packed) do not fit x with "
+            f"{x.shape[-1]} columns"
+        )
+    args = (x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    if cpu.takes_moe_mxfp4(x, w13) and use_native(x, backend=backend):
+        return cpu.fused_moe_mxfp4(*args)
+    if use_triton(x, backend):
+        return triton_moe.fused_moe_mxfp4(*args)
+    return naive.fused_moe_mxfp4(*args)
 
 
 __all__ = ["topk_softmax", "moe_route", "fused_moe"]

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from ..quant import mxfp4
 from ..quant import naive as quant
 
 
@@ -241,3 +242,19 @@ def fused_moe_fp8(
         expert_out = act_dq @ quant.dequantize_blocks(w2[expert], w2_scale[expert], block).t()
         out.index_add_(0, tokens, expert_out * flat_weights[pairs, None])
     return out.to(x.dtype)
+
+
+def fused_moe_mxfp4(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+) -> torch.Tensor:
+    """``fused_moe`` with MXFP4 experts (``kernels/quant/mxfp4.py``'s layout), dequantized exactly to float32 first
+    (weight-only: x is not quantized); output in x's dtype."""
+    experts13 = mxfp4.dequantize(w13, w13_scale)
+    experts2 = mxfp4.dequantize(w2, w2_scale)
+    return fused_moe(x.float(), experts13, experts2, topk_weights, topk_ids).to(x.dtype)
