@@ -69,7 +69,11 @@ def quark_config(exclude: tuple[str, ...], w4a4: bool) -> dict:
         "layer_quant_config": {},
         "layer_type_quant_config": {},
         "exclude": list(exclude),
-        "export": {"pack_method": "reorder", "weight_format": "real_quantized", "kv_cache_group": []},
+        "export": {
+            "pack_method": "reorder",
+            "weight_format": "real_quantized",
+            "kv_cache_group": [],
+        },
         "quant_mode": "eager_mode",
     }
 
@@ -88,7 +92,9 @@ def quantized_module(name: str, tensor: torch.Tensor, exclude: tuple[str, ...]) 
     return module
 
 
-def export(src: str, dst: str, exclude: tuple[str, ...] = DEFAULT_EXCLUDE, w4a4: bool = False) -> str:
+def export(
+    src: str, dst: str, exclude: tuple[str, ...] = DEFAULT_EXCLUDE, w4a4: bool = False
+) -> str:
     """Writes ``src``'s checkpoint to ``dst`` as a Quark MXFP4 export (other files copied); returns ``dst``."""
     os.makedirs(dst, exist_ok=True)
     for entry in os.listdir(src):
@@ -149,7 +155,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("src")
     parser.add_argument("dst")
-    parser.add_argument("--w4a4", action="store_true", help="activations fp4 per 32-group at run time")
+    parser.add_argument(
+        "--w4a4", action="store_true", help="activations fp4 per 32-group at run time"
+    )
     parser.add_argument("--exclude", nargs="*", default=list(DEFAULT_EXCLUDE))
     args = parser.parse_args()
     print(export(args.src, args.dst, tuple(args.exclude), args.w4a4))
