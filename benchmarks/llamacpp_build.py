@@ -22,7 +22,7 @@ import tarfile
 from dataclasses import dataclass
 
 DEFAULT_VERSION = "0.3.36"
-TOOLS = ("llama-bench", "llama-batched-bench")
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
 ISAS = ("native", "avx2", "avx512")
 _X86_V3 = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON"]
 _ISA_OPTIONS = {
@@ -75,21 +75,29 @@ def ensure_llamacpp(version: str = DEFAULT_VERSION, jobs: int = 2, isa: str = "n
     built = LlamaCpp(
         os.path.join(root, "src", "vendor", "llama.cpp"), os.path.join(build, "bin"), version
     )
-    if all(os.path.exists(built.tool(t)) for t in TOOLS) and os.path.exists(built.converter):
+    missing = [t for t in TOOLS if not os.path.exists(built.tool(t))]
+    if not missing and os.path.exists(built.converter):
         return built
     _check_toolchain()
     os.makedirs(root, exist_ok=True)
     if not os.path.exists(built.converter):
         _unpack(_download(version, root), os.path.join(root, "src"))
-    print(
-        f"building llama.cpp {version} for {isa} ({', '.join(TOOLS)}) into {build} once; ~10 min on 2 cores"
-    )
-    _run(["cmake", "-S", built.source, "-B", build, *_cmake_options(isa)])
-    _run(["nice", "-n", "10", "cmake", "--build", build, "-j", str(jobs), "--target", *TOOLS])
-    missing = [t for t in TOOLS if not os.path.exists(built.tool(t))]
+    _build(built, build, isa, missing or list(TOOLS), jobs)
+    return built
+
+
+def _build(built: LlamaCpp, build: str, isa: str, targets: list[str], jobs: int) -> None:
+    """``targets`` built into ``build``: configured the first time; a cached build folder adds a tool without
+    rebuilding the libraries it already holds."""
+    configured = os.path.exists(os.path.join(build, "CMakeCache.txt"))
+    took = "" if configured else "; ~10 min on 2 cores"
+    print(f"building llama.cpp {built.version}'s {', '.join(targets)} for {isa} in {build}{took}")
+    if not configured:
+        _run(["cmake", "-S", built.source, "-B", build, *_cmake_options(isa)])
+    _run(["nice", "-n", "10", "cmake", "--build", build, "-j", str(jobs), "--target", *targets])
+    missing = [t for t in targets if not os.path.exists(built.tool(t))]
     if missing:
         raise BuildError(f"the llama.cpp build finished without {missing} in {built.bin_dir}")
-    return built
 
 
 def _cmake_options(isa: str) -> list[str]:
