@@ -5,6 +5,7 @@ alternating (best of ``--repeats``), with the ratios.
     python benchmarks/bench_llamacpp.py --model-shape mid --threads 2
     python benchmarks/bench_llamacpp.py --model-shape big --threads 2
     python benchmarks/bench_llamacpp.py --model-config '{"hidden_size": 512}' --threads 2 --batch 32
+    python benchmarks/bench_llamacpp.py --model-shape big --threads 2 --weights mxfp4
 
 llama.cpp is the one vendored in the ``llama-cpp-python`` sdist, built once into the user's cache folder
 (``llamacpp_build.py``: cmake and a C++ compiler needed; it says so when they are missing). Its own converter,
@@ -12,6 +13,11 @@ llama.cpp is the one vendored in the ``llama-cpp-python`` sdist, built once into
 tokenizer's pre-tokenizer by hashing how it splits a test string and refuses one it does not know; the checkpoint
 carries the built-in tiny model's tokenizer, whose split pattern is Qwen2's, so this harness names the
 pre-tokenizer ``qwen2`` itself (and says so). The tokens are random ids either way.
+
+``--weights`` (``llamacpp_quant.py``): ``bf16`` (the default) runs our Engine on the bf16 checkpoint against
+llama.cpp's f32 and bf16 conversions; ``mxfp4`` runs it on the same weights exported as AMD Quark MXFP4
+(``quantization/quark_export.py``) against the bf16 GGUF quantized by ``llama-quantize`` to ``MXFP4_MOE`` and
+``Q4_0``, the ratios against each. The table says how many parameters of each side are in which type.
 
 Shapes (``--model-shape``; ``--model-config`` takes a JSON object or file of config fields over mid's): ``mid`` is
 ``bench_offline.py``'s (34M parameters: hidden 256, 8 layers, 16 experts top-4 of 128 plus a shared one, vocab
@@ -42,6 +48,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_offline import MID, _model_config, random_prompts  # noqa: E402
 from llamacpp_build import ISAS, BuildError, LlamaCpp, ensure_llamacpp, host_cpu  # noqa: E402
+from llamacpp_quant import PRE_TOKENIZER, WEIGHTS, Sides, prepare  # noqa: E402
 
 from sglang_lite.kernels import cpu as cpu_kernels  # noqa: E402
 
@@ -61,9 +68,7 @@ BIG = dict(
     shared_expert_intermediate_size=512,
 )
 SHAPES = {"mid": {}, "big": BIG}
-PRE_TOKENIZER = "qwen2"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-GGUF_TYPES = ("f32", "bf16")
 
 
 @dataclass
@@ -89,27 +94,6 @@ def save_checkpoint(config: dict, model_dir: str) -> int:
     for name in TOKENIZER_FILES:
         shutil.copy(os.path.join(TINY_MODEL_DIR, name), model_dir)
     return sum(p.numel() for p in model.parameters())
-
-
-# Runs llama.cpp's converter with the pre-tokenizer named (its hash check knows no tokenizer of ours).
-_CONVERT = """
-import sys
-sys.path[:0] = [{source!r}, {source!r} + "/gguf-py"]
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
-import convert_hf_to_gguf
-sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
-convert_hf_to_gguf.main()
-"""
-
-
-def convert(llama: LlamaCpp, model_dir: str, outtype: str, out_dir: str) -> str:
-    path = os.path.join(out_dir, f"model-{outtype}.gguf")
-    script = _CONVERT.format(source=llama.source, pre=PRE_TOKENIZER)
-    command = [sys.executable, "-c", script, model_dir, "--outtype", outtype, "--outfile", path]
-    command.append("--no-mtp")  # the random checkpoint has no multi-token-prediction head
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    return path
 
 
 def llama_bench(llama: LlamaCpp, gguf: str, args: argparse.Namespace) -> dict[str, float]:
@@ -162,13 +146,13 @@ def engine_round(engine, args: argparse.Namespace, vocab: int) -> dict[str, floa
     return out
 
 
-def run(args: argparse.Namespace, llama: LlamaCpp, model_dir: str, ggufs: dict[str, str]) -> dict:
+def run(args: argparse.Namespace, llama: LlamaCpp, sides: Sides) -> dict[str, Best]:
     from sglang_lite import Engine
 
-    vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
-    best = {name: Best() for name in ("sglang_lite", *GGUF_TYPES)}
+    vocab = json.load(open(os.path.join(sides.model_dir, "config.json")))["vocab_size"]
+    best = {name: Best() for name in (sides.ours, *sides.ggufs)}
     with Engine(
-        model_dir,
+        sides.model_dir,
         dtype=args.dtype,
         skip_tokenizer_init=True,
         max_running_requests=max(args.batch, 1),
@@ -179,8 +163,8 @@ def run(args: argparse.Namespace, llama: LlamaCpp, model_dir: str, ggufs: dict[s
         for round_ in range(args.repeats):  # alternating, so that all sides share the host's noise
             print(f"round {round_ + 1}/{args.repeats}, load average {os.getloadavg()[0]:.1f}")
             for phase, value in engine_round(engine, args, vocab).items():
-                best["sglang_lite"].add(phase, value)
-            for outtype, gguf in ggufs.items():
+                best[sides.ours].add(phase, value)
+            for outtype, gguf in sides.ggufs.items():
                 for phase, value in llama_bench(llama, gguf, args).items():
                     best[outtype].add(phase, value)
                 if args.batch > 1:
@@ -188,7 +172,7 @@ def run(args: argparse.Namespace, llama: LlamaCpp, model_dir: str, ggufs: dict[s
     return best
 
 
-def print_table(best: dict[str, Best], args: argparse.Namespace, title: str) -> None:
+def print_table(best: dict[str, Best], sides: Sides, args: argparse.Namespace, title: str) -> None:
     print(f"\n{title}")
     print(
         f"{args.threads} threads, {args.input_len}-token prompts, {args.output_len} new tokens, best of "
@@ -196,21 +180,16 @@ def print_table(best: dict[str, Best], args: argparse.Namespace, title: str) -> 
         f"{time.strftime('%Y-%m-%d %H:%M')}; llama.cpp's converter given the pre-tokenizer "
         f"{PRE_TOKENIZER!r} by this harness (it does not know our tokenizer's by hash)"
     )
-    names = ["sglang_lite", *GGUF_TYPES]
-    header = f"{'tok/s':<14}" + "".join(
-        f"{n if n == names[0] else 'llama.cpp ' + n:>18}" for n in names
-    )
-    print(header + "".join(f"{'vs ' + t:>10}" for t in GGUF_TYPES))
-    for phase in best["sglang_lite"].tok_s:
-        ours = best["sglang_lite"].tok_s[phase]
-        row = f"{phase:<14}" + "".join(
-            f"{best[n].tok_s.get(phase, float('nan')):>18.1f}" for n in names
-        )
-        ratios = [
-            ours / best[t].tok_s[phase] if best[t].tok_s.get(phase) else float("nan")
-            for t in GGUF_TYPES
-        ]
-        print(row + "".join(f"{r:>9.2f}x" for r in ratios))
+    labels = {sides.ours: sides.ours, **{t: f"llama.cpp {t}" for t in sides.ggufs}}
+    widths = {name: max(18, len(label) + 2) for name, label in labels.items()}
+    ratio_widths = {t: max(10, len(t) + 5) for t in sides.ggufs}
+    header = "".join(f"{label:>{widths[n]}}" for n, label in labels.items())
+    print(f"{'tok/s':<14}{header}" + "".join(f"{'vs ' + t:>{w}}" for t, w in ratio_widths.items()))
+    for phase, ours in best[sides.ours].tok_s.items():
+        figures = {n: best[n].tok_s.get(phase, float("nan")) for n in labels}
+        row = "".join(f"{figures[n]:>{widths[n]}.1f}" for n in labels)
+        ratios = "".join(f"{ours / figures[t]:>{w - 1}.2f}x" for t, w in ratio_widths.items())
+        print(f"{phase:<14}{row}{ratios}")
 
 
 def main() -> None:
@@ -229,6 +208,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--batch", type=int, default=1, help="> 1: batched decoding too (llama-batched-bench)"
+    )
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        default="bf16",
+        help="bf16: ours on the bf16 checkpoint against llama.cpp's f32 and bf16 GGUF; mxfp4: ours on its Quark "
+        "MXFP4 export against llama.cpp's MXFP4_MOE and Q4_0 of the bf16 GGUF",
     )
     parser.add_argument("--dtype", default="auto", help="the Engine's --dtype")
     parser.add_argument(
@@ -254,10 +240,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "hf")
         params = save_checkpoint(config, model_dir)
-        print(f"converting with llama.cpp's converter (pre-tokenizer named {PRE_TOKENIZER!r} here)")
-        ggufs = {t: convert(llama, model_dir, t, tmp) for t in GGUF_TYPES}
-        best = run(args, llama, model_dir, ggufs)
-    print_table(best, args, f"{shape} Qwen3.5-MoE, {params / 1e6:.0f}M parameters, bf16 checkpoint")
+        sides = prepare(args.weights, llama, model_dir, tmp)
+        best = run(args, llama, sides)
+    weights = "bf16 checkpoint" if args.weights == "bf16" else "MXFP4 of its bf16 checkpoint"
+    print_table(
+        best, sides, args, f"{shape} Qwen3.5-MoE, {params / 1e6:.0f}M parameters, {weights}"
+    )
+    print(f"GGUF types compared: {', '.join(sides.ggufs)}")
+    for line in sides.contents:
+        print(f"  {line}")
     print(
         f"ISAs compared: sglang_lite {cpu_kernels.describe_isa()}, llama.cpp {args.isa} build; {host_cpu()}"
     )
