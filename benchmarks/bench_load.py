@@ -10,7 +10,7 @@ tensors themselves tiny, so the files stay small) and times, in one run, the sam
 - per-weight open (before): the scales read with one ``safe_open`` per file, then a ``safe_open`` of the weight's
   file per scale for the weight's shape, as ``_check_scale`` did;
 - per-file header (now): ``checkpoint_tensors`` (one ``safe_open`` per file, every tensor's dtype and shape kept),
-  then ``fp8_loading``'s scale checks on those.
+  then ``quant_loading``'s scale checks on those.
 
 It prints the time before as a multiple of the time now (absolute times depend on the disk, its cache and the
 machine's load). Not run in CI.
@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from sglang_lite.config import QuantConfig
 from sglang_lite.layers.quant import SCALE_SUFFIX, scale_shape
 from sglang_lite.models.checkpoint import INDEX_FILE, checkpoint_tensors
-from sglang_lite.models.fp8_loading import _check_scale
+from sglang_lite.models.quant_loading import _check_scale
 
 QUANT = QuantConfig(block_size=(128, 128))
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

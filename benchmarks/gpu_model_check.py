@@ -106,7 +106,7 @@ def check_graph_decode(path: str, kind: str, alt: bool, fp8: bool = False) -> No
             dtype=torch.float32,
             device=DEVICE,
             server_args=ServerArgs(device=DEVICE, disable_shared_experts_fusion=False),
-            **({"fp8_weights": DEVICE != "cpu"} if fp8 else {}),
+            **({"quantized_weights": DEVICE != "cpu"} if fp8 else {}),
         )
     gen = torch.Generator().manual_seed(1)
     full = [
@@ -157,7 +157,7 @@ def check_fp8_logits(hf: torch.nn.Module, path: str) -> None:
     )
     with torch.no_grad():
         expected = hf(ids).logits
-    fp8 = {"fp8_weights": True} if DEVICE != "cpu" else {}
+    fp8 = {"quantized_weights": True} if DEVICE != "cpu" else {}
     model = load_model(path, dtype=torch.float32, device=DEVICE, **fp8)
     err = rel_err(model(ids.to(DEVICE)).float(), expected)
     report(
@@ -214,7 +214,7 @@ def check_batch_invariance(path: str, kind: str, dtype: torch.dtype, fp8: bool =
         enable_deterministic_inference=True,
         disable_shared_experts_fusion=False,
     )
-    fp8_weights = {"fp8_weights": DEVICE != "cpu"} if fp8 else {}
+    fp8_weights = {"quantized_weights": DEVICE != "cpu"} if fp8 else {}
     with batch_invariant_mode():
         model = load_model(path, dtype=dtype, device=DEVICE, server_args=server_args, **fp8_weights)
         pools = ModelPools.create(model.config, 8192, 32, 256, dtype, DEVICE)

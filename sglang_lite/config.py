@@ -8,87 +8,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_lite import quantization
+from sglang_lite.quantization import ONLINE_FP8, Fp8Config, QuantizationConfig  # noqa: F401 - re-exported
+
 TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}
 WRAPPER_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 LAYER_TYPES = ("linear_attention", "full_attention")
-QUANT_METHODS = ("fp8",)
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """A checkpoint's ``quantization_config``: block-wise FP8 weights (``weight * weight_scale_inv`` per
-    ``block_size`` block), activations quantized at run time per token group, some modules left unconverted."""
-
-    method: str = "fp8"
-    fmt: str = "e4m3"
-    activation_scheme: str = "dynamic"
-    block_size: tuple[int, int] = (128, 128)
-    modules_to_not_convert: tuple[str, ...] = ()
-    online: bool = False  # not the checkpoint's: a high-precision checkpoint quantized at load
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> QuantConfig:
-        method = raw.get("quant_method")
-        if method not in QUANT_METHODS:
-            raise ValueError(
-                f"unsupported quantization_config quant_method {method!r}; expected one of "
-                f"{QUANT_METHODS}"
-            )
-        config = cls(
-            method=method,
-            fmt=raw.get("fmt", "e4m3"),
-            activation_scheme=raw.get("activation_scheme", "dynamic"),
-            block_size=tuple(raw.get("weight_block_size") or ()),
-            modules_to_not_convert=tuple(raw.get("modules_to_not_convert") or ()),
-        )
-        if (
-            config.fmt != "e4m3"
-            or config.activation_scheme != "dynamic"
-            or len(config.block_size) != 2
-        ):
-            raise ValueError(
-                f"unsupported fp8 quantization_config (fmt {config.fmt!r}, activation_scheme "
-                f"{config.activation_scheme!r}, weight_block_size {list(config.block_size)}): only e4m3 "
-                "weights in 2-D blocks with dynamic activation scales are supported"
-            )
-        return config
-
-    def converts(self, module: str) -> bool:
-        """False for a module ``modules_to_not_convert`` names: itself, a module inside it, or a pattern of whole
-        dotted components (``lm_head``, ``linear_attn.in_proj_a``); the VL prefix ``model.language_model.`` and
-        the text one ``model.`` are the same."""
-        name = f".{_text_name(module)}."
-        return not any(f".{_text_name(p)}." in name for p in self.modules_to_not_convert)
-
-    def describe(self) -> str:
-        rows, cols = self.block_size
-        online = ", quantized at load" if self.online else ""
-        return (
-            f"{self.method} ({self.fmt}, {rows}x{cols} weight blocks, {self.activation_scheme} activation "
-            f"scales{online})"
-        )
-
-
-# --quantization fp8 on a high-precision checkpoint: 128x128 e4m3 blocks as the block-FP8 checkpoints; the LM head,
-# the routers and the small GDN a/b projections stay in high precision
-ONLINE_FP8 = QuantConfig(
-    online=True,
-    modules_to_not_convert=(
-        "lm_head",
-        "mlp.gate",
-        "mlp.shared_expert_gate",
-        "linear_attn.in_proj_a",
-        "linear_attn.in_proj_b",
-    ),
-)
-
-
-def _text_name(name: str) -> str:
-    return (
-        "model." + name[len("model.language_model.") :]
-        if name.startswith("model.language_model.")
-        else name
-    )
+# kept for callers of the FP8-only names: the FP8 config is one implementation of the quantization seam now
+QuantConfig = Fp8Config
+QUANT_METHODS = tuple(quantization.CHECKPOINT_METHODS)
 
 
 @dataclass(frozen=True)
@@ -120,7 +48,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    quantization: QuantConfig | None = None  # the checkpoint's (None: plain weights)
+    quantization: QuantizationConfig | None = None  # the checkpoint's (None: plain weights)
     # the multi-token-prediction head's decoder layers (``mtp.*`` tensors), a draft model for speculation
     mtp_num_hidden_layers: int = 0
 
@@ -289,28 +217,26 @@ def _layer_types(text: dict[str, Any]) -> tuple[str, ...]:
     )
 
 
-def quantization_config_in_use(config: ModelConfig, requested: str | None) -> QuantConfig | None:
-    """The blocks the model's weights are in (``requested``: ``--quantization``): the checkpoint's
-    quantization_config, ``ONLINE_FP8`` for ``"fp8"`` on a checkpoint without one (quantized at load), None for
-    plain weights or ``"none"`` (an FP8 checkpoint dequantized at load)."""
-    if requested == "none":
-        return None
-    if config.quantization is None and requested == "fp8":
-        return ONLINE_FP8
-    return config.quantization
+def quantization_config_in_use(
+    config: ModelConfig, requested: str | None
+) -> QuantizationConfig | None:
+    """The quantization the model's weights run in (``requested``: ``--quantization``): the checkpoint's
+    quantization_config, the online config of ``"fp8"`` / ``"mxfp4"`` on a checkpoint without one (quantized at
+    load), None for plain weights or ``"none"`` (a quantized checkpoint dequantized at load)."""
+    return quantization.in_use(config.quantization, requested)
 
 
 def quantization_in_use(config: ModelConfig, requested: str | None) -> str:
-    """``"fp8"`` when the model runs FP8 weights, its checkpoint's or quantized at load (``requested``:
-    ``--quantization``; ``"none"`` dequantizes an FP8 checkpoint at load), else ``"none"``."""
+    """The weight format the model runs (``"fp8"``, ``"mxfp4"``), its checkpoint's or made at load, else
+    ``"none"``."""
     quant = quantization_config_in_use(config, requested)
-    return "none" if quant is None else quant.method
+    return "none" if quant is None else quant.format_name
 
 
-def _quantization(text: dict[str, Any], outer: dict[str, Any]) -> QuantConfig | None:
+def _quantization(text: dict[str, Any], outer: dict[str, Any]) -> QuantizationConfig | None:
     """A VL wrapper may keep ``quantization_config`` at its top level rather than in ``text_config``."""
     raw = text.get("quantization_config") or outer.get("quantization_config")
-    return QuantConfig.from_dict(raw) if raw else None
+    return quantization.from_checkpoint(raw) if raw else None
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 SCHEDULE_POLICIES = ("fcfs", "sjf")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
-QUANTIZATIONS = ("fp8", "none")
+QUANTIZATIONS = ("fp8", "mxfp4", "quark", "none")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 ALT_STREAM_OVERLAP = ("flags", "auto")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -36,10 +36,10 @@ _HELP = {
     "tokenizer_path": "Tokenizer folder (or hub id); defaults to the model folder.",
     "revision": "Hub revision (branch, tag or commit) when model_path is a Hugging Face hub id.",
     "load_format": "auto: read the checkpoint weights; dummy: random weights of the checkpoint's shapes.",
-    "quantization": "fp8: a block-FP8 checkpoint's weights stay FP8 (on the CPU those whose 128-blocks align, read "
-    "by the C++ kernels; the rest dequantized at load), and "
-    "a bf16/fp16/fp32 checkpoint is quantized at load into 128x128 e4m3 blocks (online FP8); none: dequantize an "
-    "FP8 checkpoint into --dtype at load; default: what the checkpoint's config says.",
+    "quantization": "fp8: a block-FP8 checkpoint as it is, or a bf16/fp32 one quantized at load into 128x128 e4m3 "
+    "blocks; mxfp4 (quark): an AMD Quark MXFP4 checkpoint as it is, or a bf16/fp32 one's experts and attention "
+    "projections quantized at load; none: dequantize a quantized checkpoint into --dtype at load; default: what "
+    "the checkpoint's config says (docs/quantization.md).",
     "dtype": "Weight and activation dtype; auto: the checkpoint's on GPU; on CPU float32 activations, a bf16 "
     "checkpoint's weights kept bf16 (read by the C++ kernels).",
     "device": "Torch device to run on.",

@@ -252,9 +252,22 @@ def fused_moe_mxfp4(
     topk_ids: torch.Tensor,
     w13_scale: torch.Tensor,
     w2_scale: torch.Tensor,
+    activations: str | None = None,
 ) -> torch.Tensor:
-    """``fused_moe`` with MXFP4 experts (``kernels/quant/mxfp4.py``'s layout), dequantized exactly to float32 first
-    (weight-only: x is not quantized); output in x's dtype."""
+    """``fused_moe`` with MXFP4 experts (``kernels/quant/mxfp4.py``'s layout), dequantized exactly to float32 first;
+    output in x's dtype. ``activations`` (a scale mode, W4A4): each expert's inputs, x and the gated intermediate,
+    are rounded through MXFP4 per 32 columns first; None: weight-only, x is not quantized."""
     experts13 = mxfp4.dequantize(w13, w13_scale)
     experts2 = mxfp4.dequantize(w2, w2_scale)
-    return fused_moe(x.float(), experts13, experts2, topk_weights, topk_ids).to(x.dtype)
+    if activations is None:
+        return fused_moe(x.float(), experts13, experts2, topk_weights, topk_ids).to(x.dtype)
+    x_q = mxfp4.quantize_dequantize(x.float(), activations)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for slot in range(topk_ids.shape[1]):
+        for expert in topk_ids[:, slot].unique().tolist():
+            rows = (topk_ids[:, slot] == expert).nonzero().squeeze(1)
+            gate, up = (x_q[rows] @ experts13[expert].t()).chunk(2, dim=-1)
+            hidden = mxfp4.quantize_dequantize(F.silu(gate) * up, activations)
+            weight = topk_weights[rows, slot].float().unsqueeze(1)
+            out[rows] += weight * (hidden @ experts2[expert].t())
+    return out.to(x.dtype)

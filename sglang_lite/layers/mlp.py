@@ -30,6 +30,7 @@ from sglang_lite.layers.linear import (
     weight_of,
 )
 from sglang_lite.layers.norm import GemmaRMSNorm
+from sglang_lite.quantization import QuantizationConfig
 from sglang_lite.streams.runtime import PLAIN, OverlapContext, overlap
 
 
@@ -80,10 +81,18 @@ class GatedMLP(nn.Module):
         layers.add_mlp(*self._decode_args)
 
 
-def shared_expert_fusion_supported(config: ModelConfig) -> tuple[bool, str]:
-    """Fusion makes the shared expert one more row of the expert weights, so its sizes must match theirs."""
+def shared_expert_fusion_supported(
+    config: ModelConfig, quantization: QuantizationConfig | None = None
+) -> tuple[bool, str]:
+    """Fusion makes the shared expert one more row of the expert weights, so its sizes must match theirs, and the
+    weights' ``quantization`` (the one in use) must allow it (MXFP4 does not, as upstream)."""
     if not config.is_moe or config.shared_expert_intermediate_size == 0:
         return False, "the model has no shared expert"
+    if quantization is not None and not quantization.fuses_shared_experts:
+        return (
+            False,
+            f"{quantization.format_name} weights run the shared expert beside the routed ones",
+        )
     if config.shared_expert_intermediate_size != config.moe_intermediate_size:
         return False, (
             f"shared_expert_intermediate_size ({config.shared_expert_intermediate_size}) != "

@@ -14,7 +14,7 @@ from torch import nn
 from sglang_lite.distributed import get_parallel_state
 from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.layers.mlp import Qwen3_5SparseMoeBlock
-from sglang_lite.layers.quant import Fp8Linear, Fp8SparseMoeBlock
+from sglang_lite.layers.quant import QuantLinear, QuantSparseMoeBlock
 
 KERNEL_WEIGHTS = (torch.float32, torch.bfloat16)
 
@@ -55,11 +55,15 @@ def _module_blocker(module: nn.Module) -> str:
     if isinstance(module, Qwen3_5SparseMoeBlock):
         if module.ep_size > 1:
             return "expert parallelism"
-        if isinstance(module, Fp8SparseMoeBlock) and not cpu_kernels.takes_moe(
+        if isinstance(module, QuantSparseMoeBlock) and module.weight_format != "fp8":
+            return f"{module.weight_format} experts"
+        if isinstance(module, QuantSparseMoeBlock) and not cpu_kernels.takes_moe(
             module.experts.w13, module.block
         ):
             return "FP8 experts the kernels do not take"
-    if isinstance(module, Fp8Linear):
+    if isinstance(module, QuantLinear):
+        if module.weight_format != "fp8":
+            return f"{module.weight_format} weights"
         if module.weight.stride(0) != 1 or module.block[0] % cpu_kernels.FP8_BLOCK_COLUMNS:
             return "an FP8 weight the kernels do not take"
     elif isinstance(module, nn.Linear) and module.weight.dtype not in KERNEL_WEIGHTS:

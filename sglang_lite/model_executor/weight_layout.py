@@ -21,7 +21,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from sglang_lite.layers.quant import Fp8Linear
+from sglang_lite.layers.quant import QuantLinear
 from sglang_lite.layers.vocab import ParallelLMHead
 
 
@@ -42,7 +42,7 @@ def store_input_major(model: nn.Module) -> int:
 def _projection_weights(model: nn.Module) -> list[torch.Tensor]:
     weights = []
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, ParallelLMHead, Fp8Linear)):
+        if isinstance(module, (nn.Linear, ParallelLMHead, QuantLinear)):
             weights.append(module.weight)
         elif name.endswith("experts") and hasattr(module, "w13"):
             weights += [module.w13, module.w2]

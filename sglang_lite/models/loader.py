@@ -13,7 +13,6 @@ from torch import nn
 
 from sglang_lite import assets
 from sglang_lite.config import ModelConfig, quantization_config_in_use
-from sglang_lite.kernels import fp8_dtype
 from sglang_lite.layers.mlp import Qwen3_5SparseMoeBlock
 from sglang_lite.layers.vocab import VocabParallelEmbedding
 from sglang_lite.models.qwen3_5 import Qwen3_5ForCausalLM, model_class_for
@@ -22,7 +21,7 @@ from sglang_lite.server_args import LOAD_FORMATS, QUANTIZATIONS, ServerArgs, ser
 
 logger = logging.getLogger(__name__)
 
-FP8_MISALIGNED = ("error", "dequantize")
+MISALIGNED = ("error", "dequantize")
 
 
 def load_model(
@@ -33,9 +32,9 @@ def load_model(
     seed: int = 0,
     server_args: ServerArgs | None = None,
     quantization: str | None = None,
-    fp8_weights: bool | None = None,
+    quantized_weights: bool | None = None,
     weight_dtype: torch.dtype | None = None,
-    fp8_misaligned: str = "error",
+    misaligned: str = "error",
     with_mtp: bool = False,
 ) -> Qwen3_5ForCausalLM:
     """Builds the model described by ``path/config.json`` (None: the built-in tiny model, trained on the Python
@@ -43,11 +42,13 @@ def load_model(
 
     ``load_format="auto"`` reads safetensors from ``path``; ``"dummy"`` fills seeded random weights.
     ``server_args`` (default: the global ones, else defaults) decide shared-expert fusion and the stream plan.
-    ``quantization`` (default: the server arguments', else what the checkpoint says): ``"fp8"`` runs a block-FP8
-    checkpoint as it is, or quantizes a high-precision one at load (online FP8: 128x128 e4m3 blocks, as the FP8
-    checkpoints); ``"none"`` dequantizes an FP8 checkpoint into ``dtype`` at load. ``fp8_weights``: keep the
-    quantized projections in FP8 (default: on a GPU; on the CPU they are dequantized, exactly, into ``dtype``).
-    A kept projection's shards must cover whole blocks of the parameter (``fp8_misaligned="error"``: a
+    ``quantization`` (default: the server arguments', else what the checkpoint's quantization_config says; see
+    ``sglang_lite/quantization``): ``"fp8"`` runs a block-FP8 checkpoint as it is, or quantizes a high-precision
+    one at load (online FP8: 128x128 e4m3 blocks, as the FP8 checkpoints); ``"mxfp4"`` (or ``"quark"``) runs an
+    AMD Quark MXFP4 checkpoint, or quantizes a high-precision one's experts and full-attention projections at
+    load; ``"none"`` dequantizes a quantized checkpoint into ``dtype`` at load. ``quantized_weights``: keep the
+    quantized projections in their format (default: on a GPU; on the CPU they are dequantized, exactly, into
+    ``dtype``). A kept projection's shards must cover whole blocks of the parameter (``misaligned="error"``: a
     ``CheckpointError`` otherwise), or, with ``"dequantize"``, the projections that do not are dequantized instead.
     ``weight_dtype``: the projections' weights (linear layers, experts, embedding, LM head) in this dtype while
     activations, norms and states stay in ``dtype`` (the CPU keeps a bf16 checkpoint's weights bf16 this way: its
@@ -63,21 +64,19 @@ def load_model(
     quantization = quantization or args.quantization
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    if fp8_misaligned not in FP8_MISALIGNED:
-        raise ValueError(f"fp8_misaligned must be one of {FP8_MISALIGNED}, got {fp8_misaligned!r}")
+    if misaligned not in MISALIGNED:
+        raise ValueError(f"misaligned must be one of {MISALIGNED}, got {misaligned!r}")
     model = create_model(config, dtype, device, server_args, weight_dtype, with_mtp)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         return model.eval()
     quant = quantization_config_in_use(config, quantization)
     on_gpu = torch.device(device).type == "cuda"
-    keep_fp8 = quant is not None and (on_gpu if fp8_weights is None else fp8_weights)
+    keep = quant is not None and (on_gpu if quantized_weights is None else quantized_weights)
     shown = quant or config.quantization
     if shown is not None:
         where = (
-            f"FP8 in memory ({fp8_dtype(device)})"
-            if keep_fp8
-            else f"dequantized to {model.lm_head.weight.dtype}"
+            "kept quantized in memory" if keep else f"dequantized to {model.lm_head.weight.dtype}"
         )
         logger.info(
             "quantization: %s; %s; quantized weights %s",
@@ -89,10 +88,10 @@ def load_model(
         model,
         path,
         config.tie_word_embeddings,
-        # "none" still checks an FP8 checkpoint's scales against its config
+        # "none" still checks a quantized checkpoint's scales against its config
         config.quantization or quant,
-        fp8_dtype(device) if keep_fp8 else None,
-        fp8_misaligned == "dequantize",
+        device if keep else None,
+        misaligned == "dequantize",
         with_mtp,
     )
     return model.eval()

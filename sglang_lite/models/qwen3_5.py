@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from sglang_lite.config import ModelConfig, shard_size
+from sglang_lite.config import ModelConfig, quantization_config_in_use, shard_size
 from sglang_lite.distributed import DPTokens, get_parallel_state, world_all_reduce
 from sglang_lite.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from sglang_lite.kernels import cpu as cpu_kernels
@@ -216,8 +216,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         checkpoint's ``mtp.*`` tensors); the config must declare one."""
         super().__init__()
         self.config = config
-        fusion_supported, blocker = shared_expert_fusion_supported(config)
         args = server_args if server_args is not None else server_args_or_default()
+        fusion_supported, blocker = shared_expert_fusion_supported(
+            config, quantization_config_in_use(config, args.quantization)
+        )
         self.streams = ModelStreams.build(
             torch.get_default_device(), args, config.is_moe, fusion_supported, blocker
         )

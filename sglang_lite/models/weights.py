@@ -8,9 +8,10 @@ any data is: anything missing, unexpected or mis-shaped raises ``CheckpointError
 file is opened once and a tensor-parallel rank reads only its slices of each tensor (``safe_open.get_slice``), and
 nothing of another rank's experts.
 
-Block-FP8 (``fp8_loading.py``): the checkpoint's quantized tensors (a ``weight_scale_inv`` beside the weight,
-checked against the config) or, for online FP8, the high-precision tensors an FP8 layer can hold; each shard is
-dequantized into the compute dtype or, into a parameter kept FP8 (``layers/quant.py``), copied with its scales.
+Quantized weights (``quant_loading.py``): the checkpoint's quantized tensors (their scales beside them, checked
+against the scheme the quantization config gives the module) or, for online quantization, the high-precision tensors
+a quantized layer can hold; each shard is dequantized into the compute dtype or, into a parameter kept quantized
+(``layers/quant.py``), copied with its scales.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from sglang_lite.config import QuantConfig
 from sglang_lite.layers.linear import Shard, ShardMap
-from sglang_lite.layers.quant import convert_to_fp8, fp8_capable_parameters
-from sglang_lite.models import fp8_loading
+from sglang_lite.layers.quant import convert, quantizable_parameters
+from sglang_lite.models import quant_loading
 from sglang_lite.models.checkpoint import CheckpointError, TensorInfo, checkpoint_tensors
+from sglang_lite.quantization import QuantizationConfig
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.")
 # where checkpoints keep the MTP head: at the top level, or (some VL exports) under the language model
@@ -83,42 +84,39 @@ def load_checkpoint(
     model: nn.Module,
     path: str,
     tied_lm_head: bool,
-    quant: QuantConfig | None = None,
-    fp8_dtype: torch.dtype | None = None,
+    quant: QuantizationConfig | None = None,
+    keep_quantized: torch.device | str | None = None,
     dequantize_misaligned: bool = False,
     with_mtp: bool = False,
 ) -> None:
     """Fills ``model`` from the checkpoint at ``path`` (its MTP head too with ``with_mtp``).
-    ``quant``: the checkpoint's quantization_config (its
-    quantized tensors are checked against it), or an ``online`` one (``config.ONLINE_FP8``: quantize the
-    high-precision checkpoint at load); ``fp8_dtype``: keep the quantized projections in this FP8 format (None:
-    dequantize them into the model's dtype); ``dequantize_misaligned``: dequantize those whose shards do not cover
-    whole blocks of the parameter instead of refusing them."""
+    ``quant``: the checkpoint's quantization config (its quantized tensors are checked against it), or an
+    ``online`` one (``quantization.ONLINE``: quantize the high-precision checkpoint at load);
+    ``keep_quantized``: keep the quantized projections in their scheme's storage for this device (None:
+    dequantize them into the model's dtype); ``dequantize_misaligned``: dequantize those whose shards do not
+    cover whole blocks of the parameter instead of refusing them."""
     online = quant is not None and quant.online
     files = _model_tensors(path, tied_lm_head, with_mtp)
     fused = any(name.endswith("mlp.experts.gate_up_proj") for name in files)
     targets = expected_targets(model, fused)
-    fp8_loading.skip_unused_scales(files, targets)
-    # a scale without a quantization_config is refused, online FP8 or not
-    quantized = fp8_loading.take_scales(files, None if online else quant)
+    quant_loading.skip_unused_scales(files, targets)
+    # a scale without a quantization_config is refused, online quantization or not
+    quantized = quant_loading.take_scales(files, None if online else quant)
     params = dict(model.named_parameters())
     _check_names(files, targets, params, path)
     if online:
-        quantized = fp8_loading.online_quantized(
-            files, targets, fp8_capable_parameters(model), quant
+        quantized = quant_loading.online_quantized(
+            files, targets, quantizable_parameters(model), quant
         )
-    fp8_loading.check_fp8_has_scales(files, quantized)
+    quant_loading.check_has_scales(files, quantized)
     _check_shapes(files, targets, params)
-    if quantized and fp8_dtype is not None:
-        fp8_params = fp8_loading.fp8_parameters(files, targets, quantized)
+    if quantized and keep_quantized is not None:
+        kept = quant_loading.kept_parameters(files, targets, quantized)
         if dequantize_misaligned:
-            fp8_params = fp8_loading.aligned_parameters(
-                files, targets, params, fp8_params, quant.block_size
-            )
-        convert_to_fp8(model, fp8_params, quant.block_size, fp8_dtype)
+            kept = quant_loading.aligned_parameters(files, targets, params, kept)
+        convert(model, kept, keep_quantized)
         params = dict(model.named_parameters())
-        fp8_loading.check_alignment(files, targets, params, quant.block_size)
-    block = quant.block_size if quant else None
+        quant_loading.check_alignment(files, targets, params, kept)
     by_file: dict[str, list[str]] = {}
     for name, info in files.items():
         by_file.setdefault(info.file, []).append(name)
@@ -126,7 +124,7 @@ def load_checkpoint(
         total=len(files), desc="Loading weights", unit="tensor", disable=len(files) < 200
     ) as bar:
         for file, names in by_file.items():
-            _load_file(file, names, files, targets, params, quantized, block)
+            _load_file(file, names, files, targets, params, quantized)
             bar.update(len(names))
 
 
@@ -192,8 +190,7 @@ def _load_file(
     files: dict[str, TensorInfo],
     targets: dict[str, list[Shard]],
     params: dict,
-    quantized: fp8_loading.Quantized,
-    block: tuple[int, int] | None,
+    quantized: quant_loading.Quantized,
 ) -> None:
     with safe_open(file, "pt") as f:
         for name in names:
@@ -201,10 +198,8 @@ def _load_file(
             tensor = f.get_slice(info.raw)
             for shard in targets[name]:
                 if name in quantized:
-                    read = fp8_loading.read_quantized(
-                        tensor, info, quantized[name], shard.source, block
-                    )
-                    fp8_loading.load_quantized(read, shard, params, block)
+                    read = quant_loading.read_quantized(tensor, info, quantized[name], shard.source)
+                    quant_loading.load_quantized(read, shard, params, quantized[name])
                 else:
                     dest = params[shard.param].data[shard.index]
                     dest.copy_(tensor[shard.source] if shard.source else f.get_tensor(info.raw))

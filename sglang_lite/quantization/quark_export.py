@@ -24,18 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sglang_lite.kernels.quant import mxfp4
+from sglang_lite.quantization.mxfp4 import DEFAULT_EXCLUDE
 
-# the routers, the linear attention, the embeddings, the LM head, the MTP head and a vision tower stay high precision
-DEFAULT_EXCLUDE = (
-    "lm_head",
-    "*embed_tokens",
-    "*mlp.gate",
-    "*mlp.shared_expert_gate",
-    "*linear_attn*",
-    "*visual*",
-    "mtp*",
-    "*.mtp.*",
-)
 FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 
 

@@ -19,8 +19,8 @@ from sglang_lite.pd_transport.transfer import MooncakeTransfer, local_hostname
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.runtime.memory import (
     resolve_dtype,
-    resolve_fp8_weights,
     resolve_max_total_tokens,
+    resolve_quantized_weights,
     resolve_state_snapshots,
     resolve_weight_dtype,
 )
@@ -47,7 +47,7 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
     """One rank's scheduler. The model reads the server arguments itself, through ``get_global_server_args()``
     (the upstream contract: the rank process sets them once, model code reads them lazily)."""
     dtype = resolve_dtype(args)
-    fp8_weights, fp8_misaligned = resolve_fp8_weights(args)
+    quantized_weights, misaligned = resolve_quantized_weights(args)
     model = load_model(
         args.model_dir,
         dtype=dtype,
@@ -55,8 +55,8 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
         load_format=args.load_format,
         seed=args.random_seed,
         weight_dtype=resolve_weight_dtype(args, dtype),
-        fp8_weights=fp8_weights,
-        fp8_misaligned=fp8_misaligned,
+        quantized_weights=quantized_weights,
+        misaligned=misaligned,
         with_mtp=speculative_flags.uses_mtp_head(args),
     )
     context_length = args.context_length or model.config.max_position_embeddings

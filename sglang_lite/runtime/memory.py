@@ -60,10 +60,10 @@ def _cpu_kernels(args: ServerArgs) -> bool:
     return not args.device.startswith("cuda") and cpu_kernels.enabled()
 
 
-def resolve_fp8_weights(args: ServerArgs) -> tuple[bool | None, str]:
-    """``load_model``'s ``fp8_weights`` and ``fp8_misaligned``: a GPU keeps quantized projections FP8 (a shard that
-    cuts a block is refused); the CPU keeps those whose blocks align when its C++ kernels build (they dequantize FP8
-    weights in registers) and dequantizes the others at load."""
+def resolve_quantized_weights(args: ServerArgs) -> tuple[bool | None, str]:
+    """``load_model``'s ``quantized_weights`` and ``misaligned``: a GPU keeps quantized projections in their format
+    (a shard that cuts a block is refused); the CPU keeps those whose blocks align when its C++ kernels build (they
+    dequantize FP8 and MXFP4 weights in registers) and dequantizes the others at load."""
     if not _cpu_kernels(args):
         return None, "error"
     return True, "dequantize"

@@ -9,6 +9,7 @@ from typing import Any
 
 from sglang_lite import assets
 from sglang_lite.config import ModelConfig, quantization_config_in_use, quantization_in_use
+from sglang_lite.runtime.memory import resolve_quantized_weights
 from sglang_lite.server.tokenizer_manager import TokenizerManager
 from sglang_lite.server_args import ServerArgs
 
@@ -41,13 +42,22 @@ def server_info_of(manager: TokenizerManager, args: ServerArgs) -> dict[str, Any
     )
     if manager.alt_stream_plan is not None:
         info["alt_stream_plan"] = manager.alt_stream_plan
-    model_config = ModelConfig.from_hf(args.model_dir)
-    info["quantization"] = quantization_in_use(model_config, args.quantization)
-    if info["quantization"] != "none":
-        where = "dequantized at load" if args.device == "cpu" else "FP8 in memory"
-        blocks = quantization_config_in_use(model_config, args.quantization)
-        info["quantization_config"] = f"{blocks.describe()}; weights {where}"
+    info.update(quantization_of(args))
     return info
+
+
+def quantization_of(args: ServerArgs) -> dict[str, str]:
+    """``quantization``: the weight format the model runs (``fp8``, ``mxfp4``, ``none``), and, when quantized,
+    ``quantization_config``: the config in words and where the weights are kept."""
+    model_config = ModelConfig.from_hf(args.model_dir)
+    name = quantization_in_use(model_config, args.quantization)
+    if name == "none":
+        return {"quantization": name}
+    keep, _ = resolve_quantized_weights(args)
+    kept = keep if keep is not None else args.device.startswith("cuda")
+    where = f"kept {name} in memory" if kept else "dequantized at load"
+    config = quantization_config_in_use(model_config, args.quantization)
+    return {"quantization": name, "quantization_config": f"{config.describe()}; weights {where}"}
 
 
 def model_info_of(manager: TokenizerManager, args: ServerArgs) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.server.chat_render import check_chat_size
 from sglang_lite.server.dp_controller import requested_rank
 from sglang_lite.server.io_struct import GenerateInput, RequestError, bad_request, bootstrap_of
-from sglang_lite.server.model_info import served_model_name
+from sglang_lite.server.model_info import quantization_of, served_model_name
 from sglang_lite.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,6 +43,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 def add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> None:
+    quantization = quantization_of(args)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         model = {
@@ -51,6 +53,7 @@ def add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> Non
             "created": 0,
             "owned_by": "sglang_lite",
             "max_model_len": manager.config.context_length,
+            **quantization,
         }
         return {"object": "list", "data": [model]}
 

@@ -50,7 +50,7 @@ def fp8_rank(rank: int, port: int, layout: dict, path: str, prompt: list[int], r
 
     try:
         init_distributed(ParallelConfig(**layout), rank, f"127.0.0.1:{port}", "cpu", timeout_s=60)
-        model = load_model(path, fp8_weights=True)
+        model = load_model(path, quantized_weights=True)
         results.put((rank, model(torch.tensor([prompt]))[0]))
     except BaseException:
         results.put((rank, traceback.format_exc()))
@@ -86,7 +86,7 @@ def test_fp8_weights_in_memory_tp2_match_tp1_when_shards_cover_whole_blocks(tmp_
     hf = make_hf_model(moe=True, seed=1, vocab_size=161, shared_expert_intermediate_size=24)
     path = make_fp8_checkpoint(hf, str(tmp_path), "vl", (4, 4))
     prompt = PROMPTS[0]
-    expected = load_model(path, fp8_weights=True)(torch.tensor([prompt]))[0]
+    expected = load_model(path, quantized_weights=True)(torch.tensor([prompt]))[0]
     for logits in run_fp8_world(layout, path, prompt):
         assert not isinstance(logits, str), logits
         torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-4)

@@ -133,7 +133,7 @@ def test_decode_blocks_with_fp8_weights(tmp_path):
     """Online FP8 keeps every aligned projection FP8 (routers and in_proj_ba stay high precision)."""
     hf = make_hf_model(moe=True, seed=4, **FP8_SHAPE)
     path = save_checkpoint(hf, str(tmp_path))
-    load = dict(quantization="fp8", fp8_weights=True, fp8_misaligned="dequantize")
+    load = dict(quantization="fp8", quantized_weights=True, misaligned="dequantize")
     model = _model(path, blocks=False, **load)
     assert model.model.layers[0].mlp.experts.w13.dtype == torch.float8_e4m3fn
     assert model.model.layers[0].linear_attn.in_proj_qkvz.weight.dtype == torch.float8_e4m3fn

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from sglang_lite import Engine, load_model
 from sglang_lite.kernels.quant import dequantize_blocks, quantize_blocks
-from sglang_lite.layers.quant import Fp8Linear, Fp8SparseMoeBlock
+from sglang_lite.layers.quant import QuantLinear, QuantSparseMoeBlock
 from sglang_lite.models.weights import CheckpointError
 from sglang_lite.server_args import ServerArgs
 from tests.hf_checkpoints import make_hf_model, save_checkpoint
@@ -145,7 +145,9 @@ def test_checkpoint_is_fp8(checkpoint):
 def test_float32_logits_match_dequantized_transformers(checkpoint, seq_len):
     hf, path, _ = checkpoint
     model = load_model(path, dtype=torch.float32)
-    assert not any(isinstance(m, Fp8Linear) for m in model.modules()), "the CPU dequantizes at load"
+    assert not any(isinstance(m, QuantLinear) for m in model.modules()), (
+        "the CPU dequantizes at load"
+    )
     ids = torch.randint(
         0, hf.config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seq_len)
     )
@@ -167,16 +169,16 @@ def test_fp8_weights_in_memory_hold_the_checkpoint_blocks(checkpoint):
             r"'model.layers.0.linear_attn.in_proj_qkvz.weight'"
         )
         with pytest.raises(CheckpointError, match=message):
-            load_model(path, fp8_weights=True)
+            load_model(path, quantized_weights=True)
         return
-    model = load_model(path, fp8_weights=True)
-    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    model = load_model(path, quantized_weights=True)
+    fp8 = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert fp8 and all(m.weight.dtype == torch.float8_e4m3fn for m in fp8)
     assert isinstance(
-        model.model.layers[0].mlp, Fp8SparseMoeBlock
+        model.model.layers[0].mlp, QuantSparseMoeBlock
     ) == hf.config.model_type.endswith("moe_text")
     gdn = model.model.layers[0].linear_attn
-    assert isinstance(gdn.in_proj_qkvz, Fp8Linear) and not isinstance(gdn.in_proj_ba, Fp8Linear)
+    assert isinstance(gdn.in_proj_qkvz, QuantLinear) and not isinstance(gdn.in_proj_ba, QuantLinear)
     hf_gdn = hf.model.layers[0].linear_attn
     packed = torch.cat([hf_gdn.in_proj_qkv.weight, hf_gdn.in_proj_z.weight])
     stored = dequantize_blocks(gdn.in_proj_qkvz.weight, gdn.in_proj_qkvz.weight_scale_inv, block)
@@ -224,8 +226,10 @@ def test_quantization_none_dequantizes_and_an_unknown_one_is_refused(tmp_path):
     tests/models/test_fp8_online.py)."""
     hf = make_hf_model(moe=False, seed=2)
     fp8_path = make_fp8_checkpoint(hf, str(tmp_path / "fp8"))
-    model = load_model(fp8_path, fp8_weights=True, server_args=ServerArgs(quantization="none"))
-    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+    model = load_model(
+        fp8_path, quantized_weights=True, server_args=ServerArgs(quantization="none")
+    )
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
     with pytest.raises(ValueError, match="quantization must be one of"):
         load_model(fp8_path, quantization="int4")
     with pytest.raises(ValueError, match="quantization must be one of"):

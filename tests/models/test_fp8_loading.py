@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang_lite import load_model
-from sglang_lite.models import checkpoint, fp8_loading, weights
+from sglang_lite.models import checkpoint, quant_loading, weights
 from sglang_lite.models.weights import CheckpointError
 from tests.hf_checkpoints import make_hf_model
 from tests.models.test_fp8 import make_fp8_checkpoint
@@ -27,7 +27,7 @@ UNUSED = {  # as some FP8 exports carry them: KV-cache, static activation and pe
     f"{PREFIX}.0.linear_attn.out_proj.weight_scale": torch.tensor([0.01]),
     f"{PREFIX}.0.mlp.experts.1.down_proj.input_scale": torch.tensor([0.25]),
 }
-LOGGER = "sglang_lite.models.fp8_loading"
+LOGGER = "sglang_lite.models.quant_loading"
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_unused_scales_are_skipped_with_one_warning(fp8_checkpoint, tmp_path, ca
     warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("skipping 6 scale tensors no kernel here uses (")
-    assert sum(name in warnings[0] for name in UNUSED) == fp8_loading.NAMES_SHOWN
+    assert sum(name in warnings[0] for name in UNUSED) == quant_loading.NAMES_SHOWN
     assert "KV cache is kept in the model dtype" in warnings[0]
     assert torch.equal(with_scales, logits(fp8_checkpoint))
 
@@ -108,7 +108,7 @@ def test_each_file_header_is_read_once(fp8_checkpoint, tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint, "read_header", counted_read_header)
     monkeypatch.setattr(weights, "safe_open", counted_safe_open)
-    monkeypatch.setattr(fp8_loading, "safe_open", counted_safe_open)
+    monkeypatch.setattr(quant_loading, "safe_open", counted_safe_open)
     sharded = logits(path)
     assert sorted(headers) == sorted(set(headers)) and len(headers) == 3
     # one open to read the scales, one to read the weights: not one per tensor

@@ -12,7 +12,7 @@ import torch
 from sglang_lite import load_model
 from sglang_lite.config import ModelConfig, quantization_config_in_use, quantization_in_use
 from sglang_lite.kernels.quant import dequantize_blocks
-from sglang_lite.layers.quant import Fp8Linear, Fp8SparseMoeBlock
+from sglang_lite.layers.quant import QuantLinear, QuantSparseMoeBlock
 from sglang_lite.models.weights import CheckpointError
 from tests.hf_checkpoints import make_hf_model, save_checkpoint
 from tests.models.test_fp8 import make_fp8_checkpoint, relative_error
@@ -65,7 +65,7 @@ def test_online_fp8_equals_the_exported_fp8_checkpoint(tmp_path, case):
     options, dtype, layout = CASES[case]
     plain, exported, reference = checkpoints(tmp_path, options, dtype, layout)
     online = load_model(plain, quantization="fp8")
-    assert not any(isinstance(m, Fp8Linear) for m in online.modules()), (
+    assert not any(isinstance(m, QuantLinear) for m in online.modules()), (
         "the CPU dequantizes at load"
     )
     ids = token_ids(reference.config.vocab_size)
@@ -85,14 +85,14 @@ def test_online_fp8_equals_the_exported_fp8_checkpoint(tmp_path, case):
 
 def test_online_fp8_in_memory_holds_what_the_cpu_dequantizes(tmp_path):
     plain, exported, reference = checkpoints(tmp_path, ALIGNED_128, torch.bfloat16)
-    fp8 = load_model(plain, quantization="fp8", fp8_weights=True)
+    fp8 = load_model(plain, quantization="fp8", quantized_weights=True)
     dequantized = dict(load_model(plain, quantization="fp8").named_parameters())
-    layers = [m for m in fp8.modules() if isinstance(m, Fp8Linear)]
+    layers = [m for m in fp8.modules() if isinstance(m, QuantLinear)]
     assert layers and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
-    assert all(isinstance(layer.mlp, Fp8SparseMoeBlock) for layer in fp8.model.layers)
+    assert all(isinstance(layer.mlp, QuantSparseMoeBlock) for layer in fp8.model.layers)
     gdn, mlp = fp8.model.layers[0].linear_attn, fp8.model.layers[0].mlp
-    assert isinstance(gdn.in_proj_qkvz, Fp8Linear) and not isinstance(gdn.in_proj_ba, Fp8Linear)
-    assert not isinstance(mlp.gate, Fp8Linear) and not isinstance(fp8.lm_head, Fp8Linear)
+    assert isinstance(gdn.in_proj_qkvz, QuantLinear) and not isinstance(gdn.in_proj_ba, QuantLinear)
+    assert not isinstance(mlp.gate, QuantLinear) and not isinstance(fp8.lm_head, QuantLinear)
     for name, param in fp8.named_parameters():
         if param.dtype == torch.float8_e4m3fn:
             scales = fp8.get_parameter(name + "_scale_inv")
@@ -101,7 +101,7 @@ def test_online_fp8_in_memory_holds_what_the_cpu_dequantizes(tmp_path):
             )
     ids = token_ids(reference.config.vocab_size)
     logits = fp8(ids)
-    assert torch.equal(logits, load_model(exported, fp8_weights=True)(ids))
+    assert torch.equal(logits, load_model(exported, quantized_weights=True)(ids))
     with torch.no_grad():
         expected = reference(ids).logits
     # activations are quantized to FP8 per group of 128 columns: within their rounding of the dequantized model
@@ -114,4 +114,4 @@ def test_online_fp8_in_memory_refuses_packed_sizes_that_cut_a_block(tmp_path):
     with pytest.raises(
         CheckpointError, match=r"in_proj_qkv.weight' \(88, 48\) .* loads as block-FP8"
     ):
-        load_model(plain, quantization="fp8", fp8_weights=True)
+        load_model(plain, quantization="fp8", quantized_weights=True)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from sglang_lite.forward_batch import ForwardMode, build_forward_batch
 from sglang_lite.kernels.quant import dequantize_blocks, quantize_blocks
-from sglang_lite.layers.quant import Fp8Linear
+from sglang_lite.layers.quant import QuantLinear
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.models.checkpoint import CheckpointError
 from sglang_lite.models.loader import load_model
@@ -127,7 +127,7 @@ def test_fp8_head_loads_like_its_dequantized_weights(tmp_path):
     _, expected = mtp_logits(load_model(plain_path, with_mtp=True), prompt, 11)
     _, dequantized_at_load = mtp_logits(load_model(fp8_path, with_mtp=True), prompt, 11)
     torch.testing.assert_close(dequantized_at_load, expected, rtol=1e-5, atol=1e-5)
-    kept = load_model(fp8_path, with_mtp=True, fp8_weights=True)
-    assert isinstance(kept.mtp.fc, Fp8Linear)
+    kept = load_model(fp8_path, with_mtp=True, quantized_weights=True)
+    assert isinstance(kept.mtp.fc, QuantLinear)
     _, in_fp8 = mtp_logits(kept, prompt, 11)
     assert relative_error(in_fp8, expected) < 0.05
