@@ -1,11 +1,14 @@
 """Decode TPOT of dummy Qwen3.5-35B-A3B layers (bf16, a few of them) for {shared-expert fusion on/off} x
-{alt stream on/off}, the four variants of the upstream AMD alt-stream change.
+{alt stream on/off}, the four variants of the upstream AMD alt-stream change, and, with ``--weights mxfp4``, the
+MXFP4 model's two (its shared expert is never fused, so only the alt stream can overlap it with the routed ones:
+the upstream change's "MXFP4, which disables shared expert fusion" case).
 
 On a GPU: for each concurrency, every variant prefills the same prompts and times decode steps replayed from CUDA
 graphs (the overlaps are captured into them); the table gives each variant's TPOT delta against the baseline
 (fusion off, alt stream off), the shape of the upstream change's table. On a CPU it says so and exits 0.
 
     python benchmarks/bench_alt_stream.py [--concurrency 1,8,32,128] [--layers 8] [--experts 256] [--steps 32]
+        [--weights bf16|mxfp4]
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.model_executor import ModelRunner
 from sglang_lite.models.loader import create_model, init_dummy_weights
 from sglang_lite.models.qwen3_5 import Qwen3_5MoeForCausalLM
+from sglang_lite.models.weights import quantize_dummy_weights
+from sglang_lite.quantization import ONLINE
 from sglang_lite.server_args import ServerArgs
 
 PROMPT_LEN = 128
@@ -35,6 +40,8 @@ VARIANTS = {  # name -> (shared-expert fusion, alt stream overlaps)
     "fusion": (True, False),
     "fusion + alt stream": (True, True),
 }
+# MXFP4 experts and attention projections (quantized from the dummy weights): no fusion to try
+MXFP4_VARIANTS = {"baseline": (False, False), "alt stream": (False, True)}
 OVERLAP_FLAGS = {
     "SGLANG_GDN_QKVZ_BA_ALT_STREAM": "1",
     "SGLANG_QK_NORM_ALT_STREAM": "1",
@@ -83,12 +90,16 @@ def overlap_flags(enabled: bool):
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
-def build_model(config: ModelConfig, fusion: bool, alt: bool) -> Qwen3_5MoeForCausalLM:
+def build_model(
+    config: ModelConfig, fusion: bool, alt: bool, weights: str = "bf16"
+) -> Qwen3_5MoeForCausalLM:
+    quantization = None if weights == "bf16" else weights
+    args = ServerArgs(disable_shared_experts_fusion=not fusion, quantization=quantization)
     with overlap_flags(alt):  # the flags are read while the model is built
-        model = create_model(
-            config, torch.bfloat16, "cuda", ServerArgs(disable_shared_experts_fusion=not fusion)
-        )
+        model = create_model(config, torch.bfloat16, "cuda", args)
     init_dummy_weights(model, seed=0)
+    if quantization is not None:
+        quantize_dummy_weights(model, ONLINE[quantization], "cuda")
     if not alt:  # CUDA always has the stream; "off" means no site overlaps at any batch size
         model.streams.overlap_by_batch_size = {bs: False for bs in range(1, 1025)}
     return model.eval()
@@ -159,6 +170,7 @@ def main() -> int:
         "--experts", type=int, default=256, help="routed experts (Qwen3.5-35B-A3B: 256)"
     )
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--weights", choices=("bf16", "mxfp4"), default="bf16")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(
@@ -168,21 +180,23 @@ def main() -> int:
     config = qwen3_5_35b_a3b_layers(args.layers, args.experts)
     levels = [int(c) for c in args.concurrency.split(",")]
     tpot = {}
-    for name, (fusion, alt) in tqdm(VARIANTS.items(), desc="variants"):
-        model = build_model(config, fusion, alt)
+    variants = VARIANTS if args.weights == "bf16" else MXFP4_VARIANTS
+    for name, (fusion, alt) in tqdm(variants.items(), desc="variants"):
+        model = build_model(config, fusion, alt, args.weights)
         for c in levels:
             tpot[name, c] = decode_tpot_ms(model, c, args.steps)
         del model
         torch.cuda.empty_cache()
     platform = "ROCm" if torch.version.hip else "CUDA"
     print(
-        f"\nDecode TPOT on {torch.cuda.get_device_name()} ({platform}), {args.layers} layers, bf16, "
+        f"\nDecode TPOT on {torch.cuda.get_device_name()} ({platform}), {args.layers} layers, "
+        f"{args.weights} weights, "
         f"prompt {PROMPT_LEN}"
     )
-    print(f"{'concurrency':>11} | " + " | ".join(f"{n:>22}" for n in VARIANTS))
+    print(f"{'concurrency':>11} | " + " | ".join(f"{n:>22}" for n in variants))
     for c in levels:
         base = tpot["baseline", c]
-        cells = [f"{tpot[n, c]:7.3f} ms ({(tpot[n, c] / base - 1) * 100:+5.1f}%)" for n in VARIANTS]
+        cells = [f"{tpot[n, c]:7.3f} ms ({(tpot[n, c] / base - 1) * 100:+5.1f}%)" for n in variants]
         print(f"{c:>11} | " + " | ".join(f"{cell:>22}" for cell in cells))
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -16,7 +17,7 @@ from sglang_lite.config import ModelConfig, quantization_config_in_use
 from sglang_lite.layers.mlp import Qwen3_5SparseMoeBlock
 from sglang_lite.layers.vocab import VocabParallelEmbedding
 from sglang_lite.models.qwen3_5 import Qwen3_5ForCausalLM, model_class_for
-from sglang_lite.models.weights import load_checkpoint
+from sglang_lite.models.weights import load_checkpoint, quantize_dummy_weights
 from sglang_lite.server_args import LOAD_FORMATS, QUANTIZATIONS, ServerArgs, server_args_or_default
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ def load_model(
     """Builds the model described by ``path/config.json`` (None: the built-in tiny model, trained on the Python
     standard library by scripts/train_tiny_model.py).
 
-    ``load_format="auto"`` reads safetensors from ``path``; ``"dummy"`` fills seeded random weights.
+    ``load_format="auto"`` reads safetensors from ``path``; ``"dummy"`` fills seeded random weights (quantized
+    ones kept quantized as ``quantization`` says, for benchmarks).
     ``server_args`` (default: the global ones, else defaults) decide shared-expert fusion and the stream plan.
     ``quantization`` (default: the server arguments', else what the checkpoint's quantization_config says; see
     ``sglang_lite/quantization``): ``"fp8"`` runs a block-FP8 checkpoint as it is, or quantizes a high-precision
@@ -66,13 +68,18 @@ def load_model(
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if misaligned not in MISALIGNED:
         raise ValueError(f"misaligned must be one of {MISALIGNED}, got {misaligned!r}")
+    if quantization != args.quantization:
+        # the model decides shared-expert fusion by the quantization in use (MXFP4 does not fuse)
+        server_args = dataclasses.replace(args, quantization=quantization)
     model = create_model(config, dtype, device, server_args, weight_dtype, with_mtp)
-    if load_format == "dummy":
-        init_dummy_weights(model, seed)
-        return model.eval()
     quant = quantization_config_in_use(config, quantization)
     on_gpu = torch.device(device).type == "cuda"
     keep = quant is not None and (on_gpu if quantized_weights is None else quantized_weights)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+        if keep:
+            quantize_dummy_weights(model, quant, device)
+        return model.eval()
     shown = quant or config.quantization
     if shown is not None:
         where = (

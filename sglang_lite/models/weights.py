@@ -214,3 +214,33 @@ def _sliced_shape(shape: tuple[int, ...], source: tuple) -> tuple[int, ...]:
 
 def _describe(source: tuple) -> str:
     return "[" + ", ".join(":" if s == slice(None) else f"{s.start}:{s.stop}" for s in source) + "]"
+
+
+@torch.no_grad()
+def quantize_dummy_weights(
+    model: nn.Module, quant: QuantizationConfig, device: torch.device | str
+) -> None:
+    """Keeps ``model``'s dummy (random) weights quantized as a checkpoint of ``quant`` would hold them: each
+    parameter whose every checkpoint tensor the config quantizes, in that scheme, quantized from its values (for
+    benchmarks of quantized layers without a checkpoint)."""
+    targets = expected_targets(model, fused_experts=False)
+    capable = quantizable_parameters(model)
+    schemes: dict[str, set] = {}
+    for name, shards in targets.items():
+        scheme = quant.scheme_for(name.removesuffix(".weight"))
+        for shard in shards:
+            schemes.setdefault(shard.param, set()).add(scheme)
+    kept = {
+        param: found.pop()
+        for param, found in schemes.items()
+        if param in capable and len(found) == 1 and None not in found
+    }
+    params = dict(model.named_parameters())
+    values = {param: params[param].data.float() for param in kept}
+    convert(model, kept, device)
+    params = dict(model.named_parameters())
+    for param, scheme in kept.items():
+        stored, scales = scheme.quantize(values[param])
+        stored, scales = scheme.to_stored(stored, scales, params[param].dtype)
+        params[param].data.copy_(stored)
+        params[param + scheme.scale_suffix].data.copy_(scales)

@@ -214,3 +214,18 @@ def test_mxfp4_on_an_fp8_request_is_refused(checkpoint):
     _, path = checkpoint
     with pytest.raises(ValueError, match="--quantization fp8 on a checkpoint quantized as 'quark'"):
         load_model(path, server_args=ServerArgs(quantization="fp8"))
+
+
+def test_dummy_weights_quantize_as_a_checkpoint_would(tmp_path):
+    """``load_format="dummy"`` with MXFP4 kept (the benchmarks' models) quantizes the random weights: the same
+    logits as the dummy high-precision model after a round trip through an export of it."""
+    dummy = load_model(None, load_format="dummy", quantization="mxfp4", quantized_weights=True)
+    layers = [m for m in dummy.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.weight_format == "mxfp4" for m in layers)
+    assert not dummy.model.layers[0].mlp.fuse_shared_expert
+    plain = load_model(
+        None, load_format="dummy", server_args=ServerArgs(disable_shared_experts_fusion=True)
+    )
+    ids = torch.tensor([PROMPT])
+    assert relative_error(dummy(ids), plain(ids)) < 0.5
+    assert not torch.equal(dummy(ids), plain(ids)), "the weights went through MXFP4"

@@ -128,3 +128,22 @@ def test_overlapped_plan_on_cpu_gives_identical_logits(monkeypatch, fusable_chec
     assert overlapped.streams.plan(False, 16).any_overlap
     ids = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(3))
     assert torch.equal(plain(ids), overlapped(ids))
+
+
+def test_mxfp4_runs_the_shared_expert_apart_and_the_plan_overlaps_it(
+    monkeypatch, fusable_checkpoint, caplog
+):
+    """With MXFP4 weights the shared expert is not fused (as upstream), even where the shapes allow it, so the
+    alt-stream plan may run it beside the routed experts; overlapped on the CPU, the logits are the plain order's."""
+    _, path = fusable_checkpoint
+    args = ServerArgs(quantization="mxfp4")
+    with caplog.at_level("WARNING"):
+        plain = load_model(path, server_args=args, quantized_weights=True)
+    assert not plain.model.layers[0].mlp.fuse_shared_expert
+    assert "shared-expert fusion off: mxfp4 weights run the shared expert beside" in caplog.text
+    monkeypatch.setenv("SGLANG_ALT_STREAM_EAGER", "1")
+    overlapped = load_model(path, server_args=args, quantized_weights=True)
+    overlapped.streams.platform = "cuda"
+    assert overlapped.streams.plan(False, 16).moe_shared_routed
+    ids = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(plain(ids), overlapped(ids))
