@@ -17,6 +17,8 @@ companion of gpu_check.py, which checks the kernels one by one and runs these ch
 6. Deterministic inference (``enable_deterministic_inference``, the kernels' batch invariance): the logits of every
    prompt token alone, packed with other prompts, in prefill chunks beside them and in decode steps (CUDA graphs)
    are the same bits, for the dense, MoE (bf16) and block-FP8 checkpoints.
+7. An MXFP4 checkpoint (AMD Quark's export): logits against transformers on its dequantized weights, with the
+   packed weights on the GPU, and its CUDA-graph decode with and without the alt-stream overlaps.
 
 Prints PASS/FAIL per check and exits non-zero when any fails. ``--device cpu`` runs the same checks on the CPU
 (no graphs; TP=2 over gloo), to know the script runs end to end; on a machine without a GPU, the default says so
@@ -51,6 +53,7 @@ from sglang_lite.server_args import ServerArgs  # noqa: E402
 from tests.engine.conftest import TinyCheckpoint, random_prompts  # noqa: E402
 from tests.hf_checkpoints import make_hf_model, save_checkpoint  # noqa: E402
 from tests.models.test_fp8 import make_fp8_checkpoint  # noqa: E402
+from tests.models.test_mxfp4 import export as export_mxfp4  # noqa: E402
 
 # float32 as on the CPU (the kernels' float32 dots keep float32 accuracy); bf16 weights lose about 1e-2.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -68,6 +71,8 @@ FP8_ALIGNED = dict(
     shared_expert_intermediate_size=128,
 )
 FP8_TOL = 8e-2  # FP8 activations against the dequantized weights in float32 (kernel_cases/fp8.py)
+# weight-only MXFP4: the same dequantized weights, float32 activations (the GPU's dots may round inputs to tf32)
+MXFP4_TOL = 1e-2
 
 
 def report(name: str, ok: bool, detail: str) -> None:
@@ -96,9 +101,9 @@ def check_logits(hf: torch.nn.Module, path: str, kind: str) -> None:
         )
 
 
-def check_graph_decode(path: str, kind: str, alt: bool, fp8: bool = False) -> None:
-    """Five requests of different lengths prefill packed, then decode 6 steps by CUDA-graph replay. ``fp8``: an
-    FP8 checkpoint kept in FP8 on the GPU (dequantized at load on the CPU)."""
+def check_graph_decode(path: str, kind: str, alt: bool, quantized: bool = False) -> None:
+    """Five requests of different lengths prefill packed, then decode 6 steps by CUDA-graph replay. ``quantized``:
+    a quantized checkpoint kept quantized on the GPU (dequantized at load on the CPU)."""
     steps, lengths = 6, [1, 17, 64, 65, 100]
     with overlap_flags(alt):
         model = load_model(
@@ -106,7 +111,7 @@ def check_graph_decode(path: str, kind: str, alt: bool, fp8: bool = False) -> No
             dtype=torch.float32,
             device=DEVICE,
             server_args=ServerArgs(device=DEVICE, disable_shared_experts_fusion=False),
-            **({"quantized_weights": DEVICE != "cpu"} if fp8 else {}),
+            **({"quantized_weights": DEVICE != "cpu"} if quantized else {}),
         )
     gen = torch.Generator().manual_seed(1)
     full = [
@@ -141,8 +146,8 @@ def check_graph_decode(path: str, kind: str, alt: bool, fp8: bool = False) -> No
         err = max(err, *(rel_err(logits[r], expected[r][n + step]) for r, n in enumerate(lengths)))
     graphs = runner.graph_runner.batch_sizes if runner.graph_runner else []
     captured = [site for site, on in model.streams.describe()["decode_captured"].items() if on]
-    # an FP8 activation may round the other way in a differently shaped batch
-    tol = 2e-2 if fp8 else 1e-3
+    # an FP8 activation may round the other way in a differently shaped batch (MXFP4 within that too)
+    tol = 2e-2 if quantized else 1e-3
     report(
         f"{kind} prefill + graph decode, alt streams {'on' if alt else 'off'}",
         err < tol and (bool(graphs) or DEVICE == "cpu"),
@@ -164,6 +169,24 @@ def check_fp8_logits(hf: torch.nn.Module, path: str) -> None:
         f"fp8 logits (fp8 weights: {bool(fp8)})",
         err < FP8_TOL,
         f"max rel err {err:.2e} vs dequantized transformers (tol {FP8_TOL:.0e})",
+    )
+
+
+def check_mxfp4_logits(hf: torch.nn.Module, path: str) -> None:
+    """A Quark MXFP4 checkpoint kept packed on the GPU (the Triton kernels dequantize in registers, or take
+    tl.dot_scaled on gfx950) against transformers on its dequantized weights."""
+    ids = torch.randint(
+        0, hf.config.vocab_size, (2, 130), generator=torch.Generator().manual_seed(2)
+    )
+    with torch.no_grad():
+        expected = hf(ids).logits
+    kept = DEVICE != "cpu"
+    model = load_model(path, dtype=torch.float32, device=DEVICE, quantized_weights=kept)
+    err = rel_err(model(ids.to(DEVICE)).float(), expected)
+    report(
+        f"mxfp4 logits (packed weights: {kept})",
+        err < MXFP4_TOL,
+        f"max rel err {err:.2e} vs dequantized transformers (tol {MXFP4_TOL:.0e})",
     )
 
 
@@ -471,6 +494,14 @@ def model_checks(root: str) -> list[tuple]:
         (check_graph_decode, path, "fp8 moe", False, True),
         (check_graph_decode, path, "fp8 moe", True, True),
         (check_batch_invariance, path, "fp8 moe", torch.float32, True),
+    ]
+    # experts, shared experts and full attention MXFP4 (a Quark export); every input a whole number of 32-groups
+    hf = make_hf_model(moe=True, seed=7, **FP8_ALIGNED)
+    path = export_mxfp4(hf, os.path.join(root, "mxfp4"))
+    checks += [
+        (check_mxfp4_logits, hf, path),
+        (check_graph_decode, path, "mxfp4 moe", False, True),
+        (check_graph_decode, path, "mxfp4 moe", True, True),
         (check_serving, tp_size()),
         (check_speculation,),
     ]
