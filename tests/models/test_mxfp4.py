@@ -229,3 +229,32 @@ def test_dummy_weights_quantize_as_a_checkpoint_would(tmp_path):
     ids = torch.tensor([PROMPT])
     assert relative_error(dummy(ids), plain(ids)) < 0.5
     assert not torch.equal(dummy(ids), plain(ids)), "the weights went through MXFP4"
+
+
+def test_server_info_and_models_say_mxfp4(checkpoint):
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from sglang_lite.server.model_info import server_info_of
+    from sglang_lite.server.openai_serving import add_routes
+
+    _, path = checkpoint
+    limits = SimpleNamespace(context_length=64, max_total_tokens=64, max_running_requests=1)
+    manager = SimpleNamespace(config=limits, rank_pids=[], alt_stream_plan=None)
+    args = ServerArgs(model_path=path)
+    info = server_info_of(manager, args)
+    assert info["quantization"] == "mxfp4"
+    assert info["quantization_config"].startswith("quark (mxfp4 (e2m1 weights, e8m0 scales per 32")
+    online = server_info_of(manager, ServerArgs(quantization="mxfp4"))  # quantized at load
+    assert (
+        online["quantization"] == "mxfp4" and "quantized at load" in online["quantization_config"]
+    )
+    app = FastAPI()
+    add_routes(app, manager, args)
+    model = TestClient(app).get("/v1/models").json()["data"][0]
+    assert (
+        model["quantization"] == "mxfp4"
+        and model["quantization_config"] == info["quantization_config"]
+    )
