@@ -11,7 +11,7 @@ import torch
 from .. import cpu
 from ..dispatch import use_native, use_triton
 from ..quant import mxfp4
-from . import naive, triton_moe, triton_moe_fp8
+from . import naive, triton_moe
 
 
 def topk_softmax(
@@ -74,14 +74,14 @@ def fused_moe(
     native = use_native(x, backend=backend) and cpu.takes_moe(w13, block)
     if native and w13.dtype == w2.dtype:
         return cpu.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
-    if w13_scale is not None:
-        impl = triton_moe_fp8 if use_triton(x, backend) else naive
-        fp8 = impl.fused_moe if impl is triton_moe_fp8 else naive.fused_moe_fp8
-        return fp8(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
-    if w13.dtype != x.dtype:
+    if w13_scale is None and w13.dtype != x.dtype:
         w13, w2 = w13.to(x.dtype), w2.to(x.dtype)
-    impl = triton_moe if use_triton(x, backend) else naive
-    return impl.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    scaled = (w13_scale, w2_scale, block)
+    if use_triton(x, backend):
+        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, *scaled)
+    if w13_scale is not None:
+        return naive.fused_moe_fp8(x, w13, w2, topk_weights, topk_ids, *scaled)
+    return naive.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
 def _fused_moe_mxfp4(

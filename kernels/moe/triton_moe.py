@@ -1,16 +1,25 @@
-"""Triton fused MoE: softmax top-k routing, token alignment by expert, and two grouped GEMM kernels.
+"""Triton fused MoE: softmax top-k routing, token alignment by expert, and two grouped GEMM kernels whose expert
+weight format is a constexpr (``WEIGHT_FORMAT``):
+
+- ``"plain"``: float experts in x's dtype;
+- ``"fp8"``: block-FP8 experts with float32 block scales. x is quantized per token group first, and so is the
+  activation between the two GEMMs (per (token, expert) row), as SGLang's FP8 fused MoE does; each K step
+  multiplies one weight block and scales the fp32 partial sums by the row's group scale and the block's scale;
+- ``"mxfp4"``: e2m1 codes two a byte with e8m0 scales per 32 columns (``kernels/quant/mxfp4.py``), weight-only:
+  each K step dequantizes its tile in registers, or hands it to ``tl.dot_scaled`` on gfx950
+  (``triton_linear.mxfp4_dot``).
 
 The grouped GEMMs walk a list of token rows sorted by expert and padded so that each block of BLOCK_M rows
 belongs to one expert (``align_by_expert``). Kernel 1 computes ``silu(x W_gate^T) * (x W_up^T)`` for a block of
 rows and a block of intermediate columns, reading the gate and up rows of w13 side by side (gate_up fusion).
 Kernel 2 computes ``w * (act W_down^T)`` per (token, selected expert) row; the launcher sums the k' rows of a
 token in fp32. topk_ids may hold any expert id below w13.shape[0], so a shared expert appended as expert E
-(with its own per-token weight) runs in the same pass as the routed ones.
+(with its own per-token weight) runs in the same pass as the routed ones. No host reads (graph-capturable).
 
-Batch invariant as they stand: the tiles (BLOCK_M rows of one expert, 64 columns, 64-deep K slices) are constants
-and each program walks K in order into one fp32 accumulator, so a row's sums never depend on the token count or
-on which rows share its block; no atomics. Under the switch only the final sum over a token's k' rows changes
-(``sum_slots``).
+Batch invariant as they stand: the tiles (BLOCK_M rows of one expert, 64 columns, K slices of the format's depth)
+are constants and each program walks K in order into one fp32 accumulator, so a row's sums never depend on the
+token count or on which rows share its block (FP8 activation scales are per row); no atomics. Under the switch
+only the final sum over a token's k' rows changes (``sum_slots``).
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import triton.language as tl
 
 from .. import batch_invariant
 from ..dispatch import dot_precision, triton_interpreting
+from ..linear.triton_linear import mxfp4_dot, mxfp4_dot_scaled
+from ..quant.triton_quant import per_token_group_quant
 from ..triton_utils import dot_accumulate
 
 # Rows per block of the grouped GEMM; every expert's row list is padded to a multiple of it.
@@ -142,135 +153,143 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
 
 
 @triton.jit
-def _gate_up_silu_kernel(
-    x_ptr,
-    w13_ptr,
-    act_ptr,
-    sorted_rows_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
-    num_rows,
-    hidden,
-    inter,
-    stride_xt,
-    stride_we,
-    stride_wn,
-    stride_at,
-    TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0 or pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = rows < num_rows
-    tokens = rows // TOP_K
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
-    w_base = w13_ptr + expert.to(tl.int64) * stride_we
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < hidden
-        x = tl.load(
-            x_ptr + tokens[:, None] * stride_xt + ks[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        w_gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        w_up = tl.load(
-            w_base + (cols[None, :] + inter) * stride_wn + ks[:, None], mask=w_mask, other=0.0
-        )
-        acc_gate = dot_accumulate(x, w_gate, acc_gate, UPCAST, PRECISION)
-        acc_up = dot_accumulate(x, w_up, acc_up, UPCAST, PRECISION)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    tl.store(
-        act_ptr + rows[:, None] * stride_at + cols[None, :],
-        act.to(act_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+def _scaled_dot(a, b, a_s, b_s, acc, UPCAST: tl.constexpr):
+    """``acc + (a @ b) * a_s[:, None] * b_s[None, :]`` in fp32 (``UPCAST``: the interpreter's FP8 as fp32)."""
+    if UPCAST:
+        partial = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        partial = tl.dot(a, b)
+    return acc + partial * a_s[:, None] * b_s[None, :]
 
 
 @triton.jit
-def _down_weighted_kernel(
-    act_ptr,
-    w2_ptr,
+def _grouped_gemm_kernel(
+    a_ptr,
+    a_s_ptr,
+    w_ptr,
+    w_s_ptr,
     weights_ptr,
     out_ptr,
     sorted_rows_ptr,
     block_expert_ptr,
     num_padded_ptr,
     num_rows,
-    hidden,
-    inter,
-    stride_at,
+    depth,
+    num_cols,
+    stride_a,
     stride_we,
     stride_wn,
-    stride_ot,
+    stride_se,
+    stride_sn,
+    GATE_UP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    WEIGHT_FORMAT: tl.constexpr,
+    SCALE_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    DOT_SCALED: tl.constexpr,
 ):
+    """``GATE_UP``: kernel 1, ``silu(a W_gate^T) * (a W_up^T)`` with a's row shared by ``TOP_K`` (token, slot)
+    rows; else kernel 2, ``weight * (a W^T)`` per (token, slot) row (``TOP_K`` 1). The result is [rows,
+    num_cols], contiguous."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0 or pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows < num_rows
+    a_rows = rows // TOP_K
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
-    w_base = w2_ptr + expert.to(tl.int64) * stride_we
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < inter
-        a = tl.load(
-            act_ptr + rows[:, None] * stride_at + ks[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        w = tl.load(
-            w_base + cols[None, :] * stride_wn + ks[:, None],
-            mask=k_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        )
-        acc = dot_accumulate(a, w, acc, UPCAST, PRECISION)
-    acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    if (
+        GATE_UP
+    ):  # w13's gate row c and up row c + I side by side: one product a step, split at the end
+        n = tl.reshape(tl.join(cols, cols + num_cols), (2 * BLOCK_N,))
+        n_ok = tl.reshape(tl.join(cols, cols), (2 * BLOCK_N,)) < num_cols
+    else:
+        n, n_ok = cols, cols < num_cols
+    w_rows = w_ptr + expert.to(tl.int64) * stride_we + n * stride_wn
+    # FP8 scales come per block of SCALE_N rows, MXFP4 ones per row (SCALE_N 1)
+    s_rows = w_s_ptr + expert.to(tl.int64) * stride_se + (n // SCALE_N) * stride_sn
+    acc = tl.zeros([BLOCK_M, n.shape[0]], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(depth, BLOCK_K)):
+        ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = ks < depth
+        a_mask = row_ok[:, None] & k_ok[None, :]
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=a_mask, other=0.0)
+        if WEIGHT_FORMAT == "mxfp4":
+            acc = mxfp4_dot(
+                acc,
+                a,
+                w_rows,
+                s_rows,
+                n_ok,
+                kb * BLOCK_K,
+                depth,
+                BLOCK_K,
+                UPCAST,
+                PRECISION,
+                DOT_SCALED,
+            )
+        else:
+            w = tl.load(
+                w_rows[None, :] + ks[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0
+            )
+            if WEIGHT_FORMAT == "fp8":  # a's group scales are [rows, ceil(depth / BLOCK_K)]
+                a_s = tl.load(
+                    a_s_ptr + a_rows * tl.cdiv(depth, BLOCK_K) + kb, mask=row_ok, other=0.0
+                )
+                w_s = tl.load(s_rows + kb, mask=n_ok, other=0.0)
+                acc = _scaled_dot(a, w, a_s, w_s, acc, UPCAST)
+            else:
+                acc = dot_accumulate(a, w, acc, UPCAST, PRECISION)
+    if GATE_UP:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        out = gate * tl.sigmoid(gate) * up
+    else:
+        out = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
     tl.store(
-        out_ptr + rows[:, None] * stride_ot + cols[None, :],
-        acc,
-        mask=row_ok[:, None] & col_ok[None, :],
+        out_ptr + rows[:, None] * num_cols + cols[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (cols < num_cols)[None, :],
     )
 
 
+class _Format(NamedTuple):
+    """How the grouped GEMMs read one kind of experts."""
+
+    name: str  # the kernels' WEIGHT_FORMAT
+    block_k: int  # K per step: 64, one FP8 weight block, or two MXFP4 groups
+    scale_n: int = 1  # FP8: weight rows per scale block
+
+
 def _check_moe_args(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-):
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    packing: int = 1,
+) -> None:
+    """Shapes and strides; ``packing``: weight elements a stored element (MXFP4 holds two a byte)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, H] with contiguous rows, got shape {tuple(x.shape)}")
-    num_experts = w13.shape[0]
-    two_inter, hidden = w13.shape[1:]
-    if hidden != x.shape[1] or two_inter % 2 or w13.stride(2) != 1:
+    num_experts, two_inter = w13.shape[:2]
+    hidden = x.shape[1]
+    packed = "" if packing == 1 else f" / {packing}"
+    if w13.dim() != 3 or w13.shape[2] * packing != hidden or two_inter % 2 or w13.stride(2) != 1:
         raise ValueError(
-            f"w13 must be [E, 2I, H={x.shape[1]}] with contiguous rows, got {tuple(w13.shape)}"
+            f"w13 must be [E, 2I, H{packed}] for H={hidden} with contiguous rows, got {tuple(w13.shape)}"
         )
-    if tuple(w2.shape) != (num_experts, hidden, two_inter // 2) or w2.stride(2) != 1:
+    if w2.shape[2] * packing != two_inter // 2 or w2.shape[:2] != (num_experts, hidden):
         raise ValueError(
-            f"w2 must be [E={num_experts}, H={hidden}, I={two_inter // 2}], got {tuple(w2.shape)}"
+            f"w2 must be [E={num_experts}, H={hidden}, I{packed}] for I={two_inter // 2}, got "
+            f"{tuple(w2.shape)}"
         )
-    if w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError(
-            f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must have the dtype of x ({x.dtype})"
-        )
+    if w2.stride(2) != 1:
+        raise ValueError(f"w2 must have contiguous rows, got strides {w2.stride()}")
     if ids.dim() != 2 or ids.shape[0] != x.shape[0] or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"topk_ids must be integer [T={x.shape[0]}, k], got {tuple(ids.shape)} {ids.dtype}"
@@ -281,67 +300,133 @@ def _check_moe_args(
         )
 
 
+def _check_fp8_scales(
+    name: str, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+) -> None:
+    want = (w.shape[0], triton.cdiv(w.shape[1], block[0]), triton.cdiv(w.shape[2], block[1]))
+    if tuple(scale.shape) != want or scale.dtype != torch.float32 or scale.stride(2) != 1:
+        raise ValueError(
+            f"{name} must be float32 {list(want)} for {tuple(w.shape)} in {block[0]}x{block[1]} "
+            f"blocks, got {scale.dtype} {tuple(scale.shape)}"
+        )
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """``sum_i w_i * down_e(silu(gate_e(x)) * up_e(x))``; x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk [T, k']."""
+    """``sum_i w_i * down_e(silu(gate_e(x)) * up_e(x))``; x [T, H], w13 [E, 2I, H], w2 [E, H, I] in x's dtype,
+    topk [T, k']. Block-FP8 experts: w13 and w2 FP8 with float32 scales ``w13_scale`` [E, ceil(2I / bn),
+    ceil(H / bk)] and ``w2_scale`` [E, ceil(H / bn), ceil(I / bk)] for ``block`` (bn, bk), the activations
+    quantized per token group of bk columns. Output in x's dtype."""
     _check_moe_args(x, w13, w2, topk_weights, topk_ids)
+    experts = (w13, w13_scale, w2, w2_scale)
+    if w13_scale is not None:
+        _check_fp8_scales("w13_scale", w13, w13_scale, block)
+        _check_fp8_scales("w2_scale", w2, w2_scale, block)
+        return _grouped_moe(x, experts, topk_weights, topk_ids, _Format("fp8", block[1], block[0]))
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(
+            f"w13 ({w13.dtype}) and w2 ({w2.dtype}) must have the dtype of x ({x.dtype})"
+        )
+    return _grouped_moe(x, experts, topk_weights, topk_ids, _Format("plain", 64))
+
+
+def fused_moe_mxfp4(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+) -> torch.Tensor:
+    """``fused_moe`` with MXFP4 experts (weight-only, x is not quantized): x [T, H] (float32, bf16 or fp16),
+    w13 uint8 [E, 2I, H / 2] and w2 uint8 [E, H, I / 2] (two e2m1 codes a byte, element 2j in the low nibble)
+    with e8m0 scales ``w13_scale`` uint8 [E, 2I, ceil(H / 32)] and ``w2_scale`` uint8 [E, H, ceil(I / 32)], rows
+    contiguous; topk [T, k']. Output in x's dtype."""
+    _check_moe_args(x, w13, w2, topk_weights, topk_ids, packing=2)
+    if w13_scale.stride(2) != 1 or w2_scale.stride(2) != 1:
+        raise ValueError("MXFP4 scales must have contiguous rows")
+    fmt = _Format("mxfp4", 64)
+    return _grouped_moe(x, (w13, w13_scale, w2, w2_scale), topk_weights, topk_ids, fmt)
+
+
+def _grouped_moe(
+    x: torch.Tensor,
+    experts: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    fmt: _Format,
+) -> torch.Tensor:
+    """The two grouped GEMMs over ``experts`` (w13, its scales, w2, its scales), checked by the callers."""
+    w13, w13_scale, w2, w2_scale = experts
     num_tokens, top_k = topk_ids.shape
-    num_experts = w2.shape[0]
-    hidden, inter = w2.shape[1:]
+    num_experts, hidden = w2.shape[:2]
+    inter = w13.shape[1] // 2
     num_rows = num_tokens * top_k
     blocks = align_by_expert(topk_ids, num_experts, BLOCK_M)
     act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
     rows_out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
-    weights = topk_weights.reshape(-1).float().contiguous()
-    block_n, block_k = 64, 64
-    _gate_up_silu_kernel[(blocks.block_expert.numel(), triton.cdiv(inter, block_n))](
-        x_ptr=x,
-        w13_ptr=w13,
-        act_ptr=act,
+    block_n = 64
+    common = dict(
+        weights_ptr=topk_weights.reshape(-1).float().contiguous(),
         sorted_rows_ptr=blocks.sorted_rows,
         block_expert_ptr=blocks.block_expert,
         num_padded_ptr=blocks.num_padded,
         num_rows=num_rows,
-        hidden=hidden,
-        inter=inter,
-        stride_xt=x.stride(0),
-        stride_we=w13.stride(0),
-        stride_wn=w13.stride(1),
-        stride_at=act.stride(0),
-        TOP_K=top_k,
+        WEIGHT_FORMAT=fmt.name,
+        SCALE_N=fmt.scale_n,
         BLOCK_M=BLOCK_M,
         BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_K=fmt.block_k,
         UPCAST=triton_interpreting(),
         PRECISION=dot_precision(x.dtype),
+        DOT_SCALED=mxfp4_dot_scaled(x.dtype) if fmt.name == "mxfp4" else None,
     )
-    _down_weighted_kernel[(blocks.block_expert.numel(), triton.cdiv(hidden, block_n))](
-        act_ptr=act,
-        w2_ptr=w2,
-        weights_ptr=weights,
-        out_ptr=rows_out,
-        sorted_rows_ptr=blocks.sorted_rows,
-        block_expert_ptr=blocks.block_expert,
-        num_padded_ptr=blocks.num_padded,
-        num_rows=num_rows,
-        hidden=hidden,
-        inter=inter,
-        stride_at=act.stride(0),
-        stride_we=w2.stride(0),
-        stride_wn=w2.stride(1),
-        stride_ot=rows_out.stride(0),
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        UPCAST=triton_interpreting(),
-        PRECISION=dot_precision(x.dtype),
+    num_blocks = blocks.block_expert.numel()
+    _grouped_gemm_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        **_operands(x, w13, w13_scale, fmt),
+        **_output(act, depth=hidden, gate_up=True, top_k=top_k),
+        **common,
+    )
+    _grouped_gemm_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+        **_operands(act, w2, w2_scale, fmt),
+        **_output(rows_out, depth=inter, gate_up=False, top_k=1),
+        **common,
     )
     return sum_slots(rows_out.view(num_tokens, top_k, hidden)).to(x.dtype)
+
+
+def _operands(
+    a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, fmt: _Format
+) -> dict[str, object]:
+    """One GEMM's activation rows ``a`` (FP8 experts: quantized per group of ``block_k`` columns to their dtype)
+    and experts ``w`` with their scales, as the kernel's arguments; an absent tensor's place holds one never read."""
+    a_s = a
+    if fmt.name == "fp8":
+        a, a_s = per_token_group_quant(a, fmt.block_k, w.dtype)
+    scale = w if w_scale is None else w_scale
+    pointers = dict(a_ptr=a, a_s_ptr=a_s, w_ptr=w, w_s_ptr=scale)
+    strides = dict(stride_a=a.stride(0), stride_we=w.stride(0), stride_wn=w.stride(1))
+    return pointers | strides | dict(stride_se=scale.stride(0), stride_sn=scale.stride(1))
+
+
+def _output(out: torch.Tensor, depth: int, gate_up: bool, top_k: int) -> dict[str, object]:
+    """One GEMM's result rows ``out`` (their columns the kernel's), its K depth and which GEMM it is."""
+    return dict(
+        out_ptr=out,
+        depth=depth,
+        num_cols=out.shape[1],
+        GATE_UP=gate_up,
+        TOP_K=top_k,
+    )
 
 
 def sum_slots(rows: torch.Tensor) -> torch.Tensor:
