@@ -29,12 +29,13 @@ from sglang_lite.kernels.conv1d import naive as conv_naive
 from sglang_lite.kernels.gated_delta_rule import naive as gdn_naive
 from sglang_lite.kernels.linear import naive as linear_naive
 from sglang_lite.kernels.moe import naive as moe_naive
+from sglang_lite.kernels.quant import mxfp4, quantize_blocks
 from sglang_lite.kernels.quant import naive as quant_naive
-from sglang_lite.kernels.quant import quantize_blocks
 
 from .utils import assert_rel_close, rel_err
 
 F32, BF16, FP8 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
+MXFP4 = "mxfp4"  # uint8 codes and scales (kernels/quant/mxfp4.py), x in float32
 BATCHES = (2, 5, 9)
 BLOCK = (128, 128)
 FP8_TOL = 6e-2  # FP8 activations: one rounding to 3 mantissa bits (tests/kernels/test_fp8.py)
@@ -64,12 +65,14 @@ def _rows_that_differ(run) -> list[tuple[int, int, float]]:
 # ------------------------------------------------------------------------------------------------ linear layers
 
 
-def _linear_weight(dtype: torch.dtype, layout: str):
-    """(weight [130, 200], scale) of ``dtype`` (a partial tile of columns and of K): [out, in], or stored [in, out]
-    (a transposed view) as the CPU's engine stores it."""
+def _linear_weight(dtype: torch.dtype | str, layout: str):
+    """(weight [130, 200], scale) of ``dtype`` (a partial tile of columns and of K, a partial MXFP4 group): [out,
+    in], or stored [in, out] (a transposed view) as the CPU's engine stores it."""
     w = _randn(130, 200, seed=3) * 0.05
     if dtype == FP8:
         return quantize_blocks(w, BLOCK, FP8)
+    if dtype == MXFP4:
+        return mxfp4.quantize(w)
     w = w.to(dtype)
     return (w.t().contiguous().t() if layout == "input_major" else w), None
 
@@ -81,21 +84,30 @@ def _linear_weight(dtype: torch.dtype, layout: str):
         (F32, BF16, "input_major"),
         (BF16, BF16, "output_major"),
         (F32, FP8, "output_major"),
+        (F32, MXFP4, "output_major"),
+        (BF16, MXFP4, "output_major"),
     ],
 )
 def test_linear_rows_alone_equal_rows_batched(nan_allocations, x_dtype, w_dtype, layout):
     weight, scale = _linear_weight(w_dtype, layout)
-    block = BLOCK if scale is not None else None
+    block = BLOCK if w_dtype == FP8 else None
+    weight_format = MXFP4 if w_dtype == MXFP4 else None
     x = _randn(9, 200, seed=4).to(x_dtype)
 
     def run(start: int, stop: int) -> torch.Tensor:
-        return linear(x[start:stop], weight, scale, block, backend="triton")
+        rows = x[start:stop]
+        return linear(rows, weight, scale, block, weight_format=weight_format, backend="triton")
 
     with batch_invariant_mode():
         bad = _rows_that_differ(run)
         got = run(0, 9)
     assert not bad, f"rows differ from the row alone (batch, row, max diff): {bad}"
-    want = linear_naive.linear(x.float(), weight.float() if scale is None else weight, scale, block)
+    if w_dtype == MXFP4:
+        want = mxfp4.linear(x.float(), weight, scale)
+    else:
+        want = linear_naive.linear(
+            x.float(), weight.float() if scale is None else weight, scale, block
+        )
     assert got.dtype == x_dtype
     assert_rel_close(got.float(), want, x_dtype)
 
@@ -132,22 +144,26 @@ def test_w8a8_block_fp8_rows_alone_equal_rows_batched(nan_allocations):
 # --------------------------------------------------------------------------------------------------- fused MoE
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16, FP8])
+def _moe_experts(dtype: torch.dtype | str, experts: int, hidden: int, inter: int):
+    """w13, w2 and the scale keywords of ``fused_moe`` for experts in ``dtype`` (or FP8 blocks, or MXFP4)."""
+    w13 = _randn(experts, 2 * inter, hidden, seed=9) * 0.05
+    w2 = _randn(experts, hidden, inter, seed=10) * 0.05
+    if dtype == FP8:
+        (w13, s13), (w2, s2) = quantize_blocks(w13, BLOCK, FP8), quantize_blocks(w2, BLOCK, FP8)
+        return w13, w2, dict(w13_scale=s13, w2_scale=s2, block=BLOCK)
+    if dtype == MXFP4:
+        (w13, s13), (w2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
+        return w13, w2, dict(w13_scale=s13, w2_scale=s2, weight_format=MXFP4)
+    return w13.to(dtype), w2.to(dtype), {}
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, FP8, MXFP4])
 def test_moe_tokens_alone_equal_tokens_batched(nan_allocations, dtype):
     """Each token's experts (3 slots: 2 routed, 1 shared, as the fused shared expert runs) alone and among
     tokens that share its experts and its blocks of rows."""
-    experts, hidden, inter = 4, 128, 128
-    w13, w2 = (
-        _randn(experts, 2 * inter, hidden, seed=9) * 0.05,
-        _randn(experts, hidden, inter, seed=10) * 0.05,
-    )
-    scales = {}
-    if dtype == FP8:
-        (w13, s13), (w2, s2) = quantize_blocks(w13, BLOCK, FP8), quantize_blocks(w2, BLOCK, FP8)
-        scales = dict(w13_scale=s13, w2_scale=s2, block=BLOCK)
-    else:
-        w13, w2 = w13.to(dtype), w2.to(dtype)
-    x = _randn(9, hidden, seed=11).to(F32 if dtype == FP8 else dtype)
+    hidden = 128
+    w13, w2, scales = _moe_experts(dtype, 4, hidden, 128)
+    x = _randn(9, hidden, seed=11).to(dtype if dtype in (F32, BF16) else F32)
     ids = torch.stack([torch.arange(9) % 3, 1 + torch.arange(9) % 2, torch.full((9,), 3)], dim=1)
     weights = torch.softmax(_randn(9, 3, seed=12), dim=-1)
 
@@ -160,8 +176,12 @@ def test_moe_tokens_alone_equal_tokens_batched(nan_allocations, dtype):
         got = run(0, 9)
     assert not bad, f"tokens differ from the token alone (batch, token, max diff): {bad}"
     if dtype == FP8:
+        s13, s2 = scales["w13_scale"], scales["w2_scale"]
         want = moe_naive.fused_moe_fp8(x, w13, w2, weights, ids, s13, s2, BLOCK)
         assert rel_err(got, want) < FP8_TOL
+    elif dtype == MXFP4:
+        s13, s2 = scales["w13_scale"], scales["w2_scale"]
+        assert_rel_close(got, moe_naive.fused_moe_mxfp4(x, w13, w2, weights, ids, s13, s2), F32)
     else:
         want = moe_naive.fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
         assert_rel_close(got.float(), want, dtype)
