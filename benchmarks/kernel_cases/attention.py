@@ -13,19 +13,8 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
 from sglang_lite.kernels import attention, rotary
 from sglang_lite.kernels.rotary import naive as naive_rotary
 
+from ._compare import check_row
 from ._timing import time_ms
-
-
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return (
-        (actual.double() - expected.double()).abs().max()
-        / expected.double().abs().max().clamp_min(1e-12)
-    ).item()
-
-
-def _row(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> dict:
-    err = _rel_err(got, want)
-    return {"name": name, "ok": bool(err <= tol), "max_rel_err": err}  # NaN fails the comparison
 
 
 class Batch:
@@ -101,7 +90,7 @@ def check(device: torch.device) -> list[dict]:
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         batch = Batch([0, 65, 257, 3], [64, 1, 63, 130], 8, 2, 80, device, dtype)
         rows.append(
-            _row(
+            check_row(
                 f"extend_attention hd80 GQA4 {dtype}",
                 batch.extend("triton"),
                 batch.extend("torch"),
@@ -109,7 +98,7 @@ def check(device: torch.device) -> list[dict]:
             )
         )
         rows.append(
-            _row(
+            check_row(
                 f"decode_attention hd80 GQA4 {dtype}",
                 batch.decode("triton"),
                 batch.decode("torch"),
@@ -122,7 +111,9 @@ def check(device: torch.device) -> list[dict]:
         cache = torch.randn(128, 64, device=device)
         got = rotary.apply_rotary(q, k, pos, cache, 64, backend="triton")
         want = naive_rotary.apply_rotary(q, k, pos, cache, 64)
-        rows += [_row(f"apply_rotary {n} {dtype}", a, b, tol) for n, a, b in zip("qk", got, want)]
+        rows += [
+            check_row(f"apply_rotary {n} {dtype}", a, b, tol) for n, a, b in zip("qk", got, want)
+        ]
     return rows
 
 

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from sglang_lite.kernels import conv1d
 from sglang_lite.kernels.conv1d import naive
 
+from ._compare import check_row
 from ._timing import time_ms
-from .norms import _row
 
 K = 4
 
@@ -29,14 +29,14 @@ def check(device: torch.device) -> list[dict]:
         got_pool, want_pool = pool.clone(), pool.clone()
         got = conv1d.causal_conv1d_fn(x, w, got_pool, slots, _cu(lens, device), backend="triton")
         want = naive.causal_conv1d_fn(x, w, want_pool, slots, _cu(lens, device))
-        rows.append(_row(f"causal_conv1d_fn {dtype}", got, want, tol))
-        rows.append(_row(f"conv state {dtype}", got_pool, want_pool, tol))
+        rows.append(check_row(f"causal_conv1d_fn {dtype}", got, want, tol))
+        rows.append(check_row(f"conv state {dtype}", got_pool, want_pool, tol))
         xd = torch.randn(4, dim, device=device, dtype=dtype)
         got = conv1d.causal_conv1d_update(xd, w, got_pool, slots, backend="triton")
         want = naive.causal_conv1d_update(xd, w, want_pool, slots)
         rows += [
-            _row(f"causal_conv1d_update {dtype}", got, want, tol),
-            _row(f"conv state after decode {dtype}", got_pool, want_pool, tol),
+            check_row(f"causal_conv1d_update {dtype}", got, want, tol),
+            check_row(f"conv state after decode {dtype}", got_pool, want_pool, tol),
         ]
     return rows
 

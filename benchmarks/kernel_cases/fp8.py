@@ -15,6 +15,7 @@ from sglang_lite.kernels import fp8_dtype, moe, w8a8_block_fp8_matmul
 from sglang_lite.kernels.moe import naive as moe_naive
 from sglang_lite.kernels.quant import dequantize_blocks, naive, quantize_blocks
 
+from ._compare import check_row
 from ._timing import time_ms
 
 BLOCK = (128, 128)
@@ -22,18 +23,6 @@ BLOCK = (128, 128)
 # MoE a bf16 activation that rounds the other way may also flip its FP8 rounding); the references against bf16 on
 # the dequantized weights: plus the activations' FP8 rounding
 KERNEL_TOL, MOE_KERNEL_TOL, FP8_TOL = 2e-2, 5e-2, 8e-2
-
-
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return (
-        (actual.double() - expected.double()).abs().max()
-        / expected.double().abs().max().clamp_min(1e-12)
-    ).item()
-
-
-def _row(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> dict:
-    err = _rel_err(got, want)
-    return {"name": name, "ok": bool(err <= tol), "max_rel_err": err}  # NaN fails the comparison
 
 
 def _fp8_weight(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +52,7 @@ def check(device: torch.device) -> list[dict]:
         want = naive.w8a8_block_fp8_matmul(x, w, scale, BLOCK)
         shape = f"M={tokens} N={out_features} K={in_features}"
         rows.append(
-            _row(
+            check_row(
                 f"w8a8_block_fp8_matmul {shape}",
                 w8a8_block_fp8_matmul(x, w, scale, BLOCK, backend="triton"),
                 want,
@@ -71,7 +60,7 @@ def check(device: torch.device) -> list[dict]:
             )
         )
         rows.append(
-            _row(
+            check_row(
                 f"block fp8 reference vs bf16 dequantized {shape}",
                 want,
                 x @ dequantize_blocks(w, scale, BLOCK, torch.bfloat16).t(),
@@ -82,7 +71,7 @@ def check(device: torch.device) -> list[dict]:
         x, w13, w2, weights, ids, scales = _moe_inputs(tokens, 2048, 512, 16, 8, device)
         want = moe.fused_moe(x, w13, w2, weights, ids, backend="torch", **scales)
         rows.append(
-            _row(
+            check_row(
                 f"fused_moe fp8 T={tokens} E=16 top8+shared",
                 moe.fused_moe(x, w13, w2, weights, ids, backend="triton", **scales),
                 want,
@@ -97,7 +86,9 @@ def check(device: torch.device) -> list[dict]:
             ids,
         )
         rows.append(
-            _row(f"fused_moe fp8 reference vs bf16 dequantized T={tokens}", want, plain, FP8_TOL)
+            check_row(
+                f"fused_moe fp8 reference vs bf16 dequantized T={tokens}", want, plain, FP8_TOL
+            )
         )
     if device.type == "cuda":
         rows.append(_graph_check(device))
@@ -121,7 +112,7 @@ def _graph_check(device: torch.device) -> dict:
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    return _row("block fp8 linear + fused_moe replayed from a CUDA graph", out, step(), 1e-6)
+    return check_row("block fp8 linear + fused_moe replayed from a CUDA graph", out, step(), 1e-6)
 
 
 def bench(device: torch.device, quick: bool) -> list[dict]:

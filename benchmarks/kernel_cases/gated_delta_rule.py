@@ -12,8 +12,8 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
 from sglang_lite.kernels import gated_delta_rule as gdn
 from sglang_lite.kernels.gated_delta_rule import naive
 
+from ._compare import check_row
 from ._timing import time_ms
-from .norms import _row
 
 
 def _cu(lens: list[int], device: torch.device) -> torch.Tensor:
@@ -49,7 +49,7 @@ def check(device: torch.device) -> list[dict]:
         gdn.fused_gdn_gating(A_log, a, dt_bias, b, backend="triton"),
         naive.fused_gdn_gating(A_log, a, dt_bias, b),
     ):
-        rows.append(_row(f"fused_gdn_gating {name}", got, want, 1e-4))
+        rows.append(check_row(f"fused_gdn_gating {name}", got, want, 1e-4))
     lens = [1, 63, 300, 65]
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         for hk, hv, dk, dv in ((4, 8, 128, 128), (2, 6, 48, 80)):
@@ -64,8 +64,8 @@ def check(device: torch.device) -> list[dict]:
             )
             tag = f"HK={hk} HV={hv} dk={dk} dv={dv} {dtype}"
             rows += [
-                _row(f"chunk_gated_delta_rule {tag}", got, want, tol),
-                _row(f"chunk final state {tag}", got_pool, want_pool, tol),
+                check_row(f"chunk_gated_delta_rule {tag}", got, want, tol),
+                check_row(f"chunk final state {tag}", got_pool, want_pool, tol),
             ]
             got = gdn.fused_recurrent_gated_delta_rule(
                 q[:4], k[:4], v[:4], g[:4], beta[:4], got_pool, slots, backend="triton"
@@ -74,8 +74,8 @@ def check(device: torch.device) -> list[dict]:
                 q[:4], k[:4], v[:4], g[:4], beta[:4], want_pool, slots
             )
             rows += [
-                _row(f"fused_recurrent_gated_delta_rule {tag}", got, want, tol),
-                _row(f"recurrent state {tag}", got_pool, want_pool, tol),
+                check_row(f"fused_recurrent_gated_delta_rule {tag}", got, want, tol),
+                check_row(f"recurrent state {tag}", got_pool, want_pool, tol),
             ]
     return rows
 

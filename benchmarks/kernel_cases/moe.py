@@ -12,19 +12,8 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSpars
 from sglang_lite.kernels import moe
 from sglang_lite.kernels.moe import naive
 
+from ._compare import check_row
 from ._timing import time_ms
-
-
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return (
-        (actual.double() - expected.double()).abs().max()
-        / expected.double().abs().max().clamp_min(1e-12)
-    ).item()
-
-
-def _row(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> dict:
-    err = _rel_err(got, want)
-    return {"name": name, "ok": bool(err <= tol), "max_rel_err": err}  # NaN fails the comparison
 
 
 def hf_block(
@@ -86,12 +75,12 @@ def check(device: torch.device) -> list[dict]:
                 "max_rel_err": 0.0,
             }
         )
-        rows.append(_row(f"topk_softmax weights {dtype}", got[0], want[0], tol))
+        rows.append(check_row(f"topk_softmax weights {dtype}", got[0], want[0], tol))
         with torch.no_grad():
             # one routing for both sides: bf16 router logits can tie, and ties may pick different experts
             weights, ids = ours.route(x, "torch")
             rows.append(
-                _row(
+                check_row(
                     f"fused_moe+shared triton vs naive {dtype}",
                     moe.fused_moe(x, ours.w13, ours.w2, weights, ids, backend="triton"),
                     naive.fused_moe(x, ours.w13, ours.w2, weights, ids),
@@ -100,7 +89,7 @@ def check(device: torch.device) -> list[dict]:
             )
             if dtype == torch.float32:
                 rows.append(
-                    _row(
+                    check_row(
                         "moe block triton vs HF block fp32",
                         ours(x, "triton"),
                         block(x[None])[0],

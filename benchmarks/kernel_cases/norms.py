@@ -11,21 +11,10 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
 from sglang_lite.kernels import norms
 from sglang_lite.kernels.norms import naive
 
+from ._compare import check_row
 from ._timing import time_ms
 
 EPS = 1e-6
-
-
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return (
-        (actual.double() - expected.double()).abs().max()
-        / expected.double().abs().max().clamp_min(1e-12)
-    ).item()
-
-
-def _row(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> dict:
-    err = _rel_err(got, want)
-    return {"name": name, "ok": bool(err <= tol), "max_rel_err": err}  # NaN fails the comparison
 
 
 def check(device: torch.device) -> list[dict]:
@@ -34,7 +23,7 @@ def check(device: torch.device) -> list[dict]:
         x = torch.randn(300, 2048, device=device, dtype=dtype)
         w, r = torch.randn(2048, device=device, dtype=dtype), torch.randn_like(x)
         rows.append(
-            _row(
+            check_row(
                 f"gemma_rmsnorm {dtype}",
                 norms.gemma_rmsnorm(x, w, EPS, backend="triton"),
                 naive.gemma_rmsnorm(x, w, EPS),
@@ -45,7 +34,7 @@ def check(device: torch.device) -> list[dict]:
             norms.gemma_rmsnorm(x, w, EPS, r, backend="triton"),
             naive.gemma_rmsnorm(x, w, EPS, r),
         )
-        rows.append(_row(f"gemma_rmsnorm+residual {dtype}", got[0], want[0], tol))
+        rows.append(check_row(f"gemma_rmsnorm+residual {dtype}", got[0], want[0], tol))
         # q, k are slices of one projection
         proj = torch.randn(65, (16 + 2 * 2) * 256, device=device, dtype=dtype)
         q, k = proj[:, : 16 * 256], proj[:, 16 * 256 : 18 * 256]
@@ -53,14 +42,14 @@ def check(device: torch.device) -> list[dict]:
         got = norms.fused_qk_gemma_rmsnorm(q, k, qw, kw, EPS, 256, backend="triton")
         want = naive.fused_qk_gemma_rmsnorm(q, k, qw, kw, EPS, 256)
         rows += [
-            _row(f"fused_qk_gemma_rmsnorm {n} {dtype}", a, b, tol)
+            check_row(f"fused_qk_gemma_rmsnorm {n} {dtype}", a, b, tol)
             for n, a, b in zip("qk", got, want)
         ]
         o = torch.randn(65, 32, 128, device=device, dtype=dtype)
         z = torch.randn(65, 32, 128, device=device, dtype=dtype)
         w_head = w[:128].contiguous()
         rows.append(
-            _row(
+            check_row(
                 f"gated_rmsnorm {dtype}",
                 norms.gated_rmsnorm(o, z, w_head, EPS, backend="triton"),
                 naive.gated_rmsnorm(o, z, w_head, EPS),
