@@ -203,9 +203,8 @@ def _grouped_gemm_kernel(
     row_ok = rows < num_rows
     a_rows = rows // TOP_K
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if (
-        GATE_UP
-    ):  # w13's gate row c and up row c + I side by side: one product a step, split at the end
+    # kernel 1 reads w13's gate row c and up row c + I side by side: one product a step, split at the end
+    if GATE_UP:
         n = tl.reshape(tl.join(cols, cols + num_cols), (2 * BLOCK_N,))
         n_ok = tl.reshape(tl.join(cols, cols), (2 * BLOCK_N,)) < num_cols
     else:
@@ -237,7 +236,8 @@ def _grouped_gemm_kernel(
             w = tl.load(
                 w_rows[None, :] + ks[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0
             )
-            if WEIGHT_FORMAT == "fp8":  # a's group scales are [rows, ceil(depth / BLOCK_K)]
+            if WEIGHT_FORMAT == "fp8":
+                # a's group scales are [rows, ceil(depth / BLOCK_K)]
                 a_s = tl.load(
                     a_s_ptr + a_rows * tl.cdiv(depth, BLOCK_K) + kb, mask=row_ok, other=0.0
                 )
@@ -258,11 +258,12 @@ def _grouped_gemm_kernel(
 
 
 class _Format(NamedTuple):
-    """How the grouped GEMMs read one kind of experts."""
+    """How the grouped GEMMs read one kind of experts: ``name`` is the kernels' WEIGHT_FORMAT, ``block_k`` the K
+    of a step (64: two MXFP4 groups; FP8: one weight block), ``scale_n`` the weight rows of an FP8 scale block."""
 
-    name: str  # the kernels' WEIGHT_FORMAT
-    block_k: int  # K per step: 64, one FP8 weight block, or two MXFP4 groups
-    scale_n: int = 1  # FP8: weight rows per scale block
+    name: str
+    block_k: int
+    scale_n: int = 1
 
 
 def _check_moe_args(
@@ -283,7 +284,11 @@ def _check_moe_args(
         raise ValueError(
             f"w13 must be [E, 2I, H{packed}] for H={hidden} with contiguous rows, got {tuple(w13.shape)}"
         )
-    if w2.shape[2] * packing != two_inter // 2 or w2.shape[:2] != (num_experts, hidden):
+    if (
+        w2.dim() != 3
+        or w2.shape[:2] != (num_experts, hidden)
+        or w2.shape[2] * packing * 2 != two_inter
+    ):
         raise ValueError(
             f"w2 must be [E={num_experts}, H={hidden}, I{packed}] for I={two_inter // 2}, got "
             f"{tuple(w2.shape)}"

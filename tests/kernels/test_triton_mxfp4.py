@@ -108,7 +108,8 @@ def test_dot_scaled_is_for_16_bit_activations_on_gfx950_only(monkeypatch, arch, 
 
 def test_mxfp4_kernels_reject_weights_with_strided_rows():
     packed, scales = mxfp4.quantize(_randn(24, 64, seed=10))
-    strided = packed.t().contiguous().t()  # same shape, columns apart
+    # the same shape, its columns apart
+    strided = packed.t().contiguous().t()
     with pytest.raises(ValueError, match="contiguous rows"):
         linear(_randn(2, 64, seed=11), strided, scales, weight_format="mxfp4", backend="triton")
     x, weights, ids, experts = _moe_case(3, F32)
