@@ -3,7 +3,9 @@ kernels' timings as shares of the device's copy bandwidth and of its bf16 or FP8
 (under 10 minutes on one H200).
 
 Kernel checks: the Triton kernels against the PyTorch references (benchmarks/kernel_cases), the block-FP8 GEMM
-and the FP8 fused MoE also against bf16 arithmetic on the dequantized weights and replayed from a CUDA graph.
+and the FP8 fused MoE also against bf16 arithmetic on the dequantized weights and replayed from a CUDA graph; the
+MXFP4 (weight-only) linear and fused MoE in each activation dtype, through ``tl.dot_scaled`` on gfx950 (MI355X) and
+a dequantized tile elsewhere, timed against the same kernels on the bf16 weights the codes stand for.
 Model checks: see gpu_model_check.py (CUDA-graph decode with the alt-stream plan on and off, FP8 weights in the
 graphs, TP=2 over NCCL/RCCL where two GPUs exist, penalties, a grammar, ``n`` > 1 and the prefix cache in
 captured batches). Exits non-zero when any check fails; on a machine without a GPU the default says so and exits 0.
@@ -11,7 +13,7 @@ captured batches). Exits non-zero when any check fails; on a machine without a G
 ``--device cpu`` is the dry run: the same checks with the Triton kernels in Triton's interpreter
 (``TRITON_INTERPRET=1``) at the same shapes, the model checks on the CPU (no graphs; TP=2 over gloo), no timings.
 
-    python benchmarks/gpu_check.py [--device cpu] [--families fp8,moe] [--no-models] [--no-bench]
+    python benchmarks/gpu_check.py [--device cpu] [--families fp8,moe,mxfp4] [--no-models] [--no-bench]
 """
 
 from __future__ import annotations

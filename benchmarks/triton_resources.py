@@ -4,12 +4,12 @@ per thread block in one table (a row per configuration, a column group per targe
 
 The kernel cases' GPU checks (benchmarks/kernel_cases, real model sizes) run on CPU tensors with every Triton
 launch recorded instead of run, once per target with the platform the launchers see set to the target's (the
-launchers pick some tiles per target); each recorded configuration is then compiled ahead of time with the
-compilers in Triton's own package (no GPU, no driver). A configuration fails when it needs more shared memory than
-the chip has (on an H200 that was an OutOfResources error at the first launch) or spills more than
-``MAX_SPILL_BYTES`` a thread (spills made a norm kernel run at a few percent of memory bandwidth); smaller spills
-are marked, as a cost to weigh. Shared memory per block: 227 KB on sm_90; LDS per workgroup 64 KB on gfx942 and
-160 KB on gfx950 (AMD's GPU specifications, CDNA3 and CDNA4).
+launchers pick some tiles per target, and on gfx950 ``tl.dot_scaled`` for the MXFP4 products); each recorded
+configuration is then compiled ahead of time with the compilers in Triton's own package (no GPU, no driver). A
+configuration fails when it needs more shared memory than the chip has (on an H200 that was an OutOfResources
+error at the first launch) or spills more than ``MAX_SPILL_BYTES`` a thread (spills made a norm kernel run at a
+few percent of memory bandwidth); smaller spills are marked, as a cost to weigh. Shared memory per block: 227 KB
+on sm_90; LDS per workgroup 64 KB on gfx942 and 160 KB on gfx950 (AMD's GPU specifications, CDNA3 and CDNA4).
 
     python benchmarks/triton_resources.py [--targets sm90,gfx942,gfx950]
 """

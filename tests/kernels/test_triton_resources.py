@@ -73,3 +73,21 @@ def test_chunk_kernel_takes_its_per_target_launch_parameters(report):
         r["kernel"] for r in results["sm90"]["rows"] if r["kernel"].startswith("_chunk_kernel")
     ]
     assert chunks and all("num_warps=8, num_stages=1" in k for k in chunks), chunks
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_mxfp4_kernel_is_compiled_with_its_target_product(report, target):
+    """The MXFP4 linear and both grouped MoE GEMMs compile for each target, in every activation dtype; bf16 and fp16
+    products take ``tl.dot_scaled`` on gfx950 and the dequantized tile elsewhere."""
+    results, text = report
+    if "skipped" in results[target]:
+        pytest.skip(f"{target}: {results[target]['skipped']}")
+    rows = [r["kernel"] for r in results[target]["rows"] if "WEIGHT_FORMAT=mxfp4" in r["kernel"]]
+    kernels = {(k.split()[0], k.split()[1], "GATE_UP=True" in k) for k in rows}
+    for dtype in ("bf16", "fp16", "fp32"):
+        assert ("_linear_kernel", dtype, False) in kernels, text
+        for gate_up in (True, False):
+            assert ("_grouped_gemm_kernel", dtype, gate_up) in kernels, text
+    for kernel in rows:
+        lhs = kernel.split()[1] if target == "gfx950" and "fp32" not in kernel else "None"
+        assert f"DOT_SCALED={lhs}" in kernel, kernel
