@@ -400,14 +400,39 @@ def add_gated(routed: torch.Tensor, shared: torch.Tensor, logit: torch.Tensor) -
     return _ops().add_gated_rows(routed, shared, logit)
 
 
-# ---- MXFP4 weights (kernels/quant/mxfp4.py's layout, read as they are) ------------------------------------------
+# ---- MXFP4 weights (kernels/quant/mxfp4.py's layout, read as they are: csrc/mxfp4.h) ---------------------------
+
+
+def _packed_rows(t: torch.Tensor, dim: int) -> bool:
+    return t.dim() == dim and t.is_cpu and t.dtype == torch.uint8 and t.stride(-1) == 1
 
 
 def takes_linear_mxfp4(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``linear_mxfp4`` serves these operands (none yet: the references run)."""
-    return False
+    """Whether ``linear_mxfp4`` serves these operands: float32 x and a uint8 weight [N, K / 2] whose rows are
+    contiguous (any other x runs the reference)."""
+    return x.dtype == torch.float32 and _packed_rows(weight, 2)
+
+
+def linear_mxfp4(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ W^T`` for float32 x [M, K] and W the MXFP4 weight [N, K / 2] with its e8m0 scales [N, ceil(K / 32)],
+    widened in registers (float32 [M, N]); each row's bits are the same at any M."""
+    return _ops().linear_rows(_last_dim_contiguous(x), weight, scale, [], 0)
 
 
 def takes_moe_mxfp4(x: torch.Tensor, w13: torch.Tensor) -> bool:
-    """Whether ``fused_moe_mxfp4`` serves these experts (none yet: the references run)."""
-    return False
+    """Whether ``fused_moe_mxfp4`` serves these experts: float32 x, uint8 w13 [E, 2I, H / 2] with contiguous rows."""
+    return x.dtype == torch.float32 and _packed_rows(w13, 3)
+
+
+def fused_moe_mxfp4(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+) -> torch.Tensor:
+    """As ``moe.naive.fused_moe_mxfp4`` for float32 x [T, H]: MXFP4 experts w13 [E, 2I, H / 2] and w2 [E, H, I / 2]
+    with their e8m0 scales, widened in registers; chunked as ``fused_moe``."""
+    return fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)

@@ -2,6 +2,7 @@
 // registers): every projection and the LM head of a decode step, and a prefill's when its weights are 16- or 8-bit.
 #include "common.h"
 #include "gemm.h"
+#include "mxfp4.h"
 #include "ops.h"
 
 #include <torch/library.h>
@@ -198,6 +199,11 @@ void linear_core(const float* xs, int64_t lda, int64_t M, int64_t K, const at::T
                  const c10::optional<at::Tensor>& scale, at::IntArrayRef block, int64_t bf16_dot, float* o) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "weight must be a CPU matrix, got ", weight.sizes());
   const int64_t N = weight.size(0);
+  if (weight.scalar_type() == at::kByte) {  // MXFP4 [N, K / 2], its scale the e8m0 scales
+    mxfp4::check_pair(weight, scale, "weight");
+    TORCH_CHECK(2 * weight.size(1) == K, "the MXFP4 weight must be [N, ", K, " / 2], got ", weight.sizes());
+    return mxfp4::linear(xs, lda, M, mxfp4::matrix_of(weight, *scale), N, o);
+  }
   TORCH_CHECK(weight.size(1) == K, "weight must be [N, ", K, "], got ", weight.sizes());
   TORCH_CHECK(weight.stride(0) == 1 || weight.stride(1) == 1, "weight must be contiguous along one of its "
               "dimensions, got strides ", weight.strides());
@@ -218,8 +224,9 @@ void linear_core(const float* xs, int64_t lda, int64_t M, int64_t K, const at::T
 
 // y = x W^T for x [M, K] float32 and W [N, K] float32, bf16 or FP8 (with its block scales), stored [in, out]
 // (weight_layout's layout: each thread takes blocks of 32 output columns and runs every row of a panel through them
-// while the block's weights stay in cache) or [out, in] (unscaled weights only). MKL packs the whole weight for every
-// call, which at a few rows keeps it far below the GEMM peak; it takes no 16- or 8-bit weights at all.
+// while the block's weights stay in cache) or [out, in] (unscaled weights only); or MXFP4, uint8 [N, K / 2] with its
+// e8m0 scales uint8 [N, ceil(K / 32)] as `scale` (mxfp4.h), read as the checkpoint stores it. MKL packs the whole
+// weight for every call, which at a few rows keeps it far below the GEMM peak; it takes no 16- or 8-bit weights.
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                        at::IntArrayRef block, int64_t bf16_dot) {
   check_float(x, "x", 2);

@@ -6,6 +6,7 @@
 // sums each token's k rows in slot order.
 #include "common.h"
 #include "gemm.h"
+#include "mxfp4.h"
 #include "ops.h"
 
 #include <torch/library.h>
@@ -209,6 +210,65 @@ void experts_input_major(const float* xs, int64_t x_row, const Experts<W>& w13, 
   });
 }
 
+// One projection of the MXFP4 experts in `hit` ([E, width, depth / 2] with their scales) as work items (expert,
+// column block), each expert's rows (rearranged, mxfp4.h) through its block: one or two rows in 128-column blocks
+// (long runs of weight rows read once), more in blocks of four of mxfp4.h's widened blocks.
+void project_mxfp4_experts(const std::vector<int64_t>& hit, const Routing& routing, const float* in, int64_t lda,
+                           const at::Tensor& w, const at::Tensor& scales, int64_t width, float* out) {
+  int64_t most_rows = 0;
+  for (int64_t e : hit) most_rows = std::max(most_rows, routing.rows(e));
+  const int64_t block = most_rows <= 2 ? 128 : 4 * mxfp4::kBlockColumns;
+  const int64_t blocks = (width + block - 1) / block, hits = static_cast<int64_t>(hit.size());
+  at::parallel_for(0, hits * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = hit[item / blocks], n0 = (item % blocks) * block, first = routing.starts[e];
+      mxfp4::rows_times_columns(in + first * lda, lda, routing.rows(e), mxfp4::matrix_of(w, scales, e), n0,
+                                std::min(width, n0 + block), out + first * width, width);
+    }
+  });
+}
+
+// Both projections of every expert hit, for MXFP4 experts (w13 [E, 2I, H / 2], w2 [E, H, I / 2] and their e8m0
+// scales, as the checkpoint stores them): the pairs' token rows gathered in expert order (rearranged for the
+// weights), each expert's rows through its blocks of output columns, silu(gate) * up rearranged, the same for w2.
+void experts_mxfp4(const float* xs, int64_t x_row, const at::Tensor& w13, const at::Tensor& w13_s,
+                   const at::Tensor& w2, const at::Tensor& w2_s, const Routing& routing, int64_t hidden,
+                   int64_t inter, float* rows) {
+  const int64_t pairs = static_cast<int64_t>(routing.order.size());
+  const int64_t experts = static_cast<int64_t>(routing.starts.size()) - 1;
+  const int64_t h_pad = (hidden + mxfp4::kGroup - 1) / mxfp4::kGroup * mxfp4::kGroup;
+  const int64_t i_pad = (inter + mxfp4::kGroup - 1) / mxfp4::kGroup * mxfp4::kGroup;
+  const auto buffer = [](int64_t floats) { return std::unique_ptr<float[]>(new float[floats]); };  // not zeroed
+  const auto gate_up = buffer(pairs * 2 * inter), expert_out = buffer(pairs * hidden);
+  std::vector<float> gathered_buffer, mid_buffer;  // rearranged rows, from cache line boundaries
+  float* gathered = mxfp4::aligned(gathered_buffer, pairs * h_pad);
+  float* mid = mxfp4::aligned(mid_buffer, pairs * i_pad);
+  at::parallel_for(0, pairs, grain(hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* src = xs + (routing.order[i] / routing.top_k) * x_row;
+      mxfp4::rearrange_row(src, hidden, gathered + i * h_pad);
+    }
+  });
+  std::vector<int64_t> hit;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (routing.rows(e) > 0) hit.push_back(e);
+  }
+  project_mxfp4_experts(hit, routing, gathered, h_pad, w13, w13_s, 2 * inter, gate_up.get());
+  at::parallel_for(0, pairs, grain(inter), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      silu_and_mul(gate_up.get() + i * 2 * inter, inter);
+      mxfp4::rearrange_row(gate_up.get() + i * 2 * inter, inter, mid + i * i_pad);
+    }
+  });
+  project_mxfp4_experts(hit, routing, mid, i_pad, w2, w2_s, hidden, expert_out.get());
+  at::parallel_for(0, pairs, grain(hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::copy(expert_out.get() + i * hidden, expert_out.get() + (i + 1) * hidden,
+                rows + routing.order[i] * hidden);
+    }
+  });
+}
+
 Routing group_by_expert(const Index& ids, int64_t pairs, int64_t top_k, int64_t experts) {
   check_slots(ids, pairs, experts, "topk_ids");
   Routing routing{std::vector<int64_t>(experts + 1, 0), std::vector<int64_t>(pairs), top_k};
@@ -246,10 +306,12 @@ void check_experts(const at::Tensor& w13, const at::Tensor& w2, int64_t hidden) 
                   w2.scalar_type() == w13.scalar_type(),
               "w13 [E, 2I, H] and w2 [E, H, I] must be CPU tensors of one dtype, got ", w13.scalar_type(), " ",
               w13.sizes(), " and ", w2.scalar_type(), " ", w2.sizes());
-  const int64_t inter = w2.size(2);
-  TORCH_CHECK(w13.size(1) == 2 * inter && w13.size(2) == hidden && w2.size(0) == w13.size(0) && w2.size(1) == hidden,
+  const int64_t packing = w13.scalar_type() == at::kByte ? 2 : 1;  // MXFP4: two weights a byte
+  const int64_t inter = packing * w2.size(2);
+  TORCH_CHECK(w13.size(1) == 2 * inter && packing * w13.size(2) == hidden && w2.size(0) == w13.size(0) &&
+                  w2.size(1) == hidden,
               "w13 [E, 2I, H] and w2 [E, H, I] do not match x [T, ", hidden, "]: w13 ", w13.sizes(), ", w2 ",
-              w2.sizes());
+              w2.sizes(), packing == 2 ? " (MXFP4: the last dimension halved)" : "");
 }
 
 // The fused MoE into out [T, H] (contiguous) of x's rows (x_row apart), each token's top_k (expert id, weight)
@@ -258,10 +320,16 @@ void fused_moe_core(const float* x, int64_t x_row, int64_t tokens, int64_t hidde
                     const at::Tensor& w2, const OptTensor& w13_scale, const OptTensor& w2_scale, at::IntArrayRef block,
                     const Index& ids, const float* weights, int64_t w_row, int64_t w_col, int64_t top_k,
                     int64_t bf16_dot, float* out) {
-  const int64_t experts = w13.size(0), inter = w2.size(2);
+  const int64_t experts = w13.size(0), inter = w13.size(1) / 2;
   const Routing routing = group_by_expert(ids, tokens * top_k, top_k, experts);
   // each pair's expert output, at token * top_k + slot (every row written before it is read: not zeroed)
   const std::unique_ptr<float[]> pair_rows(new float[tokens * top_k * hidden]);
+  if (w13.scalar_type() == at::kByte) {
+    mxfp4::check_pair(w13, w13_scale, "w13");
+    mxfp4::check_pair(w2, w2_scale, "w2");
+    experts_mxfp4(x, x_row, w13, *w13_scale, w2, *w2_scale, routing, hidden, inter, pair_rows.get());
+    return weighted_sum(pair_rows.get(), tokens, weights, w_row, w_col, top_k, hidden, out);
+  }
   const bool input_major = w13.stride(1) == 1 && w2.stride(1) == 1;
   visit_weight_type(w13, "w13", [&](auto type) {
     using W = decltype(type);
@@ -278,7 +346,8 @@ void fused_moe_core(const float* x, int64_t x_row, int64_t tokens, int64_t hidde
 }
 
 // x [T, H] float32; w13 [E, 2I, H] and w2 [E, H, I] float32, bf16 or FP8 (with w13_scale, w2_scale for `block`),
-// in the same dtype; topk_weights [T, k] float32, topk_ids [T, k]. Returns [T, H].
+// in the same dtype, or MXFP4 (uint8 [E, 2I, H / 2] and [E, H, I / 2], their e8m0 scales uint8 [E, 2I, ceil(H / 32)]
+// and [E, H, ceil(I / 32)] as w13_scale and w2_scale); topk_weights [T, k] float32, topk_ids [T, k]. Returns [T, H].
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
                      const at::Tensor& topk_ids, const OptTensor& w13_scale, const OptTensor& w2_scale,
                      at::IntArrayRef block, int64_t bf16_dot) {
