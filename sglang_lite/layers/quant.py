@@ -30,7 +30,21 @@ def _parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class QuantLinear(nn.Module):
+class _SchemeHolder:
+    """What the decode blocks and the loader read of a quantized layer's scheme."""
+
+    scheme: WeightScheme
+
+    @property
+    def weight_format(self) -> str:
+        return self.scheme.name
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.scheme.block
+
+
+class QuantLinear(_SchemeHolder, nn.Module):
     """A bias-free linear layer with a quantized ``weight`` and its scales in ``scheme``; built from the layer it
     replaces, whose ``output_sizes`` (a ``PackedLinear``'s packing) it keeps."""
 
@@ -56,14 +70,6 @@ class QuantLinear(nn.Module):
     def weight_scales(self) -> torch.Tensor:
         return getattr(self, self.scale_name)
 
-    @property
-    def weight_format(self) -> str:
-        return self.scheme.name
-
-    @property
-    def block(self) -> tuple[int, int]:
-        return self.scheme.block
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.scheme.linear(x, self.weight, self.weight_scales)
 
@@ -74,19 +80,9 @@ class QuantLinear(nn.Module):
         )
 
 
-class QuantSparseMoeBlock(Qwen3_5SparseMoeBlock):
+class QuantSparseMoeBlock(_SchemeHolder, Qwen3_5SparseMoeBlock):
     """The MoE block with quantized experts (``experts.w13`` / ``w2`` stored in ``scheme``, their scales beside
     them); only the expert computation differs. ``convert`` turns a built block into one."""
-
-    scheme: WeightScheme
-
-    @property
-    def weight_format(self) -> str:
-        return self.scheme.name
-
-    @property
-    def block(self) -> tuple[int, int]:
-        return self.scheme.block
 
     def expert_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w13, w2, their scales)."""

@@ -21,6 +21,9 @@ from typing import ClassVar
 
 import torch
 
+# a MoE block's stored experts: (w13, w2, w13's scales, w2's scales)
+Experts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 class WeightScheme(ABC):
     """How one quantized weight [..., out, in] is stored and multiplied: stored values of ``stored_dtype``, each
@@ -58,11 +61,7 @@ class WeightScheme(ABC):
 
     @abstractmethod
     def fused_moe(
-        self,
-        x: torch.Tensor,
-        experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
+        self, x: torch.Tensor, experts: Experts, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
         """``kernels.fused_moe`` over stored experts ``(w13, w2, w13 scales, w2 scales)``."""
 

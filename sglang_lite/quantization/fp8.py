@@ -21,7 +21,7 @@ from sglang_lite.kernels.quant import (
     fp8_dtype,
     quantize_blocks,
 )
-from sglang_lite.quantization.base import QuantizationConfig, WeightScheme
+from sglang_lite.quantization.base import Experts, QuantizationConfig, WeightScheme
 
 SCALE_SUFFIX = "_scale_inv"
 
@@ -61,23 +61,11 @@ class Fp8BlockScheme(WeightScheme):
         return linear(x, weight, scale, self.block)
 
     def fused_moe(
-        self,
-        x: torch.Tensor,
-        experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
+        self, x: torch.Tensor, experts: Experts, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
         w13, w2, w13_scale, w2_scale = experts
-        return fused_moe(
-            x,
-            w13,
-            w2,
-            topk_weights,
-            topk_ids,
-            w13_scale=w13_scale,
-            w2_scale=w2_scale,
-            block=self.block,
-        )
+        scales = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+        return fused_moe(x, w13, w2, weights, ids, **scales, block=self.block)
 
     def describe(self) -> str:
         rows, cols = self.block

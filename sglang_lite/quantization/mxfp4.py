@@ -22,7 +22,7 @@ import torch
 from sglang_lite.kernels import fused_moe, linear
 from sglang_lite.kernels.moe import naive as moe_naive
 from sglang_lite.kernels.quant import mxfp4
-from sglang_lite.quantization.base import QuantizationConfig, WeightScheme
+from sglang_lite.quantization.base import Experts, QuantizationConfig, WeightScheme
 from sglang_lite.quantization.fp8 import text_name
 
 SCALE_SUFFIX = "_scale"
@@ -73,27 +73,16 @@ class Mxfp4Scheme(WeightScheme):
         return linear(x, weight, scale, weight_format="mxfp4")
 
     def fused_moe(
-        self,
-        x: torch.Tensor,
-        experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
+        self, x: torch.Tensor, experts: Experts, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
         w13, w2, w13_scale, w2_scale = experts
         if self.activations:
+            scales = (w13_scale, w2_scale)
             return moe_naive.fused_moe_mxfp4(
-                x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, activations=self.scale_mode
+                x, w13, w2, weights, ids, *scales, activations=self.scale_mode
             )
-        return fused_moe(
-            x,
-            w13,
-            w2,
-            topk_weights,
-            topk_ids,
-            w13_scale=w13_scale,
-            w2_scale=w2_scale,
-            weight_format="mxfp4",
-        )
+        scales = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+        return fused_moe(x, w13, w2, weights, ids, **scales, weight_format="mxfp4")
 
     def check_logical_shape(self, shape: tuple[int, ...]) -> str | None:
         if shape[-1] % 2:
