@@ -5,9 +5,11 @@
 Each ISA (``SGLANG_CPU_ISA``: native, avx2, avx512; one this CPU cannot run is skipped, saying so) runs in a process
 of its own, since a process loads one build. Cases: linear products of the benchmarks' shapes with float32, bf16
 and block-FP8 weights stored [in, out] as the engine stores them (1, 8 and 128 rows; the LM head as the tied
-embedding [out, in]), the fused MoE at 1 and 128 tokens, and the gated delta rule's prefill. The reference column
-is PyTorch on float32 weights (``x @ w``: oneDNN / MKL; the naive MoE and delta rule), its own kernels put on the
-same ISA (``torch_isa_env``). Prints GFLOP/s of each ISA, and each over PyTorch; best of ``--repeats`` rounds.
+embedding [out, in]) and MXFP4 weights as the checkpoint stores them ([out, in], two e2m1 codes a byte), the fused
+MoE at 1 and 128 tokens (float32, bf16 and MXFP4 experts), and the gated delta rule's prefill. The reference column
+is PyTorch on float32 weights (``x @ w``: oneDNN / MKL; the naive MoE and delta rule; for MXFP4 the dequantized
+weights), its own kernels put on the same ISA (``torch_isa_env``). Prints GFLOP/s of each ISA, and each over
+PyTorch; best of ``--repeats`` rounds. ``--formats`` keeps some weight formats only (``--formats mxfp4``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ PRODUCTS = {  # name: (K, N, layout)
     "LM head 512x24000 (tied)": (512, 24000, "out_in"),
 }
 ROWS = (1, 8, 128)
-WEIGHTS = {"f32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+WEIGHTS = {"f32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "mxfp4": None}
 MOE = (32, 512, 128, 4)  # experts, hidden, intermediate, top_k
 TOKENS = (1, 128)
 
@@ -45,12 +47,36 @@ def best_seconds(fn, repeats: int, flops: float) -> float:
     return best
 
 
-def _linear_cases(gen: torch.Generator):
+def _mxfp4_linear_cases(name: str, base: torch.Tensor, gen: torch.Generator):
+    """MXFP4 weights [out, in] as Quark exports them, against PyTorch on their float32 dequantization."""
+    from sglang_lite.kernels import cpu
+    from sglang_lite.kernels.quant import mxfp4
+
+    packed, scales = mxfp4.quantize(base)
+    ref_w = mxfp4.dequantize(packed, scales).t().contiguous()
+    n, k = base.shape
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=gen)
+        yield (
+            f"{name} mxfp4",
+            f"{rows} rows",
+            2.0 * rows * k * n,
+            lambda x=x: cpu.linear_mxfp4(x, packed, scales),
+            lambda x=x: x @ ref_w,
+        )
+
+
+def _linear_cases(gen: torch.Generator, formats: list[str]):
     from sglang_lite.kernels import cpu
 
     for name, (k, n, layout) in PRODUCTS.items():
         base = torch.randn(n, k, generator=gen) / k**0.5
         for label, dtype in WEIGHTS.items():
+            if label not in formats:
+                continue
+            if label == "mxfp4":
+                yield from _mxfp4_linear_cases(name, base, gen)
+                continue
             if layout == "out_in" and dtype == torch.float8_e4m3fn:
                 continue  # FP8 weights are stored [in, out] only
             w = base.to(dtype)
@@ -76,15 +102,31 @@ def _linear_cases(gen: torch.Generator):
                 )
 
 
-def _moe_cases(gen: torch.Generator):
+def _moe_experts(label: str, gen: torch.Generator):
+    """(w13, w2, their scales or None, the float32 experts) of one format, as the engine stores them."""
+    from sglang_lite.kernels.quant import mxfp4
+
+    experts, hidden, inter, _ = MOE
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / 8
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / 8
+    if label == "mxfp4":  # [out, in] as the checkpoint stores them
+        (p13, s13), (p2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
+        return p13, p2, (s13, s2), mxfp4.dequantize(p13, s13), mxfp4.dequantize(p2, s2)
+    w13, w2 = (
+        w.to(WEIGHTS[label]).transpose(-1, -2).contiguous().transpose(-1, -2) for w in (w13, w2)
+    )
+    return w13, w2, (None, None), w13.float(), w2.float()
+
+
+def _moe_cases(gen: torch.Generator, formats: list[str]):
     from sglang_lite.kernels import cpu
     from sglang_lite.kernels.moe import naive
 
     experts, hidden, inter, top_k = MOE
-    for label, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
-        w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / 8).to(dtype)
-        w2 = (torch.randn(experts, hidden, inter, generator=gen) / 8).to(dtype)
-        w13, w2 = (w.transpose(-1, -2).contiguous().transpose(-1, -2) for w in (w13, w2))
+    for label in ("f32", "bf16", "mxfp4"):
+        if label not in formats:
+            continue
+        w13, w2, scales, f13, f2 = _moe_experts(label, gen)
         for tokens in TOKENS:
             x = torch.randn(tokens, hidden, generator=gen)
             ids = torch.stack(
@@ -92,20 +134,23 @@ def _moe_cases(gen: torch.Generator):
             ).int()
             weights = torch.rand(tokens, top_k, generator=gen)
             flops = 2.0 * tokens * top_k * 3 * hidden * inter
-            f13, f2 = w13.float(), w2.float()
             yield (
                 f"MoE {experts}x{hidden}->2x{inter} top {top_k} {label}",
                 f"{tokens} tokens",
                 flops,
-                lambda x=x, a=w13, b=w2, tw=weights, i=ids: cpu.fused_moe(x, a, b, tw, i),
+                lambda x=x, a=w13, b=w2, tw=weights, i=ids, s=scales: cpu.fused_moe(
+                    x, a, b, tw, i, *s
+                ),
                 lambda x=x, a=f13, b=f2, tw=weights, i=ids: naive.fused_moe(x, a, b, tw, i),
             )
 
 
-def _delta_rule_cases(gen: torch.Generator):
+def _delta_rule_cases(gen: torch.Generator, formats: list[str]):
     from sglang_lite.kernels import cpu
     from sglang_lite.kernels.gated_delta_rule import naive
 
+    if "f32" not in formats:  # float32 operands
+        return
     tokens, hk, hv, d = 128, 4, 8, 128
     q, k = (
         torch.nn.functional.normalize(torch.randn(tokens, hk, d, generator=gen), dim=-1)
@@ -129,12 +174,12 @@ def _delta_rule_cases(gen: torch.Generator):
     )
 
 
-def measure(repeats: int) -> list[dict]:
+def measure(repeats: int, formats: list[str]) -> list[dict]:
     """This process's ISA: every case's GFLOP/s, ours and PyTorch's."""
     gen = torch.Generator().manual_seed(0)
     out = []
     for cases in (_linear_cases, _moe_cases, _delta_rule_cases):
-        for name, what, flops, ours, reference in cases(gen):
+        for name, what, flops, ours, reference in cases(gen, formats):
             row = {"case": name, "size": what}
             row["ours"] = flops / best_seconds(ours, repeats, flops) / 1e9 if ours else None
             row["torch"] = flops / best_seconds(reference, repeats, flops) / 1e9
@@ -161,6 +206,8 @@ def run_isa(isa: str, args: argparse.Namespace) -> tuple[str, list[dict]] | None
         str(args.threads),
         "--repeats",
         str(args.repeats),
+        "--formats",
+        args.formats,
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -199,6 +246,9 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--formats", default=",".join(WEIGHTS), help="comma-separated weight formats to measure"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -206,7 +256,14 @@ def main() -> None:
         from sglang_lite.kernels import cpu
 
         cpu.require()
-        print(json.dumps({"isa": f"{cpu.describe_isa()}", "rows": measure(args.repeats)}))
+        print(
+            json.dumps(
+                {
+                    "isa": f"{cpu.describe_isa()}",
+                    "rows": measure(args.repeats, args.formats.split(",")),
+                }
+            )
+        )
         return
     results = {}
     for isa in args.isa.split(","):

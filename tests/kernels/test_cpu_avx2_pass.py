@@ -1,8 +1,8 @@
 """The AVX2 pass: on an AVX-512 host the suite's native pass runs the AVX-512 kernels only, so the tests of the C++
 CPU kernels and one engine parity test run again in a child pytest under ``SGLANG_CPU_ISA=avx2`` (PyTorch's own
 kernels put on AVX2 as well), as an AVX2-only CPU runs them: 256-bit vectors, 6x16 register tiles, bf16 and FP8
-widened by vector conversions. The AVX2 build is cached beside the native one (the child shares the cache), so
-only the first run on a machine pays its compile."""
+widened by vector conversions, MXFP4 by 8-entry vpermps lookups. The AVX2 build is cached beside the native one
+(the child shares the cache), so only the first run on a machine pays its compile."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ AVX2_TESTS = [
     "tests/kernels/test_cpu_isa.py",
     "tests/kernels/test_cpu_native.py",
     "tests/kernels/test_cpu_weights.py",
+    "tests/kernels/test_cpu_mxfp4.py",
     "tests/kernels/test_batch_invariant.py",
     "tests/kernels/test_interleaved_state_pools.py",
     "tests/models/test_decode_blocks.py",
