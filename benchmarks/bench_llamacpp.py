@@ -16,8 +16,10 @@ pre-tokenizer ``qwen2`` itself (and says so). The tokens are random ids either w
 
 ``--weights`` (``llamacpp_quant.py``): ``bf16`` (the default) runs our Engine on the bf16 checkpoint against
 llama.cpp's f32 and bf16 conversions; ``mxfp4`` runs it on the same weights exported as AMD Quark MXFP4
-(``quantization/quark_export.py``) against the bf16 GGUF quantized by ``llama-quantize`` to ``MXFP4_MOE`` and
-``Q4_0``, the ratios against each. The table says how many parameters of each side are in which type.
+(``quantization/quark_export.py``) against the bf16 GGUF quantized by ``llama-quantize`` three ways: ``MXFP4 (our
+tensors)`` (each matrix in the type ours has: experts, shared expert and full-attention projections MXFP4, the rest
+as the bf16 GGUF has it), ``MXFP4_MOE`` (experts MXFP4, every other matrix Q8_0) and ``Q4_0``, the ratios against
+each. The table says how many parameters of each file are in which type.
 
 Shapes (``--model-shape``; ``--model-config`` takes a JSON object or file of config fields over mid's): ``mid`` is
 ``bench_offline.py``'s (34M parameters: hidden 256, 8 layers, 16 experts top-4 of 128 plus a shared one, vocab
@@ -214,7 +216,7 @@ def main() -> None:
         choices=WEIGHTS,
         default="bf16",
         help="bf16: ours on the bf16 checkpoint against llama.cpp's f32 and bf16 GGUF; mxfp4: ours on its Quark "
-        "MXFP4 export against llama.cpp's MXFP4_MOE and Q4_0 of the bf16 GGUF",
+        "MXFP4 export against llama.cpp's bf16 GGUF quantized as ours (MXFP4 (our tensors)), MXFP4_MOE and Q4_0",
     )
     parser.add_argument("--dtype", default="auto", help="the Engine's --dtype")
     parser.add_argument(
