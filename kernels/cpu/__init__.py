@@ -27,6 +27,7 @@ from sglang_lite import envs
 
 from .. import batch_invariant
 from .blocks import (  # noqa: F401 - the decode blocks, one call each
+    MXFP4,
     AttentionHeads,
     DecodeLayers,
     GdnHeads,

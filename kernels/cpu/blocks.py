@@ -3,7 +3,7 @@ mixer (Gated DeltaNet or gated attention), its post-attention norm with its MLP 
 
 Through the modules a decode layer is ~30 dispatched ops whose Python and dispatcher costs, at batch 1, exceed their
 arithmetic; each block runs the same C++ ops back to back and computes what its modules compute, from the same
-weights (float32, bf16 or FP8 ones, as ``kernels.linear`` takes them) and pools. Every block returns (output,
+weights (float32, bf16, FP8 or MXFP4 ones, as ``kernels.linear`` takes them) and pools. Every block returns (output,
 residual): the residual is the pre-norm sum the next norm adds to (``residual`` None: the layer's input is its own,
 as in the first layer). Tensor-parallel reductions stay outside, between the blocks.
 """
@@ -16,13 +16,34 @@ import torch
 
 from .build import available
 
+MXFP4 = "mxfp4"  # the weight_format of MXFP4 layers
+
 
 class Weight(NamedTuple):
     """A projection's weight [out, in] (float32, bf16 or FP8, as ``kernels.linear`` takes it) and, for FP8, its
-    block scales."""
+    block scales; or MXFP4 (uint8 [out, in / 2]) and its e8m0 scales (uint8 [out, ceil(in / 32)]), or MXFP4
+    experts (uint8 [E, out, in / 2]) and theirs."""
 
     data: torch.Tensor
     scale: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> Weight:
+        """A linear layer's weight with the scales a quantized one keeps beside it: ``weight_scale`` for
+        ``weight_format`` "mxfp4", else ``weight_scale_inv`` (FP8's block scales) when there is one."""
+        if getattr(layer, "weight_format", None) == MXFP4:
+            return cls(layer.weight, layer.weight_scale)
+        return cls(layer.weight, getattr(layer, "weight_scale_inv", None))
+
+    @classmethod
+    def experts_of(cls, block: torch.nn.Module) -> tuple[Weight, Weight]:
+        """An MoE block's w13 and w2 with their scales, as ``of`` reads a linear layer's."""
+        experts = block.experts
+        suffix = "_scale" if getattr(block, "weight_format", None) == MXFP4 else "_scale_inv"
+        return tuple(
+            cls(getattr(experts, name), getattr(experts, name + suffix, None))
+            for name in ("w13", "w2")
+        )
 
 
 class Norm(NamedTuple):

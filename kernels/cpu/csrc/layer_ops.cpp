@@ -4,7 +4,9 @@
 // Through the modules a decode layer is ~30 dispatched ops, each a Python call and a trip through the dispatcher
 // that at batch 1 cost more than its arithmetic; here the same C++ ops run back to back. Each block computes what its
 // modules compute (layers/gdn.py, attention.py, mlp.py; the norms of models/qwen3_5.py) from the same weights and
-// pools, and returns (output, residual): the residual is the pre-norm sum the next norm adds to.
+// pools, and returns (output, residual): the residual is the pre-norm sum the next norm adds to. A projection's
+// weight is whatever linear_core takes: float32, bf16, block FP8 with its scales, or MXFP4 with its e8m0 scales;
+// MXFP4 experts go to fused_moe_core the same way.
 #include "common.h"
 #include "ops.h"
 
@@ -35,6 +37,11 @@ struct Projections {
     linear_core(x, lda, rows, K, weight, scale, block, bf16_dot, out);
   }
 };
+
+// A projection's input width: an MXFP4 weight (uint8 [out, in / 2], linear_core) holds two inputs a byte.
+int64_t in_features(const at::Tensor& weight) {
+  return weight.scalar_type() == at::kByte ? 2 * weight.size(1) : weight.size(1);
+}
 
 // Scratch of a block, reused from call to call (the blocks run on the calling thread, one at a time; the kernels
 // they call keep their own).
@@ -224,7 +231,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
   const int64_t batch = hidden.size(0), width = hidden.size(1);
   const int64_t keys = key_heads * key_dim, values = value_heads * value_dim, conv_dim = 2 * keys + values;
   const int64_t qkvz_width = conv_dim + values;
-  TORCH_CHECK(qkvz_w.size(0) == qkvz_width && ba_w.size(0) == 2 * value_heads && out_w.size(1) == values,
+  TORCH_CHECK(qkvz_w.size(0) == qkvz_width && ba_w.size(0) == 2 * value_heads && in_features(out_w) == values,
               "in_proj_qkvz, in_proj_ba and out_proj do not match the heads: ", qkvz_w.sizes(), ", ", ba_w.sizes(),
               ", ", out_w.sizes());
   const GdnShapes shapes{batch, key_heads, key_dim, value_heads, value_dim};
@@ -360,8 +367,8 @@ std::tuple<at::Tensor, at::Tensor> attention_decode_block(
   const Projections project{block, bf16_dot};
   const int64_t batch = hidden.size(0), width = hidden.size(1), hd = head_dim;
   const int64_t queries = heads * hd, kvs = kv_heads * hd, qkv_width = 2 * queries + 2 * kvs;
-  TORCH_CHECK(qkv_w.size(0) == qkv_width && o_w.size(1) == queries, "qkv_proj and o_proj do not match the heads: ",
-              qkv_w.sizes(), ", ", o_w.sizes());
+  TORCH_CHECK(qkv_w.size(0) == qkv_width && in_features(o_w) == queries,
+              "qkv_proj and o_proj do not match the heads: ", qkv_w.sizes(), ", ", o_w.sizes());
   TORCH_CHECK(q_norm_w.numel() == hd && k_norm_w.numel() == hd, "the q and k norms must have ", hd, " elements");
   check_float(cos_sin_cache, "cos_sin_cache", 2);
   TORCH_CHECK(rotary_dim <= hd && rotary_dim % 2 == 0 && cos_sin_cache.size(1) == rotary_dim,
