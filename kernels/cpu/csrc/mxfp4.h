@@ -106,7 +106,29 @@ inline void widen(const uint8_t* p, const Table& t, vreg* w) {
 
 inline vreg fma(vreg a, vreg b, vreg c) { return (vreg)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 
-inline float lane_sum(vreg v) { return _mm512_reduce_add_ps((__m512)v); }
+// The sum of v's lanes, pairs added in a fixed order: lane i + lane i + 8, then i + i + 4, i + i + 2, 0 + 1.
+inline float lane_sum(vreg v) {
+  const __m512 x = (__m512)v;
+  const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd((__m512d)x, 1)));
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+}
+
+// lane_sum of a, b, c and d into out[0:4], the same pairs added four registers at a time.
+inline void lane_sums4(vreg a, vreg b, vreg c, vreg d, float* out) {
+  const auto halves = [](__m512 x, __m512 y) {  // [x's i + i + 8 | y's]
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  };
+  const __m512 ab = halves((__m512)a, (__m512)b), cd = halves((__m512)c, (__m512)d);
+  __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));  // i + i + 4, a register a lane
+  t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
+  t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m512 sums = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t);
+  _mm_storeu_ps(out, _mm512_castps512_ps128(sums));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 struct Table {
   __m256 values;  // the 8 magnitudes times the scale, entry i xor-ed with i << 28 (undone by the lookup)
@@ -136,12 +158,25 @@ inline void widen(const uint8_t* p, const Table& t, vreg* w) {
 
 inline vreg fma(vreg a, vreg b, vreg c) { return (vreg)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 
+// The sum of v's lanes, pairs added in a fixed order: lane i + lane i + 4, then i + i + 2, 0 + 1.
 inline float lane_sum(vreg v) {
   const __m256 x = (__m256)v;
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// lane_sum of a, b, c and d into out[0:4], the same pairs added two registers at a time.
+inline void lane_sums4(vreg a, vreg b, vreg c, vreg d, float* out) {
+  const auto halves = [](__m256 x, __m256 y) {  // [x's i + i + 4 | y's], then i + i + 2 and 0 + 1 in lane 0 of each
+    __m256 t = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+    t = _mm256_add_ps(t, _mm256_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm256_add_ps(t, _mm256_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
+  };
+  const __m256 mixed = _mm256_unpacklo_ps(halves((__m256)a, (__m256)b), halves((__m256)c, (__m256)d));
+  const __m256 sums = _mm256_permutevar8x32_ps(mixed, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0));
+  _mm_storeu_ps(out, _mm256_castps256_ps128(sums));
 }
 #else
 struct Table {
@@ -170,7 +205,28 @@ inline float lane_sum(vreg v) {
   for (int i = 1; i < kLanes; ++i) s += v[i];
   return s;
 }
+
+inline void lane_sums4(vreg a, vreg b, vreg c, vreg d, float* out) {
+  out[0] = lane_sum(a);
+  out[1] = lane_sum(b);
+  out[2] = lane_sum(c);
+  out[3] = lane_sum(d);
+}
 #endif
+
+// out[c] = lane_sum(v[c]) for N registers, four at a time.
+template <int N>
+inline void lane_sums(const vreg* v, float* out) {
+  int c = 0;
+  for (; c + 4 <= N; c += 4) lane_sums4(v[c], v[c + 1], v[c + 2], v[c + 3], out + c);
+  if constexpr (N % 4 == 3) {  // as four, the last twice
+    float four[4];
+    lane_sums4(v[c], v[c + 1], v[c + 2], v[c + 2], four);
+    std::copy_n(four, 3, out + c);
+    return;
+  }
+  for (; c < N; ++c) out[c] = lane_sum(v[c]);
+}
 
 inline void store_reg(float* p, vreg v) { std::memcpy(p, &v, sizeof(v)); }
 
@@ -234,7 +290,7 @@ void one_row_columns(const float* xr, const Matrix& w, int64_t n0, float* y) {
     for (int c = 0; c < NB; ++c) bytes[c] = w.group(n0 + c, full, tails[c]);
     step(full, bytes);
   }
-  for (int c = 0; c < NB; ++c) y[c] = lane_sum(acc[c]);
+  lane_sums<NB>(acc, y);
 }
 
 // y[n0:n1] for one rearranged row.
@@ -288,9 +344,7 @@ void dot_tile(const float* xr, int64_t ldx, const float* wb, int64_t ldw, int64_
       for (int c = 0; c < NB; ++c) sums[r][c] = fma(xv[r], wv[c], sums[r][c]);
     }
   }
-  for (int r = 0; r < RB; ++r) {
-    for (int c = 0; c < NB; ++c) C[r * ldc + c] = lane_sum(sums[r][c]);
-  }
+  for (int r = 0; r < RB; ++r) lane_sums<NB>(sums[r], C + r * ldc);
 }
 
 // dot_tile for `cols` <= NB columns.
