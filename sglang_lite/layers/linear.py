@@ -93,8 +93,8 @@ def input_columns(param: str, split: Split, total: int) -> ShardMap:
 
 
 def weight_of(layer: nn.Module) -> Weight:
-    """A projection's weight for the CPU's decode blocks, with its block scales when it is FP8."""
-    return Weight(layer.weight, getattr(layer, "weight_scale_inv", None))
+    """A projection's weight for the CPU's decode blocks, with the scales a quantized one keeps beside it."""
+    return Weight.of(layer)
 
 
 def quant_block(*layers: nn.Module) -> tuple[int, int] | None:

@@ -204,7 +204,6 @@ class Qwen3_5SparseMoeBlock(nn.Module):
         """Gathers what ``decode_block`` reads: ``norm`` (the post-attention norm) and the weights as laid out now.
         Expert parallelism takes the modules' path (its pairs are filtered first)."""
         assert self.ep_size == 1, "the decode block runs every expert of the layer"
-        experts = self.experts
         shared, shared_layers = None, []
         if not self.fuse_shared_expert:
             shared_layers = [self.shared_expert.gate_up_proj, self.shared_expert.down_proj]
@@ -212,8 +211,7 @@ class Qwen3_5SparseMoeBlock(nn.Module):
         self._decode_args = (
             cpu_kernels.Norm(norm.weight, norm.eps),
             (self.gate.weight, self.shared_expert_gate.weight),
-            cpu_kernels.Weight(experts.w13, getattr(experts, "w13_scale_inv", None)),
-            cpu_kernels.Weight(experts.w2, getattr(experts, "w2_scale_inv", None)),
+            *cpu_kernels.Weight.experts_of(self),
             shared,
             self.top_k,
             self.num_experts if self.fuse_shared_expert else -1,

@@ -13,7 +13,6 @@ from torch import nn
 
 from sglang_lite.distributed import get_parallel_state
 from sglang_lite.kernels import cpu as cpu_kernels
-from sglang_lite.layers.linear import weight_of
 from sglang_lite.layers.mlp import Qwen3_5SparseMoeBlock
 from sglang_lite.layers.quant import QuantLinear, QuantSparseMoeBlock
 
@@ -30,9 +29,6 @@ def enable_decode_blocks(model: nn.Module, torch_compile: bool) -> str:
         layer.prepare_decode_blocks()
     if hasattr(model, "mtp"):  # speculation's draft steps
         model.mtp.prepare_decode_blocks()
-    reason = _experts_without_scales(model)
-    if reason:
-        return f"off ({reason})"
     model.model.reset_decode_layers()
     model.model.use_decode_blocks = True
     if hasattr(model, "mtp"):
@@ -88,7 +84,7 @@ def _routers(block: nn.Module) -> list[nn.Module]:
 
 def _mxfp4_blocker(module: nn.Module) -> str:
     """Why an MXFP4 linear layer or MoE block cannot run in the blocks, or "": activations quantized too (W4A4,
-    which the modules emulate), a layout the kernels do not take, scales the layers do not hand over."""
+    which the modules emulate), or a layout the kernels do not take."""
     if getattr(getattr(module, "scheme", None), "activations", False):
         return "MXFP4 activations (W4A4)"
     rows = torch.empty(1, 0)
@@ -98,39 +94,4 @@ def _mxfp4_blocker(module: nn.Module) -> str:
         return "" if takes else "MXFP4 experts the kernels do not take"
     if not cpu_kernels.takes_linear_mxfp4(rows, module.weight):
         return "an MXFP4 weight the kernels do not take"
-    if weight_of(module).scale is None:
-        return "the layers hand no MXFP4 scales to the blocks (layers/linear.py weight_of)"
-    return ""
-
-
-class _HandedExperts:
-    """Stands in for ``cpu_kernels.DecodeLayers``: the experts an MoE block hands the C++ step."""
-
-    experts: tuple[cpu_kernels.Weight, ...] = ()
-
-    def add_moe(
-        self,
-        norm: object,
-        gates: object,
-        w13: cpu_kernels.Weight,
-        w2: cpu_kernels.Weight,
-        *rest: object,
-    ) -> None:
-        self.experts = (w13, w2)
-
-
-def _experts_without_scales(model: nn.Module) -> str:
-    """Which MXFP4 MoE block, once its layer gathered its weights, would hand the blocks experts without their
-    scales (the gathering of layers/mlp.py), or ""."""
-    for name, module in model.named_modules():
-        if (
-            isinstance(module, Qwen3_5SparseMoeBlock)
-            and getattr(module, "weight_format", None) == cpu_kernels.MXFP4
-        ):
-            handed = _HandedExperts()
-            module.add_decode_block(handed)
-            if any(w.scale is None for w in handed.experts):
-                return (
-                    f"{name}: the layers hand no MXFP4 expert scales to the blocks (layers/mlp.py)"
-                )
     return ""

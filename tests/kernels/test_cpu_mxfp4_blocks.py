@@ -20,9 +20,7 @@ import torch
 from sglang_lite import load_model
 from sglang_lite.kernels import cpu
 from sglang_lite.kernels.quant import mxfp4
-from sglang_lite.layers import attention, gdn, mlp
 from sglang_lite.layers.quant import convert, quantizable_parameters
-from sglang_lite.model_executor import decode_blocks
 from sglang_lite.model_executor.decode_blocks import enable_decode_blocks
 from sglang_lite.model_executor.weight_layout import store_input_major
 from sglang_lite.quantization.mxfp4 import Mxfp4Scheme
@@ -36,13 +34,6 @@ ROUTERS = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
     cpu.require()
-
-
-@pytest.fixture
-def hand_scales(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The layers' gathering hands each MXFP4 projection's scales to the blocks, as ``Weight.of`` reads them."""
-    for module in (attention, gdn, mlp, decode_blocks):
-        monkeypatch.setattr(module, "weight_of", cpu.Weight.of)
 
 
 def _mxfp4_layers(model: torch.nn.Module) -> None:
@@ -62,27 +53,15 @@ def _mxfp4_layers(model: torch.nn.Module) -> None:
             params[f"{name}_scale"].copy_(scales)
 
 
-def _hand_expert_scales(model: torch.nn.Module) -> None:
-    """Each MXFP4 MoE block's experts handed with their scales, as ``Weight.experts_of`` reads them, under the name
-    the gathering of layers/mlp.py reads."""
-    for block in model.modules():
-        if getattr(block, "weight_format", None) == cpu.MXFP4 and hasattr(block, "experts"):
-            for name, weight in zip(("w13", "w2"), cpu.Weight.experts_of(block)):
-                object.__setattr__(block.experts, f"{name}_scale_inv", weight.scale)
-
-
-def _model(path: str, blocks: bool, expert_scales: bool = True) -> torch.nn.Module:
+def _model(path: str, blocks: bool) -> torch.nn.Module:
     model = load_model(path)
     _mxfp4_layers(model)
-    if expert_scales:
-        _hand_expert_scales(model)
     store_input_major(model)
     if blocks:
         assert enable_decode_blocks(model, torch_compile=False) == "on"
     return model
 
 
-@pytest.mark.usefixtures("hand_scales")
 @pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_mxfp4_decode_blocks_match_the_modules(tmp_path, moe, page_size):
@@ -101,7 +80,6 @@ def test_mxfp4_decode_blocks_match_the_modules(tmp_path, moe, page_size):
     assert_rel_close(got_pools.kv.buffer, want_pools.kv.buffer, torch.float32, "kv")
 
 
-@pytest.mark.usefixtures("hand_scales")
 def test_mxfp4_whole_model_in_one_call_equals_a_call_per_block(tmp_path, monkeypatch):
     path = save_checkpoint(make_hf_model(moe=True, seed=6), str(tmp_path))
     model = _model(path, blocks=True)
@@ -118,19 +96,6 @@ def mxfp4_path(tmp_path) -> str:
     return save_checkpoint(make_hf_model(moe=True, seed=7), str(tmp_path))
 
 
-def test_mxfp4_blocks_stay_off_without_the_scales(mxfp4_path, monkeypatch):
-    """Layers that would hand a projection's or the experts' packed weights without their scales keep the
-    modules."""
-    monkeypatch.setattr(decode_blocks, "weight_of", lambda layer: cpu.Weight(layer.weight))
-    status = enable_decode_blocks(_model(mxfp4_path, blocks=False), torch_compile=False)
-    assert status.startswith("off (") and "no MXFP4 scales" in status
-    monkeypatch.setattr(decode_blocks, "weight_of", cpu.Weight.of)
-    model = _model(mxfp4_path, blocks=False, expert_scales=False)
-    assert "no MXFP4 expert scales" in enable_decode_blocks(model, torch_compile=False)
-    assert not model.model.use_decode_blocks
-
-
-@pytest.mark.usefixtures("hand_scales")
 def test_mxfp4_blocks_stay_off_for_w4a4(mxfp4_path):
     """Activations quantized too (W4A4) are the modules' own step."""
     model = _model(mxfp4_path, blocks=False)
@@ -138,3 +103,13 @@ def test_mxfp4_blocks_stay_off_for_w4a4(mxfp4_path):
     proj.scheme = dataclasses.replace(proj.scheme, activations=True)
     status = enable_decode_blocks(model, torch_compile=False)
     assert status == "off (model.layers.3.self_attn.o_proj: MXFP4 activations (W4A4))"
+
+
+def test_a_quark_checkpoint_runs_in_the_blocks(tmp_path):
+    """A Quark MXFP4 export kept packed (the engine's CPU load) runs its decode steps in the blocks."""
+    from tests.models.test_mxfp4 import export
+
+    path = export(make_hf_model(moe=True, seed=8), str(tmp_path))
+    model = load_model(path, quantized_weights=True)
+    store_input_major(model)
+    assert enable_decode_blocks(model, torch_compile=False) == "on"
