@@ -278,10 +278,18 @@ void one_row_columns(const float* xr, const Matrix& w, int64_t n0, float* y) {
     }
   };
   const uint8_t* bytes[NB];
+  // The weight rows two tiles on asked for while these run, as many cache lines a step as a step reads: a tile's
+  // rows are too short for the hardware prefetchers to follow (the figures: docs/performance.md).
+  const int64_t row_lines = (w.K / 2 + 63) / 64;
+  int64_t next_row = 0, next_line = 0;
   for (int64_t g = 0; g < full; ++g) {
-    for (int c = 0; c < NB; ++c) {
-      bytes[c] = w.packed + (n0 + c) * w.row + g * kGroupBytes;
-      if ((g & 3) == 0) __builtin_prefetch(bytes[c] + 512, 0, 0);  // eight cache lines ahead in each row
+    for (int c = 0; c < NB; ++c) bytes[c] = w.packed + (n0 + c) * w.row + g * kGroupBytes;
+    for (int64_t b = 0; b < NB * kGroupBytes && next_row < NB; b += 64) {
+      __builtin_prefetch(w.packed + (n0 + 2 * NB + next_row) * w.row + 64 * next_line, 0, 3);
+      if (++next_line == row_lines) {
+        next_line = 0;
+        ++next_row;
+      }
     }
     step(g, bytes);
   }
