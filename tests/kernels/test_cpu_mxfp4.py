@@ -79,6 +79,19 @@ def test_linear_mxfp4(rows, columns, depth):
         _assert_linear_close(got, x, packed, scales)
 
 
+@pytest.mark.parametrize("rows", [1, 7])
+def test_linear_mxfp4_strided_weight_rows_and_scales(rows):
+    """Packed rows further apart than their bytes (a slice of a wider tensor) and scales stored column-major."""
+    packed, scales = _codes(40, 200, seed=20)
+    packed = packed[::2, 3:43]
+    scales = scales[:20, :3].t().contiguous().t()
+    assert packed.stride(0) == 200 and scales.stride() == (1, 20)
+    for seed in (0, 100):
+        x = _randn(rows, 80, seed=seed)
+        got = cpu.linear_mxfp4(x, packed, scales)
+        _assert_linear_close(got, x, packed.contiguous(), scales.contiguous())
+
+
 def test_linear_mxfp4_reads_every_scale_exactly():
     """Scales across e8m0's range, the smallest (s = 0: 2^-127, a subnormal, not 0) in whole rows of it, met by
     activations large enough to bring the products back to normal floats."""
