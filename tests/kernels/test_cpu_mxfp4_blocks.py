@@ -5,9 +5,8 @@ it as the modules, which run each MXFP4 product on its own (``kernels.linear`` /
 shared expert's, the dense MLP's; only the routers stay float32), at the tiny model's awkward widths (48 inputs: a
 group and a half; experts of 24). And the blocks stay off, saying why, where they cannot run MXFP4 layers.
 
-The layers gather a projection's weight for the blocks with ``layers/linear.py``'s ``weight_of`` and the experts in
-``layers/mlp.py``; ``_hand_scales`` makes them hand the MXFP4 scales as ``kernels.cpu.Weight.of`` and ``experts_of``
-read them.
+The layers hand each MXFP4 weight to the blocks with its scales (``kernels.cpu.Weight.of`` and ``experts_of``, read
+by ``layers/linear.py``'s ``weight_of`` and the MoE block's gathering).
 """
 
 from __future__ import annotations
