@@ -38,6 +38,11 @@ def in_use(
     if requested == "none":
         return None
     if checkpoint is None:
+        if requested is not None and requested not in ONLINE:
+            raise ValueError(
+                f"--quantization {requested} runs a checkpoint's own {requested} quantization_config, and this "
+                f"checkpoint has none; to quantize it at load use one of {tuple(ONLINE)}"
+            )
         return ONLINE.get(requested) if requested is not None else None
     if requested is not None and requested not in ALIASES[checkpoint.method]:
         raise ValueError(

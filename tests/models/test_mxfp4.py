@@ -210,6 +210,11 @@ def test_packed_weight_without_scales_is_refused(tmp_path):
         load_model(path)
 
 
+def test_quark_on_a_plain_checkpoint_is_refused():
+    with pytest.raises(ValueError, match="--quantization quark runs a checkpoint's own quark"):
+        load_model(None, load_format="dummy", quantization="quark")
+
+
 def test_mxfp4_on_an_fp8_request_is_refused(checkpoint):
     _, path = checkpoint
     with pytest.raises(ValueError, match="--quantization fp8 on a checkpoint quantized as 'quark'"):
