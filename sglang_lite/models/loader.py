@@ -75,6 +75,8 @@ def load_model(
     quant = quantization_config_in_use(config, quantization)
     on_gpu = torch.device(device).type == "cuda"
     keep = quant is not None and (on_gpu if quantized_weights is None else quantized_weights)
+    if quant is not None and quant.quantizes_activations:
+        keep, misaligned = _keep_for_activations(quantized_weights), "error"
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         if keep:
@@ -102,6 +104,17 @@ def load_model(
         with_mtp,
     )
     return model.eval()
+
+
+def _keep_for_activations(quantized_weights: bool | None) -> bool:
+    """W4A4 weights stay in their layers, which round the activations; dequantized, they would not."""
+    if quantized_weights is False:
+        raise ValueError(
+            "the checkpoint quantizes activations (quantization_config input_tensors: W4A4), which its "
+            "quantized layers do: quantized_weights=False would dequantize them and skip that; use "
+            "--quantization none to run the dequantized weights without activation quantization"
+        )
+    return True
 
 
 def create_model(

@@ -119,3 +119,9 @@ class QuantizationConfig(ABC):
     def fuses_shared_experts(self) -> bool:
         """Whether shared experts may join the routed ones (the format allows it for every scheme it uses)."""
         return True
+
+    @property
+    def quantizes_activations(self) -> bool:
+        """Whether some scheme rounds activations too (its layers must be kept: dequantized weights would skip
+        that)."""
+        return False

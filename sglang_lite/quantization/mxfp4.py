@@ -144,6 +144,11 @@ class QuarkConfig(QuantizationConfig):
     def fuses_shared_experts(self) -> bool:
         return False
 
+    @property
+    def quantizes_activations(self) -> bool:
+        schemes = [self.global_scheme, self.linear_scheme, *(s for _, s in self.layer_schemes)]
+        return any(s is not None and s.activations for s in schemes)
+
     def describe(self) -> str:
         schemes = {s for s in (self.global_scheme, self.linear_scheme) if s is not None}
         schemes |= {s for _, s in self.layer_schemes if s is not None}

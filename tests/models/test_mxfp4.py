@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -263,3 +264,45 @@ def test_server_info_and_models_say_mxfp4(checkpoint):
         model["quantization"] == "mxfp4"
         and model["quantization_config"] == info["quantization_config"]
     )
+
+
+def _w4a4_reference(hf: torch.nn.Module) -> None:
+    """Rounds the inputs of ``hf``'s MXFP4 products through MXFP4 (Quark's W4A4 at run time): the attention and
+    shared-expert projections' by a pre-hook, the routed experts' (x and each gated intermediate) by running their
+    forward with ``F.linear`` rounding its input."""
+    for name, module in hf.named_modules():
+        if name.endswith(("_proj",)) and ("self_attn" in name or "shared_expert." in name):
+            module.register_forward_pre_hook(lambda _, args: (mxfp4.quantize_dequantize(args[0]),))
+        if name.endswith("mlp.experts"):
+            module.config._experts_implementation = "eager"  # the loop over experts through F.linear
+            module.forward = _rounding_linear_inputs(module.forward)
+
+
+def _rounding_linear_inputs(forward):
+    def run(*args, **kwargs):
+        linear = F.linear
+        rounded = lambda x, w, b=None: linear(mxfp4.quantize_dequantize(x), w, b)  # noqa: E731
+        with mock.patch.object(torch.nn.functional, "linear", rounded):
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def test_w4a4_logits_match_transformers_with_rounded_activations(tmp_path):
+    """A W4A4 export (kept packed whatever the device: its layers round the activations) against transformers on its
+    dequantized weights with every MXFP4 product's inputs rounded through MXFP4."""
+    hf = make_hf_model(moe=True, seed=9)
+    plain = save_checkpoint(hf, str(tmp_path / "plain"))
+    path = quark_export.export(plain, str(tmp_path / "w4a4"), w4a4=True)
+    load_dequantized(hf, path)
+    _w4a4_reference(hf)
+    model = load_model(path, dtype=torch.float32)
+    assert any(isinstance(m, QuantLinear) for m in model.modules()), "W4A4 keeps its layers"
+    ids = torch.randint(
+        0, hf.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        expected = hf(ids).logits
+    assert relative_error(model(ids), expected) < 1e-4
+    with pytest.raises(ValueError, match="input_tensors"):
+        load_model(path, quantized_weights=False)
