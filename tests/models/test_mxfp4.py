@@ -274,7 +274,8 @@ def _w4a4_reference(hf: torch.nn.Module) -> None:
         if name.endswith(("_proj",)) and ("self_attn" in name or "shared_expert." in name):
             module.register_forward_pre_hook(lambda _, args: (mxfp4.quantize_dequantize(args[0]),))
         if name.endswith("mlp.experts"):
-            module.config._experts_implementation = "eager"  # the loop over experts through F.linear
+            # the loop over experts through F.linear
+            module.config._experts_implementation = "eager"
             module.forward = _rounding_linear_inputs(module.forward)
 
 
