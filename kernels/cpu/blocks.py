@@ -29,21 +29,18 @@ class Weight(NamedTuple):
 
     @classmethod
     def of(cls, layer: torch.nn.Module) -> Weight:
-        """A linear layer's weight with the scales a quantized one keeps beside it: ``weight_scale`` for
-        ``weight_format`` "mxfp4", else ``weight_scale_inv`` (FP8's block scales) when there is one."""
-        if getattr(layer, "weight_format", None) == MXFP4:
-            return cls(layer.weight, layer.weight_scale)
-        return cls(layer.weight, getattr(layer, "weight_scale_inv", None))
+        """A linear layer's weight with the scales a quantized one keeps beside it (its ``weight_scales``: FP8's
+        block scales or MXFP4's e8m0 ones; none for a plain layer)."""
+        return cls(layer.weight, getattr(layer, "weight_scales", None))
 
     @classmethod
     def experts_of(cls, block: torch.nn.Module) -> tuple[Weight, Weight]:
-        """An MoE block's w13 and w2 with their scales, as ``of`` reads a linear layer's."""
-        experts = block.experts
-        suffix = "_scale" if getattr(block, "weight_format", None) == MXFP4 else "_scale_inv"
-        return tuple(
-            cls(getattr(experts, name), getattr(experts, name + suffix, None))
-            for name in ("w13", "w2")
-        )
+        """An MoE block's w13 and w2 with the scales a quantized block keeps beside them (its
+        ``expert_tensors``)."""
+        if not hasattr(block, "expert_tensors"):
+            return cls(block.experts.w13), cls(block.experts.w2)
+        w13, w2, w13_scale, w2_scale = block.expert_tensors()
+        return cls(w13, w13_scale), cls(w2, w2_scale)
 
 
 class Norm(NamedTuple):

@@ -14,7 +14,7 @@ fusion), as upstream does.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -111,7 +111,7 @@ class QuarkConfig(QuantizationConfig):
     layer_schemes: tuple[tuple[str, Mxfp4Scheme | None], ...] = ()
     linear_scheme: Mxfp4Scheme | None = None
     has_linear_type: bool = False
-    exclude: tuple[str, ...] = field(default_factory=tuple)
+    exclude: tuple[str, ...] = ()
     online: bool = False
 
     @classmethod
