@@ -302,6 +302,21 @@ class DecodeLayers:
     ) -> None:
         self._layers.add_mlp(*norm, *gate_up, *down, _block(block))
 
+    def set_ends(self, embedding: torch.Tensor, norm: Norm, lm_head: Weight) -> None:
+        """The step's two ends, for ``run_logits``: the embedding [V, H], the final norm and the LM head."""
+        self._layers.set_ends(embedding, *norm, *lm_head)
+
+    def run_logits(
+        self,
+        input_ids: torch.Tensor,
+        state_slots: torch.Tensor,
+        requests: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        bf16_dot: int,
+    ) -> torch.Tensor:
+        """input_ids [B] -> logits [B, V]: the embedding's rows through ``run``, the final norm and the LM head
+        (``set_ends``), in the one call."""
+        return self._layers.run_logits(input_ids, state_slots, *requests, bf16_dot)
+
     def run(
         self,
         hidden: torch.Tensor,

@@ -224,16 +224,19 @@ class ModelPools:
         )
 
     def _slots(self, rows: list[int], starts: list[int], counts: list[int]) -> list[int]:
-        if all(n == 1 for n in counts):  # a decode step
-            positions = np.asarray(starts, dtype=np.int64)
-            token_rows = np.asarray(rows, dtype=np.int64)
-        else:
-            positions = np.concatenate(
-                [np.arange(s, s + c, dtype=np.int64) for s, c in zip(starts, counts)] or [[]]
-            ).astype(np.int64)
-            token_rows = np.repeat(np.asarray(rows, dtype=np.int64), counts)
-        pages = self.req_to_token.host[token_rows, positions // self.page_size]
-        return (pages * self.page_size + positions % self.page_size).tolist()
+        size, host = self.page_size, self.req_to_token.host
+        # a decode step: a few scalars, quicker than numpy's indexing
+        if all(n == 1 for n in counts):
+            return [
+                int(host[row, start // size]) * size + start % size
+                for row, start in zip(rows, starts)
+            ]
+        positions = np.concatenate(
+            [np.arange(s, s + c, dtype=np.int64) for s, c in zip(starts, counts)] or [[]]
+        ).astype(np.int64)
+        token_rows = np.repeat(np.asarray(rows, dtype=np.int64), counts)
+        pages = host[token_rows, positions // size]
+        return (pages * size + positions % size).tolist()
 
     def free_kv(self, slots: list[int]) -> None:
         """Frees the pages of the slots of positions at the end of requests (those an ``alloc_kv`` returned, or a

@@ -118,6 +118,8 @@ class OneCallLayers:
     def __init__(self, layers: nn.ModuleList) -> None:
         self._layers = (layers,)  # a tuple keeps them out of the owning module's children
         self.built: tuple[ModelPools, cpu_kernels.DecodeLayers] | None = None  # (pools, the call)
+        # (embedding, final norm, LM head) for ``run_logits``, when the model has them all
+        self.ends: tuple[nn.Module, GemmaRMSNorm, nn.Module] | None = None
 
     def get(self, pools: ModelPools) -> cpu_kernels.DecodeLayers | None:
         if get_parallel_state().world_size > 1:
@@ -126,6 +128,13 @@ class OneCallLayers:
             layers = cpu_kernels.DecodeLayers()
             for layer in self._layers[0]:
                 layer.add_decode_blocks(layers, pools)
+            if self.ends is not None:
+                embedding, norm, head = self.ends
+                layers.set_ends(
+                    embedding.weight,
+                    cpu_kernels.Norm(norm.weight, norm.eps),
+                    cpu_kernels.Weight.of(head),
+                )
             self.built = (pools, layers)
         return self.built[1]
 
@@ -153,6 +162,27 @@ class Qwen3_5Model(nn.Module):
     def decode_layers(self, pools: ModelPools) -> cpu_kernels.DecodeLayers | None:
         """Every layer's decode blocks as one C++ call over ``pools`` (``OneCallLayers``)."""
         return self._decode_layers.get(pools)
+
+    def attach_lm_head(self, lm_head: nn.Module) -> None:
+        """The LM head ``decode_logits`` ends with (the causal LM's)."""
+        self._decode_layers.ends = (self.embed_tokens, self.norm, lm_head)
+        self._decode_layers.reset()
+
+    def decode_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """A decode batch's logits [B, vocab] in the one C++ call (``DecodeLayers.run_logits``: the embedding, every
+        layer, the final norm and the LM head), where that call serves the batch: the CPU's decode blocks on one
+        rank, a plain decode step (no verify rows), float32 activations, an LM head attached; else None."""
+        if not (self.use_decode_blocks and batch.is_decode and batch.verify is None):
+            return None
+        if batch.num_tokens == 0 or self.norm.weight.dtype != torch.float32:
+            return None
+        layers = self.decode_layers(batch.pools)
+        if layers is None or self._decode_layers.ends is None:
+            return None
+        requests = (batch.req_pool_indices, batch.seq_lens_t, batch.positions, batch.out_cache_loc)
+        return layers.run_logits(
+            batch.input_ids, batch.state_slots, requests, cpu_kernels.bf16_dot()
+        )
 
     def reset_decode_layers(self) -> None:
         """Forgets the built ``decode_layers`` (the blocks gathered their weights again)."""
@@ -227,6 +257,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.model.attach_lm_head(self.lm_head)
         if with_mtp:
             if config.mtp_num_hidden_layers != 1:
                 raise ValueError(
@@ -254,8 +285,12 @@ class Qwen3_5ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits [B, vocab] of each request's last new token, or [T, vocab] of every token with ``all_logits``.
 
-        ``body`` replaces ``self.model`` for this forward (a compiled copy of it, for instance).
+        ``body`` replaces ``self.model`` for this forward (a compiled copy of it, for instance). A decode batch on
+        the CPU runs as one C++ call (``Qwen3_5Model.decode_logits``) where it can.
         """
+        logits = self.model.decode_logits(batch) if body is None else None
+        if logits is not None:
+            return logits
         hidden = self.forward_hidden(batch, body)
         if batch.num_tokens == 0:
             return hidden.new_empty((0, self.config.vocab_size))

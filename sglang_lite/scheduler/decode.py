@@ -50,10 +50,12 @@ class DecodeManager:
             return None
         # unused cached prefixes go before any request is retracted; a retracted request's KV goes to the cache on
         # its way out, unused from then on
-        self.memory.make_room(self._pages_needed())
-        while self.memory.free_pages < self._pages_needed():
+        needed = self._pages_needed()
+        self.memory.make_room(needed)
+        while self.memory.free_pages < needed:
             self._retract(self._victim())
-            self.memory.make_room(self._pages_needed())
+            needed = self._pages_needed()
+            self.memory.make_room(needed)
         return ScheduleBatch.decode(self.queues.running)
 
     def _pages_needed(self) -> int:

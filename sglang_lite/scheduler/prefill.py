@@ -30,10 +30,15 @@ class PrefillManager:
         self.prompt_tokens_admitted = 0  # since start, re-admissions after a retraction not counted
         self.prompt_tokens_cached = 0  # of those, served from the prefix cache
 
+    @property
+    def has_candidates(self) -> bool:
+        """Whether a request waits to be prefilled (or goes on with its chunks)."""
+        return bool(self.queues.waiting) or self.queues.chunked is not None
+
     def schedule(self, reserved: int, new_token_ratio: float) -> ScheduleBatch | None:
         """The next prefill batch, or None. ``reserved``: KV slots the decoding requests still need."""
         queues = self.queues
-        if not queues.waiting and queues.chunked is None:
+        if not self.has_candidates:
             return None
         waiting = order_waiting(queues.waiting, self.config.schedule_policy)
         plan = plan_prefill(queues.chunked, waiting, self.budget(reserved, new_token_ratio))

@@ -19,7 +19,7 @@ from sglang_lite.sampling.grammar import (
 )
 from sglang_lite.sampling.logprobs import logprob_entries, record_input, record_output
 from sglang_lite.sampling.penalties import PenaltyBook
-from sglang_lite.sampling.sampler import sample, step_seed
+from sglang_lite.sampling.sampler import argmax_rows, sample, step_seed
 from sglang_lite.scheduler.request import Req
 
 
@@ -45,6 +45,9 @@ class StepSampler:
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
         """Next token ids [B] (int64) for ``reqs`` from their logits [B, vocab]; records the log-probabilities the
         requests asked for. Raises (recording nothing) when any row fails."""
+        if self.penalties.is_idle and all(_plain_greedy(r) for r in reqs):
+            # what the steps below come to for these rows, without their Python (a decode step's ~1 ms feels it)
+            return argmax_rows(logits)
         raw = logits
         logits = self.penalties.apply([r.req_row for r in reqs], logits)
         too_early = [len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs]
@@ -113,6 +116,17 @@ class StepSampler:
         ):
             return None
         return max(max(params.logprob_start_len, req.logprob_record.input_upto) - 1, 0)
+
+
+def _plain_greedy(req: Req) -> bool:
+    """A greedy request without a grammar, a stop-token ban (``min_new_tokens`` not yet reached) or logprobs: its
+    token is its row's argmax (penalties aside)."""
+    return (
+        req.sampling_params.is_greedy
+        and req.grammar is None
+        and (req.logprob is None or not req.logprob.return_logprob)
+        and len(req.output_ids) >= req.sampling_params.min_new_tokens
+    )
 
 
 def key_generators(reqs: list[Req]) -> None:

@@ -215,6 +215,9 @@ class Scheduler:
         return self.ender.take_outputs()
 
     def schedule(self) -> ScheduleBatch | None:
+        # a decode step's usual case: spares the reservation's sum
+        if not self.prefill.has_candidates:
+            return self.decode.schedule()
         reserved = self.decode.reserved_decode_tokens()
         ratio = self.decode.new_token_ratio.value
         return self.prefill.schedule(reserved, ratio) or self.decode.schedule()

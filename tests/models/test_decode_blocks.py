@@ -147,3 +147,43 @@ def test_decode_blocks_say_why_they_stay_off(tmp_path):
     bf16_model = load_model(path, dtype=torch.bfloat16)
     assert "activations in torch.bfloat16" in enable_decode_blocks(bf16_model, torch_compile=False)
     assert not bf16_model.model.use_decode_blocks
+
+
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [("moe", {}), ("dense", dict(tie_word_embeddings=True))],
+    ids=["moe", "dense-tied"],
+)
+def test_one_call_from_token_ids_to_logits(tmp_path, monkeypatch, kind, overrides):
+    """A decode step's embedding (bf16 rows widened), final norm and LM head join the one call
+    (``Qwen3_5Model.decode_logits``): the same logits and pools, bitwise, as the one call's layers between those
+    three through the modules."""
+    hf = make_hf_model(moe=kind == "moe", seed=5, **overrides)
+    path = save_checkpoint(hf, str(tmp_path))
+    model = _model(path, blocks=True, weight_dtype=torch.bfloat16)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    calls = []
+    real = cpu.DecodeLayers.run_logits
+    monkeypatch.setattr(
+        cpu.DecodeLayers, "run_logits", lambda self, *a: calls.append(1) or real(self, *a)
+    )
+    got, got_pools = _run(model, page_size=16)
+    assert len(calls) == STEPS
+    monkeypatch.setattr(type(model.model), "decode_logits", lambda self, batch: None)
+    want, want_pools = _run(model, page_size=16)
+    assert len(calls) == STEPS
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"logits of step {step}"
+    for name in ("conv_buffer", "ssm_buffer"):
+        assert torch.equal(getattr(got_pools.states, name), getattr(want_pools.states, name)), name
+    assert torch.equal(got_pools.kv.buffer, want_pools.kv.buffer)
+
+
+def test_one_call_ends_are_checked():
+    layers = cpu.DecodeLayers()
+    with pytest.raises(RuntimeError, match="needs set_ends first"):
+        layers.run_logits(*(torch.zeros(1, dtype=torch.int64),) * 2, (torch.zeros(1),) * 4, 1)
+    with pytest.raises(RuntimeError, match="final norm"):
+        layers.set_ends(
+            torch.zeros(10, 8), cpu.Norm(torch.zeros(4), 1e-6), cpu.Weight(torch.zeros(10, 8))
+        )

@@ -559,6 +559,38 @@ class DecodeLayers : public torch::CustomClassHolder {
     });
   }
 
+  // The step's two ends, for run_logits: the embedding [V, H] (any float dtype), the final norm and the LM head
+  // [V, H] (a weight as linear_core takes it, with its scales when quantized).
+  void set_ends(at::Tensor embedding, at::Tensor norm_weight, double eps, at::Tensor head_w, OptTensor head_s) {
+    check_float(norm_weight, "final norm weight", 1);
+    TORCH_CHECK(embedding.dim() == 2 && embedding.size(1) == norm_weight.size(0) &&
+                    in_features(head_w) == norm_weight.size(0),
+                "the embedding [V, H], final norm [H] and LM head [V, H] disagree: ", embedding.sizes(), ", ",
+                norm_weight.sizes(), ", ", head_w.sizes());
+    ends_ = Ends{std::move(embedding), std::move(norm_weight), eps, std::move(head_w), std::move(head_s)};
+  }
+
+  // A decode step from token ids to logits [B, V]: the embedding's rows through every block, the final norm and the
+  // LM head; what Qwen3_5ForCausalLM.forward_batch computes through the modules, in one call.
+  at::Tensor run_logits(at::Tensor input_ids, at::Tensor state_slots, at::Tensor req_pool_indices,
+                        at::Tensor seq_lens, at::Tensor positions, at::Tensor out_cache_loc, int64_t bf16_dot) {
+    TORCH_CHECK(ends_.has_value(), "DecodeLayers.run_logits needs set_ends first");
+    const Ends& ends = *ends_;
+    const at::Tensor embedded = at::embedding(ends.embedding, input_ids).to(at::kFloat).contiguous();
+    auto [hidden, residual] =
+        run_step(embedded, Step{state_slots, req_pool_indices, seq_lens, positions, out_cache_loc, bf16_dot, nullptr});
+    const int64_t rows = hidden.size(0), width = hidden.size(1);
+    at::Tensor normed = at::empty({rows, width}, hidden.options());
+    at::Tensor sum = at::empty({rows, width}, hidden.options());
+    const Rows rs(residual.data_ptr<float>(), 1, width, 0);
+    gemma_norm_core(Rows(hidden.data_ptr<float>(), 1, width, 0), &rs, rows, width, ends.norm_weight.data_ptr<float>(),
+                    static_cast<float>(ends.eps), normed.data_ptr<float>(), sum.data_ptr<float>());
+    at::Tensor logits = at::empty({rows, ends.head_w.size(0)}, hidden.options());
+    linear_core(normed.data_ptr<float>(), width, rows, width, ends.head_w, ends.head_s, {}, bf16_dot,
+                logits.data_ptr<float>());
+    return logits;
+  }
+
   // hidden [B, H] (the embeddings) through every block: (the last block's output, residual), for the final norm.
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, at::Tensor state_slots, at::Tensor req_pool_indices,
                                          at::Tensor seq_lens, at::Tensor positions, at::Tensor out_cache_loc,
@@ -598,7 +630,15 @@ class DecodeLayers : public torch::CustomClassHolder {
     return {hidden, *residual};
   }
 
+  struct Ends {
+    at::Tensor embedding, norm_weight;
+    double eps;
+    at::Tensor head_w;
+    OptTensor head_s;
+  };
+
   std::vector<Block> blocks_;
+  c10::optional<Ends> ends_;
 };
 
 }  // namespace sgl_cpu
@@ -610,6 +650,8 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
       .def("add_attention", &sgl_cpu::DecodeLayers::add_attention)
       .def("add_moe", &sgl_cpu::DecodeLayers::add_moe)
       .def("add_mlp", &sgl_cpu::DecodeLayers::add_mlp)
+      .def("set_ends", &sgl_cpu::DecodeLayers::set_ends)
+      .def("run_logits", &sgl_cpu::DecodeLayers::run_logits)
       .def("run", &sgl_cpu::DecodeLayers::run)
       .def("run_verify", &sgl_cpu::DecodeLayers::run_verify)
       .def("size", &sgl_cpu::DecodeLayers::size);
