@@ -303,6 +303,9 @@ int64_t check_decode_attention(int64_t batch, int64_t heads, int64_t hd, const a
 // by groups of query heads. Per (request, KV head): its keys and values are gathered into contiguous rows, then
 // scores = (scale q) K^T and out = softmax(scores) V run as two small blocked matmuls over the group's query heads.
 // out [batch, heads, hd] contiguous.
+// Positions whose keys decode_attention_core transposes together.
+constexpr int64_t kKeyTile = 16;
+
 void decode_attention_core(const Rows& qs, int64_t batch, int64_t heads, int64_t hd, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const TokenTable& table, const Index& rows,
                            const Index& lens, int64_t longest, float scale, float* o) {
@@ -318,11 +321,21 @@ void decode_attention_core(const Rows& qs, int64_t batch, int64_t heads, int64_t
         const float* src = qs[b * heads + h * group + j];
         for (int64_t d = 0; d < hd; ++d) queries[j * hd + d] = src[d] * scale;
       }
-      for (int64_t t = 0; t < len; ++t) {  // keys transposed ([hd, len]): both products run along contiguous rows
-        const int64_t slot = table(row, t);
-        const float* key = kc + slot * k_slot + h * k_head;
-        for (int64_t d = 0; d < hd; ++d) keys[d * len + t] = key[d];
-        std::copy_n(vc + slot * v_slot + h * v_head, hd, values.data() + t * hd);
+      // keys transposed ([hd, len]): both products run along contiguous rows. A tile of positions at a time: its
+      // key rows stay in L1 while each of their columns is written out as one run (a position at a time wrote
+      // every one of its elements to another line, and took most of a decode layer's attention at context ~300)
+      const float* tile[kKeyTile];
+      for (int64_t t0 = 0; t0 < len; t0 += kKeyTile) {
+        const int64_t n = std::min(kKeyTile, len - t0);
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t slot = table(row, t0 + t);
+          tile[t] = kc + slot * k_slot + h * k_head;
+          std::copy_n(vc + slot * v_slot + h * v_head, hd, values.data() + (t0 + t) * hd);
+        }
+        for (int64_t d = 0; d < hd; ++d) {
+          float* column = keys.data() + d * len + t0;
+          for (int64_t t = 0; t < n; ++t) column[t] = tile[t][d];
+        }
       }
       matmul_wt(queries.data(), hd, group, keys.data(), 1, len, len, hd, scores.data(), len);
       for (int64_t j = 0; j < group; ++j) {
