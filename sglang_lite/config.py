@@ -20,6 +20,27 @@ QUANT_METHODS = tuple(quantization.CHECKPOINT_METHODS)
 
 
 @dataclass(frozen=True)
+class VisionSpec:
+    """What a VL checkpoint says of its images: the vision tower's config (``vision_config``, kept as JSON so
+    that the model config stays hashable), the special tokens and the text rotary's M-RoPE sections."""
+
+    vision_json: str
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    video_token_id: int
+    mrope_section: tuple[int, ...]
+
+    @property
+    def vision_config(self) -> dict[str, Any]:
+        return json.loads(self.vision_json)
+
+    @property
+    def spatial_merge_size(self) -> int:
+        return int(self.vision_config.get("spatial_merge_size", 2))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     is_moe: bool
     vocab_size: int
@@ -51,6 +72,8 @@ class ModelConfig:
     quantization: QuantizationConfig | None = None  # the checkpoint's (None: plain weights)
     # the multi-token-prediction head's decoder layers (``mtp.*`` tensors), a draft model for speculation
     mtp_num_hidden_layers: int = 0
+    # a VL checkpoint's vision tower and image tokens (None: text only)
+    vision: VisionSpec | None = None
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
@@ -159,6 +182,7 @@ class ModelConfig:
             pad_token_id=text.get("pad_token_id", outer.get("pad_token_id")),
             quantization=_quantization(text, outer),
             mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0) or 0,
+            vision=_vision(outer, rope),
         )
 
 
@@ -237,6 +261,20 @@ def _quantization(text: dict[str, Any], outer: dict[str, Any]) -> QuantizationCo
     """A VL wrapper may keep ``quantization_config`` at its top level rather than in ``text_config``."""
     raw = text.get("quantization_config") or outer.get("quantization_config")
     return quantization.from_checkpoint(raw) if raw else None
+
+
+def _vision(outer: dict[str, Any], rope: dict[str, Any]) -> VisionSpec | None:
+    """A VL wrapper's vision tower and image tokens (transformers' defaults for the ids it omits)."""
+    if not outer.get("vision_config"):
+        return None
+    return VisionSpec(
+        vision_json=json.dumps(outer["vision_config"], sort_keys=True),
+        image_token_id=int(outer.get("image_token_id", 248056)),
+        vision_start_token_id=int(outer.get("vision_start_token_id", 248053)),
+        vision_end_token_id=int(outer.get("vision_end_token_id", 248054)),
+        video_token_id=int(outer.get("video_token_id", 248057)),
+        mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))),
+    )
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

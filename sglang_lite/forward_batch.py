@@ -52,6 +52,11 @@ class ForwardBatch:
     # a speculative verify forward (rows of ``build_rows_batch``): the GDN layers step each request's tokens in
     # order and keep the states after each
     verify: VerifyStates | None = None
+    # images (``scheduler/images.py``): a prefill's M-RoPE positions [3, T] (the rotary takes them instead of
+    # ``positions``), and the rows of its image tokens with the vision tower's embeddings for them
+    mrope_positions: torch.Tensor | None = None
+    image_rows: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         assert len(self.prefix_lens) == len(self.extend_lens) == self.batch_size, (
@@ -225,25 +230,30 @@ def build_forward_batch(
     state_slots: list[int],
     device: torch.device | str,
     out_cache_loc: list[int],
+    position_offsets: list[int] | None = None,
 ) -> ForwardBatch:
     """The batch of ``token_ids[i]``, the new tokens of request i, which already holds ``prefix_lens[i]``
     computed tokens in request row ``req_rows[i]`` and linear-attention state slot ``state_slots[i]``.
 
     ``out_cache_loc``: the KV slots of the new tokens, in order, allocated (new pages recorded in the rows' page
     tables) before the batch is built, by ``RequestMemory.alloc_kv`` or ``ModelPools.alloc_kv``.
+    ``position_offsets[i]``: added to request i's positions (a request with images: its M-RoPE delta).
     """
     extend_lens = [len(t) for t in token_ids]
     assert len(out_cache_loc) == sum(extend_lens), "one KV slot per new token"
     flat = [t for ids in token_ids for t in ids]
     one_each = all(n == 1 for n in extend_lens)
+    starts = prefix_lens
+    if position_offsets is not None:
+        starts = [p + o for p, o in zip(prefix_lens, position_offsets)]
     # the index tensors as views of one (a decode step's positions are its prefix lengths): one copy, not five
-    parts = [flat, req_rows, out_cache_loc, state_slots] + ([prefix_lens] if one_each else [])
+    parts = [flat, req_rows, out_cache_loc, state_slots] + ([starts] if one_each else [])
     indices = host_ints([i for part in parts for i in part], torch.int64, device)
     input_ids, rows, slots, states, *positions = indices.split([len(part) for part in parts])
     return ForwardBatch(
         mode=mode,
         input_ids=input_ids,
-        positions=positions[0] if one_each else token_positions(prefix_lens, extend_lens, device),
+        positions=positions[0] if one_each else token_positions(starts, extend_lens, device),
         req_pool_indices=rows,
         prefix_lens=list(prefix_lens),
         extend_lens=extend_lens,

@@ -176,6 +176,7 @@ class ServerArgs:
     http_body_timeout_s: float = 20.0
     http_keep_alive_timeout_s: float = 30.0
     max_connections: int = 8192
+    allow_remote_images: bool = False
     cpu_threads_per_rank: int | None = None
     rank_hang_timeout_s: float = 60.0
     rank_max_restarts: int = 5
@@ -364,9 +365,8 @@ class ServerArgs:
     @property
     def effective_prefill_chunk(self) -> int:
         """Tokens one request may prefill in one forward."""
-        return (
-            self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_prefill_tokens
-        )
+        chunk = self.chunked_prefill_size
+        return chunk if chunk > 0 else self.max_prefill_tokens
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

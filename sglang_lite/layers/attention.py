@@ -78,7 +78,7 @@ class Qwen3_5Attention(nn.Module):
         k = pieces[1].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = pieces[2].view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self._qk_norm(q, k, batch.overlap)
-        q, k = self._rotary[0](batch.positions, q, k)
+        q, k = self._rotary[0](batch.positions, q, k, batch.mrope_positions)
         out = self._attend(q, k, v, batch)
         # gated per head, then heads merged: gate is a strided view, which a merge first would have copied
         # batch invariant: the block's gate (a prompt token's = a decode token's)

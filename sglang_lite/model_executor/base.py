@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from sglang_lite.forward_batch import ForwardBatch, VerifyStates
+from sglang_lite.multimodal.inputs import ImageInputs
 
 
 class Runner(Protocol):
@@ -37,6 +38,10 @@ class Runner(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, VerifyStates]:
         """Speculation's verify forward, one row a token (``counts[i]`` tokens of request i): hidden [T, hidden],
         logits [T, vocab] and the Gated DeltaNet states after each token."""
+        ...
+
+    def encode_images(self, images: ImageInputs) -> torch.Tensor:
+        """The vision tower's output for a request's images: [image tokens, hidden], in prompt order."""
         ...
 
     def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from sglang_lite.model_executor.decode_blocks import enable_decode_blocks
 from sglang_lite.model_executor.spec_graph_runner import SpecGraphRunner
 from sglang_lite.model_executor.weight_layout import store_input_major
 from sglang_lite.models.qwen3_5 import Qwen3_5ForCausalLM
+from sglang_lite.multimodal.inputs import ImageInputs
 from sglang_lite.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,18 @@ class ModelRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def encode_images(self, images: ImageInputs) -> torch.Tensor:
+        visual = getattr(self.model, "visual", None)
+        if visual is None:
+            raise ValueError(
+                "images: the served model takes text only (its checkpoint has no vision tower)"
+            )
+        weight = next(visual.parameters())
+        pixels = torch.from_numpy(images.pixel_values).to(weight.device, weight.dtype)
+        grid = torch.tensor(images.grid_thw, dtype=torch.int64, device=weight.device)
+        return visual(pixels, grid).to(self.model.compute_dtype)
 
     def forward_mtp(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """The MTP head over ``batch`` (the tokens after the positions whose hidden states are ``hidden``): its

@@ -17,6 +17,7 @@ from sglang_lite.config import ModelConfig, quantization_config_in_use
 from sglang_lite.layers.mlp import Qwen3_5SparseMoeBlock
 from sglang_lite.layers.vocab import VocabParallelEmbedding
 from sglang_lite.models.qwen3_5 import Qwen3_5ForCausalLM, model_class_for
+from sglang_lite.models.qwen3_5_vision import Qwen3_5VisionModel, VisionConfig, load_vision_weights
 from sglang_lite.models.weights import load_checkpoint, quantize_dummy_weights
 from sglang_lite.server_args import LOAD_FORMATS, QUANTIZATIONS, ServerArgs, server_args_or_default
 
@@ -37,6 +38,7 @@ def load_model(
     weight_dtype: torch.dtype | None = None,
     misaligned: str = "error",
     with_mtp: bool = False,
+    with_vision: bool = False,
 ) -> Qwen3_5ForCausalLM:
     """Builds the model described by ``path/config.json`` (None: the built-in tiny model, trained on the Python
     standard library by scripts/train_tiny_model.py).
@@ -57,6 +59,8 @@ def load_model(
     C++ kernels widen them in registers).
     ``with_mtp``: also load the checkpoint's multi-token-prediction head (``mtp.*``, checked as the rest) as
     ``model.mtp``, the draft model of speculative decoding; by default it is skipped.
+    ``with_vision``: also load a VL checkpoint's vision tower (``model.visual``, float32 on ``device``), for image
+    input; by default (and for a text-only checkpoint) there is none.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -81,6 +85,8 @@ def load_model(
         init_dummy_weights(model, seed)
         if keep:
             quantize_dummy_weights(model, quant, device)
+        if with_vision:
+            attach_vision(model, None, device)
         return model.eval()
     shown = quant or config.quantization
     if shown is not None:
@@ -103,7 +109,23 @@ def load_model(
         misaligned == "dequantize",
         with_mtp,
     )
+    if with_vision:
+        attach_vision(model, path, device)
     return model.eval()
+
+
+def attach_vision(model: Qwen3_5ForCausalLM, path: str | None, device: torch.device | str) -> None:
+    """The checkpoint's vision tower as ``model.visual``, its weights read from ``path`` (None: left as
+    initialised, for dummy weights); nothing for a text-only checkpoint. Attached after the text weights are
+    loaded, whose checks know nothing of it."""
+    if model.config.vision is None:
+        return
+    vision = VisionConfig.from_dict(model.config.vision.vision_config)
+    with torch.device(device):
+        visual = Qwen3_5VisionModel(vision)
+    if path is not None:
+        load_vision_weights(visual, path)
+    model.visual = visual.eval()
 
 
 def _keep_for_activations(quantized_weights: bool | None) -> bool:

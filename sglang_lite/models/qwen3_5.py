@@ -147,7 +147,10 @@ class Qwen3_5Model(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(
-            config.rotary_dim, config.max_position_embeddings, config.rope_theta
+            config.rotary_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.vision.mrope_section if config.vision is not None else None,
         )
         self.layers = nn.ModuleList(
             Qwen3_5DecoderLayer(config, i, self.rotary_emb, fuse_shared_expert)
@@ -191,8 +194,7 @@ class Qwen3_5Model(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if get_parallel_state().config.dp_attention:
             batch.dp_tokens = DPTokens(batch.num_tokens, batch.input_ids.device)
-        # the embedding may be stored in a narrower dtype (bf16 weights on the CPU): activations are the norms'
-        hidden, residual = self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype), None
+        hidden, residual = self._embed(batch), None
         # DP attention, a DP rank with nothing to run: it joins every layer's MLP
         if batch.num_tokens == 0:
             for layer in self.layers:
@@ -204,6 +206,17 @@ class Qwen3_5Model(nn.Module):
             for layer in self.layers:
                 hidden, residual = layer(hidden, residual, batch)
         hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def _embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """The batch's token embeddings in the norms' dtype (the embedding may be stored narrower: bf16 weights on
+        the CPU); image tokens (ids above the vocabulary) take the vision tower's rows instead."""
+        if batch.image_rows is None:
+            return self.embed_tokens(batch.input_ids).to(self.norm.weight.dtype)
+        ids = batch.input_ids.clone()
+        ids[batch.image_rows] = 0
+        hidden = self.embed_tokens(ids).to(self.norm.weight.dtype)
+        hidden[batch.image_rows] = batch.image_embeds.to(hidden.dtype)
         return hidden
 
     def _decode_blocks(

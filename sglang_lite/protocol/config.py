@@ -33,6 +33,9 @@ class SchedulerConfig:
     ngram_window: tuple[int, int] = speculative_flags.DEFAULT_NGRAM_WINDOW
     # CPU time one request's grammar may take per token mask or accepted token (past it the request fails, 400)
     grammar_mask_budget_ms: float = ServerArgs.grammar_mask_budget_ms
+    # a VL checkpoint's image placeholder token and patch merge size (merge size 0: the model takes text only)
+    image_token_id: int = -1
+    image_merge_size: int = 0
 
     def __post_init__(self) -> None:
         assert self.max_total_tokens > 0 and self.max_running_requests > 0, (
@@ -81,4 +84,6 @@ class SchedulerConfig:
             speculative_steps=args.speculative_steps,
             ngram_window=speculative_flags.ngram_window(args),
             grammar_mask_budget_ms=args.grammar_mask_budget_ms,
+            image_token_id=model.vision.image_token_id if model.vision else -1,
+            image_merge_size=model.vision.spatial_merge_size if model.vision else 0,
         )

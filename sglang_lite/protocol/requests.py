@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sglang_lite.multimodal.inputs import IMAGE_ID_SPAN, ImageInputs
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.sampling.grammar import grammar_key
 from sglang_lite.sampling.logprobs import MAX_LOGPROB_ENTRIES, LogprobParams
@@ -19,14 +20,17 @@ def validate_request(
     config: SchedulerConfig,
     has_tokenizer: bool,
     logprob: LogprobParams | None = None,
+    images: ImageInputs | None = None,
 ) -> None:
-    """Raises ValueError naming the bad field; cheap, so a front end can call it before queueing."""
-    if not input_ids or not all(
-        isinstance(t, int) and 0 <= t < config.vocab_size for t in input_ids
-    ):
+    """Raises ValueError naming the bad field; cheap, so a front end can call it before queueing. ``images``: the
+    request's images, whose tokens the prompt holds (``multimodal.inputs``)."""
+    top = config.vocab_size + (IMAGE_ID_SPAN if images is not None else 0)
+    if not input_ids or not all(isinstance(t, int) and 0 <= t < top for t in input_ids):
         raise ValueError(
             f"input_ids must be a non-empty list of token ids in [0, {config.vocab_size})"
         )
+    if images is not None:
+        _check_images(input_ids, params, config, images, logprob)
     if len(input_ids) >= config.max_request_tokens:
         limit = (
             "context length"
@@ -67,3 +71,28 @@ def _check_logprob_entries(
             f"log-probabilities + token ids)), more than {MAX_LOGPROB_ENTRIES}; ask for fewer positions, top "
             "log-probabilities or samples"
         )
+
+
+def _check_images(
+    input_ids: list[int],
+    params: SamplingParams,
+    config: SchedulerConfig,
+    images: ImageInputs,
+    logprob: LogprobParams | None,
+) -> None:
+    """What a request with images may not ask for yet, and whether its prompt holds its images' tokens."""
+    if not config.image_merge_size:
+        raise ValueError(
+            "images: the served model takes text only (its checkpoint has no vision tower)"
+        )
+    if config.speculative_algorithm is not None:
+        raise ValueError("images: not served with speculative decoding yet")
+    if params.n > 1:
+        raise ValueError(
+            "images: parallel samples (n > 1) of a request with images are not served yet"
+        )
+    if logprob is not None and logprob.wants_input:
+        raise ValueError(
+            "images: prompt log-probabilities of a request with images are not served yet"
+        )
+    images.check(input_ids, config.vocab_size, config.image_merge_size)

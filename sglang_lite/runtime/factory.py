@@ -58,6 +58,7 @@ def create_scheduler(args: ServerArgs, dp_rank: int = 0) -> Scheduler:
         quantized_weights=quantized_weights,
         misaligned=misaligned,
         with_mtp=speculative_flags.uses_mtp_head(args),
+        with_vision=True,
     )
     context_length = args.context_length or model.config.max_position_embeddings
     max_total_tokens = resolve_max_total_tokens(args, model.config, dtype, context_length)

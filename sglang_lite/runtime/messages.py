@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from sglang_lite.multimodal.inputs import ImageInputs
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.protocol.outputs import ReqOutput
 from sglang_lite.sampling.logprobs import LogprobParams
@@ -55,6 +56,7 @@ class AddRequest(Message):
     stream: bool = True
     # served whole by the rank even on a PD server (the server's own health generation)
     local: bool = False
+    images: ImageInputs | None = None  # the prompt's images, preprocessed by the front end
 
     def to_wire(self) -> list[Any]:
         logprob = dataclasses.asdict(self.logprob) if self.logprob is not None else None
@@ -66,11 +68,12 @@ class AddRequest(Message):
             logprob,
             self.stream,
             self.local,
+            self.images.to_wire() if self.images is not None else None,
         ]
 
     @classmethod
     def from_wire(cls, values: list[Any]) -> AddRequest:
-        rid, input_ids, params, room, logprob, stream, local = values
+        rid, input_ids, params, room, logprob, stream, local, images = values
         return cls(
             rid,
             input_ids,
@@ -79,6 +82,7 @@ class AddRequest(Message):
             LogprobParams.from_dict(logprob),
             stream,
             local,
+            ImageInputs.from_wire(images),
         )
 
 

@@ -375,6 +375,7 @@ class WorldLoop:
                 request.logprob,
                 request.stream,
                 request.local,
+                request.images,
             )
         except (ValueError, TypeError, AssertionError) as error:
             return Ack(self.dp_rank, request.rid, REFUSED, str(error))

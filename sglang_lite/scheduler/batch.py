@@ -58,6 +58,9 @@ class ScheduleBatch:
 
     def forward_batch(self, pools: ModelPools, device: str, kv_slots: list[int]) -> ForwardBatch:
         """The model's input for this batch, its new tokens' KV going to ``kv_slots``."""
+        offsets = None
+        if any(r.images is not None for r in self.reqs):
+            offsets = [r.images.delta if r.images is not None else 0 for r in self.reqs]
         return build_forward_batch(
             pools,
             self.mode,
@@ -67,6 +70,7 @@ class ScheduleBatch:
             [r.state_slot for r in self.reqs],
             device,
             kv_slots,
+            offsets,
         )
 
     def advance(self) -> None:

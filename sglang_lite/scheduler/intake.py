@@ -8,6 +8,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from sglang_lite.multimodal.inputs import ImageInputs
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.protocol.requests import fork_rids, validate_request
 from sglang_lite.sampling.grammar import ReasoningGrammar, RequestGrammar
@@ -33,10 +34,13 @@ class RequestIntake:
         stream: bool,
         in_use: Callable[[str], bool],
         check_more: Callable[[], None],
+        images: ImageInputs | None = None,
     ) -> Req:
         """The request, checked; raises ValueError naming the field, having drawn no seed. ``in_use``: whether a
-        rid is taken; ``check_more``: the checks of the rank's PD side."""
-        validate_request(input_ids, params, self.config, self.tokenizer is not None, logprob)
+        rid is taken; ``check_more``: the checks of the rank's PD side; ``images``: its prompt's images."""
+        validate_request(
+            input_ids, params, self.config, self.tokenizer is not None, logprob, images
+        )
         rids = fork_rids(rid, params.n)
         for used in rids:
             if in_use(used):

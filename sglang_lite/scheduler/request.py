@@ -100,6 +100,8 @@ class Req:
     spec_verify_ct: int = 0
     spec_drafted: int = 0
     spec_accepted_drafts: int = 0
+    # its images (``scheduler/images.py``; None: a text prompt)
+    images: Any = None
     # what the next ReqOutput carries
     unsent_ids: list[int] = field(default_factory=list)
     unsent_text: str = ""

@@ -31,6 +31,7 @@ from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.radix_cache import RadixCache
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.model_executor import Runner
+from sglang_lite.multimodal.inputs import ImageInputs
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.protocol.loads import SchedulerLoads
 from sglang_lite.protocol.outputs import ReqOutput
@@ -48,6 +49,7 @@ from sglang_lite.scheduler.faults import (
 )
 from sglang_lite.scheduler.finish import RequestEnder
 from sglang_lite.scheduler.forks import ForkManager
+from sglang_lite.scheduler.images import RequestImages, extend_images
 from sglang_lite.scheduler.intake import RequestIntake
 from sglang_lite.scheduler.load_report import LoadInputs, report_loads
 from sglang_lite.scheduler.output import OutputProcessor
@@ -118,12 +120,14 @@ class Scheduler:
         logprob: LogprobParams | dict | None = None,
         stream: bool = True,
         local: bool = False,
+        images: ImageInputs | None = None,
     ) -> None:
         """Queues a request; raises ValueError (naming the field) and leaves the scheduler untouched if invalid.
         ``bootstrap_room``: the PD transfer's id, required on a prefill or decode rank (ignored otherwise).
         ``logprob``: the log-probabilities to report in ``meta_info``. ``stream``: outputs every
         ``stream_interval`` tokens, else one output when the request finishes. ``local``: served whole here even
-        on a PD rank (the server's health generation)."""
+        on a PD rank (the server's health generation). ``images``: the prompt's images, whose tokens it holds
+        (``multimodal.inputs``)."""
         params = SamplingParams.from_dict(sampling_params)
         logprob = LogprobParams.from_dict(logprob)
         pd = self.disagg.takes_requests and not local
@@ -134,7 +138,13 @@ class Scheduler:
                     bootstrap_room, params, logprob, len(input_ids), self._queued_rooms
                 )
 
-        req = self.intake.make(rid, input_ids, params, logprob, stream, self._in_use, check_pd)
+        if images is not None and pd:
+            raise ValueError("images: not served by a PD disaggregated server yet")
+        req = self.intake.make(
+            rid, input_ids, params, logprob, stream, self._in_use, check_pd, images
+        )
+        if images is not None:
+            req.images = RequestImages(images, req.input_ids, self.config)
         req.bootstrap_room = bootstrap_room if pd else None
         grammar = grammar_key(params)
         if req.max_new_tokens == 0 and not (logprob is not None and logprob.wants_input):
@@ -266,6 +276,13 @@ class Scheduler:
     def run(self, batch: ScheduleBatch, kv_slots: list[int]) -> torch.Tensor:
         """A prefill forward over KV slots allocated for it; logits [B, vocab] of each request's last new token."""
         forward_batch = batch.forward_batch(self.pools, self.config.device, kv_slots)
+        images = extend_images(batch.reqs, batch.extend_lens, self.runner.encode_images)
+        if images is not None:
+            mrope, rows, embeds = images
+            device = forward_batch.positions.device
+            forward_batch.mrope_positions = mrope.to(device)
+            forward_batch.image_rows = rows.to(device) if rows is not None else None
+            forward_batch.image_embeds = embeds
         self.num_prefill_tokens += forward_batch.num_tokens
         wants_input = any(r.logprob is not None and r.logprob.wants_input for r in batch.reqs)
         with torch.inference_mode():

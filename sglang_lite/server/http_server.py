@@ -277,10 +277,22 @@ async def _generate_inputs(
     logprobs = _logprob_params(body, n)
     # the sampling checks come first
     ids = [await manager.encode(p) for p in prompts.items] if prompts.is_text else prompts.items
+    images = [None] * n
+    if body.image_data:
+        # SGLang's image_data: the images of one prompt, whose text holds their placeholders
+        if n != 1:
+            raise bad_request("image_data: send one prompt with its images")
+        urls = [body.image_data] if isinstance(body.image_data, str) else list(body.image_data)
+        ids[0], images[0] = await manager.attach_images(ids[0], [_as_url(u) for u in urls])
     return [
-        GenerateInput(rid or uuid.uuid4().hex, i, p, rank, b, lp)
-        for i, p, rid, b, lp in zip(ids, params, rids, pd, logprobs)
+        GenerateInput(rid or uuid.uuid4().hex, i, p, rank, b, lp, images=im)
+        for i, p, rid, b, lp, im in zip(ids, params, rids, pd, logprobs, images)
     ], prompts.batched
+
+
+def _as_url(image: str) -> str:
+    """SGLang's image_data entries are URLs or bare base64 data; the latter as a data URL."""
+    return image if ":" in image[:16] else f"data:;base64,{image}"
 
 
 def _logprob_params(body: GenerateRequest, n: int) -> list[LogprobParams | None]:

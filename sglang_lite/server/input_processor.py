@@ -195,6 +195,7 @@ class InputProcessor:
                 self.config,
                 self.tokenizer is not None,
                 request.logprob,
+                request.images,
             )
         except (ValueError, TypeError) as error:
             raise bad_request(str(error)) from error

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_lite.multimodal.inputs import ImageInputs
 from sglang_lite.runtime.inputs import per_prompt
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
@@ -71,6 +72,8 @@ class GenerateInput:
     logprob: LogprobParams | None = None  # the log-probabilities to report in meta_info
     # served whole by the rank, with no bootstrap fields, even on a PD server (the health generation)
     local: bool = False
+    # the prompt's images, whose tokens it holds (``multimodal.inputs``)
+    images: ImageInputs | None = None
 
 
 @dataclass(frozen=True)

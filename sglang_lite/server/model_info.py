@@ -7,23 +7,13 @@ import json
 import os
 from typing import Any
 
-from sglang_lite import assets
 from sglang_lite.config import ModelConfig, quantization_config_in_use, quantization_in_use
 from sglang_lite.runtime.memory import resolve_quantized_weights
+from sglang_lite.server.model_name import served_model_name
 from sglang_lite.server.tokenizer_manager import TokenizerManager
 from sglang_lite.server_args import ServerArgs
 
 VERSION = "sglang_lite-0.1.0"
-
-
-def served_model_name(args: ServerArgs) -> str:
-    """``--served-model-name``, else a hub id as given (``org/name``), else the model folder's name."""
-    if args.served_model_name:
-        return args.served_model_name
-    path = args.model_path
-    if path and not os.path.isdir(path) and assets.is_hub_id(path):
-        return path
-    return os.path.basename(os.path.normpath(args.model_dir))
 
 
 def server_info_of(manager: TokenizerManager, args: ServerArgs) -> dict[str, Any]:
@@ -73,6 +63,6 @@ def model_info_of(manager: TokenizerManager, args: ServerArgs) -> dict[str, Any]
         "context_length": manager.config.context_length,
         "preferred_sampling_params": None,
         "weight_version": "default",
-        "has_image_understanding": False,
+        "has_image_understanding": bool(manager.config.image_merge_size),
         "has_audio_understanding": False,
     }

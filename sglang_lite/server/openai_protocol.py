@@ -78,12 +78,15 @@ class GenerateRequest(_Request):
         "constrains only what follows the reasoning's end (</think>).",
     )
     log_metrics: Any = Field(None, description="Accepted; metrics are always recorded.")
+    image_data: StrictStr | list[StrictStr] | None = Field(
+        None,
+        description="One prompt's images (data URLs or base64), whose placeholders its text holds.",
+    )
     refused: ClassVar = {
         "return_hidden_states": ((None, False), "hidden states are not returned"),
         "input_embeds": ((None,), "prompts are text or token ids"),
-        "image_data": ((None, []), "the served models take text only"),
-        "audio_data": ((None, []), "the served models take text only"),
-        "video_data": ((None, []), "the served models take text only"),
+        "audio_data": ((None, []), "audio input is not served"),
+        "video_data": ((None, []), "video input is not served yet (images are: image_data)"),
         "lora_path": ((None,), "LoRA adapters are not supported"),
         "session_params": (
             (None,),
@@ -254,6 +257,21 @@ class TextPart(_Request):
     text: StrictStr
 
 
+class ImageUrl(_Request):
+    url: StrictStr  # a data: URL (base64 PNG, JPEG or WebP), or http(s) with --allow-remote-images
+    detail: Literal["auto", "low", "high"] | None = (
+        None  # accepted; the image is taken at its own size
+    )
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCall(_Request):
     name: StrictStr
     arguments: StrictStr | dict[str, Any] = "{}"
@@ -278,19 +296,29 @@ class MessageToolCall(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant
     tool_call_id: StrictStr | None = None  # tool
     # assistant: its <think> text, which the template may render
     reasoning_content: StrictStr | None = None
 
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
+
     def to_template(self) -> dict[str, Any]:
-        content = (
-            self.content
-            if not isinstance(self.content, list)
-            else "".join(p.text for p in self.content)
-        )
+        """The message as chat templates read it: text parts joined; with images, the parts in order (an image as
+        ``{"type": "image"}``, where a VL template puts its placeholder)."""
+        content: Any = self.content
+        if isinstance(content, list) and self.image_urls():
+            content = [
+                {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                for p in content
+            ]
+        elif isinstance(content, list):
+            content = "".join(p.text for p in content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(self, key) is not None:

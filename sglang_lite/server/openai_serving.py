@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from sglang_lite.multimodal.inputs import ImageInputs
 from sglang_lite.protocol.outputs import ReqOutput
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
@@ -111,11 +112,17 @@ def add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> Non
             {**raw, "json_schema": forced} if forced is not None else raw
         )
         messages = [m.to_template() for m in body.messages]
+        urls = [url for m in body.messages for url in m.image_urls()]
+        if urls and manager.config is not None and not manager.config.image_merge_size:
+            await manager.attach_images([], urls)  # a 400 naming the model, before any rendering
         prompt = await manager.encode_chat(
             messages, body.chat_template_kwargs or {}, rendered_tools(body)
         )
+        ids, images = prompt.ids, None
+        if urls:
+            ids, images = await manager.attach_images(prompt.ids, urls)
         logprob = LogprobParams(True, -1, body.top_logprobs or 0) if body.logprobs else None
-        inputs = _inputs(body, [prompt.ids], params, logprob)
+        inputs = _inputs(body, [ids], params, logprob, images)
         parsing = parsing_plan(args, body, prompt.text, forced=forced is not None)
         shape = Shape(
             "chat.completion",
@@ -158,6 +165,7 @@ def _inputs(
     prompts: list[list[int]],
     params: SamplingParams,
     logprob: LogprobParams | None = None,
+    images: ImageInputs | None = None,
 ) -> list[GenerateInput]:
     rank = requested_rank(body.routed_dp_rank, body.data_parallel_rank)
     if body.rid is not None and len(prompts) > 1:
@@ -169,7 +177,7 @@ def _inputs(
     except ValueError as error:
         raise bad_request(str(error)) from error
     return [
-        GenerateInput(body.rid or uuid.uuid4().hex, ids, params, rank, b, logprob)
+        GenerateInput(body.rid or uuid.uuid4().hex, ids, params, rank, b, logprob, images=images)
         for ids, b in zip(prompts, pd)
     ]
 

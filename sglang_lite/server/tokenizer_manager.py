@@ -16,12 +16,14 @@ import asyncio
 import logging
 from typing import Any
 
+from sglang_lite.multimodal.inputs import ImageInputs
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.protocol.outputs import ReqOutput, join_outputs
 from sglang_lite.protocol.requests import fork_rids
 from sglang_lite.runtime.client import SchedulerClient
 from sglang_lite.runtime.messages import UNAVAILABLE, Ack, AddRequest, QueryReply
 from sglang_lite.server.dp_controller import DPController, InvalidRank
+from sglang_lite.server.images import ImageIntake
 from sglang_lite.server.input_processor import InputProcessor
 from sglang_lite.server.io_struct import ChatPrompt, GenerateInput, RequestError, bad_request
 from sglang_lite.server.metrics import ServerMetrics
@@ -73,6 +75,7 @@ class TokenizerManager:
         self.in_flight = self.registry.in_flight
         self.encode = self.inputs.encode
         self.encode_chat = self.inputs.encode_chat
+        self.images = ImageIntake(args)
         self.token_texts = self.inputs.token_texts
         self.check_prompt_count = self.inputs.check_prompt_count
         self.sampling_params = self.inputs.sampling_params
@@ -138,6 +141,10 @@ class TokenizerManager:
     def tokenizer(self) -> Any:
         return self.inputs.tokenizer
 
+    async def attach_images(self, ids: list[int], urls: list[str]) -> tuple[list[int], ImageInputs]:
+        """A rendered prompt's ids with its image placeholders expanded, and its images (``images.py``)."""
+        return await self.images.attach(ids, urls, self.config)
+
     @tokenizer.setter
     def tokenizer(self, tokenizer: Any) -> None:
         self.inputs.tokenizer = tokenizer
@@ -188,6 +195,7 @@ class TokenizerManager:
                     room,
                     request.logprob,
                     local=request.local,
+                    images=request.images,
                 ),
             )
         except (

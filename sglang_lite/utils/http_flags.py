@@ -24,6 +24,8 @@ HELP = {
     "max_connections": "Open HTTP connections; a new one beyond it closes the one that has waited longest for a "
     "request (idle, or still sending its headers), never one being served; if all are being served, the new one "
     "gets 503 with Retry-After.",
+    "allow_remote_images": "Fetch http(s) image_url parts (at most 20 MiB an image, 10 s each); by default only "
+    "data: URLs are taken and a remote URL is a 400, never fetched.",
 }
 POSITIVE = (
     "max_queued_requests",
