@@ -20,6 +20,9 @@ prompt tokens its ranks served from the cache (``/v1/loads`` ``num_cached_prompt
 
     python benchmarks/bench_serving.py --backend sglang --dataset agentic --sessions 16 --input-len 1000 \
         --output-len 32 --concurrency 4
+
+``--images N`` (against a VL checkpoint) adds N random PNG images of ``--image-size`` to each request, as
+``image_url`` parts (``openai-chat``) or ``image_data`` (``sglang``, the text led by Qwen3.5's placeholders).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ WORDS = (
     "prompt output state block chunk decode prefill expert gate norm head value key query"
 ).split()
 PATHS = {"sglang": "/generate", "openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class Prompt:
     output_len: int
     ids: list[int] | None = None  # token ids instead of text (the agentic dataset)
     session: str = ""  # the agentic dataset: turns of one session go in order
+    images: tuple[str, ...] = ()  # data URLs (--images)
 
 
 @dataclass
@@ -84,8 +89,25 @@ def make_prompts(args: argparse.Namespace) -> list[Prompt]:
     prompts = []
     for _ in range(args.num_prompts):
         n_in, n_out = _lengths(rng, args)
-        prompts.append(Prompt(_prompt_text(rng, tokenizer, n_in), n_in, n_out))
+        images = tuple(_image_url(rng, args.image_size) for _ in range(args.images))
+        prompts.append(Prompt(_prompt_text(rng, tokenizer, n_in), n_in, n_out, images=images))
     return prompts
+
+
+def _image_url(rng: random.Random, size: str) -> str:
+    """A PNG data URL of random pixels, ``size`` WIDTHxHEIGHT (each request's own image: no prefix-cache hits)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    width, height = (int(v) for v in size.lower().split("x"))
+    pixels = np.random.default_rng(rng.getrandbits(32)).integers(
+        0, 256, (height, width, 3), np.uint8
+    )
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def agentic_prompts(args: argparse.Namespace) -> list[Prompt]:
@@ -144,6 +166,9 @@ def request_body(backend: str, model: str, prompt: Prompt) -> dict[str, Any]:
     if backend == "sglang":
         params = {"max_new_tokens": prompt.output_len, "ignore_eos": True, "temperature": 0}
         source = {"input_ids": prompt.ids} if prompt.ids is not None else {"text": prompt.text}
+        if prompt.images:  # Qwen3.5's placeholders, one per image, before the text
+            source = {"text": IMAGE_PLACEHOLDER * len(prompt.images) + prompt.text}
+            source["image_data"] = list(prompt.images)
         return {**source, "sampling_params": params, "stream": True}
     body = {
         "model": model,
@@ -154,10 +179,16 @@ def request_body(backend: str, model: str, prompt: Prompt) -> dict[str, Any]:
         "stream_options": {"include_usage": True},
     }
     if backend == "openai":
+        if prompt.images:
+            raise ValueError("images go through --backend openai-chat or sglang")
         return {**body, "prompt": prompt.ids if prompt.ids is not None else prompt.text}
     if prompt.ids is not None:
         raise ValueError("the agentic dataset sends token ids: use --backend sglang or openai")
-    return {**body, "messages": [{"role": "user", "content": prompt.text}]}
+    content: Any = prompt.text
+    if prompt.images:
+        content = [{"type": "image_url", "image_url": {"url": url}} for url in prompt.images]
+        content.append({"type": "text", "text": prompt.text})
+    return {**body, "messages": [{"role": "user", "content": content}]}
 
 
 def chunk_tokens(backend: str, event: dict[str, Any]) -> tuple[bool, int | None]:
@@ -368,6 +399,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--tokenizer", default=None, help="Tokenizer folder for exact prompt lengths; else words."
+    )
+    parser.add_argument(
+        "--images",
+        type=int,
+        default=0,
+        help="Images per request (random PNG data URLs; a VL checkpoint).",
+    )
+    parser.add_argument(
+        "--image-size", default="256x256", help="WIDTHxHEIGHT of each --images image."
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
