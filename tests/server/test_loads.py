@@ -142,7 +142,8 @@ def test_named_rank_runs_the_requests_and_loads_return_to_zero(
     ]
     for t in threads:
         t.start()
-    seen = _wait_for_busy(server_dp2, rank, expected=3)
+    # admitted, not merely queued: a waiting request holds no KV yet
+    seen = _wait_for_busy(server_dp2, rank, expected=3, running=True)
     assert (
         seen[rank]["num_used_tokens"] > 0
         and seen[rank]["num_total_tokens"] >= seen[rank]["num_used_tokens"]
@@ -159,12 +160,16 @@ def test_named_rank_runs_the_requests_and_loads_return_to_zero(
 
 
 def _wait_for_busy(
-    server: ServerProcess, rank: int, expected: int, timeout_s: float = 60.0
+    server: ServerProcess, rank: int, expected: int, timeout_s: float = 60.0, running: bool = False
 ) -> list[dict]:
+    """Loads once ``rank`` holds ``expected`` requests (``running``: all of them admitted)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         loads = get_loads(server, "?include=core")["loads"]
-        if loads[rank]["num_running_reqs"] + loads[rank]["num_waiting_reqs"] == expected:
+        held = loads[rank]["num_running_reqs"]
+        if not running:
+            held += loads[rank]["num_waiting_reqs"]
+        if held == expected:
             return loads
         time.sleep(0.05)
     raise AssertionError(f"rank {rank} never held {expected} requests: {loads}")
