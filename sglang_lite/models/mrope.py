@@ -2,8 +2,9 @@
 
 A text token has its index (shifted past earlier images) three times; an image token its place in
 its image's merged grid, offset by where the image starts. Each rotary frequency then takes one of
-the three positions, in the interleaved layout Qwen3.5 uses (``mrope_cos_sin``). Equal to
-transformers' ``get_rope_index`` and ``Qwen3_5MoeTextRotaryEmbedding`` for images (no video)."""
+the three positions, in the interleaved layout Qwen3.5 uses (``layers/rotary.py``'s ``mrope_table``).
+Equal to transformers' ``get_rope_index`` for images (no video). ``apply_rotary`` rotates by cos and
+sin rows (the vision tower's rotary)."""
 
 from __future__ import annotations
 
@@ -82,24 +83,6 @@ def image_positions(grid: tuple[int, int, int], start: int, merge: int) -> torch
     t, h, w = (int(v) for v in grid)
     axes = [torch.arange(n, dtype=torch.int64) + start for n in (t, h // merge, w // merge)]
     return torch.stack(torch.meshgrid(*axes, indexing="ij")).reshape(3, -1)
-
-
-def mrope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [T, rotary_dim] (float32) for positions [3, T] and ``inv_freq``
-    [rotary_dim / 2].
-
-    Frequency i takes the height position where i % 3 == 1 and i < 3 * mrope_section[1], the width
-    position where i % 3 == 2 and i < 3 * mrope_section[2], the temporal one elsewhere; the angles
-    are then repeated (``cat(angles, angles)``) for the rotate-half layout."""
-    freqs = positions[..., None].float() * inv_freq.float()
-    angles = freqs[0].clone()
-    for axis in (1, 2):
-        chosen = slice(axis, 3 * mrope_section[axis], 3)
-        angles[:, chosen] = freqs[axis][:, chosen]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
 
 
 def apply_rotary(

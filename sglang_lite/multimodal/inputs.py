@@ -23,10 +23,6 @@ def image_token(content_hash: str, vocab_size: int) -> int:
     return vocab_size + int(content_hash[:15], 16) % IMAGE_ID_SPAN
 
 
-def is_image_token(token: int, vocab_size: int) -> bool:
-    return token >= vocab_size
-
-
 @dataclass(frozen=True)
 class ImageInputs:
     """Every image of one request, in prompt order: the vision tower's input ``pixel_values`` [N, D] float32 (the

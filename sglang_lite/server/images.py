@@ -55,24 +55,23 @@ class ImageIntake:
                 processed.append(self.processor()([image.image]))
             except ValueError as error:  # an aspect ratio the resize rules refuse
                 raise bad_request(f"image {number}: {error}") from error
-        grids = [tuple(int(v) for v in p.grid_thw[0].tolist()) for p in processed]
-        hashes = [str(image.content_hash) for image in loaded]
+        pixels = np.concatenate([p.pixel_values.numpy() for p in processed])
+        grids = tuple(tuple(int(v) for v in p.grid_thw[0].tolist()) for p in processed)
+        images = ImageInputs(pixels, grids, tuple(image.content_hash for image in loaded))
         placeholders = [i for i, token in enumerate(ids) if token == config.image_token_id]
         if len(placeholders) != len(urls):
             raise bad_request(
                 f"messages: the chat template rendered {len(placeholders)} image placeholder(s) for "
                 f"{len(urls)} image(s)"
             )
-        merge = config.image_merge_size
+        counts = images.token_counts(config.image_merge_size)
         expanded: list[int] = []
         start = 0
-        for at, grid, content in zip(placeholders, grids, hashes):
-            count = grid[0] * grid[1] * grid[2] // (merge * merge)
+        for at, count, content in zip(placeholders, counts, images.hashes):
             expanded += ids[start:at] + [image_token(content, config.vocab_size)] * count
             start = at + 1
         expanded += ids[start:]
-        pixels = np.concatenate([p.pixel_values.numpy() for p in processed])
-        return expanded, ImageInputs(pixels, tuple(grids), tuple(hashes))
+        return expanded, images
 
     def processor(self) -> Any:
         if self._processor is None:

@@ -113,8 +113,6 @@ def add_routes(app: FastAPI, manager: TokenizerManager, args: ServerArgs) -> Non
         )
         messages = [m.to_template() for m in body.messages]
         urls = [url for m in body.messages for url in m.image_urls()]
-        if urls and manager.config is not None and not manager.config.image_merge_size:
-            await manager.attach_images([], urls)  # a 400 naming the model, before any rendering
         prompt = await manager.encode_chat(
             messages, body.chat_template_kwargs or {}, rendered_tools(body)
         )

@@ -12,7 +12,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import apply_rotary_pos_emb
 
-from sglang_lite.models.mrope import apply_rotary, mrope_cos_sin, mrope_positions
+from sglang_lite.layers.rotary import RotaryEmbedding
+from sglang_lite.models.mrope import apply_rotary, mrope_positions
 from sglang_lite.models.qwen3_5_vision import (
     Qwen3_5VisionModel,
     VisionConfig,
@@ -153,7 +154,7 @@ def test_mrope_positions_refuse_tokens_and_grids_that_disagree():
         mrope_positions([1, 2], [(1, 4, 6)], 9, 2)
 
 
-def test_mrope_cos_sin_and_rotation_equal_transformers(checkpoint):
+def test_mrope_table_and_rotation_equal_transformers(checkpoint):
     hf, _ = checkpoint
     ids, types = prompt_with_images(hf.config, TWO_GRIDS)
     position_ids, _ = hf.model.get_rope_index(
@@ -163,7 +164,10 @@ def test_mrope_cos_sin_and_rotation_equal_transformers(checkpoint):
     x = torch.zeros(1, dtype=torch.float32)
     expected_cos, expected_sin = rotary(x, position_ids)
     positions = position_ids[:, 0]
-    cos, sin = mrope_cos_sin(positions, rotary.inv_freq, ROPE["mrope_section"])
+    # the text model's table (what a prompt with images rotates by), its cos | sin halves in rotate-half layout
+    ours = RotaryEmbedding(12, 4096, ROPE["rope_theta"], tuple(ROPE["mrope_section"]))
+    cos_half, sin_half = ours.mrope_table(positions).chunk(2, dim=-1)
+    cos, sin = torch.cat([cos_half, cos_half], dim=-1), torch.cat([sin_half, sin_half], dim=-1)
     assert cos.shape == (len(ids), 12)
     torch.testing.assert_close(cos, expected_cos[0], rtol=0, atol=0)
     torch.testing.assert_close(sin, expected_sin[0], rtol=0, atol=0)
