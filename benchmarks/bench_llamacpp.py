@@ -160,6 +160,7 @@ def run(args: argparse.Namespace, llama: LlamaCpp, sides: Sides) -> dict[str, Be
         max_running_requests=max(args.batch, 1),
         max_total_tokens=max(args.batch, 1) * (args.input_len + args.output_len) + 256,
         cpu_threads_per_rank=args.threads,
+        num_continuous_decode_steps=args.decode_steps,
     ) as engine:
         _seconds(engine, random_prompts(2, 16, vocab, seed=99), 4)  # warm-up
         for round_ in range(args.repeats):  # alternating, so that all sides share the host's noise
@@ -219,6 +220,12 @@ def main() -> None:
         "MXFP4 export against llama.cpp's bf16 GGUF quantized as ours (MXFP4 (our tensors)), MXFP4_MOE and Q4_0",
     )
     parser.add_argument("--dtype", default="auto", help="the Engine's --dtype")
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        help="the Engine's --num-continuous-decode-steps (default: the server's)",
+    )
     parser.add_argument(
         "--llamacpp-version", default="0.3.36", help="llama-cpp-python sdist version"
     )

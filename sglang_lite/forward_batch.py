@@ -89,6 +89,22 @@ class ForwardBatch:
             given if given is not None else view for given, view in zip(own, derived)
         )
 
+    def next_decode_step(self, input_ids: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+        """This decode batch one step on, as ``build_forward_batch`` would make it: each request's next token
+        ``input_ids`` [B] at the position after its last, its KV going to ``out_cache_loc`` [B]."""
+        assert self.is_decode and self.verify is None and self.dp_tokens is None, (
+            "a plain decode batch on one rank"
+        )
+        assert input_ids.numel() == out_cache_loc.numel() == self.batch_size, "one token a request"
+        self.input_ids = input_ids
+        self.out_cache_loc = out_cache_loc
+        self.positions = self.positions + 1
+        self.prefix_lens = [p + 1 for p in self.prefix_lens]
+        self.prefix_lens_t = self.prefix_lens_t + 1
+        self.seq_lens_t = self.seq_lens_t + 1
+        if self.max_seq_len is not None:
+            self.max_seq_len += 1
+
     @property
     def batch_size(self) -> int:
         return self.req_pool_indices.numel()

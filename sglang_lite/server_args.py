@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_lite import assets
-from sglang_lite.utils import http_flags, speculative_flags
+from sglang_lite.utils import http_flags, schedule_flags, speculative_flags
 
 if TYPE_CHECKING:
     from sglang_lite.distributed.parallel_state import ParallelConfig
@@ -51,12 +51,6 @@ _HELP = {
     "mem_fraction_static": "Fraction of device memory for weights, KV pool and linear-attention states.",
     "max_running_requests": "Requests decoding at once; also the number of linear-attention state slots. With "
     "--enable-dp-attention the total over the DP ranks (each gets its share).",
-    "chunked_prefill_size": "Longest prefill chunk of one request in tokens; <= 0 disables chunking. With "
-    "--enable-dp-attention the total over the DP ranks (each gets its share).",
-    "max_prefill_tokens": "Token budget of one prefill batch.",
-    "schedule_policy": "Order of the waiting queue: fcfs (arrival) or sjf (shortest prompt first).",
-    "schedule_conservativeness": "Scales how many future decode tokens admission reserves; 0 reserves none.",
-    "stream_interval": "Stream outputs every this many decode tokens.",
     "dp_size": "Data-parallel ranks (one scheduler each): with --enable-dp-attention the attention groups of one "
     "world, else independent replicas of --tp-size processes each.",
     "tp_size": "Tensor-parallel size: processes that run one model together (a world; alias --tp).",
@@ -111,6 +105,7 @@ _HELP = {
 }
 
 _HELP.update(http_flags.HELP)  # connections, timeouts and sizes at the HTTP edge
+_HELP.update(schedule_flags.HELP)  # batches and their steps
 _HELP.update(speculative_flags.HELP)  # speculative decoding (scheduler/speculative/)
 
 
@@ -134,6 +129,7 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     stream_interval: int = 1
+    num_continuous_decode_steps: int | None = None
     dp_size: int = 1
     # one model over several processes (torch.distributed): see sglang_lite.distributed
     tp_size: int = 1
@@ -197,6 +193,7 @@ class ServerArgs:
         self._check_choice("schedule_policy", SCHEDULE_POLICIES)
         self._check_choice("load_balance_method", LOAD_BALANCE_METHODS)
         http_flags.check(self)
+        schedule_flags.check(self)
         if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank <= 0:
             raise ValueError(
                 f"cpu_threads_per_rank must be positive, got {self.cpu_threads_per_rank}"

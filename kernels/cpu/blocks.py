@@ -317,6 +317,24 @@ class DecodeLayers:
         (``set_ends``), in the one call."""
         return self._layers.run_logits(input_ids, state_slots, *requests, bf16_dot)
 
+    def run_greedy(
+        self,
+        input_ids: torch.Tensor,
+        state_slots: torch.Tensor,
+        requests: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        out_cache_loc: torch.Tensor,
+        stop_ids: torch.Tensor,
+        bf16_dot: int,
+    ) -> torch.Tensor:
+        """Greedy decode steps back to back in the one call, each ``run_logits`` then the argmax of each row
+        (``argmax_rows``): input_ids [B] -> tokens [steps run, B]. ``requests``: req_pool_indices, seq_lens and
+        positions of the first step (each later step one further); ``out_cache_loc`` [steps, B]: each step's KV
+        slots. The run ends after a step in which a row's token is one of its ``stop_ids`` [B, S] (int64, -1 where
+        a row has fewer)."""
+        return self._layers.run_greedy(
+            input_ids, state_slots, *requests, out_cache_loc, stop_ids, bf16_dot
+        )
+
     def run(
         self,
         hidden: torch.Tensor,

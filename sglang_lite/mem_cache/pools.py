@@ -225,11 +225,12 @@ class ModelPools:
 
     def _slots(self, rows: list[int], starts: list[int], counts: list[int]) -> list[int]:
         size, host = self.page_size, self.req_to_token.host
-        # a decode step: a few scalars, quicker than numpy's indexing
-        if all(n == 1 for n in counts):
+        # a decode step (or a few back to back): a few scalars, quicker than numpy's indexing
+        if len(rows) * max(counts, default=0) <= 48:
             return [
-                int(host[row, start // size]) * size + start % size
-                for row, start in zip(rows, starts)
+                int(host[row, p // size]) * size + p % size
+                for row, start, count in zip(rows, starts, counts)
+                for p in range(start, start + count)
             ]
         positions = np.concatenate(
             [np.arange(s, s + c, dtype=np.int64) for s, c in zip(starts, counts)] or [[]]

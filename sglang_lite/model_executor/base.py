@@ -21,6 +21,16 @@ class Runner(Protocol):
         every new token with ``all_logits``."""
         ...
 
+    def decode_greedy(
+        self, batch: ForwardBatch, out_cache_loc: torch.Tensor, stop_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Greedy decode steps back to back from the decode ``batch`` (its first step) in one call, where the model
+        has one (the CPU's C++ decode layers): each step's argmax the next step's input, one position further, its
+        KV into the next row of ``out_cache_loc`` [steps, B]; the run ends after the step in which a row's token is
+        one of its ``stop_ids`` [B, S] (int64, -1 padding). Tokens [steps run, B]; None where there is no such
+        call (the caller steps the forwards itself)."""
+        ...
+
     def forward_idle(self) -> None:
         """An empty forward: under DP attention a rank with nothing to run joins the other ranks' MoE layers."""
         ...

@@ -82,6 +82,13 @@ class ModelRunner:
         body = self.compiled_body if batch.is_decode else None
         return self.model.forward_batch(batch, all_logits, body)
 
+    def decode_greedy(
+        self, batch: ForwardBatch, out_cache_loc: torch.Tensor, stop_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        if self.graph_runner is not None or self.compiled_body is not None:
+            return None
+        return self.model.model.decode_greedy(batch, out_cache_loc, stop_ids)
+
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """The final hidden state [T, hidden] of every new token (eagerly): what speculation's MTP head takes."""
         return self.model.forward_hidden(batch)

@@ -157,9 +157,8 @@ class Qwen3_5Model(nn.Module):
             for i in range(config.num_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.use_decode_blocks = (
-            False  # set by the runner on the CPU (model_executor/decode_blocks.py)
-        )
+        # set by the runner on the CPU (model_executor/decode_blocks.py)
+        self.use_decode_blocks = False
         self._decode_layers = OneCallLayers(self.layers)
 
     def decode_layers(self, pools: ModelPools) -> cpu_kernels.DecodeLayers | None:
@@ -171,21 +170,38 @@ class Qwen3_5Model(nn.Module):
         self._decode_layers.ends = (self.embed_tokens, self.norm, lm_head)
         self._decode_layers.reset()
 
-    def decode_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """A decode batch's logits [B, vocab] in the one C++ call (``DecodeLayers.run_logits``: the embedding, every
-        layer, the final norm and the LM head), where that call serves the batch: the CPU's decode blocks on one
-        rank, a plain decode step (no verify rows), float32 activations, an LM head attached; else None."""
+    def _one_call(self, batch: ForwardBatch) -> cpu_kernels.DecodeLayers | None:
+        """The C++ decode layers where they run ``batch`` from token ids to logits in one call: the CPU's decode
+        blocks on one rank, a plain decode step (no verify rows), float32 activations, an LM head attached."""
         if not (self.use_decode_blocks and batch.is_decode and batch.verify is None):
             return None
         if batch.num_tokens == 0 or self.norm.weight.dtype != torch.float32:
             return None
         layers = self.decode_layers(batch.pools)
-        if layers is None or self._decode_layers.ends is None:
+        return layers if layers is not None and self._decode_layers.ends is not None else None
+
+    def decode_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """A decode batch's logits [B, vocab] in the one C++ call (``DecodeLayers.run_logits``: the embedding, every
+        layer, the final norm and the LM head) where that call serves the batch (``_one_call``); else None."""
+        layers = self._one_call(batch)
+        if layers is None:
             return None
         requests = (batch.req_pool_indices, batch.seq_lens_t, batch.positions, batch.out_cache_loc)
         return layers.run_logits(
             batch.input_ids, batch.state_slots, requests, cpu_kernels.bf16_dot()
         )
+
+    def decode_greedy(
+        self, batch: ForwardBatch, out_cache_loc: torch.Tensor, stop_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Greedy decode steps back to back from ``batch`` (the first) in the one call (``DecodeLayers.run_greedy``:
+        ``out_cache_loc`` [steps, B], ``stop_ids`` [B, S]): tokens [steps run, B]; None where ``_one_call`` is."""
+        layers = self._one_call(batch)
+        if layers is None:
+            return None
+        requests = (batch.req_pool_indices, batch.seq_lens_t, batch.positions)
+        ids = (batch.input_ids, batch.state_slots)
+        return layers.run_greedy(*ids, requests, out_cache_loc, stop_ids, cpu_kernels.bf16_dot())
 
     def reset_decode_layers(self) -> None:
         """Forgets the built ``decode_layers`` (the blocks gathered their weights again)."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from sglang_lite.config import ModelConfig
 from sglang_lite.server_args import ServerArgs
-from sglang_lite.utils import speculative_flags
+from sglang_lite.utils import schedule_flags, speculative_flags
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class SchedulerConfig:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     stream_interval: int = 1
+    # decode steps run back to back while nothing waits (``--num-continuous-decode-steps``, where the rank may)
+    decode_steps: int = 1
     random_seed: int = 0
     device: str = "cpu"
     dp_rank: int = 0
@@ -78,6 +80,7 @@ class SchedulerConfig:
             schedule_policy=args.schedule_policy,
             schedule_conservativeness=args.schedule_conservativeness,
             stream_interval=args.stream_interval,
+            decode_steps=schedule_flags.decode_steps(args),
             random_seed=args.random_seed,
             device=args.device,
             speculative_algorithm=args.speculative_algorithm,

@@ -14,6 +14,9 @@ class ScheduleBatch:
     mode: ForwardMode
     reqs: list[Req]
     extend_lens: list[int]
+    # decode: steps run back to back (``--num-continuous-decode-steps``), KV slots allocated for each; after the
+    # run, the steps that ran
+    steps: int = 1
     # which requests run their last uncomputed token, so sample a next token (fixed when it is scheduled)
     completes: list[bool] = field(init=False)
 
@@ -30,11 +33,14 @@ class ScheduleBatch:
         assert self.mode is ForwardMode.EXTEND or all(n == 1 for n in self.extend_lens), (
             "decode runs 1 token each"
         )
+        assert self.steps == 1 or self.mode is ForwardMode.DECODE, (
+            "steps back to back are decode steps"
+        )
         self.completes = [n == r.num_to_compute for r, n in zip(self.reqs, self.extend_lens)]
 
     @classmethod
-    def decode(cls, reqs: list[Req]) -> ScheduleBatch:
-        return cls(ForwardMode.DECODE, list(reqs), [1] * len(reqs))
+    def decode(cls, reqs: list[Req], steps: int = 1) -> ScheduleBatch:
+        return cls(ForwardMode.DECODE, list(reqs), [1] * len(reqs), steps)
 
     @property
     def is_decode(self) -> bool:

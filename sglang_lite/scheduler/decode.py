@@ -13,6 +13,7 @@ from sglang_lite.scheduler.batch import ScheduleBatch
 from sglang_lite.scheduler.policy import NewTokenRatio, reserved_decode_tokens
 from sglang_lite.scheduler.queues import RequestQueues
 from sglang_lite.scheduler.request import Req, ReqStatus
+from sglang_lite.utils import schedule_flags
 
 
 class AdmissionOrder:
@@ -41,10 +42,16 @@ class DecodeManager:
         self.queues = queues
         self.memory = memory
         self.tokens_per_step = tokens_per_step
+        self.max_steps = config.decode_steps
+        self.step_seconds = (
+            0.0  # a decode step's recent time (a moving average): bounds a run of steps
+        )
         self.new_token_ratio = NewTokenRatio.from_conservativeness(config.schedule_conservativeness)
         self.num_retractions = 0
 
-    def schedule(self) -> ScheduleBatch | None:
+    def schedule(self, back_to_back: bool = False) -> ScheduleBatch | None:
+        """The next decode batch: every running request, retracting the newest while the KV pool cannot hold the
+        step. ``back_to_back``: nothing waits, so it may run several steps (``_steps``)."""
         running = self.queues.running
         if not running:
             return None
@@ -56,7 +63,24 @@ class DecodeManager:
             self._retract(self._victim())
             needed = self._pages_needed()
             self.memory.make_room(needed)
-        return ScheduleBatch.decode(self.queues.running)
+        steps = self._steps() if back_to_back and self.max_steps > 1 else 1
+        return ScheduleBatch.decode(self.queues.running, steps)
+
+    def _steps(self) -> int:
+        """Decode steps the running requests may run back to back: up to ``--num-continuous-decode-steps``, within
+        ``schedule_flags.RUN_BUDGET_S`` at the recent step time, none past a request's length limit, and only into
+        KV pages free now (never evicting or retracting for them)."""
+        running = self.queues.running
+        if not self.step_seconds:  # the first steps: how long one takes is not known yet
+            return 1
+        budget = int(schedule_flags.RUN_BUDGET_S / self.step_seconds)
+        steps = min(self.max_steps, budget, *(r.remaining_new_tokens for r in running))
+        if (
+            steps > 1
+            and self.memory.pages_needed(running, [steps] * len(running)) > self.memory.free_pages
+        ):
+            return 1
+        return max(steps, 1)
 
     def _pages_needed(self) -> int:
         """New KV pages the next step takes: one for each running request whose last page is full (more with
@@ -69,8 +93,14 @@ class DecodeManager:
         ratio = self.new_token_ratio.value
         return sum(reserved_decode_tokens(r, ratio) for r in self.queues.running)
 
-    def on_step(self) -> None:
-        self.new_token_ratio.on_decode_step()
+    def on_step(self, steps: int = 1, seconds: float = 0.0) -> None:
+        """``steps`` decode steps ran (back to back), in ``seconds``."""
+        for _ in range(steps):
+            self.new_token_ratio.on_decode_step()
+        if steps and seconds > 0:
+            per_step = seconds / steps
+            previous = self.step_seconds or per_step
+            self.step_seconds = 0.8 * previous + 0.2 * per_step
 
     def join(self, req: Req) -> None:
         """A request whose prompt another server computed (PD) decodes from here."""

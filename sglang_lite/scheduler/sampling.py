@@ -45,7 +45,7 @@ class StepSampler:
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
         """Next token ids [B] (int64) for ``reqs`` from their logits [B, vocab]; records the log-probabilities the
         requests asked for. Raises (recording nothing) when any row fails."""
-        if self.penalties.is_idle and all(_plain_greedy(r) for r in reqs):
+        if self.all_plain_greedy(reqs):
             # what the steps below come to for these rows, without their Python (a decode step's ~1 ms feels it)
             return argmax_rows(logits)
         raw = logits
@@ -70,6 +70,11 @@ class StepSampler:
             for i, row in zip(wanted, rows):
                 record_output(reqs[i].logprob_record, row)
         return tokens
+
+    def all_plain_greedy(self, reqs: list[Req]) -> bool:
+        """Each request's next token is its row's argmax (what ``sample`` comes to), and stays so for its next
+        tokens while no request joins: greedy, no penalties, biases, grammar, stop-token ban or log-probabilities."""
+        return self.penalties.is_idle and all(_plain_greedy(r) for r in reqs)
 
     def on_sampled(self, reqs: list[Req], tokens: list[int]) -> None:
         """``tokens[i]`` is now ``reqs[i]``'s newest output token."""

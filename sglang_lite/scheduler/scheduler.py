@@ -227,7 +227,7 @@ class Scheduler:
     def schedule(self) -> ScheduleBatch | None:
         # a decode step's usual case: spares the reservation's sum
         if not self.prefill.has_candidates:
-            return self.decode.schedule()
+            return self.decode.schedule(back_to_back=True)
         reserved = self.decode.reserved_decode_tokens()
         ratio = self.decode.new_token_ratio.value
         return self.prefill.schedule(reserved, ratio) or self.decode.schedule()
@@ -236,7 +236,7 @@ class Scheduler:
         # a decode step runs each request's last token and the drafts it verifies (speculation)
         counts = batch.extend_lens
         if batch.is_decode:
-            counts = [self.speculation.tokens_per_step(r) for r in batch.reqs]
+            counts = [self.speculation.tokens_per_step(r) * batch.steps for r in batch.reqs]
         try:
             kv_slots = self.memory.alloc_kv(batch.reqs, counts)
         except Exception as error:
@@ -263,13 +263,14 @@ class Scheduler:
 
     def _run_decode(self, batch: ScheduleBatch, kv_slots: list[int]) -> None:
         """A decode step (``speculation.run_decode``: plain, or drafts verified): it samples and appends itself."""
+        start = time.perf_counter()
         try:
             self.speculation.run_decode(batch, kv_slots)
         except Exception as error:
             # what the step kept is unknown: the requests fail, their memory (verified slots too) freed
             self._fail_step(batch.reqs, error)
             return
-        self.decode.on_step()
+        self.decode.on_step(batch.steps, time.perf_counter() - start)
         self.queues.drop_finished()
         self._memory_failures.on_step_ok()
 

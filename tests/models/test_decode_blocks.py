@@ -187,3 +187,62 @@ def test_one_call_ends_are_checked():
         layers.set_ends(
             torch.zeros(10, 8), cpu.Norm(torch.zeros(4), 1e-6), cpu.Weight(torch.zeros(10, 8))
         )
+
+
+def _greedy_run(model: torch.nn.Module, stop_at: tuple[int, int] | None = None):
+    """``_run``'s prefill, then its STEPS greedy decode steps in one ``decode_greedy`` call (KV slots for every step
+    allocated first); with ``stop_at`` (step, request), that request's token of that step is its stop id. The
+    tokens [steps run, 3], the pools, and each request's keys of the first attention layer in position order."""
+    config = model.config
+    pools = ModelPools.create(config, 256, 4, 64, model.compute_dtype, "cpu", page_size=16)
+    rows, slots = pools.req_to_token.allocator.alloc(3), pools.states.alloc(3)
+    gen = torch.Generator().manual_seed(0)
+    tokens = [
+        torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS
+    ]
+    lens = [0, 0, 0]
+    prefill = build_forward_batch(
+        pools, ForwardMode.EXTEND, tokens, lens, rows, slots, "cpu",
+        pools.alloc_kv(rows, lens, PROMPT_LENS),
+    )  # fmt: skip
+    first = [[int(t)] for t in model.forward_batch(prefill).argmax(-1)]
+    kv = pools.alloc_kv(rows, PROMPT_LENS, [STEPS] * 3)  # request after request
+    out_cache_loc = torch.tensor(kv).view(3, STEPS).t().contiguous()
+    batch = build_forward_batch(
+        pools, ForwardMode.DECODE, first, PROMPT_LENS, rows, slots, "cpu", out_cache_loc[0].tolist()
+    )
+    stop_ids = torch.full((3, 1), -1, dtype=torch.int64)
+    if stop_at is not None:
+        step, request = stop_at
+        stop_ids[request, 0] = _greedy_run(model)[0][step, request]
+    got = model.model.decode_greedy(batch, out_cache_loc, stop_ids)
+    keys = [
+        pools.kv.k_buffers[0][pools.req_to_token.slots(row, 0, n + len(got))]
+        for row, n in zip(rows, PROMPT_LENS)
+    ]
+    return got, pools, (rows, keys)
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_greedy_steps_in_one_call_equal_a_call_a_step(tmp_path, kind):
+    """``decode_greedy`` (``DecodeLayers.run_greedy``: the steps of ``--num-continuous-decode-steps`` in one call)
+    takes each step's argmax as the next step's input: the tokens, states and keys of STEPS ``decode_logits`` steps,
+    bitwise; a run ends after the step that produced a stop id."""
+    hf = make_hf_model(moe=kind == "moe", seed=6)
+    model = _model(save_checkpoint(hf, str(tmp_path)), blocks=True, weight_dtype=torch.bfloat16)
+    want_logits, want_pools = _run(model, page_size=16)
+    want = torch.stack([logits.argmax(-1) for logits in want_logits[1:]])
+    got, got_pools, (rows, keys) = _greedy_run(model)
+    assert got.shape == (STEPS, 3) and torch.equal(got, want)
+    for name in ("conv_buffer", "ssm_buffer"):
+        assert torch.equal(getattr(got_pools.states, name), getattr(want_pools.states, name)), name
+    want_keys = [
+        want_pools.kv.k_buffers[0][want_pools.req_to_token.slots(row, 0, n + STEPS)]
+        for row, n in zip(rows, PROMPT_LENS)
+    ]  # both runs took the same rows of fresh pools
+    assert all(torch.equal(g, w) for g, w in zip(keys, want_keys))
+    stopped, _, _ = _greedy_run(model, stop_at=(1, 2))
+    assert torch.equal(stopped, want[:2])
+    ids = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="stop_ids"):  # [S], not [B, S]
+        cpu.DecodeLayers().run_greedy(ids, ids, (ids,) * 3, ids.view(1, 1), ids, 1)

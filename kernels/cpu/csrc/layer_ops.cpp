@@ -591,6 +591,40 @@ class DecodeLayers : public torch::CustomClassHolder {
     return logits;
   }
 
+  // Greedy decode steps back to back, each as run_logits followed by argmax_rows: a step's tokens are the next
+  // step's input, one position further, their KV into the next row of out_cache_loc [steps, B]. Ends after the
+  // step in which a row's token is one of its stop ids (stop_ids [B, S], -1 where a row has fewer), or after
+  // every row of out_cache_loc. Returns the tokens [steps run, B].
+  at::Tensor run_greedy(at::Tensor input_ids, at::Tensor state_slots, at::Tensor req_pool_indices,
+                        at::Tensor seq_lens, at::Tensor positions, at::Tensor out_cache_loc, at::Tensor stop_ids,
+                        int64_t bf16_dot) {
+    const int64_t steps = out_cache_loc.size(0), rows = input_ids.size(0);
+    TORCH_CHECK(out_cache_loc.dim() == 2 && out_cache_loc.size(1) == rows && stop_ids.dim() == 2 &&
+                    stop_ids.size(0) == rows && stop_ids.scalar_type() == at::kLong && stop_ids.is_contiguous(),
+                "run_greedy takes out_cache_loc [steps, B] and int64 stop_ids [B, S] for input_ids [B]: ",
+                out_cache_loc.sizes(), ", ", stop_ids.sizes(), ", ", input_ids.sizes());
+    at::Tensor tokens = at::empty({steps, rows}, input_ids.options().dtype(at::kLong));
+    const int64_t* stops = stop_ids.data_ptr<int64_t>();
+    const int64_t width = stop_ids.size(1);
+    at::Tensor ids = input_ids;
+    for (int64_t j = 0; j < steps; ++j) {
+      const at::Tensor logits =
+          run_logits(ids, state_slots, req_pool_indices, seq_lens, positions, out_cache_loc.select(0, j), bf16_dot);
+      at::Tensor next = tokens.select(0, j);
+      next.copy_(argmax_rows(logits));
+      const int64_t* picked = next.data_ptr<int64_t>();
+      bool stopped = false;
+      for (int64_t r = 0; r < rows && !stopped; ++r) {
+        for (int64_t s = 0; s < width; ++s) stopped |= stops[r * width + s] == picked[r];
+      }
+      if (stopped) return tokens.narrow(0, 0, j + 1);
+      ids = next;
+      seq_lens = seq_lens + 1;
+      positions = positions + 1;
+    }
+    return tokens;
+  }
+
   // hidden [B, H] (the embeddings) through every block: (the last block's output, residual), for the final norm.
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, at::Tensor state_slots, at::Tensor req_pool_indices,
                                          at::Tensor seq_lens, at::Tensor positions, at::Tensor out_cache_loc,
@@ -652,6 +686,7 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
       .def("add_mlp", &sgl_cpu::DecodeLayers::add_mlp)
       .def("set_ends", &sgl_cpu::DecodeLayers::set_ends)
       .def("run_logits", &sgl_cpu::DecodeLayers::run_logits)
+      .def("run_greedy", &sgl_cpu::DecodeLayers::run_greedy)
       .def("run", &sgl_cpu::DecodeLayers::run)
       .def("run_verify", &sgl_cpu::DecodeLayers::run_verify)
       .def("size", &sgl_cpu::DecodeLayers::size);

@@ -66,6 +66,7 @@ at::Tensor gated_delta_rule_decode(const at::Tensor& q, const at::Tensor& k, con
 std::tuple<at::Tensor, at::Tensor> gemma_rmsnorm(const at::Tensor& x_in, const at::Tensor& weight, double eps,
                                                  const c10::optional<at::Tensor>& residual_in);
 at::Tensor gated_rmsnorm(const at::Tensor& o_in, const at::Tensor& z_in, const at::Tensor& weight, double eps);
+at::Tensor argmax_rows(const at::Tensor& logits);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& page_table, const at::Tensor& req_pool_indices,
                             const at::Tensor& seq_lens, double scale, int64_t page_size);

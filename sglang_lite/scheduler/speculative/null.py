@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_lite.forward_batch import ForwardBatch
+from sglang_lite.forward_batch import ForwardBatch, host_ints
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.model_executor import Runner
@@ -42,6 +42,9 @@ class NullSpeculation:
         pass
 
     def run_decode(self, batch: ScheduleBatch, kv_slots: list[int]) -> None:
+        if batch.steps > 1:
+            self._run_steps(batch, kv_slots)
+            return
         forward_batch = batch.forward_batch(self.pools, self.device, kv_slots)
         try:
             with torch.inference_mode():
@@ -51,3 +54,72 @@ class NullSpeculation:
             raise
         batch.advance()
         self.output.process(batch, logits)
+
+    def _run_steps(self, batch: ScheduleBatch, kv_slots: list[int]) -> None:
+        """``batch.steps`` decode steps back to back (``--num-continuous-decode-steps``), the forward batch carried
+        from step to step: each step samples and appends as a step alone, and the run ends after a step in which a
+        request finished (or failed), so that no request computes past its end. ``kv_slots``: each request's slots
+        of every step, request after request; those of the steps not run are freed. ``batch.steps`` becomes the
+        steps that ran."""
+        reqs, steps = batch.reqs, batch.steps
+        per_step = [kv_slots[j::steps] for j in range(steps)]
+        forward_batch = batch.forward_batch(self.pools, self.device, per_step[0])
+        ran = 0
+        try:
+            if self.output.sampler.all_plain_greedy(reqs):
+                ran = self._run_greedy(batch, forward_batch, per_step)
+                if ran:
+                    return
+            for j in range(steps):
+                if j:
+                    tokens = [r.output_ids[-1] for r in reqs]
+                    forward_batch.next_decode_step(
+                        host_ints(tokens, torch.int64, self.device),
+                        host_ints(per_step[j], torch.int64, self.device),
+                    )
+                with torch.inference_mode():
+                    logits = self.runner.forward_batch(forward_batch)
+                ran = j + 1
+                batch.advance()
+                self.output.process(batch, logits)
+                if any(r.finished for r in reqs):
+                    break
+        finally:
+            self.memory.free_kv([slot for slots in per_step[ran:] for slot in slots])
+            batch.steps = ran
+
+    def _run_greedy(
+        self, batch: ScheduleBatch, forward_batch: ForwardBatch, per_step: list[list[int]]
+    ) -> int:
+        """The steps of ``_run_steps`` in one call of the runner where it has one (``Runner.decode_greedy``), for
+        requests whose token is their row's argmax and whose ends the call can see (stop tokens; no stop strings):
+        each step's tokens then appended as a step alone appends them. The steps that ran (0: no such call)."""
+        reqs = batch.reqs
+        if any(r.stop_matcher is not None for r in reqs):
+            return 0
+        stops = [sorted(r.stop_token_ids) for r in reqs]
+        width = max(1, *(len(ids) for ids in stops))
+        padded = [i for ids in stops for i in ids + [-1] * (width - len(ids))]
+        slots = [slot for step in per_step for slot in step]
+        with torch.inference_mode():
+            tokens = self.runner.decode_greedy(
+                forward_batch,
+                host_ints(slots, torch.int64, self.device).view(len(per_step), len(reqs)),
+                host_ints(padded, torch.int64, self.device).view(len(reqs), width),
+            )
+        if tokens is None:
+            return 0
+        rows = tokens.tolist()
+        ended: set[int] = set()
+        for j, row in enumerate(rows):
+            # a request its detokeniser failed ends there (the KV of its later steps freed); the others take every
+            # step that ran
+            for i, req in enumerate(reqs):
+                if req.finished and i not in ended:
+                    ended.add(i)
+                    self.memory.free_kv([per_step[k][i] for k in range(j, len(rows))])
+            live = [i for i in range(len(reqs)) if i not in ended]
+            for i in live:
+                reqs[i].num_computed += 1
+            self.output.append_tokens([reqs[i] for i in live], [row[i] for i in live])
+        return len(rows)
