@@ -222,3 +222,36 @@ def test_image_to_a_text_only_model_names_the_model(server_dp1):
     assert reply.status_code == 400
     message = reply.json()["error"]["message"]
     assert "takes text only" in message and "tiny" in message
+
+
+@pytest.fixture(scope="module")
+def vl_chunked_server(
+    tmp_path_factory: pytest.TempPathFactory, vl_checkpoint: str
+) -> Iterator[ServerProcess]:
+    """Prefill chunks of 16 tokens: a chunk boundary falls inside an image, and the prefix cache keeps the state
+    there (a snapshot at each chunk boundary)."""
+    flags = ["--model-path", vl_checkpoint, "--load-format", "auto"]
+    flags += ["--chunked-prefill-size", "16", "--enable-cache-report"]
+    yield from start_server(tmp_path_factory, "vl-chunked", flags)
+
+
+def test_prefix_cache_hits_the_same_image_and_not_another_of_its_size(
+    vl_chunked_server, vl_checkpoint
+):
+    """The same image again is served from the cache up to the chunk boundary inside it (the vision tower then
+    gives the rest of its tokens), with transformers' text; another image of the same size shares only the text
+    before the images, which ends at no cached state."""
+    question = "What is in the picture?"
+    image, other = _image(128, 96, seed=20), _image(128, 96, seed=21)
+    want, want_logprobs = _transformers_greedy(vl_checkpoint, question, [image])
+    cached = []
+    for picture in (image, image, other):
+        reply = _chat(vl_chunked_server, question, [_data_url(picture)])
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+        if picture is image:
+            assert body["choices"][0]["message"]["content"] == want
+            got = [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]
+            assert max(abs(g - w) for g, w in zip(got, want_logprobs)) < 1e-3
+    assert cached[0] == 0 and cached[1] >= 16 and cached[2] < 16, cached
