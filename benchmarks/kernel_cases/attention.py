@@ -1,4 +1,5 @@
-"""Benchmark and GPU-check cases for paged attention (extend, decode) and the partial NeoX rotary."""
+"""Benchmark and GPU-check cases for paged attention (extend, decode), packed variable-length attention (the
+vision tower's) and the partial NeoX rotary."""
 
 from __future__ import annotations
 
@@ -85,6 +86,15 @@ class Batch:
         return q, k, v, mask.expand(batch, 1, extend, seq)
 
 
+def _packed_qkv(
+    lengths: list[int], heads: int, head_dim: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """q, k, v [T, H, hd] as views of one packed qkv tensor (the vision tower's layout), and cu_seqlens."""
+    qkv = torch.randn(sum(lengths), 3, heads, head_dim, device=device, dtype=dtype)
+    cu_seqlens = torch.tensor([0, *lengths], device=device).cumsum(0, dtype=torch.int32)
+    return (*qkv.unbind(1), cu_seqlens)
+
+
 def check(device: torch.device) -> list[dict]:
     rows = []
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
@@ -114,6 +124,17 @@ def check(device: torch.device) -> list[dict]:
         rows += [
             check_row(f"apply_rotary {n} {dtype}", a, b, tol) for n, a, b in zip("qk", got, want)
         ]
+        for head_dim in (64, 80, 128):
+            # 576 patches: a 384 x 384 image in 16-pixel patches
+            args = (*_packed_qkv([1, 63, 257, 576], 4, head_dim, device, dtype), head_dim**-0.5)
+            rows.append(
+                check_row(
+                    f"varlen_attention hd{head_dim} {dtype}",
+                    attention.varlen_attention(*args, backend="triton"),
+                    attention.varlen_attention(*args, backend="torch"),
+                    tol,
+                )
+            )
     return rows
 
 
@@ -165,6 +186,33 @@ def _bench_decode(device, dtype, requests, seq, heads, kv_heads, head_dim, iters
     }
 
 
+def _bench_varlen(device, dtype, images, patches, heads, head_dim, iters) -> dict:
+    q, k, v, cu_seqlens = _packed_qkv([patches] * images, heads, head_dim, device, dtype)
+    scale = head_dim**-0.5
+    module = _module(heads, heads)
+    segments = [t.split(patches) for t in (q, k, v)]
+
+    def per_image() -> list[torch.Tensor]:
+        return [
+            eager_attention_forward(module, *(t.transpose(0, 1)[None] for t in seg), None, scale)[0]
+            for seg in zip(*segments)
+        ]
+
+    return {
+        "kernel": "varlen_attention",
+        "shape": f"images={images} patches={patches} H={heads} hd={head_dim}",
+        "ours_ms": time_ms(
+            lambda: attention.varlen_attention(q, k, v, cu_seqlens, scale),
+            device,
+            iters=iters,
+            warmup=2,
+        ),
+        "ref_name": "HF eager_attention_forward per image",
+        "ref_ms": time_ms(per_image, device, iters=iters, warmup=2),
+        "flops": 4 * images * patches**2 * heads * head_dim,
+    }
+
+
 def _bench_rotary(device, dtype, tokens, heads, kv_heads, head_dim, rotary_dim, iters) -> dict:
     q = torch.randn(tokens, heads, head_dim, device=device, dtype=dtype)
     k = torch.randn(tokens, kv_heads, head_dim, device=device, dtype=dtype)
@@ -197,14 +245,17 @@ def bench(device: torch.device, quick: bool) -> list[dict]:
     heads, kv_heads, head_dim = (16, 2, 256) if gpu else (8, 2, 128)
     if not gpu:
         extend_cases, decode_cases, rotary_tokens = [(4, 128, 128)], [(16, 512)], 1024
+        varlen_cases = [(2, 256)]
     elif quick:
         extend_cases, decode_cases, rotary_tokens = [(4, 1024, 1024)], [(64, 4096)], 8192
+        varlen_cases = [(4, 1024)]
     else:
         extend_cases, decode_cases, rotary_tokens = (
             [(4, 1024, 1024), (1, 0, 8192)],
             [(64, 4096), (8, 32768)],
             32768,
         )
+        varlen_cases = [(4, 1024), (1, 16384)]
     with torch.no_grad():
         rows = [
             _bench_extend(device, dtype, r, p, e, heads, kv_heads, head_dim, iters)
@@ -219,4 +270,9 @@ def bench(device: torch.device, quick: bool) -> list[dict]:
                 device, dtype, rotary_tokens, heads, kv_heads, head_dim, head_dim // 4, iters
             )
         )
+        # the vision tower's attention: 16 heads of 72 (hidden 1152); 1024 patches: a 512 x 512 image
+        rows += [
+            _bench_varlen(device, dtype, images, patches, 16, 72, iters)
+            for images, patches in varlen_cases
+        ]
     return rows

@@ -2,7 +2,8 @@
 
 ``page_table`` [R, max_pages] maps (request row, position // page_size) to a page; position p lives in slot
 ``page * page_size + p % page_size`` of k_cache, v_cache [N, KV, hd] (with page_size 1 the table maps positions
-to slots). Each function runs the Triton kernel, the fused C++ CPU kernel (decode, float32) or the PyTorch
+to slots). ``varlen_attention`` needs no pool: packed segments (the vision tower's frames) each attend to
+themselves. Each function runs the Triton kernel, the fused C++ CPU kernel (decode, float32) or the PyTorch
 reference per call (see ``kernels/dispatch.py``).
 """
 
@@ -12,7 +13,7 @@ import torch
 
 from .. import batch_invariant, cpu
 from ..dispatch import use_native, use_triton
-from . import naive, triton_attention
+from . import naive, triton_attention, triton_varlen
 
 
 def store_kv(
@@ -105,4 +106,19 @@ def decode_attention(
     return naive.decode_attention(*args, max_seq_len, page_size)
 
 
-__all__ = ["store_kv", "extend_attention", "decode_attention"]
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Each segment of the packed q, k, v [T, H, hd] (segment s: rows ``cu_seqlens[s]`` ..
+    ``cu_seqlens[s + 1]``, cu_seqlens [S + 1]) attends to itself, not causally."""
+    impl = triton_varlen if use_triton(q, backend) else naive
+    return impl.varlen_attention(q, k, v, cu_seqlens, scale)
+
+
+__all__ = ["store_kv", "extend_attention", "decode_attention", "varlen_attention"]

@@ -5,7 +5,8 @@ keeps every layer's K and V of a slot together). Slots come in pages of ``page_s
 max_pages] maps (request row, position // page_size) to a page, and position p of a request lives in slot
 ``page * page_size + p % page_size`` (with page_size 1 the table maps positions to slots). New tokens are written
 with ``store_kv`` before attention, so both ``extend_attention`` and ``decode_attention`` read every key and value
-(prefix and new) from the pool.
+(prefix and new) from the pool. ``varlen_attention`` is the pool-free kind: packed segments (the vision tower's
+frames) each attending to themselves.
 """
 
 from __future__ import annotations
@@ -135,3 +136,20 @@ def decode_attention(
         enable_gqa=True,
     )
     return o.squeeze(2)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Each segment of the packed q, k, v [T, H, hd] (segment s: rows ``cu_seqlens[s]`` ..
+    ``cu_seqlens[s + 1]``) attends to itself, not causally: one SDPA call a segment, in the input dtype."""
+    lengths = cu_seqlens.diff().tolist()
+    out = [
+        F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in seg), scale=scale)
+        for seg in zip(q.split(lengths), k.split(lengths), v.split(lengths))
+    ]
+    return torch.cat([o.transpose(0, 1) for o in out])

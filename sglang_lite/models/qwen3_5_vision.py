@@ -6,8 +6,9 @@ pixels, in the order the image processor emits them: frame by frame, each frame 
 ``merge x merge`` neighbouring patches (row-major over blocks, then within a block). The patches
 get a learned position embedding resampled to the image's grid and a 2-D rotary (height, width) in
 every attention layer; attention is full within one frame of one image. The merger then joins each
-block of ``merge**2`` patches into one token of the text model's width. Plain PyTorch, equal to
-transformers' ``Qwen3_5MoeVisionModel`` (its ``pooler_output``)."""
+block of ``merge**2`` patches into one token of the text model's width. Plain PyTorch but for the
+attention (``kernels.attention.varlen_attention``: Triton on GPUs), equal to transformers'
+``Qwen3_5MoeVisionModel`` (its ``pooler_output``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from sglang_lite.kernels import attention
 from sglang_lite.models.checkpoint import TensorInfo, checkpoint_tensors
 from sglang_lite.models.mrope import apply_rotary
 
@@ -126,21 +128,19 @@ class VisionAttention(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
+        self.scale = config.head_dim**-0.5
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], lengths: list[int]
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
     ) -> torch.Tensor:
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)
         # the rotary is applied in float32, as transformers does, whatever the weights' dtype
         q_rot, k_rot = apply_rotary(q.float(), k.float(), *rotary)
         q, k = q_rot.to(v.dtype), k_rot.to(v.dtype)
-        out = [
-            F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in seg)).transpose(0, 1)
-            for seg in zip(q.split(lengths), k.split(lengths), v.split(lengths))
-        ]
-        return self.proj(torch.cat(out).flatten(1))
+        out = attention.varlen_attention(q, k, v, cu_seqlens, self.scale)
+        return self.proj(out.flatten(1))
 
 
 class VisionMLP(nn.Module):
@@ -163,9 +163,9 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(config)
 
     def forward(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], lengths: list[int]
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rotary, lengths)
+        x = x + self.attn(self.norm1(x), rotary, cu_seqlens)
         return x + self.mlp(self.norm2(x))
 
 
@@ -207,8 +207,9 @@ class Qwen3_5VisionModel(nn.Module):
         rotary = self._rotary(grids, x.device)
         # one attention segment a frame of an image
         lengths = [h * w for t, h, w in grids for _ in range(t)]
+        cu_seqlens = torch.tensor([0, *lengths], device=x.device).cumsum(0, dtype=torch.int32)
         for block in self.blocks:
-            x = block(x, rotary, lengths)
+            x = block(x, rotary, cu_seqlens)
         return self.merger(x)
 
     def _check_inputs(self, pixel_values: torch.Tensor, grids: list[tuple[int, ...]]) -> None:
