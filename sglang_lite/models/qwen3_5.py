@@ -14,7 +14,7 @@ from torch import nn
 
 from sglang_lite.config import ModelConfig, quantization_config_in_use, shard_size
 from sglang_lite.distributed import DPTokens, get_parallel_state, world_all_reduce
-from sglang_lite.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from sglang_lite.forward_batch import ForwardBatch
 from sglang_lite.kernels import cpu as cpu_kernels
 from sglang_lite.layers.attention import Qwen3_5Attention
 from sglang_lite.layers.gdn import Qwen3_5GatedDeltaNet
@@ -24,6 +24,7 @@ from sglang_lite.layers.norm import GemmaRMSNorm
 from sglang_lite.layers.rotary import RotaryEmbedding
 from sglang_lite.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from sglang_lite.mem_cache.pools import ModelPools
+from sglang_lite.models.full_forward import full_forward
 from sglang_lite.server_args import ServerArgs, server_args_or_default
 from sglang_lite.streams.model_streams import ModelStreams
 
@@ -342,26 +343,15 @@ class Qwen3_5ForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] through the LM head (shared by the MTP head)."""
         return self.lm_head(hidden)
 
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full causal forward without a cache: input_ids [B, T] -> logits [B, T, vocab]."""
-        num_seqs, seq_len = input_ids.shape
-        pools = ModelPools.create(
-            self.config, num_seqs * seq_len, num_seqs, seq_len, self.compute_dtype, input_ids.device
-        )
-        rows = pools.req_to_token.allocator.alloc(num_seqs)
-        slots = pools.states.alloc(num_seqs)
-        batch = build_forward_batch(
-            pools,
-            ForwardMode.EXTEND,
-            input_ids.tolist(),
-            [0] * num_seqs,
-            rows,
-            slots,
-            input_ids.device,
-            pools.alloc_kv(rows, [0] * num_seqs, [seq_len] * num_seqs),
-        )
-        return self.forward_batch(batch, all_logits=True).view(num_seqs, seq_len, -1)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Full causal forward without a cache: input_ids [B, T] -> logits [B, T, vocab]; with a VL checkpoint's
+        vision tower, the images of its placeholders too (``models/full_forward.py``)."""
+        return full_forward(self, input_ids, pixel_values, image_grid_thw)
 
 
 class Qwen3_5MTP(nn.Module):

@@ -49,11 +49,19 @@ def make_vl_model(moe: bool, seed: int = 0) -> torch.nn.Module:
     matters."""
     torch.manual_seed(seed)
     text = {**BASE, **(MOE if moe else DENSE), "rope_parameters": ROPE}
+    # the special tokens inside the text model's vocabulary, so that the whole model runs
+    vocab = text["vocab_size"]
+    special = dict(
+        image_token_id=vocab - 1,
+        video_token_id=vocab - 2,
+        vision_start_token_id=vocab - 3,
+        vision_end_token_id=vocab - 4,
+    )
     if moe:
-        config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=VISION)
+        config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=VISION, **special)
         model = transformers.Qwen3_5MoeForConditionalGeneration(config)
     else:
-        config = transformers.Qwen3_5Config(text_config=text, vision_config=VISION)
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=VISION, **special)
         model = transformers.Qwen3_5ForConditionalGeneration(config)
     with torch.no_grad():
         for param in model.model.visual.parameters():
@@ -260,3 +268,29 @@ def test_config_defaults_are_transformers(checkpoint):
     ):
         assert getattr(ours, field) == getattr(theirs, field)
     assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
+
+
+@pytest.mark.parametrize("grids", [TWO_GRIDS, [[2, 4, 6]]], ids=["two-images", "two-frames"])
+def test_causal_lm_forward_with_images_equals_transformers(checkpoint, grids):
+    """``load_model(..., with_vision=True)``'s forward takes a prompt's images as transformers' does
+    (``pixel_values``, ``image_grid_thw``): the same logits at every position."""
+    from sglang_lite import load_model
+
+    hf, path = checkpoint
+    ids, types = prompt_with_images(hf.config, grids)
+    input_ids, pixels, grid_thw = torch.tensor([ids]), random_pixels(grids), torch.tensor(grids)
+    with torch.no_grad():
+        want = hf(
+            input_ids,
+            pixel_values=pixels,
+            image_grid_thw=grid_thw,
+            mm_token_type_ids=torch.tensor([types]),
+        ).logits
+    ours = load_model(path, with_vision=True)
+    got = ours(input_ids, pixel_values=pixels, image_grid_thw=grid_thw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    text_only = load_model(path)
+    with pytest.raises(ValueError, match="no vision tower"):
+        text_only(input_ids, pixel_values=pixels, image_grid_thw=grid_thw)
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        ours(input_ids[:, :4], pixel_values=pixels, image_grid_thw=grid_thw)
