@@ -16,6 +16,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from sglang_lite.engine.sync_client import SyncClient
+from sglang_lite.multimodal.attach import ImageAttacher
+from sglang_lite.multimodal.inputs import ImageInputs
+from sglang_lite.multimodal.media import MediaPolicy
 from sglang_lite.protocol.loads import LOAD_SECTIONS
 from sglang_lite.protocol.outputs import ReqOutput, join_outputs
 from sglang_lite.protocol.requests import fork_rids, validate_request
@@ -58,6 +61,7 @@ class Engine:
         # to refuse what cannot compile
         budget = self.server_args.grammar_compile_timeout
         self._grammars = GrammarCache(self.tokenizer, self.config.vocab_size, budget_s=budget)
+        self._attacher: ImageAttacher | None = None  # made at the first image
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(
@@ -70,20 +74,26 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         token_ids_logprob: list[int] | None = None,
+        image_data: str | list[str] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """One result dict for one prompt, a list for a list; ``stream=True`` gives ``generate_stream``.
         ``return_logprob`` and the rest: log-probabilities in ``meta_info`` (as SGLang's, for every prompt). With
-        ``n`` > 1 in a prompt's sampling parameters, its ``n`` samples come in a row (a list even for one prompt)."""
+        ``n`` > 1 in a prompt's sampling parameters, its ``n`` samples come in a row (a list even for one prompt).
+        ``image_data``: the images of one prompt whose text (or ids) holds their placeholders, in order (data or
+        http(s) URLs, or bare base64), as the server's ``/generate`` takes them (SGLang's field)."""
         logprob = _logprob(return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob)
         if stream:
-            return self.generate_stream(prompt, sampling_params, input_ids, logprob=logprob)
+            return self.generate_stream(
+                prompt, sampling_params, input_ids, logprob=logprob, image_data=image_data
+            )
         prompts, batched = self._prompts(prompt, input_ids)
-        requests = self._validated(prompts, sampling_params, logprob)
+        images = self._images(prompts, image_data)
+        requests = self._validated(prompts, sampling_params, logprob, images)
         rids = [uuid.uuid4().hex for _ in requests]
         # not streamed: each request sends one output, when it finishes
         streams = [
-            self._submit(rid, ids, p, logprob, stream=False)
-            for rid, (ids, p) in zip(rids, requests)
+            self._submit(rid, ids, p, logprob, stream=False, images=im)
+            for rid, (ids, p), im in zip(rids, requests, images)
         ]
         samples = [fork_rids(rid, p.n) for rid, (_, p) in zip(rids, requests)]
         try:
@@ -104,17 +114,19 @@ class Engine:
         sampling_params: dict[str, Any] | SamplingParams | None = None,
         input_ids: list[int] | None = None,
         logprob: LogprobParams | None = None,
+        image_data: str | list[str] | None = None,
     ) -> Iterator[dict[str, Any]]:
         """Pieces of one request as they are produced; closing the iterator early aborts the request. Each piece's
         ``meta_info`` carries the log-probabilities of its own tokens when ``logprob`` asks for them."""
         prompts, batched = self._prompts(prompt, input_ids)
         if batched:
             raise ValueError("generate_stream takes one prompt; call it once per prompt")
-        ((ids, params),) = self._validated(prompts, sampling_params, logprob)
+        images = self._images(prompts, image_data)
+        ((ids, params),) = self._validated(prompts, sampling_params, logprob, images)
         if params.n > 1:
             raise ValueError("n: generate_stream streams one sample; call generate for n > 1")
         rid = uuid.uuid4().hex
-        return self._stream(rid, self._submit(rid, ids, params, logprob))
+        return self._stream(rid, self._submit(rid, ids, params, logprob, images=images[0]))
 
     def _stream(self, rid: str, stream: queue.Queue) -> Iterator[dict[str, Any]]:
         finished = False
@@ -178,8 +190,9 @@ class Engine:
         params: SamplingParams,
         logprob: LogprobParams | None = None,
         stream: bool = True,
+        images: ImageInputs | None = None,
     ) -> queue.Queue:
-        return self._running_client().submit(rid, input_ids, params, logprob, stream)
+        return self._running_client().submit(rid, input_ids, params, logprob, stream, images)
 
     def _running_client(self) -> SyncClient:
         if self._client is None:
@@ -201,19 +214,44 @@ class Engine:
             )
         return self.tokenizer.encode(text)
 
+    def _images(
+        self, prompts: list[list[int]], image_data: str | list[str] | None
+    ) -> list[ImageInputs | None]:
+        """Each prompt's images (``multimodal.attach``; the one prompt's placeholders expanded in place)."""
+        if image_data is None:
+            return [None] * len(prompts)
+        if len(prompts) != 1:
+            raise ValueError("image_data: send one prompt with its images")
+        if not self.config.image_merge_size:
+            raise ValueError(
+                "image_data: the model takes text only (its checkpoint has no vision tower)"
+            )
+        urls = [image_data] if isinstance(image_data, str) else list(image_data)
+        if self._attacher is None:
+            policy = MediaPolicy(allow_remote=self.server_args.allow_remote_images)
+            self._attacher = ImageAttacher(self.server_args.model_dir, policy)
+        config = self.config
+        urls = [url if ":" in url[:16] else f"data:;base64,{url}" for url in urls]
+        prompts[0], images = self._attacher.attach(
+            prompts[0], urls, config.image_token_id, config.image_merge_size, config.vocab_size
+        )
+        return [images]
+
     def _validated(
         self,
         prompts: list[list[int]],
         sampling_params: Params,
         logprob: LogprobParams | None = None,
+        images: list[ImageInputs | None] | None = None,
     ) -> list[tuple[list[int], SamplingParams]]:
         """All requests checked before any is queued, so one bad request sends none."""
         params = [
             SamplingParams.from_dict(p)
             for p in per_prompt(sampling_params, len(prompts), "sampling_params")
         ]
-        for ids, p in zip(prompts, params):
-            validate_request(ids, p, self.config, self.tokenizer is not None, logprob)
+        images = images or [None] * len(prompts)
+        for ids, p, im in zip(prompts, params, images):
+            validate_request(ids, p, self.config, self.tokenizer is not None, logprob, im)
             if grammar_key(p) is not None:
                 self._grammars.compile(grammar_key(p))  # a ValueError naming the field
         return list(zip(prompts, params))

@@ -18,6 +18,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
+from sglang_lite.multimodal.inputs import ImageInputs
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.protocol.outputs import BAD_REQUEST, ReqOutput, request_failure
 from sglang_lite.protocol.requests import fork_rids
@@ -65,6 +66,7 @@ class SyncClient:
         params: SamplingParams,
         logprob: LogprobParams | None = None,
         stream: bool = True,
+        images: ImageInputs | None = None,
     ) -> queue.Queue:
         """Queues a request; its ReqOutputs (or an exception) arrive on the returned queue, those of all its
         parallel samples (``params.n``) too, each under its own rid (``fork_rids``); ``stream=False``: only the
@@ -74,7 +76,8 @@ class SyncClient:
             self._check_alive()
             for sample_rid in fork_rids(rid, params.n):
                 self._streams[sample_rid] = outputs
-        self.core.send(RANK, AddRequest(rid, input_ids, params, None, logprob, stream))
+        message = AddRequest(rid, input_ids, params, None, logprob, stream, images=images)
+        self.core.send(RANK, message)
         return outputs
 
     def abort(self, rid: str) -> None:

@@ -10,11 +10,10 @@ that are no image, an image past the size limits, an image sent to a model witho
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
-import numpy as np
-
-from sglang_lite.multimodal.inputs import ImageInputs, image_token
+from sglang_lite.multimodal.attach import ImageAttacher
+from sglang_lite.multimodal.inputs import ImageInputs
+from sglang_lite.multimodal.media import MediaPolicy
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.server.io_struct import bad_request
 from sglang_lite.server.model_name import served_model_name
@@ -22,11 +21,14 @@ from sglang_lite.server_args import ServerArgs
 
 
 class ImageIntake:
-    """Turns a request's image URLs and its rendered prompt into the prompt's ids and its ``ImageInputs``."""
+    """Turns a request's image URLs and its rendered prompt into the prompt's ids and its ``ImageInputs``
+    (``multimodal.attach``), a 400 naming the image on any refusal."""
 
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
-        self._processor: Any = None  # read from the checkpoint at the first image
+        policy = MediaPolicy(allow_remote=args.allow_remote_images)
+        # the checkpoint's image processor is read at the first image
+        self.attacher = ImageAttacher(args.model_dir, policy)
 
     async def attach(
         self, ids: list[int], urls: list[str], config: SchedulerConfig
@@ -42,40 +44,14 @@ class ImageIntake:
     def _attach(
         self, ids: list[int], urls: list[str], config: SchedulerConfig
     ) -> tuple[list[int], ImageInputs]:
-        from sglang_lite.multimodal.media import ImageInputError, MediaPolicy, load_image
-
-        policy = MediaPolicy(allow_remote=self.args.allow_remote_images)
         try:
-            loaded = [load_image(url, i + 1, policy) for i, url in enumerate(urls)]
-        except ImageInputError as error:
-            raise bad_request(str(error)) from error
-        processed = []
-        for number, image in enumerate(loaded, start=1):
-            try:  # one at a time (the same rows as all at once): a refusal names its image
-                processed.append(self.processor()([image.image]))
-            except ValueError as error:  # an aspect ratio the resize rules refuse
-                raise bad_request(f"image {number}: {error}") from error
-        pixels = np.concatenate([p.pixel_values.numpy() for p in processed])
-        grids = tuple(tuple(int(v) for v in p.grid_thw[0].tolist()) for p in processed)
-        images = ImageInputs(pixels, grids, tuple(image.content_hash for image in loaded))
-        placeholders = [i for i, token in enumerate(ids) if token == config.image_token_id]
-        if len(placeholders) != len(urls):
-            raise bad_request(
-                f"messages: the chat template rendered {len(placeholders)} image placeholder(s) for "
-                f"{len(urls)} image(s)"
+            return self.attacher.attach(
+                ids,
+                urls,
+                config.image_token_id,
+                config.image_merge_size,
+                config.vocab_size,
+                prompt_name="messages",
             )
-        counts = images.token_counts(config.image_merge_size)
-        expanded: list[int] = []
-        start = 0
-        for at, count, content in zip(placeholders, counts, images.hashes):
-            expanded += ids[start:at] + [image_token(content, config.vocab_size)] * count
-            start = at + 1
-        expanded += ids[start:]
-        return expanded, images
-
-    def processor(self) -> Any:
-        if self._processor is None:
-            from sglang_lite.multimodal.image_processor import ImageProcessor
-
-            self._processor = ImageProcessor.from_pretrained(self.args.model_dir)
-        return self._processor
+        except ValueError as error:
+            raise bad_request(str(error)) from error

@@ -255,3 +255,28 @@ def test_prefix_cache_hits_the_same_image_and_not_another_of_its_size(
             got = [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]
             assert max(abs(g - w) for g, w in zip(got, want_logprobs)) < 1e-3
     assert cached[0] == 0 and cached[1] >= 16 and cached[2] < 16, cached
+
+
+def test_engine_takes_images_as_the_server_does(vl_checkpoint):
+    """``Engine.generate(prompt, image_data=...)``: the prompt's text holds the placeholders (the chat template's
+    rendering), the images come as data URLs or bare base64; the greedy text is transformers'."""
+    from sglang_lite import Engine
+
+    images = [_image(64, 96, seed=0)]
+    question = "What is in the picture?"
+    want, _ = _transformers_greedy(vl_checkpoint, question, images)
+    tokenizer = AutoTokenizer.from_pretrained(vl_checkpoint)
+    parts = [{"type": "image"}, {"type": "text", "text": question}]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+    )
+    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    bare = _data_url(images[0]).split(",", 1)[1]
+    with Engine(vl_checkpoint, cpu_threads_per_rank=1) as engine:
+        assert engine.generate(text, params, image_data=[_data_url(images[0])])["text"] == want
+        assert engine.generate(text, params, image_data=bare)["text"] == want
+        with pytest.raises(ValueError, match="1 image placeholder"):
+            engine.generate(text, params, image_data=[bare, bare])
+        with pytest.raises(ValueError, match="image 1"):
+            engine.generate(text, params, image_data="data:image/png;base64,aGVsbG8=")
+        assert engine.generate(text, params, image_data=bare)["text"] == want
