@@ -138,8 +138,6 @@ class Scheduler:
                     bootstrap_room, params, logprob, len(input_ids), self._queued_rooms
                 )
 
-        if images is not None and pd:
-            raise ValueError("images: not served by a PD disaggregated server yet")
         req = self.intake.make(
             rid, input_ids, params, logprob, stream, self._in_use, check_pd, images
         )
