@@ -17,3 +17,30 @@ def dot_accumulate(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def attend_block(
+    q,
+    k,
+    v,
+    visible,
+    m_i,
+    l_i,
+    acc,
+    zero_scores,
+    scale_log2,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One block of keys k and values v [N, D] into a flash attention's running state of queries q [M, D]: the row
+    maxima ``m_i`` and sums ``l_i`` of exp2 scores (fp32, ``scale_log2`` = scale * log2(e)) and the output
+    accumulator ``acc`` [M, D]; scores where ``visible`` [M, N] is False do not count. Returns (m_i, l_i, acc)."""
+    s = dot_accumulate(q, tl.trans(k), zero_scores, UPCAST, PRECISION) * scale_log2
+    s = tl.where(visible, s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = dot_accumulate(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, PRECISION)
+    return m_new, l_i, acc

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import dot_precision, triton_interpreting
-from ..triton_utils import dot_accumulate
+from ..triton_utils import attend_block
 
 _LOG2E = 1.4426950408889634
 # Decode splits each request's context into this many chunks (flash decoding) so short batches fill the GPU.
@@ -169,16 +169,10 @@ def _extend_kernel(
             mask=kv_mask,
             other=0.0,
         )
-        s = dot_accumulate(q, tl.trans(k), zero_scores, UPCAST, PRECISION) * scale_log2
         visible = col_ok[None, :] & (cols[None, :] <= prefix + rows[:, None])
-        s = tl.where(visible, s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = dot_accumulate(p.to(v.dtype), v, acc, UPCAST, PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(
+            q, k, v, visible, m_i, l_i, acc, zero_scores, scale_log2, UPCAST, PRECISION
+        )
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],

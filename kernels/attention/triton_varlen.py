@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import dot_precision, triton_interpreting
-from ..triton_utils import dot_accumulate
+from ..triton_utils import attend_block
 
 _LOG2E = 1.4426950408889634
 
@@ -79,15 +79,9 @@ def _varlen_kernel(
             mask=kv_mask,
             other=0.0,
         )
-        s = dot_accumulate(q, tl.trans(k), zero_scores, UPCAST, PRECISION) * scale_log2
-        s = tl.where(col_ok[None, :], s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = dot_accumulate(p.to(v.dtype), v, acc, UPCAST, PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(
+            q, k, v, col_ok[None, :], m_i, l_i, acc, zero_scores, scale_log2, UPCAST, PRECISION
+        )
     out = acc / l_i[:, None]
     out_seg = out_ptr + start * stride_ot + head * stride_oh
     tl.store(
