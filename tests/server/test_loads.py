@@ -131,15 +131,15 @@ def test_named_rank_runs_the_requests_and_loads_return_to_zero(
     server_dp2: ServerProcess, field: str, rank: int
 ) -> None:
     wait_idle(server_dp2)
+    # one call of three prompts: they reach the rank together and decode side by side until they all end (three
+    # calls could arrive far enough apart for the first to finish before the third is admitted)
     body = {
-        "text": "count the loads",
+        "text": ["count the loads"] * 3,
         field: rank,
         "sampling_params": {"max_new_tokens": 300, "ignore_eos": True, "temperature": 0},
     }
-    results: list = []
-    threads = [
-        threading.Thread(target=_generate, args=(server_dp2, body, results)) for _ in range(3)
-    ]
+    batches: list = []
+    threads = [threading.Thread(target=_generate, args=(server_dp2, body, batches))]
     for t in threads:
         t.start()
     # admitted, not merely queued: a waiting request holds no KV yet
@@ -154,6 +154,7 @@ def test_named_rank_runs_the_requests_and_loads_return_to_zero(
     assert set(legacy[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
     for t in threads:
         t.join(120)
+    (results,) = batches
     assert [r["meta_info"]["dp_rank"] for r in results] == [rank] * 3
     assert all(r["meta_info"]["completion_tokens"] == 300 for r in results)
     assert all(load["num_total_tokens"] == 0 for load in wait_idle(server_dp2))
@@ -171,7 +172,7 @@ def _wait_for_busy(
             held += loads[rank]["num_waiting_reqs"]
         if held == expected:
             return loads
-        time.sleep(0.05)
+        time.sleep(0.01)
     raise AssertionError(f"rank {rank} never held {expected} requests: {loads}")
 
 
