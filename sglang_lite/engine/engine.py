@@ -18,7 +18,7 @@ from typing import Any
 from sglang_lite.engine.sync_client import SyncClient
 from sglang_lite.multimodal.attach import ImageAttacher
 from sglang_lite.multimodal.inputs import ImageInputs
-from sglang_lite.multimodal.media import MediaPolicy
+from sglang_lite.multimodal.media import image_data_url
 from sglang_lite.protocol.loads import LOAD_SECTIONS
 from sglang_lite.protocol.outputs import ReqOutput, join_outputs
 from sglang_lite.protocol.requests import fork_rids, validate_request
@@ -61,7 +61,7 @@ class Engine:
         # to refuse what cannot compile
         budget = self.server_args.grammar_compile_timeout
         self._grammars = GrammarCache(self.tokenizer, self.config.vocab_size, budget_s=budget)
-        self._attacher: ImageAttacher | None = None  # made at the first image
+        self._attacher = ImageAttacher(self.server_args)
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(
@@ -226,12 +226,9 @@ class Engine:
             raise ValueError(
                 "image_data: the model takes text only (its checkpoint has no vision tower)"
             )
-        urls = [image_data] if isinstance(image_data, str) else list(image_data)
-        if self._attacher is None:
-            policy = MediaPolicy(allow_remote=self.server_args.allow_remote_images)
-            self._attacher = ImageAttacher(self.server_args.model_dir, policy)
+        entries = [image_data] if isinstance(image_data, str) else list(image_data)
+        urls = [image_data_url(entry) for entry in entries]
         config = self.config
-        urls = [url if ":" in url[:16] else f"data:;base64,{url}" for url in urls]
         prompts[0], images = self._attacher.attach(
             prompts[0], urls, config.image_token_id, config.image_merge_size, config.vocab_size
         )

@@ -12,12 +12,16 @@ import numpy as np
 
 from sglang_lite.multimodal.inputs import ImageInputs, image_token
 from sglang_lite.multimodal.media import ImageInputError, MediaPolicy, load_image
+from sglang_lite.server_args import ServerArgs
 
 
 class ImageAttacher:
-    def __init__(self, model_dir: str, policy: MediaPolicy) -> None:
-        self.model_dir = model_dir
-        self.policy = policy
+    """``args``: the front end's server arguments (``--allow-remote-images``, and the checkpoint whose image
+    processor is read at the first image)."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.policy = MediaPolicy(allow_remote=args.allow_remote_images)
         self._processor: Any = None
 
     def attach(
@@ -58,5 +62,5 @@ class ImageAttacher:
         if self._processor is None:
             from sglang_lite.multimodal.image_processor import ImageProcessor
 
-            self._processor = ImageProcessor.from_pretrained(self.model_dir)
+            self._processor = ImageProcessor.from_pretrained(self.args.model_dir)
         return self._processor

@@ -59,6 +59,11 @@ class LoadedImage:
     content_hash: str
 
 
+def image_data_url(entry: str) -> str:
+    """An ``image_data`` entry (SGLang's ``/generate`` field: a URL or bare base64 data) as a URL."""
+    return entry if ":" in entry[:16] else f"data:;base64,{entry}"
+
+
 def load_image(url: str, index: int, policy: MediaPolicy) -> LoadedImage:
     """The image at ``url``, the ``index``-th (1-based) of its request. Raises ImageInputError."""
     scheme = url.partition(":")[0].lower() if ":" in url else ""

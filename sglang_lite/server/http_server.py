@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sglang_lite.multimodal.media import image_data_url
 from sglang_lite.protocol.loads import LOAD_SECTIONS
 from sglang_lite.runtime.inputs import per_prompt, split_prompts
 from sglang_lite.sampling.logprobs import INPUT_KEYS, OUTPUT_KEYS, LogprobParams
@@ -283,16 +284,11 @@ async def _generate_inputs(
         if n != 1:
             raise bad_request("image_data: send one prompt with its images")
         urls = [body.image_data] if isinstance(body.image_data, str) else list(body.image_data)
-        ids[0], images[0] = await manager.attach_images(ids[0], [_as_url(u) for u in urls])
+        ids[0], images[0] = await manager.attach_images(ids[0], [image_data_url(u) for u in urls])
     return [
         GenerateInput(rid or uuid.uuid4().hex, i, p, rank, b, lp, images=im)
         for i, p, rid, b, lp, im in zip(ids, params, rids, pd, logprobs, images)
     ], prompts.batched
-
-
-def _as_url(image: str) -> str:
-    """SGLang's image_data entries are URLs or bare base64 data; the latter as a data URL."""
-    return image if ":" in image[:16] else f"data:;base64,{image}"
 
 
 def _logprob_params(body: GenerateRequest, n: int) -> list[LogprobParams | None]:

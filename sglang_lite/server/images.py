@@ -13,7 +13,6 @@ import asyncio
 
 from sglang_lite.multimodal.attach import ImageAttacher
 from sglang_lite.multimodal.inputs import ImageInputs
-from sglang_lite.multimodal.media import MediaPolicy
 from sglang_lite.protocol.config import SchedulerConfig
 from sglang_lite.server.io_struct import bad_request
 from sglang_lite.server.model_name import served_model_name
@@ -26,9 +25,7 @@ class ImageIntake:
 
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
-        policy = MediaPolicy(allow_remote=args.allow_remote_images)
-        # the checkpoint's image processor is read at the first image
-        self.attacher = ImageAttacher(args.model_dir, policy)
+        self.attacher = ImageAttacher(args)
 
     async def attach(
         self, ids: list[int], urls: list[str], config: SchedulerConfig
