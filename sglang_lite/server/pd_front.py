@@ -233,6 +233,9 @@ class PDFrontEnd:
         bootstrap = stream.bootstrap
         port = bootstrap.port or self.args.disaggregation_bootstrap_port
         url = f"http://{bootstrap.host}:{port}{TARGET_PATH}"
+        # settled: no connection was made, so the prefill side never saw this destination and will write nothing
+        # into it; the reservation is freed at once instead of held twice the transfer timeout
+        settled = False
         try:
             async with self._session.post(
                 url, json={"room": reserved.room, "target": reserved.target}
@@ -241,7 +244,10 @@ class PDFrontEnd:
                     return
                 why = f"answered {response.status}: {(await response.text())[:200]}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+            settled = isinstance(error, aiohttp.ClientConnectorError)
             why = f"is unreachable ({type(error).__name__}: {error})"
         message = f"the prefill server's bootstrap server at {bootstrap.host}:{port} {why}"
         logger.warning("PD request %s fails: %s", reserved.rid, message)
-        self.registry.abort_on(stream.rank, reserved.rid, error=message, status=PD_FAILURE)
+        self.registry.abort_on(
+            stream.rank, reserved.rid, error=message, status=PD_FAILURE, settled=settled
+        )

@@ -170,7 +170,8 @@ def test_an_unreachable_prefill_server_fails_the_decode_request_at_once(servers)
     async def scenario():
         async with aiohttp.ClientSession() as s:
             leg = await generate(s, d.url, PROMPTS[0], GREEDY, **_fields(dead, 5003))
-            return leg, await wait_for(lambda: drained(s, d.url), timeout=20)
+            # freed at once (no connection, so no write can come), not held 2 x TIMEOUT_S
+            return leg, await wait_for(lambda: drained(s, d.url), timeout=TIMEOUT_S)
 
     (status, body), ok = run(scenario())
     assert status == 502 and f"127.0.0.1:{dead} is unreachable" in body["error"]["message"]
