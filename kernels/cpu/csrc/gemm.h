@@ -522,6 +522,63 @@ void one_row_times_columns_dp(const uint32_t* x, int64_t pairs, const uint16_t* 
   }
 }
 
+// Pairs of weight rows a chunk of one_row_long_run_dp takes before its next group of columns: 16 rows of a 1 KB
+// weight row are 16 KB, still in L1 / L2 when the chunk's later groups read them.
+constexpr int64_t kLongRunPairs = 8;
+
+// One chunk of pairs of rows through G groups of 32 columns, their accumulators kept in `sums` (lo, then hi).
+template <int G>
+void long_run_chunk_dp(const uint32_t* x, int64_t kp0, int64_t kp1, const uint16_t* Wp, int64_t ldw, int64_t K,
+                       float* sums) {
+  __m512 lo[G], hi[G];
+#pragma GCC unroll 8
+  for (int v = 0; v < G; ++v) {
+    lo[v] = _mm512_loadu_ps(sums + 32 * v);
+    hi[v] = _mm512_loadu_ps(sums + 32 * v + 16);
+  }
+  for (int64_t kp = kp0; kp < kp1; ++kp) {
+    const uint16_t* w0 = Wp + 2 * kp * ldw;
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp]));
+    const bool paired = 2 * kp + 1 < K;
+#pragma GCC unroll 8
+    for (int v = 0; v < G; ++v) {
+      const __m512i r0 = _mm512_loadu_si512(w0 + 32 * v);
+      const __m512i r1 = paired ? _mm512_loadu_si512(w0 + ldw + 32 * v) : _mm512_setzero_si512();
+      lo[v] = _mm512_dpbf16_ps(lo[v], a, (__m512bh)_mm512_unpacklo_epi16(r0, r1));
+      hi[v] = _mm512_dpbf16_ps(hi[v], a, (__m512bh)_mm512_unpackhi_epi16(r0, r1));
+    }
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < G; ++v) {
+    _mm512_storeu_ps(sums + 32 * v, lo[v]);
+    _mm512_storeu_ps(sums + 32 * v + 16, hi[v]);
+  }
+}
+
+// y[0:n] = x W[:, 0:n] for one row x, as bf16 pairs, and n (a multiple of 128) columns read as whole weight rows: a
+// chunk of kLongRunPairs pairs of rows passes through every group of 256 (then 128) columns, the groups' accumulators
+// kept in `sums` between chunks, so that the rows are read in order, each once and whole (one thread's stream, which
+// the hardware prefetchers follow; groups of columns read one after another would read each row in parts, a pass
+// apart). Each column sums its pairs in order, as one_row_times_columns_dp: the same values.
+inline void one_row_long_run_dp(const uint32_t* x, int64_t pairs, const uint16_t* Wp, int64_t ldw, int64_t K,
+                                int64_t n, float* y) {
+  thread_local std::vector<float> sums;
+  sums.assign(n, 0.0f);  // per group of 32 columns: its lo accumulator, then its hi one
+  for (int64_t kp0 = 0; kp0 < pairs; kp0 += kLongRunPairs) {
+    const int64_t kp1 = std::min(pairs, kp0 + kLongRunPairs);
+    int64_t c = 0;
+    for (; c + 256 <= n; c += 256) long_run_chunk_dp<8>(x, kp0, kp1, Wp + c, ldw, K, sums.data() + c);
+    for (; c < n; c += 128) long_run_chunk_dp<4>(x, kp0, kp1, Wp + c, ldw, K, sums.data() + c);
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t c = 0; c < n; c += 32) {
+    const __m512 lo = _mm512_loadu_ps(sums.data() + c), hi = _mm512_loadu_ps(sums.data() + c + 16);
+    _mm512_storeu_ps(y + c, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(y + c + 16, _mm512_permutex2var_ps(lo, second, hi));
+  }
+}
+
 // Rows first_row .. first_row + M of A through one block of 32 columns, 8 rows at a time (16 accumulators); the
 // block packed first when more than one group of rows reads it.
 inline void all_rows_times_32_columns_dp(const Bf16Pairs& A, int64_t first_row, int64_t M, const uint16_t* Wp,
@@ -535,6 +592,10 @@ constexpr bool kHaveDpbf16 = false;
 
 inline void all_rows_times_32_columns_dp(const Bf16Pairs&, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
                                          float*, int64_t) {
+  TORCH_CHECK(false, "vdpbf16ps is not available on this CPU");
+}
+
+inline void one_row_long_run_dp(const uint32_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, float*) {
   TORCH_CHECK(false, "vdpbf16ps is not available on this CPU");
 }
 #endif
