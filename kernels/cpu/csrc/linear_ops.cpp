@@ -117,8 +117,8 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
   int64_t n = 0;
   // One row reads each weight once, from memory: blocks of 512 columns (128 where that leaves too few blocks for
   // the threads, or the weight has 128-column scale blocks) stream runs of 4 weight rows at a time; register-blocked
-  // 32-column blocks, reading short runs far apart, fell below MKL (docs/performance.md). An unscaled weight's
-  // blocks of one thread are read together, as long runs of each weight row (one_row_add_long_run, the same values).
+  // 32-column blocks, reading short runs far apart, fell below MKL (docs/performance.md). (Long runs of a thread's
+  // blocks, as one_row_bf16_dp reads them, ran 0-20% slower widened on AVX2: kept for vdpbf16ps only.)
   const bool dot = std::is_same_v<W, Bf16Weight> && bf16_dot_for(bf16_dot, M);
   if constexpr (!W::kScaled) {
     if (N >= kSplitKColumns && K >= 128 && !dot && !batch_invariant()) {
@@ -135,10 +135,6 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
     const bool wide = !W::kScaled && N >= 16 * kRowVectors * 2 * at::get_num_threads();
     const int64_t width = wide ? 16 * kRowVectors : 128, blocks = N / width;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      if constexpr (!W::kScaled) {  // a thread's blocks, read as long runs
-        std::fill(o + begin * width, o + end * width, 0.0f);
-        return one_row_add_long_run<W>(xs, w + begin * width, ldw, K, (end - begin) * width, o + begin * width);
-      }
       for (int64_t blk = begin; blk < end; ++blk) {
         const int64_t n0 = blk * width;
         if (wide) {

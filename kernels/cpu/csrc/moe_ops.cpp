@@ -100,35 +100,27 @@ void experts_through_mkl(const std::vector<int64_t>& big, const Routing& routing
   }
 }
 
-// c[n0:n1] = a W[:, n0:n1] for one row a (`pairs`: as bf16 pairs, or null) of an unscaled weight, reading whole
-// weight rows in order (gemm.h's long runs; each column's sum in the order of the column-block kernels, so the same
-// values); false, computing nothing, for scaled weights or columns the long runs do not take.
+// c[n0:n1] = a W[:, n0:n1] for one row a of a bf16 weight through vdpbf16ps (`pairs`: a as bf16 pairs), reading
+// whole weight rows in order (gemm.h's one_row_long_run_dp; each column's sum in the order of the column-block
+// kernels, so the same values); false, computing nothing, for other weights and paths (widened, such runs were no
+// faster on AVX2) or columns the long runs do not take.
 template <class W>
-bool one_row_long_run(const float* a, const uint32_t* pairs, int64_t depth, const typename W::T* wp, int64_t ldw,
-                      int64_t n0, int64_t n1, int64_t bf16_dot, float* c) {
-  if constexpr (W::kScaled) {
-    return false;
-  } else {
-    if constexpr (std::is_same_v<W, Bf16Weight> && kHaveDpbf16) {
-      if (pairs != nullptr && bf16_dot_for(bf16_dot, 1)) {
-        if ((n1 - n0) % 128 != 0) return false;
-        one_row_long_run_dp(pairs, (depth + 1) / 2, wp + n0, ldw, depth, n1 - n0, c + n0);
-        return true;
-      }
-    }
-    if ((n1 - n0) % 16 != 0) return false;
-    std::fill(c + n0, c + n1, 0.0f);
-    one_row_add_long_run<W>(a, wp + n0, ldw, depth, n1 - n0, c + n0);
+bool one_row_expert_run(const uint32_t* pairs, int64_t depth, const typename W::T* wp, int64_t ldw, int64_t n0,
+                        int64_t n1, int64_t bf16_dot, float* c) {
+  if constexpr (std::is_same_v<W, Bf16Weight> && kHaveDpbf16) {
+    if (pairs == nullptr || !bf16_dot_for(bf16_dot, 1) || (n1 - n0) % 128 != 0) return false;
+    one_row_long_run_dp(pairs, (depth + 1) / 2, wp + n0, ldw, depth, n1 - n0, c + n0);
     return true;
   }
+  return false;
 }
 
 // One projection of the experts in `hit` as work items (expert, column block); the last block of each expert takes
 // the columns left over. Experts of one or two rows (decode at small batches) read each weight once: 128-column
-// blocks read long runs of each weight row (32-column ones ran the batch-1 MoE slower), and a thread's blocks of a
-// one-row expert are read together, each weight row whole (from memory ~10% faster for the batch-1 MoE of 32
-// experts, H 512, I 128: the thread's bytes are one stream, not two passes over halves of the rows); more rows
-// reuse each block's weights from cache. `pairs`: the rows as bf16 pairs, for the experts that take vdpbf16ps (bf16 weights,
+// blocks read long runs of each weight row (32-column ones ran the batch-1 MoE slower), and through vdpbf16ps a
+// thread's blocks of a one-row expert are read together, each weight row whole (from memory ~10% faster for the
+// batch-1 MoE of 32 experts, H 512, I 128: the thread's bytes are one stream, not two passes over halves of the
+// rows); more rows reuse each block's weights from cache. `pairs`: the rows as bf16 pairs, for the experts that take vdpbf16ps (bf16 weights,
 // gemm.h's bf16_dot_for), else null.
 template <class W>
 void project_experts(const std::vector<int64_t>& hit, const Routing& routing, const float* in, int64_t lda,
@@ -153,8 +145,8 @@ void project_experts(const std::vector<int64_t>& hit, const Routing& routing, co
       const int64_t last = std::min(end, item - j + blocks) - 1;  // this thread's last item of expert e
       if (wide && count == 1 && last > item) {
         const int64_t run_end = last + 1 == item - j + blocks ? width : (last - item + j + 1) * block;
-        if (one_row_long_run<W>(a, pairs == nullptr ? nullptr : pairs->row(first), depth, w.of(e), w.row_stride,
-                                n0, run_end, bf16_dot, c)) {
+        if (one_row_expert_run<W>(pairs == nullptr ? nullptr : pairs->row(first), depth, w.of(e), w.row_stride, n0,
+                                  run_end, bf16_dot, c)) {
           item = last;
           continue;
         }
