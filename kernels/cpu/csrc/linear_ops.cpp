@@ -77,7 +77,9 @@ void one_row_split_k(const float* x, int64_t K, const typename W::T* w, int64_t 
 }
 
 // Rows of a panel at a time through the parts of K (each part's sums of every column kept until they are added).
-constexpr int64_t kSplitKPanelRows = 32;
+// A row's values do not depend on it. 128 rather than 32: a 128-token prefill through a 512x3072 bf16 weight ran
+// 13-16% faster widened (AVX2 2.49 -> 2.16 ms, AVX-512 2.2-2.5 -> 2.0 ms; each weight block widened once a panel).
+constexpr int64_t kSplitKPanelRows = 128;
 
 // M > 1 rows through a wide unscaled weight, as one_row_split_k computes one: per panel of rows, part 0 of K into o,
 // every later part into its own sums, added to o in order; the last N % 16 columns over all of K.
