@@ -295,11 +295,13 @@ constexpr bool kWidenedOnce = !W::kScaled;
 
 // Rows of K whose widened block of 32 columns (32 KB of float32) stays in L1 while every group of rows passes.
 constexpr int64_t kPackedDepth = 256;
-// More rows of A than this (more than one group of 8) and a block is widened once into a contiguous float32 copy
-// instead of by each group: the groups then run float32 FMAs only, from a copy whose rows are adjacent (a weight's
-// rows a whole row apart map to few cache sets, and each group would fetch them again; the figures:
-// docs/performance.md).
-constexpr int64_t kPackRows = 8;
+// More rows of A than this (more than three groups of 8, or four of 6 on AVX2) and a block is widened once into a
+// contiguous float32 copy instead of by each group: the groups then run float32 FMAs only, from a copy whose rows
+// are adjacent (a weight's rows a whole row apart map to few cache sets, and each group would fetch them again; the
+// figures: docs/performance.md). Below it the copy costs more than it saves: 9-24 rows (a prefill's experts, ~16
+// rows each) ran 13-25% faster widened by each group (AVX2, 1 thread), the 128-token MoE 10-25% (AVX2 and AVX-512
+// widened). The same values either way: each column sums its rows' products in k order.
+constexpr int64_t kPackRows = 24;
 
 // The 32 columns at Wp of K weight rows (ldw apart), widened into a thread's buffer: row k at 32 k.
 template <class W>
