@@ -486,6 +486,20 @@ void all_rows_times_32_columns_dp(const Bf16Pairs& A, int64_t first_row, int64_t
   }
 }
 
+// One pair of weight rows (w0 and the row ldw after it, zeros where `paired` is false) into NV groups of 32
+// columns' accumulators: the pair interleaved by unpacklo/hi (lo and hi as above), times the activation pair `a`.
+template <int NV>
+__attribute__((always_inline)) inline void dp_pair_step(const uint16_t* w0, int64_t ldw, bool paired, __m512bh a,
+                                                        __m512* lo, __m512* hi) {
+#pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v) {
+    const __m512i r0 = _mm512_loadu_si512(w0 + 32 * v);
+    const __m512i r1 = paired ? _mm512_loadu_si512(w0 + ldw + 32 * v) : _mm512_setzero_si512();
+    lo[v] = _mm512_dpbf16_ps(lo[v], a, (__m512bh)_mm512_unpacklo_epi16(r0, r1));
+    hi[v] = _mm512_dpbf16_ps(hi[v], a, (__m512bh)_mm512_unpackhi_epi16(r0, r1));
+  }
+}
+
 // y[0:32 NV] = x W[:, 0:32 NV] for one row x, as bf16 pairs, and bf16 weight rows taken two at a time (interleaved
 // as above), each read once from memory, kPrefetchRows ahead (half the instructions of widening; the figures:
 // docs/performance.md).
@@ -505,15 +519,7 @@ void one_row_times_columns_dp(const uint32_t* x, int64_t pairs, const uint16_t* 
       _mm_prefetch(reinterpret_cast<const char*>(ahead + 32 * v), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(ahead + ldw + 32 * v), _MM_HINT_T0);
     }
-    const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp]));
-    const bool paired = 2 * kp + 1 < K;
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) {
-      const __m512i r0 = _mm512_loadu_si512(w0 + 32 * v);
-      const __m512i r1 = paired ? _mm512_loadu_si512(w0 + ldw + 32 * v) : _mm512_setzero_si512();
-      lo[v] = _mm512_dpbf16_ps(lo[v], a, (__m512bh)_mm512_unpacklo_epi16(r0, r1));
-      hi[v] = _mm512_dpbf16_ps(hi[v], a, (__m512bh)_mm512_unpackhi_epi16(r0, r1));
-    }
+    dp_pair_step<NV>(w0, ldw, 2 * kp + 1 < K, (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp])), lo, hi);
   }
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -540,15 +546,7 @@ void long_run_chunk_dp(const uint32_t* x, int64_t kp0, int64_t kp1, const uint16
   }
   for (int64_t kp = kp0; kp < kp1; ++kp) {
     const uint16_t* w0 = Wp + 2 * kp * ldw;
-    const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp]));
-    const bool paired = 2 * kp + 1 < K;
-#pragma GCC unroll 8
-    for (int v = 0; v < G; ++v) {
-      const __m512i r0 = _mm512_loadu_si512(w0 + 32 * v);
-      const __m512i r1 = paired ? _mm512_loadu_si512(w0 + ldw + 32 * v) : _mm512_setzero_si512();
-      lo[v] = _mm512_dpbf16_ps(lo[v], a, (__m512bh)_mm512_unpacklo_epi16(r0, r1));
-      hi[v] = _mm512_dpbf16_ps(hi[v], a, (__m512bh)_mm512_unpackhi_epi16(r0, r1));
-    }
+    dp_pair_step<G>(w0, ldw, 2 * kp + 1 < K, (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp])), lo, hi);
   }
 #pragma GCC unroll 8
   for (int v = 0; v < G; ++v) {

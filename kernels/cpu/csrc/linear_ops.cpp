@@ -32,7 +32,8 @@ void one_row_bf16_dp(const float* xs, int64_t K, const uint16_t* w, int64_t ldw,
   const bool wide = N >= 256 * 2 * at::get_num_threads();
   const int64_t width = wide ? 256 : 128, blocks = N / width;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {  // a thread's blocks, read as long runs
-    one_row_long_run_dp(pairs.row(0), pairs.pairs, w + begin * width, ldw, K, (end - begin) * width, o + begin * width);
+    const int64_t n0 = begin * width;
+    one_row_long_run_dp(pairs.row(0), pairs.pairs, w + n0, ldw, K, (end - begin) * width, o + n0);
   });
   rows_times_weight_columns_dp(pairs, 0, xs, K, 1, w, ldw, K, blocks * width, N, o, N);
 }

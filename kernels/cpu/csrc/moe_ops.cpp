@@ -120,8 +120,8 @@ bool one_row_expert_run(const uint32_t* pairs, int64_t depth, const typename W::
 // blocks read long runs of each weight row (32-column ones ran the batch-1 MoE slower), and through vdpbf16ps a
 // thread's blocks of a one-row expert are read together, each weight row whole (from memory ~10% faster for the
 // batch-1 MoE of 32 experts, H 512, I 128: the thread's bytes are one stream, not two passes over halves of the
-// rows); more rows reuse each block's weights from cache. `pairs`: the rows as bf16 pairs, for the experts that take vdpbf16ps (bf16 weights,
-// gemm.h's bf16_dot_for), else null.
+// rows); more rows reuse each block's weights from cache. `pairs`: the rows as bf16 pairs, for the experts that take
+// vdpbf16ps (bf16 weights, gemm.h's bf16_dot_for), else null.
 template <class W>
 void project_experts(const std::vector<int64_t>& hit, const Routing& routing, const float* in, int64_t lda,
                      int64_t depth, const Experts<W>& w, int64_t width, float* out, const Bf16Pairs* pairs,
