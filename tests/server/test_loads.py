@@ -139,9 +139,8 @@ def test_named_rank_runs_the_requests_and_loads_return_to_zero(
         "sampling_params": {"max_new_tokens": 300, "ignore_eos": True, "temperature": 0},
     }
     batches: list = []
-    threads = [threading.Thread(target=_generate, args=(server_dp2, body, batches))]
-    for t in threads:
-        t.start()
+    call = threading.Thread(target=_generate, args=(server_dp2, body, batches))
+    call.start()
     # admitted, not merely queued: a waiting request holds no KV yet
     seen = _wait_for_busy(server_dp2, rank, expected=3, running=True)
     assert (
@@ -152,8 +151,7 @@ def test_named_rank_runs_the_requests_and_loads_return_to_zero(
     legacy = httpx.get(f"{server_dp2.url}/get_load").json()
     assert {e["dp_rank"] for e in legacy} == {0, 1}
     assert set(legacy[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
-    for t in threads:
-        t.join(120)
+    call.join(120)
     (results,) = batches
     assert [r["meta_info"]["dp_rank"] for r in results] == [rank] * 3
     assert all(r["meta_info"]["completion_tokens"] == 300 for r in results)

@@ -444,6 +444,14 @@ inline const uint16_t* pack_pairs(const DirectPairs& src, int64_t pairs) {
   return buffer.data();
 }
 
+// Stores a block's 32 column sums in column order from its lo and hi accumulators (interleaved as above).
+__attribute__((always_inline)) inline void store_in_order(__m512 lo, __m512 hi, float* c) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  _mm512_storeu_ps(c, _mm512_permutex2var_ps(lo, first, hi));
+  _mm512_storeu_ps(c + 16, _mm512_permutex2var_ps(lo, second, hi));
+}
+
 template <int TB, class Pairs>
 void rows_times_32_columns_dp(const Bf16Pairs& A, int64_t t0, const Pairs& w, float* C, int64_t ldc) {
   __m512 lo[TB], hi[TB];
@@ -459,12 +467,7 @@ void rows_times_32_columns_dp(const Bf16Pairs& A, int64_t t0, const Pairs& w, fl
       hi[t] = _mm512_dpbf16_ps(hi[t], a, wh);
     }
   }
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int t = 0; t < TB; ++t) {
-    _mm512_storeu_ps(C + t * ldc, _mm512_permutex2var_ps(lo[t], first, hi[t]));
-    _mm512_storeu_ps(C + t * ldc + 16, _mm512_permutex2var_ps(lo[t], second, hi[t]));
-  }
+  for (int t = 0; t < TB; ++t) store_in_order(lo[t], hi[t], C + t * ldc);
 }
 
 template <class Pairs>
@@ -521,13 +524,8 @@ void one_row_times_columns_dp(const uint32_t* x, int64_t pairs, const uint16_t* 
     }
     dp_pair_step<NV>(w0, ldw, 2 * kp + 1 < K, (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp])), lo, hi);
   }
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
 #pragma GCC unroll 16
-  for (int v = 0; v < NV; ++v) {
-    _mm512_storeu_ps(y + 32 * v, _mm512_permutex2var_ps(lo[v], first, hi[v]));
-    _mm512_storeu_ps(y + 32 * v + 16, _mm512_permutex2var_ps(lo[v], second, hi[v]));
-  }
+  for (int v = 0; v < NV; ++v) store_in_order(lo[v], hi[v], y + 32 * v);
 }
 
 // Pairs of weight rows a chunk of one_row_long_run_dp takes before its next group of columns: 16 rows of a 1 KB
@@ -545,8 +543,8 @@ void long_run_chunk_dp(const uint32_t* x, int64_t kp0, int64_t kp1, const uint16
     hi[v] = _mm512_loadu_ps(sums + 32 * v + 16);
   }
   for (int64_t kp = kp0; kp < kp1; ++kp) {
-    const uint16_t* w0 = Wp + 2 * kp * ldw;
-    dp_pair_step<G>(w0, ldw, 2 * kp + 1 < K, (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp])), lo, hi);
+    dp_pair_step<G>(Wp + 2 * kp * ldw, ldw, 2 * kp + 1 < K, (__m512bh)_mm512_set1_epi32(static_cast<int>(x[kp])),
+                    lo, hi);
   }
 #pragma GCC unroll 8
   for (int v = 0; v < G; ++v) {
@@ -570,12 +568,8 @@ inline void one_row_long_run_dp(const uint32_t* x, int64_t pairs, const uint16_t
     for (; c + 256 <= n; c += 256) long_run_chunk_dp<8>(x, kp0, kp1, Wp + c, ldw, K, sums.data() + c);
     for (; c < n; c += 128) long_run_chunk_dp<4>(x, kp0, kp1, Wp + c, ldw, K, sums.data() + c);
   }
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t c = 0; c < n; c += 32) {
-    const __m512 lo = _mm512_loadu_ps(sums.data() + c), hi = _mm512_loadu_ps(sums.data() + c + 16);
-    _mm512_storeu_ps(y + c, _mm512_permutex2var_ps(lo, first, hi));
-    _mm512_storeu_ps(y + c + 16, _mm512_permutex2var_ps(lo, second, hi));
+    store_in_order(_mm512_loadu_ps(sums.data() + c), _mm512_loadu_ps(sums.data() + c + 16), y + c);
   }
 }
 

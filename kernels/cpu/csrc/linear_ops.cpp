@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 #include <type_traits>
@@ -23,7 +24,7 @@ constexpr int64_t kPanelRows = 256;
 
 // y = x W^T for one row x (rounded to bf16) and bf16 W [N, K] stored [in, out] through vdpbf16ps: each thread's
 // share of the columns (whole blocks of 256, or of 128 where that leaves too few blocks for the threads) read as
-// long runs of each weight row (gemm.h's one_row_long_run_dp: 8-30% faster from memory than its blocks one after
+// long runs of each weight row (gemm.h's one_row_long_run_dp: 8-16% faster from memory than its blocks one after
 // another, the same values), the last N % 32 columns widened.
 #if defined(__AVX512BF16__)
 void one_row_bf16_dp(const float* xs, int64_t K, const uint16_t* w, int64_t ldw, int64_t N, float* o) {
@@ -88,7 +89,8 @@ template <class W>
 void rows_split_k(const float* xs, int64_t lda, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, int64_t N,
                   float* o) {
   const int64_t parts = split_k_parts(K), n16 = N - N % 16, blocks = n16 / 16;
-  std::vector<float> later((parts - 1) * std::min(M, kSplitKPanelRows) * n16);
+  // every later part's sums are written before they are read: not zeroed (16 MB: 128 rows, 32000 columns, 2 parts)
+  const std::unique_ptr<float[]> later(new float[(parts - 1) * std::min(M, kSplitKPanelRows) * n16]);
   for (int64_t m0 = 0; m0 < M; m0 += kSplitKPanelRows) {
     const int64_t rows = std::min(kSplitKPanelRows, M - m0);
     const float* panel = xs + m0 * lda;
@@ -96,7 +98,7 @@ void rows_split_k(const float* xs, int64_t lda, int64_t M, int64_t K, const type
     at::parallel_for(0, blocks, grain(rows * K * 16 / 4), [&](int64_t begin, int64_t end) {
       for (int64_t p = 0; p < parts; ++p) {
         const int64_t k0 = K * p / parts, k1 = K * (p + 1) / parts;
-        float* sums = p == 0 ? out : later.data() + (p - 1) * rows * n16;
+        float* sums = p == 0 ? out : later.get() + (p - 1) * rows * n16;
         const int64_t ld = p == 0 ? N : n16;
         rows_times_weight_columns<W>(panel + k0, lda, rows, w + k0 * ldw, ldw, k1 - k0, begin * 16, end * 16, sums, ld,
                                      WeightScales{});
@@ -104,7 +106,7 @@ void rows_split_k(const float* xs, int64_t lda, int64_t M, int64_t K, const type
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t j = begin * 16; j < end * 16; j += 16) {
           vec16 total = load16(out + r * N + j);
-          for (int64_t p = 1; p < parts; ++p) total += load16(later.data() + ((p - 1) * rows + r) * n16 + j);
+          for (int64_t p = 1; p < parts; ++p) total += load16(later.get() + ((p - 1) * rows + r) * n16 + j);
           store16(out + r * N + j, total);
         }
       }

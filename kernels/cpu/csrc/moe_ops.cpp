@@ -142,12 +142,12 @@ void project_experts(const std::vector<int64_t>& hit, const Routing& routing, co
       float* c = out + first * width;
       const WeightScales scales = w.scales(e);
       // this thread's later blocks of a one-row expert join this one: one pass over whole weight rows
-      const int64_t last = std::min(end, item - j + blocks) - 1;  // this thread's last item of expert e
-      if (wide && count == 1 && last > item) {
-        const int64_t run_end = last + 1 == item - j + blocks ? width : (last - item + j + 1) * block;
+      const int64_t last_j = std::min(end, item - j + blocks) - 1 - (item - j);  // this thread's last block of e
+      if (wide && count == 1 && last_j > j) {
+        const int64_t run_end = last_j + 1 == blocks ? width : (last_j + 1) * block;  // as n1 of that block
         if (one_row_expert_run<W>(pairs == nullptr ? nullptr : pairs->row(first), depth, w.of(e), w.row_stride, n0,
                                   run_end, bf16_dot, c)) {
-          item = last;
+          item += last_j - j;
           continue;
         }
       }
