@@ -231,6 +231,31 @@ def decode_attention(
     )
 
 
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    scale: float,
+    page_size: int = 1,
+) -> torch.Tensor:
+    """As ``attention.naive.extend_attention`` over a float32 pool (the attention prefill block's kernel)."""
+    return _ops().extend_attention(
+        _last_dim_contiguous(q),
+        k_cache,
+        v_cache,
+        page_table,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        scale,
+        page_size,
+    )
+
+
 # Where the fused linear beats MKL on float32 weights (the figures: docs/performance.md). An [in, out] weight: from 1
 # to a few hundred rows at every width from 16 columns on; at thousands of rows the two are even, and on a weight of
 # fewer than 16 columns MKL wins (it parallelises over the rows, the kernel over the columns). An [out, in] weight (a

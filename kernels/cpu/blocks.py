@@ -5,7 +5,9 @@ Through the modules a decode layer is ~30 dispatched ops whose Python and dispat
 arithmetic; each block runs the same C++ ops back to back and computes what its modules compute, from the same
 weights (float32, bf16, FP8 or MXFP4 ones, as ``kernels.linear`` takes them) and pools. Every block returns (output,
 residual): the residual is the pre-norm sum the next norm adds to (``residual`` None: the layer's input is its own,
-as in the first layer). Tensor-parallel reductions stay outside, between the blocks.
+as in the first layer). Tensor-parallel reductions stay outside, between the blocks. The mixer blocks also run a
+prefill's tokens (``cu_seqlens`` for the GDN block, ``extend`` for the attention block), and the MLP blocks take
+any rows: a prefill layer's Python is then two calls too.
 """
 
 from __future__ import annotations
@@ -91,11 +93,13 @@ def gdn_decode_block(
     heads: GdnHeads,
     block: tuple[int, int] | None,
     bf16_dot: int,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [B, H] -> (out_proj's output [B, H], residual). ``conv_weight`` [conv_dim, K]; ``states``: the conv
     states [S, conv_dim, K-1] and recurrent states [S, HV, dk, dv] (float32, updated in place at
-    ``state_slots``)."""
-    return _ops().gdn_decode_block(
+    ``state_slots``). ``cu_seqlens`` [R + 1]: a prefill of R requests' tokens instead (``state_slots`` [R], one a
+    request), through the prefill kernels as the modules run them."""
+    args = (
         hidden,
         residual,
         *norm,
@@ -107,11 +111,11 @@ def gdn_decode_block(
         *gated_norm,
         *out,
         *states,
-        state_slots,
-        *heads,
-        _block(block),
-        bf16_dot,
     )
+    args += (state_slots, *heads, _block(block), bf16_dot)
+    if cu_seqlens is None:
+        return _ops().gdn_decode_block(*args)
+    return _ops().gdn_prefill_block(*args, cu_seqlens)
 
 
 def attention_decode_block(
@@ -128,26 +132,21 @@ def attention_decode_block(
     page_size: int,
     block: tuple[int, int] | None,
     bf16_dot: int,
+    extend: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [B, H] -> (o_proj's output [B, H], residual). ``qk_norms``: the q and k norm weights and their eps;
     ``rotary``: the cos/sin table [P, rotary_dim] and rotary_dim; ``kv_cache``: this layer's K and V pools (the new
     tokens written at ``out_cache_loc``); ``batch``: page_table (pages of ``page_size`` tokens), req_pool_indices,
-    seq_lens, positions, out_cache_loc."""
-    return _ops().attention_decode_block(
-        hidden,
-        residual,
-        *norm,
-        *qkv,
-        *qk_norms,
-        *o,
-        *rotary,
-        *kv_cache,
-        *batch,
-        *heads,
-        page_size,
-        _block(block),
-        bf16_dot,
-    )
+    seq_lens, positions, out_cache_loc. ``extend`` (prefix_lens [R], extend_lens [R]): a prefill of R requests' new
+    tokens instead, each attending causally to its request's cached tokens and itself (seq_lens unused; positions
+    and out_cache_loc one a token)."""
+    head = (hidden, residual, *norm, *qkv, *qk_norms, *o, *rotary, *kv_cache)
+    tail = (*heads, page_size, _block(block), bf16_dot)
+    if extend is None:
+        return _ops().attention_decode_block(*head, *batch, *tail)
+    page_table, rows, _, positions, out_cache_loc = batch
+    requests = (page_table, rows, *extend, positions, out_cache_loc)
+    return _ops().attention_prefill_block(*head, *requests, *tail)
 
 
 def moe_decode_block(

@@ -109,7 +109,8 @@ class Qwen3_5Attention(nn.Module):
         batch: ForwardBatch,
         bf16_dot: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The input norm and this mixer over a decode batch in one C++ call: (output, residual)."""
+        """The input norm and this mixer over a decode batch, or a prefill's tokens (``takes_prefill_block``), in
+        one C++ call: (output, residual)."""
         requests = (
             batch.pools.req_to_token.page_table,
             batch.req_pool_indices,
@@ -117,6 +118,7 @@ class Qwen3_5Attention(nn.Module):
             batch.positions,
             batch.out_cache_loc,
         )
+        extend = None if batch.is_decode else (batch.prefix_lens_t, batch.extend_lens_t)
         out, residual = cpu_kernels.attention_decode_block(
             hidden,
             residual,
@@ -127,8 +129,15 @@ class Qwen3_5Attention(nn.Module):
             batch.pools.page_size,
             self._decode_quant,
             bf16_dot,
+            extend,
         )
         return attn_all_reduce(out), residual
+
+    @staticmethod
+    def takes_prefill_block(batch: ForwardBatch) -> bool:
+        """Whether ``decode_block`` runs this forward's tokens as a prefill: an extend batch (not a verify one) with
+        1-D positions (M-RoPE's image positions take the modules)."""
+        return not batch.is_decode and batch.verify is None and batch.mrope_positions is None
 
     def add_decode_block(self, layers: cpu_kernels.DecodeLayers, pools: ModelPools) -> None:
         """This block, as ``decode_block`` runs it, into a whole model's ``layers`` (one rank, no reduction)."""

@@ -188,7 +188,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         batch: ForwardBatch,
         bf16_dot: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The input norm and this mixer over a decode batch in one C++ call: (output, residual)."""
+        """The input norm and this mixer over a decode batch, or a prefill's tokens (``takes_prefill_block``), in
+        one C++ call: (output, residual)."""
         out, residual = cpu_kernels.gdn_decode_block(
             hidden,
             residual,
@@ -198,8 +199,14 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             self._decode_heads,
             self._decode_quant,
             bf16_dot,
+            None if batch.is_decode else batch.cu_seqlens,
         )
         return attn_all_reduce(out), residual
+
+    @staticmethod
+    def takes_prefill_block(batch: ForwardBatch) -> bool:
+        """Whether ``decode_block`` runs this forward's tokens as a prefill: an extend batch (not a verify one)."""
+        return not batch.is_decode and batch.verify is None and batch.cu_seqlens is not None
 
     def add_decode_block(self, layers: cpu_kernels.DecodeLayers, pools: ModelPools) -> None:
         """This block, as ``decode_block`` runs it, into a whole model's ``layers`` (one rank, no reduction)."""

@@ -3,7 +3,8 @@ mixer, its post-attention norm with its MLP. Through the modules a decode layer 
 and dispatcher costs at batch 1 are most of a small model's step (docs/performance.md).
 
 The runner turns them on once the weights are laid out, when everything they read is something the C++ kernels
-take; otherwise (and for prefill, DP attention and torch.compile) the modules run as before.
+take; a prefill's layers then take them too (``Qwen3_5DecoderLayer.forward``). Otherwise (and for DP attention and
+torch.compile) the modules run as before.
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             self.self_attn = Qwen3_5Attention(config, layer_id, rotary)
         self.mixer_name = "linear_attn" if layer_type == "linear_attention" else "self_attn"
+        self.blocks_ready = False  # prepare_decode_blocks: the C++ blocks hold this layer's weights
         if config.is_moe:
             self.mlp = Qwen3_5SparseMoeBlock(config, fuse_shared_expert)
         else:
@@ -71,18 +72,27 @@ class Qwen3_5DecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+        mixer = getattr(self, self.mixer_name)
+        # the C++ blocks (decode_blocks.py) run this forward's layers
+        blocks = self.blocks_ready and batch.dp_tokens is None
+        if blocks and mixer.takes_prefill_block(batch):  # the input norm and the mixer: one call
+            hidden, residual = mixer.decode_block(hidden, residual, batch, cpu_kernels.bf16_dot())
+        elif residual is None:
+            residual, hidden = hidden, mixer(self.input_layernorm(hidden), batch)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = getattr(self, self.mixer_name)(hidden, batch)
+            hidden = mixer(hidden, batch)
+        if blocks and len(hidden) <= cpu_kernels.MOE_CHUNK_TOKENS:  # more: the modules', chunked
+            hidden, residual = self.mlp.decode_block(hidden, residual, cpu_kernels.bf16_dot())
+            return world_all_reduce(hidden), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.run_mlp(hidden, batch), residual
 
     def prepare_decode_blocks(self) -> None:
-        """Readies ``decode_blocks``: each block gathers its norm's and its weights as they are laid out now."""
+        """Readies the blocks (``decode_blocks``, and a prefill's in ``forward``) with the weights as laid out now."""
         getattr(self, self.mixer_name).prepare_decode_block(self.input_layernorm)
         self.mlp.prepare_decode_block(self.post_attention_layernorm)
+        self.blocks_ready = True
 
     def decode_blocks(
         self,
@@ -91,8 +101,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         batch: ForwardBatch,
         bf16_dot: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` of a decode batch on the CPU as two C++ calls: the input norm with the mixer, the
-        post-attention norm with the MLP (``kernels/cpu/blocks.py``)."""
+        """``forward`` of a decode batch as two C++ calls (the mixer's block, the MLP's: ``kernels/cpu/blocks.py``)."""
         hidden, residual = getattr(self, self.mixer_name).decode_block(
             hidden, residual, batch, bf16_dot
         )

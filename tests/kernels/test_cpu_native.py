@@ -256,6 +256,39 @@ def test_decode_attention(seed, heads, kv_heads, hd, table_dtype, page_size):
     assert_rel_close(got, want, F32)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("heads, kv_heads, hd", [(8, 2, 64), (4, 4, 16), (6, 2, 72)])
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+def test_extend_attention(seed, heads, kv_heads, hd, page_size):
+    """A prefill's new tokens over their requests' cached prefixes and themselves, causally: requests with and
+    without a prefix, of one token and of more than a block of queries (32), packed one after another."""
+    pool, rows, context = 640, 6, 80
+    k_cache, v_cache = (
+        _randn(pool, kv_heads, hd, seed=seed),
+        _randn(pool, kv_heads, hd, seed=seed + 1),
+    )
+    pages = context // page_size
+    table = torch.randperm(pool // page_size, generator=_gen(seed + 2))[: rows * pages]
+    table = table.view(rows, pages).to(torch.int32)
+    req_rows = torch.tensor([4, 0, 5, 2])
+    prefix, extend = torch.tensor([0, 7, 40, 0]), torch.tensor([1, 33, 3, 70])
+    q = _randn(int(extend.sum()), heads, hd, seed=seed + 3)
+    args = (q, k_cache, v_cache, table, req_rows, prefix, extend, hd**-0.5)
+    got = cpu.extend_attention(*args, page_size=page_size)
+    want = attention_ref.extend_attention(*args, page_size)
+    assert_rel_close(got, want, F32)
+
+
+def test_extend_attention_refuses_lengths_that_do_not_add_up():
+    k_cache = torch.zeros(64, 1, 8)
+    table = torch.arange(64, dtype=torch.int32).view(1, 64)
+    args = (torch.zeros(5, 2, 8), k_cache, k_cache, table, torch.tensor([0]), torch.tensor([3]))
+    with pytest.raises(RuntimeError, match=r"extend_lens sum to 4, the queries hold 5 tokens"):
+        cpu.extend_attention(*args, torch.tensor([4]), 1.0)
+    with pytest.raises(RuntimeError, match=r"outside the KV pool"):
+        cpu.extend_attention(*args[:3], table + 60, *args[4:], torch.tensor([5]), 1.0)
+
+
 def _transposed_memory(w: torch.Tensor) -> torch.Tensor:
     """The same values stored [in, out], as weight_layout stores wide projections on the CPU."""
     return w.transpose(1, 2).contiguous().transpose(1, 2)

@@ -108,6 +108,58 @@ def test_decode_blocks_match_the_modules(
     _assert_same_steps(path, page_size, **load)
 
 
+def _chunked_prefill(model: torch.nn.Module) -> tuple[list[torch.Tensor], ModelPools]:
+    """Two prompts prefilled in two chunks each (the second continuing from the states the first left); each
+    chunk's logits."""
+    config = model.config
+    pools = ModelPools.create(config, 256, 4, 64, model.compute_dtype, "cpu")
+    rows, slots = pools.req_to_token.allocator.alloc(2), pools.states.alloc(2)
+    gen = torch.Generator().manual_seed(1)
+    chunks = [[7, 30], [19, 2]]  # tokens of each request per chunk
+    lens, out = [0, 0], []
+    for counts in chunks:
+        tokens = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in counts]
+        kv = pools.alloc_kv(rows, lens, counts)
+        batch = build_forward_batch(pools, ForwardMode.EXTEND, tokens, lens, rows, slots, "cpu", kv)
+        out.append(model.forward_batch(batch))
+        lens = [n + c for n, c in zip(lens, counts)]
+    return out, pools
+
+
+@pytest.mark.parametrize("weights", ["float32", "bf16"])
+def test_prefill_blocks_continue_a_chunked_prefill(tmp_path, monkeypatch, weights):
+    """With the blocks on, a prefill's GDN layers (input norm to out_proj) and every MLP half run as their C++
+    blocks over the requests' tokens: a chunk that continues a prompt starts from the states the last one left, and
+    computes what the modules compute."""
+    monkeypatch.setenv("SGLANG_CPU_BF16_DOT", "widen")
+    path = save_checkpoint(make_hf_model(moe=True, seed=4), str(tmp_path))
+    load = dict(weight_dtype=torch.bfloat16 if weights == "bf16" else None)
+    model = _model(path, blocks=True, **load)
+    calls = []
+    monkeypatch.setattr(cpu, "gdn_decode_block", _counting(cpu.gdn_decode_block, calls))
+    got, got_pools = _chunked_prefill(model)
+    gdn_layers = sum(layer.mixer_name == "linear_attn" for layer in model.model.layers)
+    assert len(calls) == 2 * gdn_layers and all(
+        c is not None for c in calls
+    )  # cu_seqlens: prefills
+    want, want_pools = _chunked_prefill(_model(path, blocks=False, **load))
+    for chunk, (g, w) in enumerate(zip(got, want)):
+        assert_rel_close(g, w, torch.float32, f"logits of chunk {chunk}")
+    for name in ("conv_states", "ssm_states"):
+        for g, w in zip(getattr(got_pools.states, name), getattr(want_pools.states, name)):
+            assert_rel_close(g, w, torch.float32, name)
+
+
+def _counting(fn, calls: list):
+    """``fn`` that records each call's ``cu_seqlens`` (its last argument, None for a decode step)."""
+
+    def counted(*args):
+        calls.append(args[-1])
+        return fn(*args)
+
+    return counted
+
+
 def test_whole_model_in_one_call_equals_a_call_per_block(tmp_path, monkeypatch):
     """One rank runs every layer's blocks in one C++ call (``Qwen3_5Model.decode_layers``), built for the pools
     it is given (again for new ones): the same kernels as a call per block (the path of tensor parallelism, which

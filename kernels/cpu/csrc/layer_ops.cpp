@@ -6,7 +6,8 @@
 // modules compute (layers/gdn.py, attention.py, mlp.py; the norms of models/qwen3_5.py) from the same weights and
 // pools, and returns (output, residual): the residual is the pre-norm sum the next norm adds to. A projection's
 // weight is whatever linear_core takes: float32, bf16, block FP8 with its scales, or MXFP4 with its e8m0 scales;
-// MXFP4 experts go to fused_moe_core the same way.
+// MXFP4 experts go to fused_moe_core the same way. A prefill's layers take the same blocks (gdn_prefill_block,
+// attention_prefill_block, and the MLP blocks over any rows): its mixers then run the prefill kernels.
 #include "common.h"
 #include "ops.h"
 
@@ -219,14 +220,17 @@ void record_states(const Verify& v, int64_t req, int64_t j, const float* conv, i
 
 // The Gated DeltaNet layer of a decode step (gdn_decode_block below), or over a verify forward's rows when
 // `verify` is given: each row holds its request's state slot, and the conv and the delta rule step the requests'
-// tokens in order (token j of every request at once), keeping the states after each.
+// tokens in order (token j of every request at once), keeping the states after each. With `cu_seqlens` [R + 1], a
+// prefill (gdn_prefill_block): the rows are R requests' tokens, one state slot a request, through the prefill kernels
+// as the modules run them.
 std::tuple<at::Tensor, at::Tensor> gdn_block(
     const at::Tensor& hidden, const OptTensor& residual, const at::Tensor& norm_weight, double eps,
     const at::Tensor& qkvz_w, const OptTensor& qkvz_s, const at::Tensor& ba_w, const OptTensor& ba_s,
     const at::Tensor& conv_weight, const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& gated_norm_w,
     double gated_norm_eps, const at::Tensor& out_w, const OptTensor& out_s, const at::Tensor& conv_states,
     const at::Tensor& ssm_states, const at::Tensor& state_slots, int64_t key_heads, int64_t value_heads,
-    int64_t key_dim, int64_t value_dim, at::IntArrayRef block, int64_t bf16_dot, const Verify* verify) {
+    int64_t key_dim, int64_t value_dim, at::IntArrayRef block, int64_t bf16_dot, const Verify* verify,
+    const at::Tensor* cu_seqlens = nullptr) {
   const Projections project{block, bf16_dot};
   const int64_t batch = hidden.size(0), width = hidden.size(1);
   const int64_t keys = key_heads * key_dim, values = value_heads * value_dim, conv_dim = 2 * keys + values;
@@ -252,16 +256,20 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
   at::Tensor res = pre_norm(hidden, residual, norm_weight, eps, normed);
   project(normed, width, batch, width, qkvz_w, qkvz_s, qkvz);
   project(normed, width, batch, width, ba_w, ba_s, ba);
-  check_conv_update(at::from_blob(qkvz, {batch, conv_dim}, {qkvz_width, 1}), conv_weight, conv_states, state_slots);
+  const int64_t requests = cu_seqlens != nullptr ? state_slots.numel() : batch;  // a prefill's: one slot each
+  const std::vector<int64_t> bounds =
+      cu_seqlens != nullptr ? request_bounds(*cu_seqlens, requests, batch) : std::vector<int64_t>{};
+  check_conv_update(at::from_blob(qkvz, {requests, conv_dim}, {qkvz_width, 1}), conv_weight, conv_states,
+                    state_slots);
   TORCH_CHECK(ssm_states.size(0) == conv_states.size(0), "conv_states and ssm_states must hold the same slots");
   const Index slots(state_slots, "state_slots");
   gdn_gating_core(ba + value_heads, 2 * value_heads, ba, 2 * value_heads, batch, value_heads, A_log.data_ptr<float>(),
                   dt_bias.data_ptr<float>(), gates, gates + batch * value_heads);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(key_dim)));
   const int64_t taps = conv_weight.size(1);
-  // Batch invariant: the conv's weights taps-major ([K, D]), as the prefill kernel reads them.
+  // A prefill or batch invariant: the conv's weights taps-major ([K, D]), as the prefill kernel reads them.
   std::vector<float> taps_major;
-  if (batch_invariant()) {
+  if (batch_invariant() || cu_seqlens != nullptr) {
     const float* w = conv_weight.data_ptr<float>();
     taps_major.resize(conv_dim * taps);
     for (int64_t d = 0; d < conv_dim; ++d) {
@@ -274,17 +282,19 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
   // token computes what a prompt token does.
   auto mix = [&](const float* x, int64_t x_row, int64_t n, const float* g, const float* beta, const Index& slot_of,
                  float* c, float* out) {
-    if (batch_invariant()) {
-      std::vector<int64_t> one_each(n + 1);
+    if (batch_invariant() || cu_seqlens != nullptr) {
+      std::vector<int64_t> one_each(n + 1);  // a decode step's rows: one token a request
       std::iota(one_each.begin(), one_each.end(), int64_t{0});
+      const int64_t* request_rows = cu_seqlens != nullptr ? bounds.data() : one_each.data();
+      const int64_t reqs = cu_seqlens != nullptr ? requests : n;
       conv_prefill_core(x, x_row, n, conv_dim, taps_major.data(), taps, conv_states.data_ptr<float>(), slot_of,
-                        conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), one_each.data(), n,
+                        conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), request_rows, reqs,
                         true, c);
       const float scale_as_modules = static_cast<float>(std::pow(static_cast<double>(key_dim), -0.5));  // dk ** -0.5
       delta_rule_prefill_core(Rows(c, key_heads, conv_dim, key_dim), Rows(c + keys, key_heads, conv_dim, key_dim),
                               Rows(c + 2 * keys, value_heads, conv_dim, value_dim), g, value_heads, beta, value_heads,
                               GdnShapes{n, key_heads, key_dim, value_heads, value_dim}, ssm_states.data_ptr<float>(),
-                              slot_of, ssm_states.stride(0), ssm_states.stride(1), one_each.data(), n,
+                              slot_of, ssm_states.stride(0), ssm_states.stride(1), request_rows, reqs,
                               scale_as_modules, true, out);
       return;
     }
@@ -295,6 +305,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
                            GdnShapes{n, key_heads, key_dim, value_heads, value_dim}, ssm_states.data_ptr<float>(),
                            slot_of, ssm_states.stride(0), ssm_states.stride(1), scale, true, out);
   };
+  TORCH_CHECK(verify == nullptr || cu_seqlens == nullptr, "a verify forward is no prefill");
   if (verify == nullptr) {
     mix(qkvz, qkvz_width, batch, gates, gates + batch * value_heads, slots, conv, o);
   } else {
@@ -353,17 +364,41 @@ std::tuple<at::Tensor, at::Tensor> gdn_decode_block(
                    value_heads, key_dim, value_dim, block, bf16_dot, nullptr);
 }
 
-// The gated attention layer of a decode step (layers/attention.py): input norm, qkv_proj (each query head with its
-// gate), per-head q and k norms, partial NeoX rotary, the new keys and values into the pool, paged attention over
-// each request's tokens, the sigmoid gate, o_proj.
-std::tuple<at::Tensor, at::Tensor> attention_decode_block(
+// The Gated DeltaNet layer of a prefill (layers/gdn.py) as gdn_decode_block computes a decode step's, over R
+// requests' tokens (cu_seqlens [R + 1], state_slots [R]): the causal conv and the delta rule run each request's
+// tokens from its slot's states (left there after its last token), with the prefill kernels the modules call.
+std::tuple<at::Tensor, at::Tensor> gdn_prefill_block(
+    const at::Tensor& hidden, const OptTensor& residual, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& qkvz_w, const OptTensor& qkvz_s, const at::Tensor& ba_w, const OptTensor& ba_s,
+    const at::Tensor& conv_weight, const at::Tensor& A_log, const at::Tensor& dt_bias, const at::Tensor& gated_norm_w,
+    double gated_norm_eps, const at::Tensor& out_w, const OptTensor& out_s, const at::Tensor& conv_states,
+    const at::Tensor& ssm_states, const at::Tensor& state_slots, int64_t key_heads, int64_t value_heads,
+    int64_t key_dim, int64_t value_dim, at::IntArrayRef block, int64_t bf16_dot, const at::Tensor& cu_seqlens) {
+  return gdn_block(hidden, residual, norm_weight, eps, qkvz_w, qkvz_s, ba_w, ba_s, conv_weight, A_log, dt_bias,
+                   gated_norm_w, gated_norm_eps, out_w, out_s, conv_states, ssm_states, state_slots, key_heads,
+                   value_heads, key_dim, value_dim, block, bf16_dot, nullptr, &cu_seqlens);
+}
+
+namespace {
+
+// A prefill's requests for the attention block: their cached tokens before the new ones, and the new ones' count.
+struct Extend {
+  const at::Tensor& prefix_lens;
+  const at::Tensor& extend_lens;
+};
+
+// The gated attention layer (attention_decode_block, attention_prefill_block): input norm, qkv_proj (each query head
+// with its gate), per-head q and k norms, partial NeoX rotary, the new keys and values into the pool, paged attention
+// (a decode step's one query a request over its seq_lens tokens, or with `extend` a prefill's new tokens causally
+// over their requests' prefixes and themselves), the sigmoid gate, o_proj.
+std::tuple<at::Tensor, at::Tensor> attention_block(
     const at::Tensor& hidden, const OptTensor& residual, const at::Tensor& norm_weight, double eps,
     const at::Tensor& qkv_w, const OptTensor& qkv_s, const at::Tensor& q_norm_w, const at::Tensor& k_norm_w,
     double head_eps, const at::Tensor& o_w, const OptTensor& o_s, const at::Tensor& cos_sin_cache,
     int64_t rotary_dim, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& page_table,
     const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, const at::Tensor& positions,
     const at::Tensor& out_cache_loc, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
-    int64_t page_size, at::IntArrayRef block, int64_t bf16_dot) {
+    int64_t page_size, at::IntArrayRef block, int64_t bf16_dot, const Extend* extend) {
   const Projections project{block, bf16_dot};
   const int64_t batch = hidden.size(0), width = hidden.size(1), hd = head_dim;
   const int64_t queries = heads * hd, kvs = kv_heads * hd, qkv_width = 2 * queries + 2 * kvs;
@@ -374,9 +409,16 @@ std::tuple<at::Tensor, at::Tensor> attention_decode_block(
   TORCH_CHECK(rotary_dim <= hd && rotary_dim % 2 == 0 && cos_sin_cache.size(1) == rotary_dim,
               "cos_sin_cache must be [P, ", rotary_dim, "] with an even rotary_dim <= ", hd);
   TORCH_CHECK(positions.numel() == batch && out_cache_loc.numel() == batch, "positions and out_cache_loc must hold "
-              "one entry per request");
-  const int64_t longest = check_decode_attention(batch, heads, hd, k_cache, v_cache, page_table, req_pool_indices,
-                                                 seq_lens, page_size);
+              "one entry per ", extend != nullptr ? "token" : "request");
+  std::vector<int64_t> bounds;  // a prefill's: each request's rows
+  int64_t longest = 0;
+  if (extend != nullptr) {
+    bounds = check_extend_attention(batch, heads, hd, k_cache, v_cache, page_table, req_pool_indices,
+                                    extend->prefix_lens, extend->extend_lens, page_size);
+  } else {
+    longest = check_decode_attention(batch, heads, hd, k_cache, v_cache, page_table, req_pool_indices, seq_lens,
+                                     page_size);
+  }
   float* normed = workspace(batch * (width + qkv_width + queries + kvs + queries));
   float* qkv = normed + batch * width;
   float* q = qkv + batch * qkv_width;
@@ -394,15 +436,72 @@ std::tuple<at::Tensor, at::Tensor> attention_decode_block(
   rotate(k, batch, kv_heads, hd, pos, cos_sin_cache, rotary_dim);
   store_rows(k, kvs, hd, batch, kv_heads, hd, k_cache, loc);
   store_rows(qkv + 2 * queries + kvs, qkv_width, hd, batch, kv_heads, hd, v_cache, loc);
-  decode_attention_core(Rows(q, heads, queries, hd), batch, heads, hd, k_cache, v_cache,
-                        TokenTable(page_table, page_size),
-                        Index(req_pool_indices, "req_pool_indices"), Index(seq_lens, "seq_lens"), longest,
-                        static_cast<float>(scale), attended);
+  const TokenTable table(page_table, page_size);
+  const Index rows(req_pool_indices, "req_pool_indices");
+  if (extend != nullptr && batch_invariant()) {  // each new token as a decode query over its first tokens
+    const int64_t requests = req_pool_indices.numel();
+    const Index prefix(extend->prefix_lens, "prefix_lens");
+    std::vector<int64_t> token_rows(batch), token_lens(batch);
+    for (int64_t b = 0; b < requests; ++b) {
+      for (int64_t t = bounds[b]; t < bounds[b + 1]; ++t) {
+        token_rows[t] = rows[b];
+        token_lens[t] = prefix[b] + t - bounds[b] + 1;
+        longest = std::max(longest, token_lens[t]);
+      }
+    }
+    const auto as_index = [](std::vector<int64_t>& v) {
+      return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, at::TensorOptions().dtype(at::kLong));
+    };
+    decode_attention_core(Rows(q, heads, queries, hd), batch, heads, hd, k_cache, v_cache, table,
+                          Index(as_index(token_rows), "rows"), Index(as_index(token_lens), "lens"), longest,
+                          static_cast<float>(scale), attended);
+  } else if (extend != nullptr) {
+    extend_attention_core(Rows(q, heads, queries, hd), heads, hd, k_cache, v_cache, table, rows,
+                          Index(extend->prefix_lens, "prefix_lens"), bounds.data(), req_pool_indices.numel(),
+                          static_cast<float>(scale), attended);
+  } else {
+    decode_attention_core(Rows(q, heads, queries, hd), batch, heads, hd, k_cache, v_cache, table, rows,
+                          Index(seq_lens, "seq_lens"), longest, static_cast<float>(scale), attended);
+  }
   // times sigmoid(gate), the second half of each head's [q | gate]
   gate_by_sigmoid(attended, Rows(qkv + hd, heads, qkv_width, 2 * hd), batch * heads, hd);
   at::Tensor out = at::empty({batch, width}, hidden.options());
   project(attended, queries, batch, queries, o_w, o_s, out.data_ptr<float>());
   return {out, res};
+}
+
+}  // namespace
+
+// The gated attention layer of a decode step (layers/attention.py): attention_block, one query a request.
+std::tuple<at::Tensor, at::Tensor> attention_decode_block(
+    const at::Tensor& hidden, const OptTensor& residual, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& qkv_w, const OptTensor& qkv_s, const at::Tensor& q_norm_w, const at::Tensor& k_norm_w,
+    double head_eps, const at::Tensor& o_w, const OptTensor& o_s, const at::Tensor& cos_sin_cache,
+    int64_t rotary_dim, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& page_table,
+    const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, const at::Tensor& positions,
+    const at::Tensor& out_cache_loc, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
+    int64_t page_size, at::IntArrayRef block, int64_t bf16_dot) {
+  return attention_block(hidden, residual, norm_weight, eps, qkv_w, qkv_s, q_norm_w, k_norm_w, head_eps, o_w, o_s,
+                         cos_sin_cache, rotary_dim, k_cache, v_cache, page_table, req_pool_indices, seq_lens,
+                         positions, out_cache_loc, heads, kv_heads, head_dim, scale, page_size, block, bf16_dot,
+                         nullptr);
+}
+
+// The gated attention layer of a prefill: attention_block over R requests' new tokens (extend_lens [R], each after
+// its prefix_lens [R] cached tokens; positions and out_cache_loc one a token), causal.
+std::tuple<at::Tensor, at::Tensor> attention_prefill_block(
+    const at::Tensor& hidden, const OptTensor& residual, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& qkv_w, const OptTensor& qkv_s, const at::Tensor& q_norm_w, const at::Tensor& k_norm_w,
+    double head_eps, const at::Tensor& o_w, const OptTensor& o_s, const at::Tensor& cos_sin_cache,
+    int64_t rotary_dim, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& page_table,
+    const at::Tensor& req_pool_indices, const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
+    const at::Tensor& positions, const at::Tensor& out_cache_loc, int64_t heads, int64_t kv_heads,
+    int64_t head_dim, double scale, int64_t page_size, at::IntArrayRef block, int64_t bf16_dot) {
+  const Extend extend{prefix_lens, extend_lens};
+  return attention_block(hidden, residual, norm_weight, eps, qkv_w, qkv_s, q_norm_w, k_norm_w, head_eps, o_w, o_s,
+                         cos_sin_cache, rotary_dim, k_cache, v_cache, page_table, req_pool_indices, extend_lens,
+                         positions, out_cache_loc, heads, kv_heads, head_dim, scale, page_size, block, bf16_dot,
+                         &extend);
 }
 
 // The MoE block (layers/mlp.py): post-attention norm, the router's softmax top-k (renormalised), the experts; the
@@ -695,11 +794,22 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
         "Tensor gated_norm_w, float gated_norm_eps, Tensor out_w, Tensor? out_s, Tensor(a!) conv_states, "
         "Tensor(b!) ssm_states, Tensor state_slots, int key_heads, int value_heads, int key_dim, int value_dim, "
         "int[] block, int bf16_dot) -> (Tensor, Tensor)");
+  m.def("gdn_prefill_block(Tensor hidden, Tensor? residual, Tensor norm_weight, float eps, Tensor qkvz_w, "
+        "Tensor? qkvz_s, Tensor ba_w, Tensor? ba_s, Tensor conv_weight, Tensor A_log, Tensor dt_bias, "
+        "Tensor gated_norm_w, float gated_norm_eps, Tensor out_w, Tensor? out_s, Tensor(a!) conv_states, "
+        "Tensor(b!) ssm_states, Tensor state_slots, int key_heads, int value_heads, int key_dim, int value_dim, "
+        "int[] block, int bf16_dot, Tensor cu_seqlens) -> (Tensor, Tensor)");
   m.def("attention_decode_block(Tensor hidden, Tensor? residual, Tensor norm_weight, float eps, Tensor qkv_w, "
         "Tensor? qkv_s, Tensor q_norm_w, Tensor k_norm_w, float head_eps, Tensor o_w, Tensor? o_s, "
         "Tensor cos_sin_cache, int rotary_dim, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor page_table, "
         "Tensor req_pool_indices, Tensor seq_lens, Tensor positions, Tensor out_cache_loc, int heads, "
         "int kv_heads, int head_dim, float scale, int page_size, int[] block, int bf16_dot) -> (Tensor, Tensor)");
+  m.def("attention_prefill_block(Tensor hidden, Tensor? residual, Tensor norm_weight, float eps, Tensor qkv_w, "
+        "Tensor? qkv_s, Tensor q_norm_w, Tensor k_norm_w, float head_eps, Tensor o_w, Tensor? o_s, "
+        "Tensor cos_sin_cache, int rotary_dim, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor page_table, "
+        "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, Tensor positions, Tensor out_cache_loc, "
+        "int heads, int kv_heads, int head_dim, float scale, int page_size, int[] block, int bf16_dot) "
+        "-> (Tensor, Tensor)");
   m.def("moe_decode_block(Tensor hidden, Tensor residual, Tensor norm_weight, float eps, Tensor gate_w, "
         "Tensor shared_gate_w, Tensor w13, Tensor? w13_s, Tensor w2, Tensor? w2_s, Tensor? shared_gate_up_w, "
         "Tensor? shared_gate_up_s, Tensor? shared_down_w, Tensor? shared_down_s, int top_k, int shared_id, "
@@ -716,7 +826,9 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
 
 TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) {
   m.impl("gdn_decode_block", &sgl_cpu::gdn_decode_block);
+  m.impl("gdn_prefill_block", &sgl_cpu::gdn_prefill_block);
   m.impl("attention_decode_block", &sgl_cpu::attention_decode_block);
+  m.impl("attention_prefill_block", &sgl_cpu::attention_prefill_block);
   m.impl("moe_decode_block", &sgl_cpu::moe_decode_block);
   m.impl("mlp_decode_block", &sgl_cpu::mlp_decode_block);
   m.impl("mtp_input_block", &sgl_cpu::mtp_input_block);

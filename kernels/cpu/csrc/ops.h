@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <tuple>
+#include <vector>
 
 namespace sgl_cpu {
 
@@ -74,6 +75,14 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, co
                                              int64_t top_k, bool renormalize, int64_t shared_id);
 
 // prefill_ops.cpp
+std::vector<int64_t> request_bounds(const at::Tensor& cu_seqlens, int64_t batch, int64_t tokens);
+void extend_attention_core(const Rows& qs, int64_t heads, int64_t hd, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const TokenTable& table, const Index& rows, const Index& prefix,
+                           const int64_t* bounds, int64_t batch, float scale, float* o);
+std::vector<int64_t> check_extend_attention(int64_t tokens, int64_t heads, int64_t hd, const at::Tensor& k_cache,
+                                            const at::Tensor& v_cache, const at::Tensor& page_table,
+                                            const at::Tensor& req_pool_indices, const at::Tensor& prefix_lens,
+                                            const at::Tensor& extend_lens, int64_t page_size);
 void delta_rule_prefill_core(const Rows& qs, const Rows& ks, const Rows& vs, const float* gp, int64_t g_row,
                              const float* bp, int64_t b_row, const GdnShapes& shapes, float* states, const Index& slots,
                              int64_t s_slot, int64_t s_head, const int64_t* bounds, int64_t batch, float sc,

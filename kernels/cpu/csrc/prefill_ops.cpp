@@ -7,11 +7,13 @@
 // state in L1/L2: one pass over the state per token, which decays and updates it for this token and reads it for
 // the next (S^T k and S^T q). That is 6 dk dv flops per token and head, fewer than the chunked form's.
 #include "common.h"
+#include "gemm.h"
 #include "ops.h"
 
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -98,6 +100,12 @@ inline void normalise_qk(const float* q, const float* k, int64_t dk, float scale
   }
 }
 
+}  // namespace
+
+// ---- gated delta rule over packed requests -----------------------------------------------------------------------
+
+namespace sgl_cpu {  // the ops (ops.h): the decode blocks take them too, batch invariant
+
 // Reads cu_seqlens (int32 or int64, [B + 1]) and checks that it splits `tokens` rows into B requests.
 std::vector<int64_t> request_bounds(const at::Tensor& cu_seqlens, int64_t batch, int64_t tokens) {
   Index cu(cu_seqlens, "cu_seqlens");
@@ -112,12 +120,6 @@ std::vector<int64_t> request_bounds(const at::Tensor& cu_seqlens, int64_t batch,
   }
   return bounds;
 }
-
-// ---- gated delta rule over packed requests -----------------------------------------------------------------------
-
-}  // namespace
-
-namespace sgl_cpu {  // the ops (ops.h): the decode blocks take them too, batch invariant
 
 // q, k [T, HK, dk]; v [T, HV, dv]; g, beta [T, HV]; ssm_states [S, HV, dk, dv] (float32, updated in place: each
 // request starts from its slot's state and leaves its final state there). Returns o [T, HV, dv].
@@ -264,9 +266,129 @@ void conv_prefill_core(const float* xs, int64_t x_row, int64_t tokens, int64_t d
   });
 }
 
+// ---- causal attention of a prefill's new tokens over the paged KV pool ------------------------------------------
+
+// Tokens of one request whose queries (with a KV head's group of query heads) a work item takes: their scores against
+// every key up to the last one's position sit in the thread's buffer.
+constexpr int64_t kQueryTokens = 32;
+// Positions whose keys are transposed together (as decode attention does).
+constexpr int64_t kExtendKeyTile = 16;
+
+// Request b's new tokens (rows [bounds[b], bounds[b + 1]) of qs, `heads` rows each) at positions prefix[b] + i attend
+// to its cached tokens [0, prefix[b] + i] (their keys and values already in the pool); the KV heads are shared by
+// groups of query heads. Per (request, KV head, block of kQueryTokens tokens): the keys up to the block's last
+// position gathered (transposed) with their values, scores = (scale q) K^T, the causal softmax, out = P V.
+// o [T, heads, hd] contiguous.
+void extend_attention_core(const Rows& qs, int64_t heads, int64_t hd, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const TokenTable& table, const Index& rows, const Index& prefix,
+                           const int64_t* bounds, int64_t batch, float scale, float* o) {
+  const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
+  const float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t k_slot = k_cache.stride(0), k_head = k_cache.stride(1);
+  const int64_t v_slot = v_cache.stride(0), v_head = v_cache.stride(1);
+  std::vector<std::array<int64_t, 3>> items;  // (request, KV head, first token of the block)
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i0 = 0; i0 < bounds[b + 1] - bounds[b]; i0 += kQueryTokens) {
+      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({b, h, i0});
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries, scores, keys, values, out;
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [b, h, i0] = items[item];
+      const int64_t n = std::min(kQueryTokens, bounds[b + 1] - bounds[b] - i0), rows_q = n * group;
+      const int64_t len = prefix[b] + i0 + n, row = rows[b], first = bounds[b] + i0;
+      queries.resize(rows_q * hd);
+      scores.resize(rows_q * len);
+      keys.resize(len * hd);
+      values.resize(len * hd);
+      out.resize(rows_q * hd);
+      for (int64_t i = 0; i < n; ++i) {  // row i * group + j: token first + i, query head h * group + j
+        for (int64_t j = 0; j < group; ++j) {
+          const float* src = qs[(first + i) * heads + h * group + j];
+          for (int64_t d = 0; d < hd; ++d) queries[(i * group + j) * hd + d] = src[d] * scale;
+        }
+      }
+      const float* tile[kExtendKeyTile];
+      for (int64_t t0 = 0; t0 < len; t0 += kExtendKeyTile) {
+        const int64_t m = std::min(kExtendKeyTile, len - t0);
+        for (int64_t t = 0; t < m; ++t) {
+          const int64_t slot = table(row, t0 + t);
+          tile[t] = kc + slot * k_slot + h * k_head;
+          std::copy_n(vc + slot * v_slot + h * v_head, hd, values.data() + (t0 + t) * hd);
+        }
+        for (int64_t d = 0; d < hd; ++d) {
+          float* column = keys.data() + d * len + t0;
+          for (int64_t t = 0; t < m; ++t) column[t] = tile[t][d];
+        }
+      }
+      matmul_wt(queries.data(), hd, rows_q, keys.data(), 1, len, len, hd, scores.data(), len);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t visible = prefix[b] + i0 + i + 1;  // keys up to the token's own position
+        for (int64_t j = 0; j < group; ++j) {
+          float* sc = scores.data() + (i * group + j) * len;
+          const float top = *std::max_element(sc, sc + visible);
+#pragma omp simd
+          for (int64_t t = 0; t < visible; ++t) sc[t] = vexp(sc[t] - top);
+          float total = 0.0f;
+          for (int64_t t = 0; t < visible; ++t) total += sc[t];
+          const float inv = 1.0f / total;
+          for (int64_t t = 0; t < visible; ++t) sc[t] *= inv;
+          std::fill(sc + visible, sc + len, 0.0f);
+        }
+      }
+      matmul_wt(scores.data(), len, rows_q, values.data(), 1, hd, hd, len, out.data(), hd);
+      for (int64_t i = 0; i < n; ++i) {
+        std::copy_n(out.data() + i * group * hd, group * hd, o + ((first + i) * heads + h * group) * hd);
+      }
+    }
+  });
+}
+
+// Checks a prefill's attention operands (as check_decode_attention, over every request's cached tokens including
+// the new ones) and returns the request bounds of the new tokens' rows.
+std::vector<int64_t> check_extend_attention(int64_t tokens, int64_t heads, int64_t hd, const at::Tensor& k_cache,
+                                            const at::Tensor& v_cache, const at::Tensor& page_table,
+                                            const at::Tensor& req_pool_indices, const at::Tensor& prefix_lens,
+                                            const at::Tensor& extend_lens, int64_t page_size) {
+  const int64_t batch = req_pool_indices.numel();
+  const Index prefix(prefix_lens, "prefix_lens"), extend(extend_lens, "extend_lens");
+  TORCH_CHECK(prefix_lens.numel() == batch && extend_lens.numel() == batch,
+              "prefix_lens and extend_lens must hold one entry per request");
+  std::vector<int64_t> bounds(batch + 1, 0), lens(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(prefix[b] >= 0 && extend[b] >= 0, "request ", b, " has prefix ", prefix[b], " and ", extend[b],
+                " new tokens");
+    bounds[b + 1] = bounds[b] + extend[b];
+    lens[b] = std::max<int64_t>(1, prefix[b] + extend[b]);  // (an empty request reads nothing)
+  }
+  TORCH_CHECK(bounds[batch] == tokens, "extend_lens sum to ", bounds[batch], ", the queries hold ", tokens, " tokens");
+  const at::Tensor seq_lens = at::from_blob(lens.data(), {batch}, at::TensorOptions().dtype(at::kLong));
+  check_decode_attention(batch, heads, hd, k_cache, v_cache, page_table, req_pool_indices, seq_lens, page_size);
+  return bounds;
+}
+
+// q [T, heads, hd] (float32, packed by request); the rest as extend_attention_core reads it. Returns [T, heads, hd].
+at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& page_table, const at::Tensor& req_pool_indices,
+                            const at::Tensor& prefix_lens, const at::Tensor& extend_lens, double scale,
+                            int64_t page_size) {
+  check_float(q, "q", 3);
+  const int64_t tokens = q.size(0), heads = q.size(1), hd = q.size(2);
+  const std::vector<int64_t> bounds = check_extend_attention(tokens, heads, hd, k_cache, v_cache, page_table,
+                                                             req_pool_indices, prefix_lens, extend_lens, page_size);
+  at::Tensor out = at::empty({tokens, heads, hd}, q.options());
+  extend_attention_core(Rows(q), heads, hd, k_cache, v_cache, TokenTable(page_table, page_size),
+                        Index(req_pool_indices, "req_pool_indices"), Index(prefix_lens, "prefix_lens"),
+                        bounds.data(), req_pool_indices.numel(), static_cast<float>(scale), out.data_ptr<float>());
+  return out;
+}
+
 }  // namespace sgl_cpu
 
 TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
+  m.def("extend_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor req_pool_indices, "
+        "Tensor prefix_lens, Tensor extend_lens, float scale, int page_size) -> Tensor");
   m.def("gated_delta_rule_prefill(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) ssm_states, "
         "Tensor state_indices, Tensor cu_seqlens, float scale, bool use_qk_l2norm) -> Tensor");
   m.def("causal_conv1d_prefill(Tensor x, Tensor weight, Tensor(a!) conv_states, Tensor state_indices, "
@@ -274,6 +396,7 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) {
+  m.impl("extend_attention", &sgl_cpu::extend_attention);
   m.impl("gated_delta_rule_prefill", &sgl_cpu::gated_delta_rule_prefill);
   m.impl("causal_conv1d_prefill", &sgl_cpu::causal_conv1d_prefill);
 }
