@@ -16,6 +16,7 @@ from sglang_lite.config import ModelConfig, quantization_config_in_use, shard_si
 from sglang_lite.distributed import DPTokens, get_parallel_state, world_all_reduce
 from sglang_lite.forward_batch import ForwardBatch
 from sglang_lite.kernels import cpu as cpu_kernels
+from sglang_lite.kernels.cpu import MOE_CHUNK_TOKENS
 from sglang_lite.layers.attention import Qwen3_5Attention
 from sglang_lite.layers.gdn import Qwen3_5GatedDeltaNet
 from sglang_lite.layers.linear import Linear, Split, quant_block, weight_of
@@ -73,8 +74,8 @@ class Qwen3_5DecoderLayer(nn.Module):
         self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         mixer = getattr(self, self.mixer_name)
-        # the C++ blocks (decode_blocks.py) run this forward's layers
-        blocks = self.blocks_ready and batch.dp_tokens is None
+        # the C++ blocks (decode_blocks.py) run this forward's layers (more tokens: the modules, the MoE chunked)
+        blocks = self.blocks_ready and batch.dp_tokens is None and len(hidden) <= MOE_CHUNK_TOKENS
         if blocks and mixer.takes_prefill_block(batch):  # the input norm and the mixer: one call
             hidden, residual = mixer.decode_block(hidden, residual, batch, cpu_kernels.bf16_dot())
         elif residual is None:
@@ -82,7 +83,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
             hidden = mixer(hidden, batch)
-        if blocks and len(hidden) <= cpu_kernels.MOE_CHUNK_TOKENS:  # more: the modules', chunked
+        if blocks:
             hidden, residual = self.mlp.decode_block(hidden, residual, cpu_kernels.bf16_dot())
             return world_all_reduce(hidden), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)

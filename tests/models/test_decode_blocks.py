@@ -14,6 +14,7 @@ from sglang_lite.kernels import cpu
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.model_executor.decode_blocks import enable_decode_blocks
 from sglang_lite.model_executor.weight_layout import store_input_major
+from sglang_lite.models import qwen3_5
 from tests.hf_checkpoints import make_hf_model, save_checkpoint
 from tests.kernels.utils import assert_rel_close
 
@@ -126,12 +127,15 @@ def _chunked_prefill(model: torch.nn.Module) -> tuple[list[torch.Tensor], ModelP
     return out, pools
 
 
-@pytest.mark.parametrize("weights", ["float32", "bf16"])
-def test_prefill_blocks_continue_a_chunked_prefill(tmp_path, monkeypatch, weights):
-    """With the blocks on, a prefill's GDN layers (input norm to out_proj) and every MLP half run as their C++
-    blocks over the requests' tokens: a chunk that continues a prompt starts from the states the last one left, and
-    computes what the modules compute."""
+@pytest.mark.parametrize("weights, most_tokens", [("float32", None), ("bf16", None), ("bf16", 25)])
+def test_prefill_blocks_continue_a_chunked_prefill(tmp_path, monkeypatch, weights, most_tokens):
+    """With the blocks on, a prefill's layers run as their C++ blocks over the requests' tokens (the mixers from
+    the input norm on, every MLP half): a chunk that continues a prompt starts from the states and keys the last one
+    left, and computes what the modules compute. A forward of more tokens than the blocks take runs the modules
+    (``most_tokens``: the first chunk's 37 tokens then, the second's 21 through the blocks)."""
     monkeypatch.setenv("SGLANG_CPU_BF16_DOT", "widen")
+    if most_tokens is not None:
+        monkeypatch.setattr(qwen3_5, "MOE_CHUNK_TOKENS", most_tokens)
     path = save_checkpoint(make_hf_model(moe=True, seed=4), str(tmp_path))
     load = dict(weight_dtype=torch.bfloat16 if weights == "bf16" else None)
     model = _model(path, blocks=True, **load)
@@ -139,9 +143,9 @@ def test_prefill_blocks_continue_a_chunked_prefill(tmp_path, monkeypatch, weight
     monkeypatch.setattr(cpu, "gdn_decode_block", _counting(cpu.gdn_decode_block, calls))
     got, got_pools = _chunked_prefill(model)
     gdn_layers = sum(layer.mixer_name == "linear_attn" for layer in model.model.layers)
-    assert len(calls) == 2 * gdn_layers and all(
-        c is not None for c in calls
-    )  # cu_seqlens: prefills
+    chunks_in_blocks = 2 if most_tokens is None else 1
+    assert len(calls) == chunks_in_blocks * gdn_layers
+    assert all(c is not None for c in calls)  # cu_seqlens: prefills
     want, want_pools = _chunked_prefill(_model(path, blocks=False, **load))
     for chunk, (g, w) in enumerate(zip(got, want)):
         assert_rel_close(g, w, torch.float32, f"logits of chunk {chunk}")
