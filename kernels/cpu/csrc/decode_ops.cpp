@@ -299,20 +299,53 @@ int64_t check_decode_attention(int64_t batch, int64_t heads, int64_t hd, const a
   return longest;
 }
 
+// Positions whose keys gather_keys_values transposes together.
+constexpr int64_t kKeyTile = 16;
+
+// The first `len` cached tokens of KV head h of page-table row `row`: keys transposed into keys [hd, len] (both
+// attention products then run along contiguous rows) and values into values [len, hd]. A tile of positions at a
+// time: its key rows stay in L1 while each of their columns is written out as one run (a position at a time wrote
+// every one of its elements to another line, and took most of a decode layer's attention at context ~300).
+void gather_keys_values(const at::Tensor& k_cache, const at::Tensor& v_cache, const TokenTable& table, int64_t row,
+                        int64_t h, int64_t len, float* keys, float* values) {
+  const int64_t hd = k_cache.size(2);
+  const float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t k_slot = k_cache.stride(0), k_head = k_cache.stride(1);
+  const int64_t v_slot = v_cache.stride(0), v_head = v_cache.stride(1);
+  const float* tile[kKeyTile];
+  for (int64_t t0 = 0; t0 < len; t0 += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, len - t0);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t slot = table(row, t0 + t);
+      tile[t] = kc + slot * k_slot + h * k_head;
+      std::copy_n(vc + slot * v_slot + h * v_head, hd, values + (t0 + t) * hd);
+    }
+    for (int64_t d = 0; d < hd; ++d) {
+      float* column = keys + d * len + t0;
+      for (int64_t t = 0; t < n; ++t) column[t] = tile[t][d];
+    }
+  }
+}
+
+// s[0:n] = softmax(s[0:n]), in place.
+void softmax_in_place(float* s, int64_t n) {
+  const float top = *std::max_element(s, s + n);
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) s[t] = vexp(s[t] - top);
+  float total = 0.0f;
+  for (int64_t t = 0; t < n; ++t) total += s[t];
+  const float inv = 1.0f / total;
+  for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+}
+
 // One query per request (rows b * heads + h of qs) over its first seq_lens[b] cached tokens; the KV heads are shared
 // by groups of query heads. Per (request, KV head): its keys and values are gathered into contiguous rows, then
 // scores = (scale q) K^T and out = softmax(scores) V run as two small blocked matmuls over the group's query heads.
 // out [batch, heads, hd] contiguous.
-// Positions whose keys decode_attention_core transposes together.
-constexpr int64_t kKeyTile = 16;
-
 void decode_attention_core(const Rows& qs, int64_t batch, int64_t heads, int64_t hd, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const TokenTable& table, const Index& rows,
                            const Index& lens, int64_t longest, float scale, float* o) {
   const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
-  const float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
-  const int64_t k_slot = k_cache.stride(0), k_head = k_cache.stride(1);
-  const int64_t v_slot = v_cache.stride(0), v_head = v_cache.stride(1);
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries(group * hd), scores(group * longest), keys(longest * hd), values(longest * hd);
     for (int64_t i = begin; i < end; ++i) {
@@ -321,33 +354,9 @@ void decode_attention_core(const Rows& qs, int64_t batch, int64_t heads, int64_t
         const float* src = qs[b * heads + h * group + j];
         for (int64_t d = 0; d < hd; ++d) queries[j * hd + d] = src[d] * scale;
       }
-      // keys transposed ([hd, len]): both products run along contiguous rows. A tile of positions at a time: its
-      // key rows stay in L1 while each of their columns is written out as one run (a position at a time wrote
-      // every one of its elements to another line, and took most of a decode layer's attention at context ~300)
-      const float* tile[kKeyTile];
-      for (int64_t t0 = 0; t0 < len; t0 += kKeyTile) {
-        const int64_t n = std::min(kKeyTile, len - t0);
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t slot = table(row, t0 + t);
-          tile[t] = kc + slot * k_slot + h * k_head;
-          std::copy_n(vc + slot * v_slot + h * v_head, hd, values.data() + (t0 + t) * hd);
-        }
-        for (int64_t d = 0; d < hd; ++d) {
-          float* column = keys.data() + d * len + t0;
-          for (int64_t t = 0; t < n; ++t) column[t] = tile[t][d];
-        }
-      }
+      gather_keys_values(k_cache, v_cache, table, row, h, len, keys.data(), values.data());
       matmul_wt(queries.data(), hd, group, keys.data(), 1, len, len, hd, scores.data(), len);
-      for (int64_t j = 0; j < group; ++j) {
-        float* s = scores.data() + j * len;
-        const float top = *std::max_element(s, s + len);
-#pragma omp simd
-        for (int64_t t = 0; t < len; ++t) s[t] = vexp(s[t] - top);
-        float total = 0.0f;
-        for (int64_t t = 0; t < len; ++t) total += s[t];
-        const float inv = 1.0f / total;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
+      for (int64_t j = 0; j < group; ++j) softmax_in_place(scores.data() + j * len, len);
       matmul_wt(scores.data(), len, group, values.data(), 1, hd, hd, len, o + (b * heads + h * group) * hd, hd);
     }
   });

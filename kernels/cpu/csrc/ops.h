@@ -43,6 +43,9 @@ struct TokenTable {
 int64_t check_decode_attention(int64_t batch, int64_t heads, int64_t hd, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& page_table,
                                const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, int64_t page_size);
+void gather_keys_values(const at::Tensor& k_cache, const at::Tensor& v_cache, const TokenTable& table, int64_t row,
+                        int64_t h, int64_t len, float* keys, float* values);
+void softmax_in_place(float* s, int64_t n);
 void decode_attention_core(const Rows& qs, int64_t batch, int64_t heads, int64_t hd, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const TokenTable& table, const Index& rows,
                            const Index& lens, int64_t longest, float scale, float* o);

@@ -271,8 +271,6 @@ void conv_prefill_core(const float* xs, int64_t x_row, int64_t tokens, int64_t d
 // Tokens of one request whose queries (with a KV head's group of query heads) a work item takes: their scores against
 // every key up to the last one's position sit in the thread's buffer.
 constexpr int64_t kQueryTokens = 32;
-// Positions whose keys are transposed together (as decode attention does).
-constexpr int64_t kExtendKeyTile = 16;
 
 // Request b's new tokens (rows [bounds[b], bounds[b + 1]) of qs, `heads` rows each) at positions prefix[b] + i attend
 // to its cached tokens [0, prefix[b] + i] (their keys and values already in the pool); the KV heads are shared by
@@ -283,9 +281,6 @@ void extend_attention_core(const Rows& qs, int64_t heads, int64_t hd, const at::
                            const at::Tensor& v_cache, const TokenTable& table, const Index& rows, const Index& prefix,
                            const int64_t* bounds, int64_t batch, float scale, float* o) {
   const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
-  const float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
-  const int64_t k_slot = k_cache.stride(0), k_head = k_cache.stride(1);
-  const int64_t v_slot = v_cache.stride(0), v_head = v_cache.stride(1);
   std::vector<std::array<int64_t, 3>> items;  // (request, KV head, first token of the block)
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t i0 = 0; i0 < bounds[b + 1] - bounds[b]; i0 += kQueryTokens) {
@@ -309,31 +304,13 @@ void extend_attention_core(const Rows& qs, int64_t heads, int64_t hd, const at::
           for (int64_t d = 0; d < hd; ++d) queries[(i * group + j) * hd + d] = src[d] * scale;
         }
       }
-      const float* tile[kExtendKeyTile];
-      for (int64_t t0 = 0; t0 < len; t0 += kExtendKeyTile) {
-        const int64_t m = std::min(kExtendKeyTile, len - t0);
-        for (int64_t t = 0; t < m; ++t) {
-          const int64_t slot = table(row, t0 + t);
-          tile[t] = kc + slot * k_slot + h * k_head;
-          std::copy_n(vc + slot * v_slot + h * v_head, hd, values.data() + (t0 + t) * hd);
-        }
-        for (int64_t d = 0; d < hd; ++d) {
-          float* column = keys.data() + d * len + t0;
-          for (int64_t t = 0; t < m; ++t) column[t] = tile[t][d];
-        }
-      }
+      gather_keys_values(k_cache, v_cache, table, row, h, len, keys.data(), values.data());
       matmul_wt(queries.data(), hd, rows_q, keys.data(), 1, len, len, hd, scores.data(), len);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t visible = prefix[b] + i0 + i + 1;  // keys up to the token's own position
         for (int64_t j = 0; j < group; ++j) {
           float* sc = scores.data() + (i * group + j) * len;
-          const float top = *std::max_element(sc, sc + visible);
-#pragma omp simd
-          for (int64_t t = 0; t < visible; ++t) sc[t] = vexp(sc[t] - top);
-          float total = 0.0f;
-          for (int64_t t = 0; t < visible; ++t) total += sc[t];
-          const float inv = 1.0f / total;
-          for (int64_t t = 0; t < visible; ++t) sc[t] *= inv;
+          softmax_in_place(sc, visible);
           std::fill(sc + visible, sc + len, 0.0f);
         }
       }
