@@ -146,24 +146,23 @@ void project_experts(const std::vector<int64_t>& hit, const Routing& routing, co
   const int64_t hits = static_cast<int64_t>(hit.size());
   const bool longer = pairs != nullptr && wide && hits * (width / 256) >= 4 * at::get_num_threads();
   const int64_t block = longer ? 256 : (wide ? 128 : 64), blocks = std::max<int64_t>(1, width / block);
+  const auto block_end = [&](int64_t j) { return j + 1 == blocks ? width : (j + 1) * block; };  // the last: the rest
   at::parallel_for(0, hits * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t e = hit[item / blocks], j = item % blocks, first = routing.starts[e], count = routing.rows(e);
-      const int64_t n0 = j * block, n1 = j + 1 == blocks ? width : n0 + block;
+      const int64_t n0 = j * block, n1 = block_end(j);
       const float* a = in + first * lda;
       float* c = out + first * width;
       const WeightScales scales = w.scales(e);
       if (!wide && item + 1 < end) {
-        const int64_t next_j = (item + 1) % blocks, next_n0 = next_j * block;
-        prefetch_expert_block(w, hit[(item + 1) / blocks], next_n0, next_j + 1 == blocks ? width : next_n0 + block,
-                              depth);
+        const int64_t next_j = (item + 1) % blocks;
+        prefetch_expert_block(w, hit[(item + 1) / blocks], next_j * block, block_end(next_j), depth);
       }
       // this thread's later blocks of a one-row expert join this one: one pass over whole weight rows
       const int64_t last_j = std::min(end, item - j + blocks) - 1 - (item - j);  // this thread's last block of e
       if (wide && count == 1 && last_j > j) {
-        const int64_t run_end = last_j + 1 == blocks ? width : (last_j + 1) * block;  // as n1 of that block
         if (one_row_expert_run<W>(pairs == nullptr ? nullptr : pairs->row(first), depth, w.of(e), w.row_stride, n0,
-                                  run_end, bf16_dot, c)) {
+                                  block_end(last_j), bf16_dot, c)) {
           item += last_j - j;
           continue;
         }
