@@ -155,10 +155,11 @@ SGLANG_CPU_BF16_DOT = EnvChoice(
     "SGLANG_CPU_BF16_DOT",
     "auto",
     ("auto", "widen", "dot"),
-    "bf16 weights in the C++ CPU kernels: auto takes AVX512-BF16's vdpbf16ps (activations rounded to bf16) for one "
-    "or two rows where the CPU has it, and for more rows where it runs vdpbf16ps at 1.5x the float32 FMA's products "
-    "or more (measured once per process); widen widens every weight to float32 in registers, float32 "
-    "activations (the path of CPUs without it); dot takes vdpbf16ps at every row count.",
+    "bf16 weights in the C++ CPU kernels: auto widens products of up to 8 rows (bound by reading the weights) and "
+    "takes AVX512-BF16's vdpbf16ps (activations rounded to bf16) for more rows where the CPU has it and runs it at "
+    "the float32 FMA's products a second or more (measured once per process); widen widens every weight to "
+    "float32 in registers, float32 activations (the path of CPUs without it); dot takes vdpbf16ps at every row "
+    "count.",
 )
 TRITON_INTERPRET = EnvBool(
     "TRITON_INTERPRET",

@@ -288,7 +288,7 @@ def has_dpbf16() -> bool:
 
 def bf16_dot_speed() -> float:
     """vdpbf16ps's products per second over the float32 FMA's on this CPU, measured once per process (0 without
-    the instruction): auto takes vdpbf16ps for more than two rows where this is 1 or more."""
+    the instruction): auto takes vdpbf16ps for more than 8 rows where this is 1 or more."""
     return float(_ops().bf16_dot_speed())
 
 

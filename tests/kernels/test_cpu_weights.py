@@ -90,15 +90,16 @@ def test_linear_bf16_activation_precision(bf16_dot, rows):
 
 
 def test_which_products_take_vdpbf16ps():
-    """widen: none; dot: every row count where the CPU has the instruction; auto: one or two rows where it has it,
-    more where it runs vdpbf16ps at the FMA's products per second or more (measured once: 0 without the instruction)."""
+    """widen: none; dot: every row count where the CPU has the instruction; auto: none up to 8 rows (products bound
+    by reading the weight, which the widened ones read faster), more where the CPU has it and runs vdpbf16ps at the
+    FMA's products per second or more (measured once: 0 without the instruction)."""
     have, speed = cpu.has_dpbf16(), cpu.bf16_dot_speed()
     assert (speed > 0) == have
     modes = cpu.BF16_DOT_MODES
-    for rows in (1, 2, 3, 33, 300):
+    for rows in (1, 2, 3, 8, 9, 33, 300):
         assert not cpu.bf16_dot_takes(rows, modes["widen"])
         assert cpu.bf16_dot_takes(rows, modes["dot"]) == have
-        assert cpu.bf16_dot_takes(rows, modes["auto"]) == (have and (rows <= 2 or speed >= 1.0))
+        assert cpu.bf16_dot_takes(rows, modes["auto"]) == (have and rows > 8 and speed >= 1.0)
 
 
 def _fp8_weight(n: int, k: int, seed: int, stack: int | None = None):

@@ -234,11 +234,43 @@ void one_row_times_columns(const float* x, const typename W::T* Wp, int64_t ldw,
   for (int v = 0; v < NV; ++v) store16(y + 16 * v, acc[v]);
 }
 
-// y[0:n] += x W[:, 0:n] for one row x and n (a multiple of 16) columns of an unscaled weight, K rows: four weight
-// rows at a time, each read whole as one run of n elements, the accumulators y itself (in L1 or L2).
+// Widest run of columns whose sums stay in L1 (8 KB of float32) while one weight row at a time passes through them.
+constexpr int64_t kRowRunColumns = 2048;
+
+// C[t, 0:n] += sum_k A[t, k] W[k, 0:n] for M rows of A (one or two) and n (a multiple of 16, at most kRowRunColumns)
+// columns of an unscaled weight: one weight row at a time, read whole, so that a weight whose rows are n elements
+// apart streams in address order (from memory 1.5-1.8x the speed of four rows at a time or of blocks of columns, on
+// AVX2 and AVX-512: docs/performance.md). Each column sums its products in k order, as the other products do.
+template <class W, int TM>
+void rows_add_weight_rows(const float* A, int64_t lda, const typename W::T* Wp, int64_t ldw, int64_t K, int64_t n,
+                          float* C, int64_t ldc) {
+  static_assert(!W::kScaled, "scaled weights take their block scales per 128 columns");
+  for (int64_t k = 0; k < K; ++k) {
+    const typename W::T* w = Wp + k * ldw;
+    for (int64_t j = 0; j < n; j += 16) {
+      const vec16 wk = W::load(w + j);
+#pragma GCC unroll 2
+      for (int t = 0; t < TM; ++t) store16(C + t * ldc + j, load16(C + t * ldc + j) + A[t * lda + k] * wk);
+    }
+  }
+}
+
+template <class W>
+void rows_add_weight_rows(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw, int64_t K,
+                          int64_t n, float* C, int64_t ldc) {
+  TORCH_CHECK(M == 1 || M == 2, "a weight's rows read whole take one or two rows of activations, got ", M);
+  if (M == 1) return rows_add_weight_rows<W, 1>(A, lda, Wp, ldw, K, n, C, ldc);
+  rows_add_weight_rows<W, 2>(A, lda, Wp, ldw, K, n, C, ldc);
+}
+
+// y[0:n] += x W[:, 0:n] for one row x and n (a multiple of 16) columns of an unscaled weight, K rows, each read whole
+// as one run of n elements, the accumulators y itself: up to kRowRunColumns one row at a time (above); wider, four
+// rows at a time, which reads y (in L2 then) a quarter as often (an LM head of 32000 columns: 1.6x the speed of one
+// row at a time).
 template <class W>
 void one_row_add_long_run(const float* x, const typename W::T* Wp, int64_t ldw, int64_t K, int64_t n, float* y) {
   static_assert(!W::kScaled, "scaled weights take their block scales per 128 columns");
+  if (n <= kRowRunColumns) return rows_add_weight_rows<W>(x, 0, 1, Wp, ldw, K, n, y, 0);
   int64_t k = 0;
   for (; k + 4 <= K; k += 4) {
     const float a0 = x[k], a1 = x[k + 1], a2 = x[k + 2], a3 = x[k + 3];
@@ -657,15 +689,20 @@ inline double bf16_dot_speed() {
 // where a busy VM once read 1.33 (an earlier threshold of 1.5 then flipped the choice from one process to the next).
 constexpr double kDotSpeedForManyRows = 1.0;
 
-// Whether a bf16 product of `rows` rows takes vdpbf16ps under `mode`. auto: one or two rows always (a product bound
-// by reading the weight, where it issues half the instructions of widening), more where the CPU's speed reaches
-// kDotSpeedForManyRows (widening runs more rows at the FMA's rate; the figures: docs/performance.md). Batch
-// invariant, auto takes it at every row count: a choice by the CPU's features alone, never by a timing, which
+// Rows up to which auto widens bf16 weights on every CPU: such products are bound by reading the weight, and the
+// widened products read it as whole rows in address order (one_row_add_long_run, rows_add_weight_rows), 1.25-1.5x
+// the speed of vdpbf16ps's long runs from memory on AMD Zen 4 (docs/performance.md). A verify step's rows (up to
+// this many) then compute what one row does.
+constexpr int64_t kWidenedRows = 8;
+
+// Whether a bf16 product of `rows` rows takes vdpbf16ps under `mode`. auto: above kWidenedRows rows, where the CPU's
+// speed reaches kDotSpeedForManyRows (widening runs more rows at the FMA's rate; the figures: docs/performance.md).
+// Batch invariant, auto takes it at every row count: a choice by the CPU's features alone, never by a timing, which
 // could read differently in another process (a DP rank).
 inline bool bf16_dot_for(int64_t mode, int64_t rows) {
   if (!kHaveDpbf16 || mode == kBf16Widen) return false;
   if (mode == kBf16Dot || batch_invariant()) return true;
-  return rows <= 2 || bf16_dot_speed() >= kDotSpeedForManyRows;
+  return rows > kWidenedRows && bf16_dot_speed() >= kDotSpeedForManyRows;
 }
 
 // C[:, n0:n1] = A W[:, n0:n1] for bf16 weights: blocks of 32 columns through vdpbf16ps from the rows' bf16 pairs

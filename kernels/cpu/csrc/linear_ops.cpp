@@ -44,14 +44,15 @@ void one_row_bf16_dp(const float*, int64_t, const uint16_t*, int64_t, int64_t, f
 }
 #endif
 
-// One row through a wide unscaled weight (N >= kSplitKColumns: GDN input projections, LM heads): each thread takes a
-// range of K, reading its weight rows whole, as one stream (a copy's pattern), into its own float32 sums of every
-// column, which are added at the end. From memory, 6144 columns ran 10-25% faster than in column blocks (whose rows
-// are a whole row apart), 3072 the same or up to 10% faster, 1024 no faster, on AVX2 and AVX-512 alike
-// (docs/performance.md). More rows through such a weight take the same parts of K, each part's sums in k order and
-// the parts added in order: a row's values do not depend on how many rows came with it (a speculative verify step
-// computes what a decode step does). Batch invariant (no split: the parts follow the threads): the column blocks.
-constexpr int64_t kSplitKColumns = 3072;
+// One row through an unscaled weight of kSplitKColumns columns or more (every projection but gates and routers):
+// each thread takes a range of K, reading its weight rows whole, in address order (a copy's pattern), into its own
+// float32 sums of every column, which are added at the end. Column blocks, whose rows are a whole row apart, read
+// memory at ~20 GB/s on this project's AMD EPYC; a thread's range of whole rows at 28-37 (a 512 x 512 bf16 weight
+// 1.5x as fast, an LM head of 32000 columns 1.4x; docs/performance.md). More rows through such a weight take the
+// same parts of K, each part's sums in k order and the parts added in order: a row's values do not depend on how
+// many rows came with it (a speculative verify step computes what a decode step does). Batch invariant (no split:
+// the parts follow the threads): the column blocks.
+constexpr int64_t kSplitKColumns = 128;
 
 int64_t split_k_parts(int64_t K) { return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), K / 64)); }
 
@@ -120,10 +121,10 @@ template <class W>
 void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, int64_t N,
                    const WeightScales& sc, int64_t bf16_dot, float* o) {
   int64_t n = 0;
-  // One row reads each weight once, from memory: blocks of 512 columns (128 where that leaves too few blocks for
-  // the threads, or the weight has 128-column scale blocks) stream runs of 4 weight rows at a time; register-blocked
-  // 32-column blocks, reading short runs far apart, fell below MKL (docs/performance.md). (Long runs of a thread's
-  // blocks, as one_row_bf16_dp reads them, ran 0-20% slower widened on AVX2: kept for vdpbf16ps only.)
+  // One row of a narrower or scaled weight (or batch invariant) reads each weight once, from memory: blocks of 512
+  // columns (128 where that leaves too few blocks for the threads, or the weight has 128-column scale blocks) stream
+  // runs of 4 weight rows at a time; register-blocked 32-column blocks, reading short runs far apart, fell below MKL
+  // (docs/performance.md).
   const bool dot = std::is_same_v<W, Bf16Weight> && bf16_dot_for(bf16_dot, M);
   if constexpr (!W::kScaled) {
     if (N >= kSplitKColumns && K >= 128 && !dot && !batch_invariant()) {
