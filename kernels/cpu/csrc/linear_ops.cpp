@@ -50,9 +50,13 @@ void one_row_bf16_dp(const float*, int64_t, const uint16_t*, int64_t, int64_t, f
 // memory at ~20 GB/s on this project's AMD EPYC; a thread's range of whole rows at 28-37 (a 512 x 512 bf16 weight
 // 1.5x as fast, an LM head of 32000 columns 1.4x; docs/performance.md). More rows through such a weight take the
 // same parts of K, each part's sums in k order and the parts added in order: a row's values do not depend on how
-// many rows came with it (a speculative verify step computes what a decode step does). Batch invariant (no split:
-// the parts follow the threads): the column blocks.
+// many rows came with it (a speculative verify step computes what a decode step does) up to kSplitKRows rows, and
+// for weights of kWideSplitKColumns or more at every row count. Above kSplitKRows, narrower weights take the column
+// blocks (a prefill's: the 32 x 128-token prefill at the mid shape ran 10% slower on AVX2 in panels through the
+// parts). Batch invariant (no split: the parts follow the threads): the column blocks.
 constexpr int64_t kSplitKColumns = 128;
+constexpr int64_t kWideSplitKColumns = 3072;
+constexpr int64_t kSplitKRows = 64;
 
 int64_t split_k_parts(int64_t K) { return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), K / 64)); }
 
@@ -127,7 +131,8 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
   // (docs/performance.md).
   const bool dot = std::is_same_v<W, Bf16Weight> && bf16_dot_for(bf16_dot, M);
   if constexpr (!W::kScaled) {
-    if (N >= kSplitKColumns && K >= 128 && !dot && !batch_invariant()) {
+    if ((N >= kWideSplitKColumns || (N >= kSplitKColumns && M <= kSplitKRows)) && K >= 128 && !dot &&
+        !batch_invariant()) {
       if (M == 1) return one_row_split_k<W>(xs, K, w, ldw, N, o);
       return rows_split_k<W>(xs, lda, M, K, w, ldw, N, o);
     }
