@@ -140,6 +140,24 @@ def _experts(dtype: torch.dtype, experts: int, hidden: int, inter: int):
     return _input_major(w13.to(dtype)), _input_major(w2.to(dtype)), {}
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_whole_experts_of_one_or_two_rows_match_their_blocks(dtype, monkeypatch):
+    """Experts of one or two rows, at least one a thread, run whole (each thread reads its experts' weight rows one
+    at a time); the same tokens among others that give each expert more rows run in blocks of columns. Both add
+    each output's k terms in k order: the same bits."""
+    monkeypatch.setenv("SGLANG_CPU_BF16_DOT", "widen")
+    experts, top_k, hidden, inter = 6, 2, 256, 128
+    w13, w2, scales = _experts(dtype, experts, hidden, inter)
+    x = _randn(12, hidden, seed=7)
+    # tokens 0 and 1 share experts 0 and 1 (two rows each); every later token hits them too
+    ids = torch.tensor([[0, 1]] * 12)
+    ids[0] = torch.tensor([0, 2])  # expert 2: one row, while tokens 0-1 run alone
+    weights = torch.softmax(_randn(12, top_k, seed=8), dim=-1)
+    alone = fused_moe(x[:2], w13, w2, weights[:2], ids[:2], **scales)
+    crowded = fused_moe(x, w13, w2, weights, ids, **scales)[:2]
+    assert torch.equal(alone, crowded), (alone - crowded).abs().max().item()
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16, FP8])
 @pytest.mark.parametrize("switch", [True, False])
 def test_moe_token_is_batch_invariant(dtype, switch):
