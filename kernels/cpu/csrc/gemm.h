@@ -239,8 +239,8 @@ constexpr int64_t kRowRunColumns = 2048;
 
 // C[t, 0:n] += sum_k A[t, k] W[k, 0:n] for M rows of A (one or two) and n (a multiple of 16, at most kRowRunColumns)
 // columns of an unscaled weight: one weight row at a time, read whole, so that a weight whose rows are n elements
-// apart streams in address order (from memory 1.5-1.8x the speed of four rows at a time or of blocks of columns, on
-// AVX2 and AVX-512: docs/performance.md). Each column sums its products in k order, as the other products do.
+// apart streams in address order (from memory 1.3-1.7x the column blocks' speed up to 1024 columns, on AVX2 and
+// AVX-512: docs/performance.md). Each column sums its products in k order, as the other products do.
 template <class W, int TM>
 void rows_add_weight_rows(const float* A, int64_t lda, const typename W::T* Wp, int64_t ldw, int64_t K, int64_t n,
                           float* C, int64_t ldc) {
@@ -265,8 +265,8 @@ void rows_add_weight_rows(const float* A, int64_t lda, int64_t M, const typename
 
 // y[0:n] += x W[:, 0:n] for one row x and n (a multiple of 16) columns of an unscaled weight, K rows, each read whole
 // as one run of n elements, the accumulators y itself: up to kRowRunColumns one row at a time (above); wider, four
-// rows at a time, which reads y (in L2 then) a quarter as often (an LM head of 32000 columns: 1.6x the speed of one
-// row at a time).
+// rows at a time, which reads y (in L2 then) a quarter as often (an LM head of 32000 columns: 1.2-1.7x the speed of
+// one row at a time).
 template <class W>
 void one_row_add_long_run(const float* x, const typename W::T* Wp, int64_t ldw, int64_t K, int64_t n, float* y) {
   static_assert(!W::kScaled, "scaled weights take their block scales per 128 columns");
@@ -691,8 +691,8 @@ constexpr double kDotSpeedForManyRows = 1.0;
 
 // Rows up to which auto widens bf16 weights on every CPU: such products are bound by reading the weight, and the
 // widened products read it as whole rows in address order (one_row_add_long_run, rows_add_weight_rows), 1.25-1.5x
-// the speed of vdpbf16ps's long runs from memory on AMD Zen 4 (docs/performance.md). A verify step's rows (up to
-// this many) then compute what one row does.
+// the speed of vdpbf16ps's long runs from memory on AMD Zen 4 up to 1024 columns (docs/performance.md). A verify
+// step's rows (up to this many) then compute what one row does.
 constexpr int64_t kWidenedRows = 8;
 
 // Whether a bf16 product of `rows` rows takes vdpbf16ps under `mode`. auto: above kWidenedRows rows, where the CPU's

@@ -47,8 +47,8 @@ void one_row_bf16_dp(const float*, int64_t, const uint16_t*, int64_t, int64_t, f
 // One row through an unscaled weight of kSplitKColumns columns or more (every projection but gates and routers):
 // each thread takes a range of K, reading its weight rows whole, in address order (a copy's pattern), into its own
 // float32 sums of every column, which are added at the end. Column blocks, whose rows are a whole row apart, read
-// memory at ~20 GB/s on this project's AMD EPYC; a thread's range of whole rows at 28-37 (a 512 x 512 bf16 weight
-// 1.5x as fast, an LM head of 32000 columns 1.4x; docs/performance.md). More rows through such a weight take the
+// memory at ~20 GB/s on this project's AMD EPYC; a thread's range of whole rows at 23-38 (a 512 x 512 bf16 weight
+// 1.3-1.7x as fast, an LM head of 32000 columns 1.4x; docs/performance.md). More rows through such a weight take the
 // same parts of K, each part's sums in k order and the parts added in order: a row's values do not depend on how
 // many rows came with it (a speculative verify step computes what a decode step does) up to kSplitKRows rows, and
 // for weights of kWideSplitKColumns or more at every row count. Above kSplitKRows, narrower weights take the column

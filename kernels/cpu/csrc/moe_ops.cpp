@@ -134,7 +134,7 @@ void prefetch_expert_block(const Experts<W>& w, int64_t e, int64_t n0, int64_t n
 // one (a prefill's experts come from memory or L3: the 128-token MoE of 32 experts, H 512, I 128 ran 7% faster on
 // AVX2). Widened one- or two-row experts, at least one for each thread, skip the blocks: each thread takes whole
 // experts and reads their weight rows whole, one after another (gemm.h's rows_add_weight_rows: one stream of the
-// expert's bytes in address order, from memory 1.8-2x the blocks' speed, the same values). `pairs`: the rows as
+// expert's bytes in address order, from memory 1.8-2.1x the blocks' speed, the same values). `pairs`: the rows as
 // bf16 pairs, for the experts that take vdpbf16ps (bf16 weights, gemm.h's bf16_dot_for), else null.
 template <class W>
 void project_experts(const std::vector<int64_t>& hit, const Routing& routing, const float* in, int64_t lda,
