@@ -6,7 +6,7 @@ split of K included), the fused MoE (experts of more rows than MKL's threshold i
 against decode attention over the same keys; a decode token's conv and delta rule against a prompt token's, and the
 decode blocks' elementwise steps the modules take then. Without it, the products a speculative verify step shares with a
 decode step (a few rows against one) still agree: every product adds its k terms in k order whatever its tile, and
-wide weights split K the same way at every row count.
+weights of 128+ columns split K the same way up to 64 rows (3072+ columns at every row count).
 """
 
 from __future__ import annotations

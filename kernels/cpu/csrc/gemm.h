@@ -690,7 +690,7 @@ inline double bf16_dot_speed() {
 constexpr double kDotSpeedForManyRows = 1.0;
 
 // Rows up to which auto widens bf16 weights on every CPU: such products are bound by reading the weight, and the
-// widened products read it as whole rows in address order (one_row_add_long_run, rows_add_weight_rows), 1.25-1.5x
+// widened products read it as whole rows in address order (one_row_add_long_run, rows_add_weight_rows), 1.2-1.5x
 // the speed of vdpbf16ps's long runs from memory on AMD Zen 4 up to 1024 columns (docs/performance.md). A verify
 // step's rows (up to this many) then compute what one row does.
 constexpr int64_t kWidenedRows = 8;

@@ -48,12 +48,12 @@ void one_row_bf16_dp(const float*, int64_t, const uint16_t*, int64_t, int64_t, f
 // each thread takes a range of K, reading its weight rows whole, in address order (a copy's pattern), into its own
 // float32 sums of every column, which are added at the end. Column blocks, whose rows are a whole row apart, read
 // memory at ~20 GB/s on this project's AMD EPYC; a thread's range of whole rows at 23-38 (a 512 x 512 bf16 weight
-// 1.3-1.7x as fast, an LM head of 32000 columns 1.4x; docs/performance.md). More rows through such a weight take the
-// same parts of K, each part's sums in k order and the parts added in order: a row's values do not depend on how
-// many rows came with it (a speculative verify step computes what a decode step does) up to kSplitKRows rows, and
-// for weights of kWideSplitKColumns or more at every row count. Above kSplitKRows, narrower weights take the column
-// blocks (a prefill's: the 32 x 128-token prefill at the mid shape ran 10% slower on AVX2 in panels through the
-// parts). Batch invariant (no split: the parts follow the threads): the column blocks.
+// 1.3-1.7x as fast, an LM head of 32000 columns 1.3-1.45x; docs/performance.md). More rows through such a weight
+// take the same parts of K, each part's sums in k order and the parts added in order: a row's values do not depend
+// on how many rows came with it (a speculative verify step computes what a decode step does) up to kSplitKRows
+// rows, and for weights of kWideSplitKColumns or more at every row count. Above kSplitKRows, narrower weights take
+// the column blocks (a prefill's: the 32 x 128-token prefill at the mid shape ran 10% slower on AVX2 in panels
+// through the parts). Batch invariant (no split: the parts follow the threads): the column blocks.
 constexpr int64_t kSplitKColumns = 128;
 constexpr int64_t kWideSplitKColumns = 3072;
 constexpr int64_t kSplitKRows = 64;

@@ -143,8 +143,6 @@ void project_experts(const std::vector<int64_t>& hit, const Routing& routing, co
   int64_t most_rows = 0;
   for (int64_t e : hit) most_rows = std::max(most_rows, routing.rows(e));
   const bool wide = most_rows <= 2;
-  // one-row experts through vdpbf16ps: 256-column blocks (512 B runs of each weight row) where that leaves work
-  // for every thread several times over
   const int64_t hits = static_cast<int64_t>(hit.size());
   if constexpr (!W::kScaled) {
     if (wide && pairs == nullptr && hits >= at::get_num_threads() && width % 16 == 0 && width <= kRowRunColumns) {
@@ -160,6 +158,8 @@ void project_experts(const std::vector<int64_t>& hit, const Routing& routing, co
       return;
     }
   }
+  // one-row experts through vdpbf16ps: 256-column blocks (512 B runs of each weight row) where that leaves work
+  // for every thread several times over
   const bool longer = pairs != nullptr && wide && hits * (width / 256) >= 4 * at::get_num_threads();
   const int64_t block = longer ? 256 : (wide ? 128 : 64), blocks = std::max<int64_t>(1, width / block);
   const auto block_end = [&](int64_t j) { return j + 1 == blocks ? width : (j + 1) * block; };  // the last: the rest
