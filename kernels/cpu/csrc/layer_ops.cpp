@@ -86,7 +86,9 @@ void gated_mlp(const float* x, int64_t rows, int64_t hidden, const at::Tensor& g
                float* out) {
   const int64_t inter = gate_up_w.size(0) / 2;
   project(x, hidden, rows, hidden, gate_up_w, gate_up_s, gate_up);
-  for (int64_t r = 0; r < rows; ++r) silu_and_mul(gate_up + r * 2 * inter, inter);
+  at::parallel_for(0, rows, grain(4 * inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) silu_and_mul(gate_up + r * 2 * inter, inter);
+  });
   project(gate_up, 2 * inter, rows, inter, down_w, down_s, out);
 }
 
@@ -98,17 +100,21 @@ void rotate(float* x, int64_t tokens, int64_t heads, int64_t hd, const Index& po
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_sin.size(0), "positions[", t, "] = ", pos[t], " is past the ",
                 cos_sin.size(0), " positions of the rotary table");
-    const float *cos = cos_sin.data_ptr<float>() + pos[t] * cos_sin.stride(0), *sin = cos + half;
-    for (int64_t h = 0; h < heads; ++h) {
-      float* v = x + (t * heads + h) * hd;
+  }
+  at::parallel_for(0, tokens, grain(heads * rotary_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *cos = cos_sin.data_ptr<float>() + pos[t] * cos_sin.stride(0), *sin = cos + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = x + (t * heads + h) * hd;
 #pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = v[i], x2 = v[i + half];
-        v[i] = x1 * cos[i] - x2 * sin[i];
-        v[i + half] = x2 * cos[i] + x1 * sin[i];
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = v[i], x2 = v[i + half];
+          v[i] = x1 * cos[i] - x2 * sin[i];
+          v[i + half] = x2 * cos[i] + x1 * sin[i];
+        }
       }
     }
-  }
+  });
 }
 
 // Rows [T, heads, hd] (rows apart by `row`, heads by `head`) into the pool's slots loc[t].
@@ -118,20 +124,26 @@ void store_rows(const float* src, int64_t row, int64_t head, int64_t tokens, int
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(loc[t] >= 0 && loc[t] < cache.size(0), "out_cache_loc[", t, "] = ", loc[t],
                 " is outside the KV pool of ", cache.size(0), " slots");
-    for (int64_t h = 0; h < heads; ++h) {
-      std::copy_n(src + t * row + h * head, hd, dst + loc[t] * cache.stride(0) + h * cache.stride(1));
-    }
   }
+  at::parallel_for(0, tokens, grain(heads * hd), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        std::copy_n(src + t * row + h * head, hd, dst + loc[t] * cache.stride(0) + h * cache.stride(1));
+      }
+    }
+  });
 }
 
 // rows[r] *= sigmoid(gates[r]) for `count` rows of n: the attention output's gate.
 void gate_by_sigmoid(float* rows, const Rows& gates, int64_t count, int64_t n) {
-  for (int64_t r = 0; r < count; ++r) {
-    const float* gate = gates[r];
-    float* row = rows + r * n;
+  at::parallel_for(0, count, grain(4 * n), [&](int64_t begin, int64_t end) {  // a sigmoid: ~4 products' time
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = gates[r];
+      float* row = rows + r * n;
 #pragma omp simd
-    for (int64_t d = 0; d < n; ++d) row[d] *= sigmoid(gate[d]);
-  }
+      for (int64_t d = 0; d < n; ++d) row[d] *= sigmoid(gate[d]);
+    }
+  });
 }
 
 // out += sigmoid(logit) * shared over a row of n: a separate shared expert's contribution.
@@ -543,7 +555,9 @@ std::tuple<at::Tensor, at::Tensor> moe_decode_block(
   if (!fused) {
     gated_mlp(normed, batch, width, *shared_gate_up_w, shared_gate_up_s, *shared_down_w, shared_down_s, project,
               shared_gate_up, shared);
-    for (int64_t r = 0; r < batch; ++r) add_gated(o + r * width, shared + r * width, shared_logit[r], width);
+    at::parallel_for(0, batch, grain(width), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) add_gated(o + r * width, shared + r * width, shared_logit[r], width);
+    });
   }
   return {out, res};
 }

@@ -22,6 +22,9 @@ namespace {
 // block of the weight passes over it.
 constexpr int64_t kPanelRows = 256;
 
+// Rows a thread takes at least when a narrow weight's rows are split over the threads.
+constexpr int64_t kNarrowRows = 16;
+
 // y = x W^T for one row x (rounded to bf16) and bf16 W [N, K] stored [in, out] through vdpbf16ps: each thread's
 // share of the columns (whole blocks of 256, or of 128 where that leaves too few blocks for the threads) read as
 // long runs of each weight row (gemm.h's one_row_long_run_dp: 8-16% faster from memory than its blocks one after
@@ -158,6 +161,14 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
     n = blocks * width;
   }
   const int64_t first_block = n / 32, blocks = N / 32;
+  // A narrow weight (a router's, a gate's: fewer blocks of 32 columns than the threads) through many rows: the
+  // threads take rows instead of blocks (each row's values are the same either way).
+  if (M >= 2 * kNarrowRows && blocks - first_block < at::get_num_threads() && !dot) {
+    at::parallel_for(0, M, kNarrowRows, [&](int64_t r0, int64_t r1) {
+      rows_times_weight_columns<W>(xs + r0 * lda, lda, r1 - r0, w, ldw, K, n, N, o + r0 * N, N, sc);
+    });
+    return;
+  }
   if constexpr (std::is_same_v<W, Bf16Weight>) {
     if (dot && M > 1) {
       Bf16Pairs pairs;

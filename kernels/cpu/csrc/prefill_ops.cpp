@@ -287,6 +287,18 @@ void extend_attention_core(const Rows& qs, int64_t heads, int64_t hd, const at::
       for (int64_t h = 0; h < kv_heads; ++h) items.push_back({b, h, i0});
     }
   }
+  // A block's work grows with the keys it reads (its last token's position): the threads take contiguous ranges of
+  // items, so the items alternate between the cheapest and the dearest left (a 128-token prompt's 32-token blocks
+  // in order gave one thread 70% of the work). Each item's values do not depend on the order.
+  std::stable_sort(items.begin(), items.end(), [&](const auto& x, const auto& y) {
+    return prefix[x[0]] + x[2] < prefix[y[0]] + y[2];
+  });
+  std::vector<std::array<int64_t, 3>> alternating;
+  for (size_t lo = 0, hi = items.size(); lo < hi;) {
+    alternating.push_back(items[lo++]);
+    if (lo < hi) alternating.push_back(items[--hi]);
+  }
+  items.swap(alternating);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> queries, scores, keys, values, out;
     for (int64_t item = begin; item < end; ++item) {
