@@ -289,20 +289,38 @@ void one_row_add_long_run(const float* x, const typename W::T* Wp, int64_t ldw, 
   }
 }
 
+// The cache lines of the next weight block, asked for a few at a time before each register tile of this one: a
+// block's rows are a whole weight row apart, no hardware prefetcher follows them, and widening the next block would
+// otherwise wait on memory one row at a time (the 128-token prefill at the 120M shape, AVX2: 1-4% faster).
+struct BlockAhead {
+  const char* base = nullptr;
+  int64_t stride = 0, lines = 0, row_lines = 1, next = 0, per_tile = 0;
+  void step() {
+    for (int64_t i = 0; i < per_tile && next < lines; ++i, ++next) {
+      __builtin_prefetch(base + (next / row_lines) * stride + (next % row_lines) * 64, 0, 3);
+    }
+  }
+};
+
 // Every row of A through one block of 16 NV columns, row_tile<NV> rows at a time, so that the tile's accumulators stay
-// in registers (or NV passes of 16 columns, kSplitColumns).
+// in registers (or NV passes of 16 columns, kSplitColumns). `ahead`: stepped before each full tile.
 template <class W, int NV>
 void all_rows_times_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw, int64_t K,
-                            float* C, int64_t ldc, const KScales& s, bool add = false) {
+                            float* C, int64_t ldc, const KScales& s, bool add = false, BlockAhead* ahead = nullptr) {
   constexpr int RB = row_tile<NV>();
   if constexpr (kSplitColumns<NV>) {
     if (M > RB) {  // one pass per 16 columns (their scale block is this one's: s stays)
-      for (int v = 0; v < NV; ++v) all_rows_times_columns<W, 1>(A, lda, M, Wp + 16 * v, ldw, K, C + 16 * v, ldc, s, add);
+      for (int v = 0; v < NV; ++v) {
+        all_rows_times_columns<W, 1>(A, lda, M, Wp + 16 * v, ldw, K, C + 16 * v, ldc, s, add, ahead);
+      }
       return;
     }
   }
   int64_t t = 0;
-  for (; t + RB <= M; t += RB) rows_times_columns<W, RB, NV>(A + t * lda, lda, Wp, ldw, K, C + t * ldc, ldc, s, add);
+  for (; t + RB <= M; t += RB) {
+    if (ahead != nullptr) ahead->step();
+    rows_times_columns<W, RB, NV>(A + t * lda, lda, Wp, ldw, K, C + t * ldc, ldc, s, add);
+  }
   const float* a = A + t * lda;
   float* c = C + t * ldc;
   switch (M - t) {
@@ -350,25 +368,39 @@ const float* pack_widened(const typename W::T* Wp, int64_t ldw, int64_t K) {
 }
 
 // C[:, 0:32] = A W[:, 0:32] for M (> kPackRows) rows of an unscaled weight: the block widened once, then K
-// in parts of kPackedDepth rows, each part through every group of 8 rows (the later parts adding to C).
+// in parts of kPackedDepth rows, each part through every group of 8 rows (the later parts adding to C); `next`: the
+// block this thread takes next, asked for while this one runs.
 template <class W>
 void many_rows_times_32_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw,
-                                int64_t K, float* C, int64_t ldc) {
+                                int64_t K, float* C, int64_t ldc, const typename W::T* next = nullptr) {
   static_assert(kWidenedOnce<W>, "scaled weights widen with their block scales");
   const float* packed = pack_widened<W>(Wp, ldw, K);
+  BlockAhead ahead;
+  if (next != nullptr) {  // spread over the full tiles of every part of K
+    constexpr int RB1 = row_tile<1>(), RB2 = row_tile<2>();
+    const int64_t per_part = kSplitColumns<2> && M > RB2 ? 2 * (M / RB1) : M / RB2;
+    const int64_t tiles = std::max<int64_t>(1, (K + kPackedDepth - 1) / kPackedDepth * per_part);
+    ahead.base = reinterpret_cast<const char*>(next);
+    ahead.stride = ldw * static_cast<int64_t>(sizeof(typename W::T));
+    ahead.row_lines = (32 * static_cast<int64_t>(sizeof(typename W::T)) + 63) / 64;
+    ahead.lines = K * ahead.row_lines;
+    ahead.per_tile = (ahead.lines + tiles - 1) / tiles;
+  }
   for (int64_t k0 = 0; k0 < K; k0 += kPackedDepth) {
     const int64_t depth = std::min(kPackedDepth, K - k0);
-    all_rows_times_columns<F32Weight, 2>(A + k0, lda, M, packed + k0 * 32, 32, depth, C, ldc, KScales{}, k0 > 0);
+    all_rows_times_columns<F32Weight, 2>(A + k0, lda, M, packed + k0 * 32, 32, depth, C, ldc, KScales{}, k0 > 0,
+                                         next != nullptr ? &ahead : nullptr);
   }
 }
 
 // C[:, 0:32] = A W[:, 0:32] for every row of A (M rows), widened: once per block for many rows of an unscaled
-// weight, else in registers for each group of rows.
+// weight (`next`: as many_rows_times_32_columns takes it), else in registers for each group of rows.
 template <class W>
 void all_rows_times_32_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw,
-                               int64_t K, float* C, int64_t ldc, const KScales& s) {
+                               int64_t K, float* C, int64_t ldc, const KScales& s,
+                               const typename W::T* next = nullptr) {
   if constexpr (kWidenedOnce<W>) {
-    if (M > kPackRows) return many_rows_times_32_columns<W>(A, lda, M, Wp, ldw, K, C, ldc);
+    if (M > kPackRows) return many_rows_times_32_columns<W>(A, lda, M, Wp, ldw, K, C, ldc, next);
   }
   all_rows_times_columns<W, 2>(A, lda, M, Wp, ldw, K, C, ldc, s);
 }
@@ -399,7 +431,9 @@ void rows_times_weight_columns(const float* A, int64_t lda, int64_t M, const typ
   int64_t n = n0;
   if constexpr (kWidenedOnce<W>) {  // many rows: blocks widened once
     if (M > kPackRows) {
-      for (; n + 32 <= n1; n += 32) many_rows_times_32_columns<W>(A, lda, M, Wp + n, ldw, K, C + n, ldc);
+      for (; n + 32 <= n1; n += 32) {
+        many_rows_times_32_columns<W>(A, lda, M, Wp + n, ldw, K, C + n, ldc, n + 64 <= n1 ? Wp + n + 32 : nullptr);
+      }
     }
   }
   for (; n + 16 * NV <= n1; n += 16 * NV) {

@@ -191,7 +191,7 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
     at::parallel_for(first_block, blocks, grain(rows * K * 32 / 4), [&](int64_t begin, int64_t end) {
       for (int64_t blk = begin; blk < end; ++blk) {
         all_rows_times_32_columns<W>(panel, lda, rows, w + blk * 32, ldw, K, o + m0 * N + blk * 32, N,
-                                     sc.columns(blk * 32));
+                                     sc.columns(blk * 32), blk + 1 < end ? w + (blk + 1) * 32 : nullptr);
       }
     });
   }
