@@ -163,7 +163,8 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
   const int64_t first_block = n / 32, blocks = N / 32;
   // A narrow weight (a router's, a gate's: fewer blocks of 32 columns than the threads) through many rows: the
   // threads take rows instead of blocks (each row's values are the same either way).
-  if (M >= 2 * kNarrowRows && blocks - first_block < at::get_num_threads() && !dot) {
+  const bool narrow = M >= 2 * kNarrowRows && blocks - first_block < at::get_num_threads();
+  if (narrow && !dot) {
     at::parallel_for(0, M, kNarrowRows, [&](int64_t r0, int64_t r1) {
       rows_times_weight_columns<W>(xs + r0 * lda, lda, r1 - r0, w, ldw, K, n, N, o + r0 * N, N, sc);
     });
@@ -173,6 +174,12 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
     if (dot && M > 1) {
       Bf16Pairs pairs;
       to_bf16_pairs(xs, lda, M, K, pairs);
+      if (narrow) {
+        at::parallel_for(0, M, kNarrowRows, [&](int64_t r0, int64_t r1) {
+          rows_times_weight_columns_dp(pairs, r0, xs + r0 * lda, lda, r1 - r0, w, ldw, K, n, N, o + r0 * N, N);
+        });
+        return;
+      }
       for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
         const int64_t rows = std::min(kPanelRows, M - m0);
         at::parallel_for(first_block, blocks, grain(rows * K * 32 / 8), [&](int64_t begin, int64_t end) {
