@@ -314,9 +314,12 @@ def test_burst_over_a_real_server_with_a_short_queue_never_opens_the_breaker(pro
 
     async def scenario():
         async with aiohttp.ClientSession() as s:
+            # long enough that the four requests the server admits (one running and one queued a rank) are still
+            # there when the rest of the burst and the router's retries arrive: with 24 tokens a full-suite run
+            # finished them first and shed nothing; with 400, five runs admitted exactly 4 and shed 8 in ~7 s
             burst = await asyncio.gather(
                 *(
-                    generate(s, router.url, max_new_tokens=24, stream=i % 2 == 0, timeout=30)
+                    generate(s, router.url, max_new_tokens=400, stream=i % 2 == 0, timeout=30)
                     for i in range(12)
                 )
             )
