@@ -233,3 +233,21 @@ def test_many_rows_through_a_float32_weight(rows):
 
     for got, (x, w) in _twice(linear, inputs):
         assert_rel_close(got, F.linear(x, w), F32)
+
+
+@pytest.mark.parametrize("rows", [7, 13, 14, 19])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_a_short_last_tile_runs_balanced_with_the_full_one(rows, dtype, monkeypatch):
+    """Row counts whose last register tile would hold too few rows to keep the FMA units busy (AVX2: 6-row tiles,
+    13 = 6 + 6 + 1) run the last full tile and the short one as two of nearly equal size: each row sums the same
+    products in k order either way, so every row equals that row run among 24 (full tiles), bit for bit, and the
+    float32 product. bf16 widened at every row count (vdpbf16ps, where auto picks it for some counts, has its own
+    tiles)."""
+    monkeypatch.setenv("SGLANG_CPU_BF16_DOT", "widen")
+    depth, columns = 100, 48
+    x = _bf16_exact(_randn(24, depth, seed=3))
+    w = _input_major(_randn(columns, depth, seed=4).to(dtype))
+    with_full_tiles = linear(x, w)
+    got = linear(x[:rows], w)
+    assert torch.equal(got, with_full_tiles[:rows])
+    assert_rel_close(got, F.linear(x[:rows], w.float()), F32)
