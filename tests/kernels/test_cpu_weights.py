@@ -251,3 +251,22 @@ def test_a_short_last_tile_runs_balanced_with_the_full_one(rows, dtype, monkeypa
     got = linear(x[:rows], w)
     assert torch.equal(got, with_full_tiles[:rows])
     assert_rel_close(got, F.linear(x[:rows], w.float()), F32)
+
+
+@pytest.mark.parametrize("rows", [2, 3, 5, 8])
+@pytest.mark.parametrize("columns", [2069, 3088])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_a_few_rows_through_a_wide_weight_compute_what_one_row_does(
+    rows, columns, dtype, monkeypatch
+):
+    """2-8 rows through a weight wider than 2048 columns stream its rows whole over the threads' parts of K, as one
+    row does (a decode step of a few requests, a speculative verify step): each row equals that row alone, bit for
+    bit, and the float32 product; the last columns past a multiple of 16 (2069) in the scalar tail."""
+    monkeypatch.setenv("SGLANG_CPU_BF16_DOT", "auto")  # auto widens up to 8 rows on every CPU
+    depth = 300
+    x = _bf16_exact(_randn(rows, depth, seed=5))
+    w = _input_major(_randn(columns, depth, seed=6).to(dtype))
+    got = linear(x, w)
+    for r in range(rows):
+        assert torch.equal(got[r : r + 1], linear(x[r : r + 1], w)), f"row {r}"
+    assert_rel_close(got, F.linear(x, w.float()), F32)

@@ -289,6 +289,37 @@ void one_row_add_long_run(const float* x, const typename W::T* Wp, int64_t ldw, 
   }
 }
 
+// C[t, 0:n] += sum_k A[t, k] W[k, 0:n] for TM rows of A and n (a multiple of 16) columns of an unscaled weight, its
+// rows read KR at a time as runs of n elements, each widened once for all TM rows (one_row_add_long_run for a few
+// rows: every column sums its products in k order, so each row's values are one row's).
+template <class W, int TM, int KR = 4>
+void few_rows_add_long_runs(const float* A, int64_t lda, const typename W::T* Wp, int64_t ldw, int64_t K, int64_t n,
+                            float* C, int64_t ldc) {
+  static_assert(!W::kScaled, "scaled weights take their block scales per 128 columns");
+  int64_t k = 0;
+  for (; k + KR <= K; k += KR) {
+    for (int64_t j = 0; j < n; j += 16) {
+      vec16 x[KR];
+#pragma GCC unroll 4
+      for (int r = 0; r < KR; ++r) x[r] = W::load(Wp + (k + r) * ldw + j);
+#pragma GCC unroll 8
+      for (int t = 0; t < TM; ++t) {
+        const float* a = A + t * lda + k;
+        vec16 sum = load16(C + t * ldc + j);
+#pragma GCC unroll 4
+        for (int r = 0; r < KR; ++r) sum += a[r] * x[r];
+        store16(C + t * ldc + j, sum);
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    for (int64_t j = 0; j < n; j += 16) {
+      const vec16 x = W::load(Wp + k * ldw + j);
+      for (int t = 0; t < TM; ++t) store16(C + t * ldc + j, load16(C + t * ldc + j) + A[t * lda + k] * x);
+    }
+  }
+}
+
 // The cache lines of the next weight block, asked for a few at a time before each register tile of this one: a
 // block's rows are a whole weight row apart, no hardware prefetcher follows them, and widening the next block would
 // otherwise wait on memory one row at a time (the 128-token prefill at the 120M shape, AVX2: 1-4% faster).

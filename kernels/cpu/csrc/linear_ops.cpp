@@ -91,8 +91,9 @@ void one_row_split_k(const float* x, int64_t K, const typename W::T* w, int64_t 
 // 13-16% faster widened (AVX2 2.49 -> 2.16 ms, AVX-512 2.2-2.5 -> 2.0 ms; each weight block widened once a panel).
 constexpr int64_t kSplitKPanelRows = 128;
 
-// M > 1 rows through a wide unscaled weight, as one_row_split_k computes one: per panel of rows, part 0 of K into o,
-// every later part into its own sums, added to o in order; the last N % 16 columns over all of K.
+// M > 1 rows through a wide unscaled weight (more than kFewRows, or a weight of at most kRowRunColumns columns: below),
+// as one_row_split_k computes one: per panel of rows, part 0 of K into o, every later part into its own sums, added
+// to o in order; the last N % 16 columns over all of K.
 template <class W>
 void rows_split_k(const float* xs, int64_t lda, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, int64_t N,
                   float* o) {
@@ -123,6 +124,63 @@ void rows_split_k(const float* xs, int64_t lda, int64_t M, int64_t K, const type
   rows_times_weight_columns<W>(xs, lda, M, w, ldw, K, n16, N, o, N, WeightScales{});  // the last N % 16 columns
 }
 
+// 2 to kFewRows rows through a weight wider than kRowRunColumns that one row reads split over K (one_row_split_k)
+// take the same parts of K the same way: each thread streams its part's weight rows four at a time, each widened once
+// for every row, into its own sums of every row (in runs of kFewRowsSums / rows columns, which stay in L1). Before,
+// the threads took blocks of 16 columns through every part, reading rows a whole weight row apart at half one row's
+// speed. Each part's sums are in k order and the parts are added in order: what one row and rows_split_k compute,
+// bitwise. Decode at 2-8 requests, 120M shape, alternating in one process: AVX2 +29% (2), +7% (4), +3% (8) tok/s;
+// AVX-512 +18%, +20%, +6% (docs/performance.md). Narrower weights' rows are too short for four runs at a time to
+// stream (a 1024 x 512 weight: no faster at 2-4 rows, 25% slower at 8); they keep rows_split_k.
+constexpr int64_t kFewRows = 8;
+constexpr int64_t kFewRowsSums = 8192;  // floats
+
+template <class W, int TM>
+void few_rows_split_k(const float* xs, int64_t lda, int64_t K, const typename W::T* w, int64_t ldw, int64_t N,
+                      float* o) {
+  const int64_t parts = split_k_parts(K), n16 = N - N % 16;
+  const int64_t run = kFewRowsSums / TM / 16 * 16;  // columns of one pass over a part's weight rows
+  thread_local std::vector<float> sums;
+  sums.resize(parts * TM * n16);
+  float* partial = sums.data();
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t k0 = K * p / parts, k1 = K * (p + 1) / parts;
+      float* c = partial + p * TM * n16;
+      std::fill(c, c + TM * n16, 0.0f);
+      for (int64_t j = 0; j < n16; j += run) {
+        few_rows_add_long_runs<W, TM>(xs + k0, lda, w + k0 * ldw + j, ldw, k1 - k0, std::min(run, n16 - j), c + j,
+                                      n16);
+      }
+    }
+  });
+  const int64_t blocks = n16 / 16;
+  at::parallel_for(0, TM * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / blocks, j = i % blocks * 16;
+      vec16 total = load16(partial + t * n16 + j);
+      for (int64_t p = 1; p < parts; ++p) total += load16(partial + (p * TM + t) * n16 + j);
+      store16(o + t * N + j, total);
+    }
+  });
+  rows_times_weight_columns<W>(xs, lda, TM, w, ldw, K, n16, N, o, N, WeightScales{});  // the last N % 16 columns
+}
+
+template <class W>
+void few_rows_split_k(const float* xs, int64_t lda, int64_t M, int64_t K, const typename W::T* w, int64_t ldw,
+                      int64_t N, float* o) {
+  static_assert(kFewRows == 8, "one case a row count");
+  switch (M) {
+    case 2: return few_rows_split_k<W, 2>(xs, lda, K, w, ldw, N, o);
+    case 3: return few_rows_split_k<W, 3>(xs, lda, K, w, ldw, N, o);
+    case 4: return few_rows_split_k<W, 4>(xs, lda, K, w, ldw, N, o);
+    case 5: return few_rows_split_k<W, 5>(xs, lda, K, w, ldw, N, o);
+    case 6: return few_rows_split_k<W, 6>(xs, lda, K, w, ldw, N, o);
+    case 7: return few_rows_split_k<W, 7>(xs, lda, K, w, ldw, N, o);
+    default: return few_rows_split_k<W, 8>(xs, lda, K, w, ldw, N, o);
+  }
+}
+
 // y = x W^T for W [N, K] stored [in, out] (row k of W^T contiguous, ldw apart).
 template <class W>
 void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, int64_t N,
@@ -137,6 +195,7 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
     if ((N >= kWideSplitKColumns || (N >= kSplitKColumns && M <= kSplitKRows)) && K >= 128 && !dot &&
         !batch_invariant()) {
       if (M == 1) return one_row_split_k<W>(xs, K, w, ldw, N, o);
+      if (M <= kFewRows && N > kRowRunColumns) return few_rows_split_k<W>(xs, lda, M, K, w, ldw, N, o);
       return rows_split_k<W>(xs, lda, M, K, w, ldw, N, o);
     }
   }
