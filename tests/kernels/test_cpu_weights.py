@@ -254,14 +254,16 @@ def test_a_short_last_tile_runs_balanced_with_the_full_one(rows, dtype, monkeypa
 
 
 @pytest.mark.parametrize("rows", [2, 3, 5, 8])
-@pytest.mark.parametrize("columns", [2069, 3088])
+@pytest.mark.parametrize("columns", [512, 1024, 2069, 3088])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_a_few_rows_through_a_wide_weight_compute_what_one_row_does(
+def test_a_few_rows_through_a_split_weight_compute_what_one_row_does(
     rows, columns, dtype, monkeypatch
 ):
-    """2-8 rows through a weight wider than 2048 columns stream its rows whole over the threads' parts of K, as one
-    row does (a decode step of a few requests, a speculative verify step): each row equals that row alone, bit for
-    bit, and the float32 product; the last columns past a multiple of 16 (2069) in the scalar tail."""
+    """A few rows through a weight that one row reads split over K take its parts the same way: 2-8 rows of a weight
+    wider than 2048 columns stream its rows four at a time, two rows of a narrower one a row at a time, more rows of
+    a narrower one take the column blocks through the parts. Either way each row equals that row alone, bit for bit
+    (a decode step of a few requests, a speculative verify step), and the float32 product; the columns past a
+    multiple of 16 (2069) in the scalar tail."""
     monkeypatch.setenv("SGLANG_CPU_BF16_DOT", "auto")  # auto widens up to 8 rows on every CPU
     depth = 300
     x = _bf16_exact(_randn(rows, depth, seed=5))

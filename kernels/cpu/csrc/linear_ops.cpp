@@ -124,14 +124,17 @@ void rows_split_k(const float* xs, int64_t lda, int64_t M, int64_t K, const type
   rows_times_weight_columns<W>(xs, lda, M, w, ldw, K, n16, N, o, N, WeightScales{});  // the last N % 16 columns
 }
 
-// 2 to kFewRows rows through a weight wider than kRowRunColumns that one row reads split over K (one_row_split_k)
-// take the same parts of K the same way: each thread streams its part's weight rows four at a time, each widened once
-// for every row, into its own sums of every row (in runs of kFewRowsSums / rows columns, which stay in L1). Before,
-// the threads took blocks of 16 columns through every part, reading rows a whole weight row apart at half one row's
-// speed. Each part's sums are in k order and the parts are added in order: what one row and rows_split_k compute,
-// bitwise. Decode at 2-8 requests, 120M shape, alternating in one process: AVX2 +29% (2), +7% (4), +3% (8) tok/s;
-// AVX-512 +18%, +20%, +6% (docs/performance.md). Narrower weights' rows are too short for four runs at a time to
-// stream (a 1024 x 512 weight: no faster at 2-4 rows, 25% slower at 8); they keep rows_split_k.
+// A few rows through a weight that one row reads split over K (one_row_split_k) take the same parts of K the same
+// way: each thread streams its part's weight rows into its own sums of every row (in runs of kFewRowsSums / rows
+// columns, which stay in L1), each weight vector widened once for all the rows. Rows of a weight wider than
+// kRowRunColumns four at a time, for 2 to kFewRows rows; of a narrower weight, two rows only, one weight row at a
+// time (one stream, as one row reads it: four runs of such short rows at a time did not stream, and 3-8 rows ran no
+// faster, on AVX2 up to 30% slower, than the column blocks). Before, the threads took blocks of 16 columns through
+// every part (rows_split_k), reading rows a whole weight row apart at half one row's speed. Each part's sums are in
+// k order and the parts are added in order: what one row and rows_split_k compute, bitwise. Two rows through a 512
+// x 512 to 1024 x 512 bf16 weight from memory 1.7-2.4x as fast, 2-8 through a 512 x 3088 one 1.1-2.3x; decode at
+// 2, 4 and 8 requests at the 120M shape faster in one process (docs/performance.md). The sums' rows are padded by
+// 16 floats, so that no two of them are a multiple of 4 KB apart (x86 stalls a load behind a store 4 KB away).
 constexpr int64_t kFewRows = 8;
 constexpr int64_t kFewRowsSums = 8192;  // floats
 
@@ -139,18 +142,27 @@ template <class W, int TM>
 void few_rows_split_k(const float* xs, int64_t lda, int64_t K, const typename W::T* w, int64_t ldw, int64_t N,
                       float* o) {
   const int64_t parts = split_k_parts(K), n16 = N - N % 16;
+  const int64_t ld = n16 + 16;
   const int64_t run = kFewRowsSums / TM / 16 * 16;  // columns of one pass over a part's weight rows
   thread_local std::vector<float> sums;
-  sums.resize(parts * TM * n16);
+  sums.resize(parts * TM * ld);
   float* partial = sums.data();
+  // two rows of a weight whose rows are short take them one at a time (one_row_split_k's order: one stream)
+  const bool one_at_a_time = TM == 2 && n16 <= kRowRunColumns;
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t k0 = K * p / parts, k1 = K * (p + 1) / parts;
-      float* c = partial + p * TM * n16;
-      std::fill(c, c + TM * n16, 0.0f);
+      float* c = partial + p * TM * ld;
+      std::fill(c, c + TM * ld, 0.0f);
       for (int64_t j = 0; j < n16; j += run) {
-        few_rows_add_long_runs<W, TM>(xs + k0, lda, w + k0 * ldw + j, ldw, k1 - k0, std::min(run, n16 - j), c + j,
-                                      n16);
+        const float* a = xs + k0;
+        const typename W::T* wj = w + k0 * ldw + j;
+        const int64_t width = std::min(run, n16 - j);
+        if (one_at_a_time) {
+          few_rows_add_long_runs<W, TM, 1>(a, lda, wj, ldw, k1 - k0, width, c + j, ld);
+        } else {
+          few_rows_add_long_runs<W, TM, 4>(a, lda, wj, ldw, k1 - k0, width, c + j, ld);
+        }
       }
     }
   });
@@ -158,8 +170,8 @@ void few_rows_split_k(const float* xs, int64_t lda, int64_t K, const typename W:
   at::parallel_for(0, TM * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / blocks, j = i % blocks * 16;
-      vec16 total = load16(partial + t * n16 + j);
-      for (int64_t p = 1; p < parts; ++p) total += load16(partial + (p * TM + t) * n16 + j);
+      vec16 total = load16(partial + t * ld + j);
+      for (int64_t p = 1; p < parts; ++p) total += load16(partial + (p * TM + t) * ld + j);
       store16(o + t * N + j, total);
     }
   });
@@ -195,7 +207,7 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
     if ((N >= kWideSplitKColumns || (N >= kSplitKColumns && M <= kSplitKRows)) && K >= 128 && !dot &&
         !batch_invariant()) {
       if (M == 1) return one_row_split_k<W>(xs, K, w, ldw, N, o);
-      if (M <= kFewRows && N > kRowRunColumns) return few_rows_split_k<W>(xs, lda, M, K, w, ldw, N, o);
+      if (N > kRowRunColumns ? M <= kFewRows : M == 2) return few_rows_split_k<W>(xs, lda, M, K, w, ldw, N, o);
       return rows_split_k<W>(xs, lda, M, K, w, ldw, N, o);
     }
   }
