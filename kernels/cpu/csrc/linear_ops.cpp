@@ -131,9 +131,9 @@ void rows_split_k(const float* xs, int64_t lda, int64_t M, int64_t K, const type
 // time (one stream, as one row reads it: four runs of such short rows at a time did not stream, and 3-8 rows ran no
 // faster, on AVX2 up to 30% slower, than the column blocks). Before, the threads took blocks of 16 columns through
 // every part (rows_split_k), reading rows a whole weight row apart at half one row's speed. Each part's sums are in
-// k order and the parts are added in order: what one row and rows_split_k compute, bitwise. Two rows through a 512
-// x 512 to 1024 x 512 bf16 weight from memory 1.7-2.4x as fast, 2-8 through a 512 x 3088 one 1.1-2.3x; decode at
-// 2, 4 and 8 requests at the 120M shape faster in one process (docs/performance.md). The sums' rows are padded by
+// k order and the parts are added in order: what one row and rows_split_k compute, bitwise. Two rows through bf16
+// weights of 512 x 512 to 256 x 2048 from memory 1.7-2.4x as fast, 2-8 through a 512 x 3088 one 1.0-2.3x; decode
+// at 2, 4 and 8 requests at the 120M shape faster in one process (docs/performance.md). The sums' rows are padded by
 // 16 floats, so that no two of them are a multiple of 4 KB apart (x86 stalls a load behind a store 4 KB away).
 constexpr int64_t kFewRows = 8;
 constexpr int64_t kFewRowsSums = 8192;  // floats
