@@ -272,3 +272,25 @@ def test_a_few_rows_through_a_split_weight_compute_what_one_row_does(
     for r in range(rows):
         assert torch.equal(got[r : r + 1], linear(x[r : r + 1], w)), f"row {r}"
     assert_rel_close(got, F.linear(x, w.float()), F32)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_experts_of_one_or_two_rows_read_whole_beside_an_expert_of_more(dtype, monkeypatch):
+    """A decode step of a few requests: most experts hit take one or two rows, read whole by a thread each, while an
+    expert of four rows takes the column blocks. Every token's output equals that token run alone (each expert
+    then one row, read whole), bit for bit, and the float32 reference."""
+    monkeypatch.setenv(
+        "SGLANG_CPU_BF16_DOT", "widen"
+    )  # vdpbf16ps rounds the hidden activation per row count
+    experts, top_k, hidden, inter, tokens = 8, 2, 64, 48, 4
+    w13 = _input_major((_randn(experts, 2 * inter, hidden, seed=7) / 8).to(dtype))
+    w2 = _input_major((_randn(experts, hidden, inter, seed=8) / 8).to(dtype))
+    x = _bf16_exact(_randn(tokens, hidden, seed=9))
+    # expert 0 takes all four tokens; experts 1-4 one token each
+    ids = torch.tensor([[0, 1], [0, 2], [0, 3], [0, 4]], dtype=torch.int32)
+    weights = torch.softmax(_randn(tokens, top_k, seed=10), dim=-1)
+    got = fused_moe(x, w13, w2, weights, ids)
+    for t in range(tokens):
+        alone = fused_moe(x[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1])
+        assert torch.equal(got[t : t + 1], alone), f"token {t}"
+    assert_rel_close(got, moe_ref.fused_moe(x, w13.float(), w2.float(), weights, ids), F32)
