@@ -159,9 +159,9 @@ void few_rows_split_k(const float* xs, int64_t lda, int64_t K, const typename W:
         const typename W::T* wj = w + k0 * ldw + j;
         const int64_t width = std::min(run, n16 - j);
         if (one_at_a_time) {
-          few_rows_add_long_runs<W, TM, 1>(a, lda, wj, ldw, k1 - k0, width, c + j, ld);
+          rows_add_weight_rows<W>(a, lda, TM, wj, ldw, k1 - k0, width, c + j, ld);
         } else {
-          few_rows_add_long_runs<W, TM, 4>(a, lda, wj, ldw, k1 - k0, width, c + j, ld);
+          few_rows_add_long_runs<W, TM>(a, lda, wj, ldw, k1 - k0, width, c + j, ld);
         }
       }
     }
