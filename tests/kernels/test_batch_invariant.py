@@ -272,3 +272,79 @@ def test_block_steps_for_the_modules_match_their_reference_forms():
     assert_rel_close(
         cpu.add_gated(routed, shared, logit), routed + torch.sigmoid(logit) * shared, F32
     )
+
+
+def test_work_taken_as_the_threads_free_up_gives_the_same_bits_every_call(monkeypatch):
+    """Prefill-sized products hand their work items to whichever of the threads is free (common.h's
+    parallel_items): every item must run exactly once, and its values must not depend on the thread. Many calls on
+    two threads (the claims race each other) each give the first call's bits, and that is the product: a split of
+    K, blocks widened once for many rows, experts of unequal rows, the delta rule's (request, head) items, and MXFP4
+    blocks and experts."""
+    from sglang_lite.kernels.quant import mxfp4
+
+    monkeypatch.setenv(
+        "SGLANG_CPU_BF16_DOT", "widen"
+    )  # vdpbf16ps hosts too take the widened blocks
+    codes = torch.Generator().manual_seed(40)
+
+    def mx(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+        *rows, k = shape
+        packed = torch.randint(0, 256, (*rows, k // 2), generator=codes, dtype=torch.uint8)
+        return packed, torch.randint(120, 130, (*rows, k // 32), generator=codes, dtype=torch.uint8)
+
+    w_split, w_many = (
+        _weight(BF16, 1100, 300, "input_major")[0],
+        _weight(BF16, 1100, 256, "input_major")[0],
+    )
+    w13, w2, _ = _experts(BF16, 32, 256, 128)
+    (p13, s13), (p2, s2), (pw, sw) = mx(32, 256, 256), mx(32, 256, 128), mx(300, 256)
+    x = _randn(300, 300, seed=41)
+    weights, ids = torch.topk(torch.softmax(_randn(300, 32, seed=42), -1), 4)
+    tokens, hk, hv, dk, dv = 62, 2, 4, 32, 32
+    cu = torch.tensor([0, 5, 45, 62], dtype=torch.int64)
+    slots = torch.tensor([2, 0, 1], dtype=torch.int64)
+    q, k = _randn(tokens, hk, dk, seed=43), _randn(tokens, hk, dk, seed=44)
+    v, g, beta = (
+        _randn(tokens, hv, dv, seed=45),
+        -torch.rand(tokens, hv) * 0.5,
+        torch.rand(tokens, hv),
+    )
+
+    def delta_rule() -> torch.Tensor:
+        states = _randn(3, hv, dk, dv, seed=46)
+        out = chunk_gated_delta_rule(q, k, v, g, beta, states, slots, cu)
+        return torch.cat([out.flatten(), states.flatten()])
+
+    cases = {
+        "split of K": (lambda: linear(x[:3], w_split), lambda: x[:3] @ w_split.float().t()),
+        "blocks widened once": (
+            lambda: linear(x[:, :256], w_many),
+            lambda: x[:, :256] @ w_many.float().t(),
+        ),
+        "experts": (
+            lambda: fused_moe(x[:, :256], w13, w2, weights, ids),
+            lambda: fused_moe(x[:, :256], w13.float(), w2.float(), weights, ids),
+        ),
+        "delta rule": (delta_rule, None),
+        "MXFP4 blocks": (
+            lambda: cpu.linear_mxfp4(x[:65, :256], pw, sw),
+            lambda: mxfp4.linear(x[:65, :256], pw, sw),
+        ),
+        "MXFP4 experts": (
+            lambda: cpu.fused_moe_mxfp4(x[:, :256], p13, p2, weights, ids, s13, s2),
+            lambda: cpu.fused_moe(
+                x[:, :256], mxfp4.dequantize(p13, s13), mxfp4.dequantize(p2, s2), weights, ids
+            ),
+        ),
+    }
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for name, (run, reference) in cases.items():
+            first = run()
+            if reference is not None:
+                assert_rel_close(first, reference(), F32, name)
+            differ = sum(not torch.equal(run(), first) for _ in range(100))
+            assert differ == 0, f"{name}: {differ} of 100 calls differ from the first"
+    finally:
+        torch.set_num_threads(threads)

@@ -117,6 +117,48 @@ inline int64_t grain(int64_t work_per_item) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, work_per_item));
 }
 
+// Items [0, n) run by the threads, each thread taking the next run of items not yet taken as it finishes its last
+// (guided: a run is 1 / (2 threads) of the items left, so runs start long and end single), not a fixed share of the
+// range as at::parallel_for gives. A thread whose core is slower for a while (a shared host's other tenants) or whose
+// items cost more (experts of more rows) then takes fewer, instead of the others waiting for it at the end; the long
+// runs keep each thread's items adjacent (weights read in address order). f(item, next): `next` is the item this
+// thread runs after it (claimed before `item` runs, so that its weights can be asked for early), or -1. An item's
+// values must not depend on the thread that runs it or on the order. `grain_items`: as at::parallel_for's grain
+// (fewer items than that run on the calling thread).
+template <class F>
+void parallel_items(int64_t n, int64_t grain_items, const F& f) {
+  if (n <= 0) return;
+  grain_items = std::max<int64_t>(1, grain_items);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain_items - 1) / grain_items);
+  std::atomic<int64_t> counter{0};
+  const auto claim = [&](int64_t& begin, int64_t& end) {  // begin and end set only when a run was taken
+    int64_t taken = counter.load(std::memory_order_relaxed), until = 0;
+    do {
+      if (taken >= n) return false;
+      until = taken + std::max<int64_t>(1, (n - taken) / (2 * threads));
+    } while (!counter.compare_exchange_weak(taken, until, std::memory_order_relaxed));
+    begin = taken;
+    end = until;
+    return true;
+  };
+  const auto run = [&]() {
+    int64_t begin = 0, end = 0;
+    if (!claim(begin, end)) return;
+    for (;;) {
+      int64_t next_begin = -1, next_end = -1;
+      for (int64_t item = begin; item < end; ++item) {
+        const bool last = item + 1 == end;
+        f(item, !last ? item + 1 : (claim(next_begin, next_end) ? next_begin : int64_t{-1}));
+      }
+      if (next_begin < 0) return;
+      begin = next_begin;
+      end = next_end;
+    }
+  };
+  if (threads <= 1 || at::in_parallel_region()) return run();
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { run(); });
+}
+
 // The gated delta rule's operands: q, k [T, HK, dk]; v [T, HV, dv] with HV a multiple of HK; g, beta [T, HV];
 // ssm_states [S, HV, dk, dv] with contiguous states (all float32, last dimensions contiguous).
 struct GdnShapes {

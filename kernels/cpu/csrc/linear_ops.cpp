@@ -104,7 +104,7 @@ void rows_split_k(const float* xs, int64_t lda, int64_t M, int64_t K, const type
     const int64_t rows = std::min(kSplitKPanelRows, M - m0);
     const float* panel = xs + m0 * lda;
     float* out = o + m0 * N;
-    at::parallel_for(0, blocks, grain(rows * K * 16 / 4), [&](int64_t begin, int64_t end) {
+    const auto run = [&](int64_t begin, int64_t end) {
       for (int64_t p = 0; p < parts; ++p) {
         const int64_t k0 = K * p / parts, k1 = K * (p + 1) / parts;
         float* sums = p == 0 ? out : later.get() + (p - 1) * rows * n16;
@@ -119,7 +119,10 @@ void rows_split_k(const float* xs, int64_t lda, int64_t M, int64_t K, const type
           store16(out + r * N + j, total);
         }
       }
-    });
+    };
+    constexpr int64_t kItem = 4;  // blocks of 16 columns a work item
+    parallel_items((blocks + kItem - 1) / kItem, grain(rows * K * 16 * kItem / 4),
+                   [&](int64_t i, int64_t) { run(i * kItem, std::min(blocks, (i + 1) * kItem)); });
   }
   rows_times_weight_columns<W>(xs, lda, M, w, ldw, K, n16, N, o, N, WeightScales{});  // the last N % 16 columns
 }
@@ -266,11 +269,10 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
   for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
     const int64_t rows = std::min(kPanelRows, M - m0);
     const float* panel = xs + m0 * lda;
-    at::parallel_for(first_block, blocks, grain(rows * K * 32 / 4), [&](int64_t begin, int64_t end) {
-      for (int64_t blk = begin; blk < end; ++blk) {
-        all_rows_times_32_columns<W>(panel, lda, rows, w + blk * 32, ldw, K, o + m0 * N + blk * 32, N,
-                                     sc.columns(blk * 32), blk + 1 < end ? w + (blk + 1) * 32 : nullptr);
-      }
+    parallel_items(blocks - first_block, grain(rows * K * 32 / 4), [&](int64_t i, int64_t next) {
+      const int64_t blk = first_block + i;
+      all_rows_times_32_columns<W>(panel, lda, rows, w + blk * 32, ldw, K, o + m0 * N + blk * 32, N,
+                                   sc.columns(blk * 32), next >= 0 ? w + (first_block + next) * 32 : nullptr);
     });
   }
   rows_times_weight_columns<W>(xs, lda, M, w, ldw, K, blocks * 32, N, o, N, sc);  // the last N % 32 columns

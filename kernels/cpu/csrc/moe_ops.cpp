@@ -132,12 +132,13 @@ void prefetch_expert_block(const Experts<W>& w, int64_t e, int64_t n0, int64_t n
 // batch-1 MoE of 32 experts, H 512, I 128: the thread's bytes are one stream, not two passes over halves of the
 // rows); more rows reuse each block's weights from cache, and a thread asks for its next item's block while it runs
 // one (a prefill's experts come from memory or L3: the 128-token MoE of 32 experts, H 512, I 128 ran 7% faster on
-// AVX2). Widened one- or two-row experts, at least one for each thread, skip the blocks: each thread takes whole
-// experts and reads their weight rows whole, one after another (gemm.h's rows_add_weight_rows: one stream of the
-// expert's bytes in address order, from memory 1.8-2.1x the blocks' speed, the same values); experts of more rows
-// in the same call (8 tokens, top 4 of 32: ~2-3 of the ~20 experts hit) then take the blocks. Before, one such
-// expert sent every expert to the blocks (the MoE of 8 tokens, 32 experts top 4, bf16, cold: AVX2 0.59 -> 0.44 ms,
-// AVX-512 0.35 -> 0.33 ms a layer). `pairs`: the rows as bf16 pairs, for the experts that take vdpbf16ps (bf16
+// AVX2); those items are taken as the threads free up (common.h's parallel_items: their costs differ with the
+// experts' rows, and fixed halves left one thread waiting on the other). Widened one- or two-row experts, at least
+// one for each thread, skip the blocks: each thread takes whole experts and reads their weight rows whole, one after
+// another (gemm.h's rows_add_weight_rows: one stream of the expert's bytes in address order, from memory 1.8-2.1x
+// the blocks' speed, the same values); experts of more rows in the same call (8 tokens, top 4 of 32: ~2-3 of the
+// ~20 experts hit) then take the blocks. Before, one such expert sent every expert to the blocks (the MoE of 8
+// tokens, 32 experts top 4, bf16, cold: AVX2 0.59 -> 0.44 ms, AVX-512 0.35 -> 0.33 ms a layer). `pairs`: the rows as bf16 pairs, for the experts that take vdpbf16ps (bf16
 // weights, gemm.h's bf16_dot_for), else null.
 template <class W>
 void project_experts(const std::vector<int64_t>& hit, const Routing& routing, const float* in, int64_t lda,
@@ -171,16 +172,17 @@ void project_experts(const std::vector<int64_t>& hit, const Routing& routing, co
   const bool longer = pairs != nullptr && wide && hits * (width / 256) >= 4 * at::get_num_threads();
   const int64_t block = longer ? 256 : (wide ? 128 : 64), blocks = std::max<int64_t>(1, width / block);
   const auto block_end = [&](int64_t j) { return j + 1 == blocks ? width : (j + 1) * block; };  // the last: the rest
-  at::parallel_for(0, hits * blocks, 1, [&](int64_t begin, int64_t end) {
+  // items [begin, end) of one thread; `next`: the item it runs after them (its block asked for early), or -1
+  const auto body = [&](int64_t begin, int64_t end, int64_t next) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t e = hit[item / blocks], j = item % blocks, first = routing.starts[e], count = routing.rows(e);
       const int64_t n0 = j * block, n1 = block_end(j);
       const float* a = in + first * lda;
       float* c = out + first * width;
       const WeightScales scales = w.scales(e);
-      if (!wide && item + 1 < end) {
-        const int64_t next_j = (item + 1) % blocks;
-        prefetch_expert_block(w, hit[(item + 1) / blocks], next_j * block, block_end(next_j), depth);
+      if (next >= 0) {
+        const int64_t next_j = next % blocks;
+        prefetch_expert_block(w, hit[next / blocks], next_j * block, block_end(next_j), depth);
       }
       // this thread's later blocks of a one-row expert join this one: one pass over whole weight rows
       const int64_t last_j = std::min(end, item - j + blocks) - 1 - (item - j);  // this thread's last block of e
@@ -219,7 +221,12 @@ void project_experts(const std::vector<int64_t>& hit, const Routing& routing, co
                                                        scales);
       }
     }
-  });
+  };
+  if (!wide) {  // items of unequal cost (the experts' rows), taken as the threads free up
+    parallel_items(hits * blocks, 1, [&](int64_t item, int64_t next) { body(item, item + 1, next); });
+    return;
+  }
+  at::parallel_for(0, hits * blocks, 1, [&](int64_t begin, int64_t end) { body(begin, end, -1); });
 }
 
 // Both projections of every expert hit, for weights stored [in, out] (w13 [H, 2I] and w2 [I, H] row-major per
@@ -286,12 +293,17 @@ void project_mxfp4_experts(const std::vector<int64_t>& hit, const Routing& routi
   for (int64_t e : hit) most_rows = std::max(most_rows, routing.rows(e));
   const int64_t block = most_rows <= 2 ? 128 : 4 * mxfp4::kBlockColumns;
   const int64_t blocks = (width + block - 1) / block, hits = static_cast<int64_t>(hit.size());
+  const auto item = [&](int64_t i) {
+    const int64_t e = hit[i / blocks], n0 = (i % blocks) * block, first = routing.starts[e];
+    mxfp4::rows_times_columns(in + first * lda, lda, routing.rows(e), mxfp4::matrix_of(w, scales, e), n0,
+                              std::min(width, n0 + block), out + first * width, width);
+  };
+  if (most_rows > 2) {  // items of unequal cost, taken as the threads free up (as project_experts)
+    parallel_items(hits * blocks, 1, [&](int64_t i, int64_t) { item(i); });
+    return;
+  }
   at::parallel_for(0, hits * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = hit[item / blocks], n0 = (item % blocks) * block, first = routing.starts[e];
-      mxfp4::rows_times_columns(in + first * lda, lda, routing.rows(e), mxfp4::matrix_of(w, scales, e), n0,
-                                std::min(width, n0 + block), out + first * width, width);
-    }
+    for (int64_t i = begin; i < end; ++i) item(i);
   });
 }
 

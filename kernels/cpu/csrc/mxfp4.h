@@ -457,7 +457,8 @@ inline const float* rearranged(const float* x, int64_t lda, int64_t M, int64_t K
 // while every block of the weight passes over it (each block widened once a panel).
 inline constexpr int64_t kPanelRows = 128;
 
-// C [M, N] (contiguous) = x W^T for x's M rows (lda apart), the threads taking blocks of outputs.
+// C [M, N] (contiguous) = x W^T for x's M rows (lda apart), the threads taking blocks of outputs (more than one
+// row: as they free up, common.h's parallel_items).
 inline void linear(const float* x, int64_t lda, int64_t M, const Matrix& w, int64_t N, float* C) {
   const float* xr = rearranged(x, lda, M, w.K);
   const int64_t padded = w.padded();
@@ -471,11 +472,9 @@ inline void linear(const float* x, int64_t lda, int64_t M, const Matrix& w, int6
   const int64_t blocks = (N + kBlockColumns - 1) / kBlockColumns;
   for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
     const int64_t rows = std::min(kPanelRows, M - m0);
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t n0 = b * kBlockColumns;
-        rows_times_columns(xr + m0 * padded, padded, rows, w, n0, std::min(N, n0 + kBlockColumns), C + m0 * N, N);
-      }
+    parallel_items(blocks, 1, [&](int64_t b, int64_t) {
+      const int64_t n0 = b * kBlockColumns;
+      rows_times_columns(xr + m0 * padded, padded, rows, w, n0, std::min(N, n0 + kBlockColumns), C + m0 * N, N);
     });
   }
 }

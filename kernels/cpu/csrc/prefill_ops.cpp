@@ -142,13 +142,14 @@ at::Tensor gated_delta_rule_prefill(const at::Tensor& q, const at::Tensor& k, co
 
 // The gated delta rule of `batch` requests, request b's tokens [bounds[b], bounds[b + 1]) (the op's operands as
 // pointers: q, k rows of dk by (token * HK + key head), v rows of dv by (token * HV + head), g and beta rows apart
-// by g_row and b_row), states at slots[b] * s_slot + head * s_head, o [T, HV, dv].
+// by g_row and b_row), states at slots[b] * s_slot + head * s_head, o [T, HV, dv]. The (request, head) items are
+// taken as the threads free up (their costs follow the requests' lengths).
 void delta_rule_prefill_core(const Rows& qs, const Rows& ks, const Rows& vs, const float* gp, int64_t g_row,
                              const float* bp, int64_t b_row, const GdnShapes& shapes, float* states, const Index& slots,
                              int64_t s_slot, int64_t s_head, const int64_t* bounds, int64_t batch, float sc,
                              bool use_qk_l2norm, float* o) {
   const int64_t hk = shapes.hk, dk = shapes.dk, hv = shapes.hv, dv = shapes.dv, groups = hv / hk;
-  at::parallel_for(0, batch * hv, 1, [&](int64_t begin, int64_t end) {
+  const auto body = [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(4 * dk + 3 * dv);
     float *qn = scratch.data(), *kn = qn + dk, *qn_next = kn + dk, *kn_next = qn_next + dk;
     float *rk = kn_next + dk, *rq = rk + dv, *delta = rq + dv;
@@ -182,7 +183,8 @@ void delta_rule_prefill_core(const Rows& qs, const Rows& ks, const Rows& vs, con
         std::swap(kn, kn_next);
       }
     }
-  });
+  };
+  parallel_items(batch * hv, 1, [&](int64_t item, int64_t) { body(item, item + 1); });
 }
 
 // ---- causal conv1d over packed requests --------------------------------------------------------------------------
