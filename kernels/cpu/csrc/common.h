@@ -122,9 +122,10 @@ inline int64_t grain(int64_t work_per_item) {
 // range as at::parallel_for gives. A thread whose core is slower for a while (a shared host's other tenants) or whose
 // items cost more (experts of more rows) then takes fewer, instead of the others waiting for it at the end; the long
 // runs keep each thread's items adjacent (weights read in address order). f(item, next): `next` is the item this
-// thread runs after it (claimed before `item` runs, so that its weights can be asked for early), or -1. An item's
-// values must not depend on the thread that runs it or on the order. `grain_items`: as at::parallel_for's grain
-// (fewer items than that run on the calling thread).
+// thread runs after it (claimed before `item` runs, so that its weights can be asked for early), or -1 (none, or
+// not yet known: a run is taken early only while at least one is left for every thread, so that a thread that
+// starts late still finds work). An item's values must not depend on the thread that runs it or on the order.
+// `grain_items`: as at::parallel_for's grain (fewer items than that run on the calling thread).
 template <class F>
 void parallel_items(int64_t n, int64_t grain_items, const F& f) {
   if (n <= 0) return;
@@ -147,10 +148,14 @@ void parallel_items(int64_t n, int64_t grain_items, const F& f) {
     for (;;) {
       int64_t next_begin = -1, next_end = -1;
       for (int64_t item = begin; item < end; ++item) {
-        const bool last = item + 1 == end;
-        f(item, !last ? item + 1 : (claim(next_begin, next_end) ? next_begin : int64_t{-1}));
+        int64_t next = item + 1;
+        if (next == end) {  // the next run taken early only while every thread has one left to take
+          const bool plenty = n - counter.load(std::memory_order_relaxed) >= threads;
+          next = plenty && claim(next_begin, next_end) ? next_begin : -1;
+        }
+        f(item, next);
       }
-      if (next_begin < 0) return;
+      if (next_begin < 0 && !claim(next_begin, next_end)) return;
       begin = next_begin;
       end = next_end;
     }
