@@ -282,9 +282,8 @@ def test_work_taken_as_the_threads_free_up_gives_the_same_bits_every_call(monkey
     blocks and experts."""
     from sglang_lite.kernels.quant import mxfp4
 
-    monkeypatch.setenv(
-        "SGLANG_CPU_BF16_DOT", "widen"
-    )  # vdpbf16ps hosts too take the widened blocks
+    # vdpbf16ps hosts too take the widened blocks
+    monkeypatch.setenv("SGLANG_CPU_BF16_DOT", "widen")
     codes = torch.Generator().manual_seed(40)
 
     def mx(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -279,9 +279,8 @@ def test_experts_of_one_or_two_rows_read_whole_beside_an_expert_of_more(dtype, m
     """A decode step of a few requests: most experts hit take one or two rows, read whole by a thread each, while an
     expert of four rows takes the column blocks. Every token's output equals that token run alone (each expert
     then one row, read whole), bit for bit, and the float32 reference."""
-    monkeypatch.setenv(
-        "SGLANG_CPU_BF16_DOT", "widen"
-    )  # vdpbf16ps rounds the hidden activation per row count
+    # vdpbf16ps rounds the hidden activation per row count
+    monkeypatch.setenv("SGLANG_CPU_BF16_DOT", "widen")
     experts, top_k, hidden, inter, tokens = 8, 2, 64, 48, 4
     w13 = _input_major((_randn(experts, 2 * inter, hidden, seed=7) / 8).to(dtype))
     w2 = _input_major((_randn(experts, hidden, inter, seed=8) / 8).to(dtype))

@@ -138,8 +138,8 @@ void prefetch_expert_block(const Experts<W>& w, int64_t e, int64_t n0, int64_t n
 // another (gemm.h's rows_add_weight_rows: one stream of the expert's bytes in address order, from memory 1.8-2.1x
 // the blocks' speed, the same values); experts of more rows in the same call (8 tokens, top 4 of 32: ~2-3 of the
 // ~20 experts hit) then take the blocks. Before, one such expert sent every expert to the blocks (the MoE of 8
-// tokens, 32 experts top 4, bf16, cold: AVX2 0.59 -> 0.44 ms, AVX-512 0.35 -> 0.33 ms a layer). `pairs`: the rows as bf16 pairs, for the experts that take vdpbf16ps (bf16
-// weights, gemm.h's bf16_dot_for), else null.
+// tokens, 32 experts top 4, bf16, cold: AVX2 0.59 -> 0.44 ms, AVX-512 0.35 -> 0.33 ms a layer). `pairs`: the rows
+// as bf16 pairs, for the experts that take vdpbf16ps (bf16 weights, gemm.h's bf16_dot_for), else null.
 template <class W>
 void project_experts(const std::vector<int64_t>& hit, const Routing& routing, const float* in, int64_t lda,
                      int64_t depth, const Experts<W>& w, int64_t width, float* out, const Bf16Pairs* pairs,

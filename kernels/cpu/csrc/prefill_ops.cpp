@@ -149,42 +149,39 @@ void delta_rule_prefill_core(const Rows& qs, const Rows& ks, const Rows& vs, con
                              int64_t s_slot, int64_t s_head, const int64_t* bounds, int64_t batch, float sc,
                              bool use_qk_l2norm, float* o) {
   const int64_t hk = shapes.hk, dk = shapes.dk, hv = shapes.hv, dv = shapes.dv, groups = hv / hk;
-  const auto body = [&](int64_t begin, int64_t end) {
+  parallel_items(batch * hv, 1, [&](int64_t item, int64_t) {
+    const int64_t b = item / hv, h = item % hv, first = bounds[b], last = bounds[b + 1];
+    if (first == last) return;
     std::vector<float> scratch(4 * dk + 3 * dv);
     float *qn = scratch.data(), *kn = qn + dk, *qn_next = kn + dk, *kn_next = qn_next + dk;
     float *rk = kn_next + dk, *rq = rk + dv, *delta = rq + dv;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / hv, h = item % hv, first = bounds[b], last = bounds[b + 1];
-      if (first == last) continue;
-      float* S = states + slots[b] * s_slot + h * s_head;
-      const int64_t key_head = h / groups;
-      normalise_qk(qs[first * hk + key_head], ks[first * hk + key_head], dk, sc, use_qk_l2norm, qn, kn);
-      state_pass<false, true>(S, dv, dk, 1.0f, kn, delta, kn, qn, rk, rq);  // S^T k and S^T q of the first
-      for (int64_t t = first; t < last; ++t) {
-        const float decay = std::exp(gp[t * g_row + h]), b_t = bp[t * b_row + h], kq = dot(kn, qn, dk);
-        const float* vt = vs[t * hv + h];
-        float* ot = o + (t * hv + h) * dv;
+    float* S = states + slots[b] * s_slot + h * s_head;
+    const int64_t key_head = h / groups;
+    normalise_qk(qs[first * hk + key_head], ks[first * hk + key_head], dk, sc, use_qk_l2norm, qn, kn);
+    state_pass<false, true>(S, dv, dk, 1.0f, kn, delta, kn, qn, rk, rq);  // S^T k and S^T q of the first
+    for (int64_t t = first; t < last; ++t) {
+      const float decay = std::exp(gp[t * g_row + h]), b_t = bp[t * b_row + h], kq = dot(kn, qn, dk);
+      const float* vt = vs[t * hv + h];
+      float* ot = o + (t * hv + h) * dv;
 #pragma omp simd
-        for (int64_t j = 0; j < dv; ++j) {
-          delta[j] = (vt[j] - decay * rk[j]) * b_t;
-          ot[j] = decay * rq[j] + kq * delta[j];  // S'^T q = exp(g) S^T q + (k . q) delta
-        }
-        const bool more = t + 1 < last;
-        if (more) {
-          normalise_qk(qs[(t + 1) * hk + key_head], ks[(t + 1) * hk + key_head], dk, sc, use_qk_l2norm, qn_next,
-                       kn_next);
-        }
-        if (more) {
-          state_pass<true, true>(S, dv, dk, decay, kn, delta, kn_next, qn_next, rk, rq);
-        } else {
-          state_pass<true, false>(S, dv, dk, decay, kn, delta, kn_next, qn_next, rk, rq);
-        }
-        std::swap(qn, qn_next);
-        std::swap(kn, kn_next);
+      for (int64_t j = 0; j < dv; ++j) {
+        delta[j] = (vt[j] - decay * rk[j]) * b_t;
+        ot[j] = decay * rq[j] + kq * delta[j];  // S'^T q = exp(g) S^T q + (k . q) delta
       }
+      const bool more = t + 1 < last;
+      if (more) {
+        normalise_qk(qs[(t + 1) * hk + key_head], ks[(t + 1) * hk + key_head], dk, sc, use_qk_l2norm, qn_next,
+                     kn_next);
+      }
+      if (more) {
+        state_pass<true, true>(S, dv, dk, decay, kn, delta, kn_next, qn_next, rk, rq);
+      } else {
+        state_pass<true, false>(S, dv, dk, decay, kn, delta, kn_next, qn_next, rk, rq);
+      }
+      std::swap(qn, qn_next);
+      std::swap(kn, kn_next);
     }
-  };
-  parallel_items(batch * hv, 1, [&](int64_t item, int64_t) { body(item, item + 1); });
+  });
 }
 
 // ---- causal conv1d over packed requests --------------------------------------------------------------------------
