@@ -245,6 +245,27 @@ def test_one_call_ends_are_checked():
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_names_a_token_outside_the_vocabulary(dtype):
+    """The one call reads the embedding's rows itself: a token id outside it is one error naming the id, before
+    any layer runs."""
+    layers = cpu.DecodeLayers()
+    layers.set_ends(
+        torch.zeros(10, 8, dtype=dtype),
+        cpu.Norm(torch.zeros(8), 1e-6),
+        cpu.Weight(torch.zeros(10, 8)),
+    )
+    requests = (torch.zeros(2, dtype=torch.int64),) * 4
+    for bad in (10, -1):
+        ids = torch.tensor([3, bad])
+        with pytest.raises(
+            RuntimeError, match=rf"input_ids\[1\] = {bad} is outside the vocabulary of 10"
+        ):
+            layers.run_logits(ids, torch.zeros(2, dtype=torch.int64), requests, 1)
+    with pytest.raises(RuntimeError, match="holds no blocks"):  # good ids reach the layers
+        layers.run_logits(torch.tensor([3, 9]), torch.zeros(2, dtype=torch.int64), requests, 1)
+
+
 def _greedy_run(model: torch.nn.Module, stop_at: tuple[int, int] | None = None):
     """``_run``'s prefill, then its STEPS greedy decode steps in one ``decode_greedy`` call (KV slots for every step
     allocated first); with ``stop_at`` (step, request), that request's token of that step is its stop id. The

@@ -482,16 +482,19 @@ static int64_t argmax_row(const float* row, int64_t vocab) {
   return at;
 }
 
-at::Tensor argmax_rows(const at::Tensor& logits) {
+void argmax_rows_into(const at::Tensor& logits, int64_t* out) {
   check_float(logits, "logits", 2);
   const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
   TORCH_CHECK(vocab > 0, "logits must have at least one column");
-  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* base = logits.data_ptr<float>();
-  int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, grain(vocab), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(base + r * stride, vocab);
+    for (int64_t r = begin; r < end; ++r) out[r] = argmax_row(base + r * stride, vocab);
   });
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  argmax_rows_into(logits, out.data_ptr<int64_t>());
   return out;
 }
 

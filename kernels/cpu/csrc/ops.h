@@ -71,6 +71,7 @@ std::tuple<at::Tensor, at::Tensor> gemma_rmsnorm(const at::Tensor& x_in, const a
                                                  const c10::optional<at::Tensor>& residual_in);
 at::Tensor gated_rmsnorm(const at::Tensor& o_in, const at::Tensor& z_in, const at::Tensor& weight, double eps);
 at::Tensor argmax_rows(const at::Tensor& logits);
+void argmax_rows_into(const at::Tensor& logits, int64_t* out);  // [B] int64 at out
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& page_table, const at::Tensor& req_pool_indices,
                             const at::Tensor& seq_lens, double scale, int64_t page_size);
