@@ -68,8 +68,11 @@ class Browser:
             f"--window-size={self.width},{self.height}",
             "about:blank",
         ]
+        # Chromium puts its singleton socket in a folder of $TMPDIR that it leaves behind when killed; kept inside
+        # the profile, it goes when the profile does.
+        env = {**os.environ, "TMPDIR": self._profile.name}
         self.process = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         try:
             await self._connect()
