@@ -161,6 +161,14 @@ SGLANG_CPU_BF16_DOT = EnvChoice(
     "float32 in registers, float32 activations (the path of CPUs without it); dot takes vdpbf16ps at every row "
     "count.",
 )
+SGLANG_CPU_GREEDY_HEAD = EnvBool(
+    "SGLANG_CPU_GREEDY_HEAD",
+    True,
+    "Greedy decode at batch 1 on the CPU (the one-call decode loop) finds each token through an int8 copy of a "
+    "float32 or bf16 LM head, built on first use (V x H bytes), and the exact logits of the few rows that can be "
+    "the maximum: the tokens of the whole head, bitwise, reading about half of a bf16 head (kernels/cpu/csrc/"
+    "greedy_head.h). false: every step reads the whole head.",
+)
 TRITON_INTERPRET = EnvBool(
     "TRITON_INTERPRET",
     False,

@@ -343,6 +343,17 @@ def linear(
     return _ops().linear_rows(_last_dim_contiguous(x), weight, scale, block or [], bf16_dot())
 
 
+def greedy_head_argmax(
+    x: torch.Tensor, weight: torch.Tensor, mode: int | None = None
+) -> torch.Tensor:
+    """Each row's argmax of ``linear(x, weight)`` (float32 or bf16 weight [V, K], unscaled) through a
+    ``csrc/greedy_head.h`` screen built for the call: int64 [B], -1 where the screen leaves a row undecided (the
+    whole head's logits then decide). ``mode``: how bf16 weights meet the row (``bf16_dot``'s values)."""
+    return _ops().greedy_head_argmax(
+        _last_dim_contiguous(_float(x)), weight, bf16_dot() if mode is None else mode
+    )
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of float32 [B, V] logits (int64 [B]; NaN counts as the maximum, as torch's)."""
     return _ops().argmax_rows(_last_dim_contiguous(logits))

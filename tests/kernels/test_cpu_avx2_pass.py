@@ -25,6 +25,7 @@ AVX2_TESTS = [
     "tests/kernels/test_cpu_weights.py",
     "tests/kernels/test_cpu_mxfp4.py",
     "tests/kernels/test_cpu_mxfp4_blocks.py",
+    "tests/kernels/test_greedy_head.py",
     "tests/kernels/test_batch_invariant.py",
     "tests/kernels/test_interleaved_state_pools.py",
     "tests/models/test_decode_blocks.py",

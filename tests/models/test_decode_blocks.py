@@ -323,3 +323,47 @@ def test_greedy_steps_in_one_call_equal_a_call_a_step(tmp_path, kind):
     ids = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="stop_ids"):  # [S], not [B, S]
         cpu.DecodeLayers().run_greedy(ids, ids, (ids,) * 3, ids.view(1, 1), ids, 1)
+
+
+def _greedy_one(model: torch.nn.Module, steps: int, greedy_head: bool, monkeypatch) -> torch.Tensor:
+    """One request's prefill, then ``steps`` greedy decode steps in one ``decode_greedy`` call (batch 1), with the
+    LM head's screen (``csrc/greedy_head.h``) on or off: the tokens [steps]."""
+    monkeypatch.setenv("SGLANG_CPU_GREEDY_HEAD", "1" if greedy_head else "0")
+    model.model.reset_decode_layers()  # a screen is built on first use: none carried between the runs
+    config = model.config
+    pools = ModelPools.create(config, 256, 2, 64, model.compute_dtype, "cpu", page_size=16)
+    rows, slots = pools.req_to_token.allocator.alloc(1), pools.states.alloc(1)
+    prompt = torch.randint(0, config.vocab_size, (7,), generator=torch.Generator().manual_seed(3))
+    prefill = build_forward_batch(
+        pools, ForwardMode.EXTEND, [prompt.tolist()], [0], rows, slots, "cpu",
+        pools.alloc_kv(rows, [0], [7]),
+    )  # fmt: skip
+    first = int(model.forward_batch(prefill).argmax(-1))
+    out_cache_loc = torch.tensor(pools.alloc_kv(rows, [7], [steps])).view(steps, 1)
+    batch = build_forward_batch(
+        pools, ForwardMode.DECODE, [[first]], [7], rows, slots, "cpu", out_cache_loc[0].tolist()
+    )
+    stop_ids = torch.full((1, 1), -1, dtype=torch.int64)
+    return model.model.decode_greedy(batch, out_cache_loc, stop_ids)[:, 0]
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_greedy_head_at_batch_1_gives_the_whole_heads_tokens(tmp_path, monkeypatch, weight_dtype):
+    """At batch 1 the one call finds each step's token through the LM head's int8 screen: the tokens of the whole
+    head's argmax, for a bf16 and a float32 head; and where two rows of the head are equal at the top, the whole
+    head's first of them (the screen cannot separate them and reads the whole head)."""
+    steps = 12
+    hf = make_hf_model(moe=True, seed=11)
+    path = save_checkpoint(hf, str(tmp_path))
+    model = _model(path, blocks=True, weight_dtype=weight_dtype)
+    whole = _greedy_one(model, steps, False, monkeypatch)
+    assert torch.equal(_greedy_one(model, steps, True, monkeypatch), whole)
+    # the first step's token's row of the head copied to another index: the lower of the two wins the tie
+    head = model.lm_head.weight
+    top = int(whole[0])
+    other = 0 if top != 0 else 1
+    with torch.no_grad():
+        head[other] = head[top]
+    tied = _greedy_one(model, steps, False, monkeypatch)
+    assert int(tied[0]) == min(other, top)
+    assert torch.equal(_greedy_one(model, steps, True, monkeypatch), tied)

@@ -10,6 +10,7 @@
 // attention_prefill_block, and the MLP blocks over any rows): its mixers then run the prefill kernels.
 #include "common.h"
 #include "gemm.h"
+#include "greedy_head.h"
 #include "ops.h"
 
 #include <torch/custom_class.h>
@@ -725,36 +726,29 @@ class DecodeLayers : public torch::CustomClassHolder {
                 "the embedding [V, H], final norm [H] and LM head [V, H] disagree: ", embedding.sizes(), ", ",
                 norm_weight.sizes(), ", ", head_w.sizes());
     ends_ = Ends{std::move(embedding), std::move(norm_weight), eps, std::move(head_w), std::move(head_s)};
+    greedy_head_.reset();
+    greedy_head_tried_ = false;
+    screen_misses_ = 0.0;
   }
 
   // A decode step from token ids to logits [B, V]: the embedding's rows through every block, the final norm and the
   // LM head; what Qwen3_5ForCausalLM.forward_batch computes through the modules, in one call.
   at::Tensor run_logits(at::Tensor input_ids, at::Tensor state_slots, at::Tensor req_pool_indices,
                         at::Tensor seq_lens, at::Tensor positions, at::Tensor out_cache_loc, int64_t bf16_dot) {
-    TORCH_CHECK(ends_.has_value(), "DecodeLayers.run_logits needs set_ends first");
-    const Ends& ends = *ends_;
-    const at::Tensor embedded = embedded_rows(ends.embedding, input_ids);
-    auto [hidden, residual] =
-        run_step(embedded, Step{state_slots, req_pool_indices, seq_lens, positions, out_cache_loc, bf16_dot, nullptr});
-    const int64_t rows = hidden.size(0), width = hidden.size(1);
-    at::Tensor normed = at::empty({rows, width}, hidden.options());
-    at::Tensor sum = at::empty({rows, width}, hidden.options());
-    const Rows rs(residual.data_ptr<float>(), 1, width, 0);
-    gemma_norm_core(Rows(hidden.data_ptr<float>(), 1, width, 0), &rs, rows, width, ends.norm_weight.data_ptr<float>(),
-                    static_cast<float>(ends.eps), normed.data_ptr<float>(), sum.data_ptr<float>());
-    at::Tensor logits = at::empty({rows, ends.head_w.size(0)}, hidden.options());
-    linear_core(normed.data_ptr<float>(), width, rows, width, ends.head_w, ends.head_s, {}, bf16_dot,
-                logits.data_ptr<float>());
-    return logits;
+    const at::Tensor normed =
+        run_normed(input_ids, state_slots, req_pool_indices, seq_lens, positions, out_cache_loc, bf16_dot);
+    return head_logits(normed, bf16_dot);
   }
 
   // Greedy decode steps back to back, each as run_logits followed by argmax_rows: a step's tokens are the next
   // step's input, one position further, their KV into the next row of out_cache_loc [steps, B]. Ends after the
   // step in which a row's token is one of its stop ids (stop_ids [B, S], -1 where a row has fewer), or after
-  // every row of out_cache_loc. Returns the tokens [steps run, B].
+  // every row of out_cache_loc. Returns the tokens [steps run, B]. `greedy_head`: one row's argmax found through
+  // GreedyHead (greedy_head.h: the same token, reading an int8 copy of a float32 or bf16 head, built on first use,
+  // and the few rows that can be the maximum) where it decides it; the whole head's logits where it does not.
   at::Tensor run_greedy(at::Tensor input_ids, at::Tensor state_slots, at::Tensor req_pool_indices,
                         at::Tensor seq_lens, at::Tensor positions, at::Tensor out_cache_loc, at::Tensor stop_ids,
-                        int64_t bf16_dot) {
+                        int64_t bf16_dot, bool greedy_head) {
     const int64_t steps = out_cache_loc.size(0), rows = input_ids.size(0);
     TORCH_CHECK(out_cache_loc.dim() == 2 && out_cache_loc.size(1) == rows && stop_ids.dim() == 2 &&
                     stop_ids.size(0) == rows && stop_ids.scalar_type() == at::kLong && stop_ids.is_contiguous(),
@@ -766,11 +760,17 @@ class DecodeLayers : public torch::CustomClassHolder {
     at::Tensor ids = input_ids;
     seq_lens = seq_lens.clone();  // the loop's own, advanced in place
     positions = positions.clone();
+    const GreedyHead* screen = greedy_head && rows == 1 ? screen_of_head() : nullptr;
     for (int64_t j = 0; j < steps; ++j) {
-      const at::Tensor logits =
-          run_logits(ids, state_slots, req_pool_indices, seq_lens, positions, out_cache_loc.select(0, j), bf16_dot);
+      const at::Tensor normed =
+          run_normed(ids, state_slots, req_pool_indices, seq_lens, positions, out_cache_loc.select(0, j), bf16_dot);
       at::Tensor next = tokens.select(0, j);
-      argmax_rows_into(logits, next.data_ptr<int64_t>());
+      const int64_t token = screen != nullptr && screen_this_step() ? screened(*screen, normed, bf16_dot) : -1;
+      if (token >= 0) {
+        next.data_ptr<int64_t>()[0] = token;
+      } else {
+        argmax_rows_into(head_logits(normed, bf16_dot), next.data_ptr<int64_t>());
+      }
       const int64_t* picked = next.data_ptr<int64_t>();
       bool stopped = false;
       for (int64_t r = 0; r < rows && !stopped; ++r) {
@@ -812,6 +812,61 @@ class DecodeLayers : public torch::CustomClassHolder {
   int64_t size() const { return static_cast<int64_t>(blocks_.size()); }
 
  private:
+  // A decode step's rows after the final norm [B, H]: run_logits without the LM head.
+  at::Tensor run_normed(const at::Tensor& input_ids, const at::Tensor& state_slots, const at::Tensor& req_pool_indices,
+                        const at::Tensor& seq_lens, const at::Tensor& positions, const at::Tensor& out_cache_loc,
+                        int64_t bf16_dot) {
+    TORCH_CHECK(ends_.has_value(), "DecodeLayers.run_logits needs set_ends first");
+    const Ends& ends = *ends_;
+    const at::Tensor embedded = embedded_rows(ends.embedding, input_ids);
+    auto [hidden, residual] =
+        run_step(embedded, Step{state_slots, req_pool_indices, seq_lens, positions, out_cache_loc, bf16_dot, nullptr});
+    const int64_t rows = hidden.size(0), width = hidden.size(1);
+    at::Tensor normed = at::empty({rows, width}, hidden.options());
+    at::Tensor sum = at::empty({rows, width}, hidden.options());
+    const Rows rs(residual.data_ptr<float>(), 1, width, 0);
+    gemma_norm_core(Rows(hidden.data_ptr<float>(), 1, width, 0), &rs, rows, width, ends.norm_weight.data_ptr<float>(),
+                    static_cast<float>(ends.eps), normed.data_ptr<float>(), sum.data_ptr<float>());
+    return normed;
+  }
+
+  at::Tensor head_logits(const at::Tensor& normed, int64_t bf16_dot) const {
+    const Ends& ends = *ends_;
+    const int64_t rows = normed.size(0), width = normed.size(1);
+    at::Tensor logits = at::empty({rows, ends.head_w.size(0)}, normed.options());
+    linear_core(normed.data_ptr<float>(), width, rows, width, ends.head_w, ends.head_s, {}, bf16_dot,
+                logits.data_ptr<float>());
+    return logits;
+  }
+
+  // A step it leaves undecided reads the screen and then the whole head: where more than a quarter of recent steps
+  // went so (logits whose top crowds: a model with flat outputs, a vocabulary of 10^5 and more with random
+  // weights), steps read the whole head, and one in kScreenRetry tries the screen again.
+  static constexpr double kScreenMissRate = 0.25, kScreenMemory = 16.0;
+  static constexpr int64_t kScreenRetry = 64;
+
+  bool screen_this_step() { return screen_misses_ <= kScreenMissRate || ++screen_skipped_ % kScreenRetry == 0; }
+
+  int64_t screened(const GreedyHead& screen, const at::Tensor& normed, int64_t bf16_dot) {
+    const int64_t token = screen.argmax(normed.data_ptr<float>(), ends_->head_w, bf16_dot);
+    screen_misses_ += ((token < 0 ? 1.0 : 0.0) - screen_misses_) / kScreenMemory;  // a moving average
+    return token;
+  }
+
+  // The LM head's GreedyHead, built on the first call that asks (null for a quantized head or one with non-finite
+  // values).
+  const GreedyHead* screen_of_head() {
+    if (!greedy_head_tried_) {
+      greedy_head_tried_ = true;
+      const Ends& ends = *ends_;
+      const auto type = ends.head_w.scalar_type();
+      if (!ends.head_s.has_value() && (type == at::kFloat || type == at::kBFloat16)) {
+        greedy_head_ = GreedyHead::build(ends.head_w);
+      }
+    }
+    return greedy_head_.get();
+  }
+
   std::tuple<at::Tensor, at::Tensor> run_step(at::Tensor hidden, const Step& step) {
     TORCH_CHECK(!blocks_.empty(), "DecodeLayers holds no blocks");
     OptTensor residual;
@@ -832,11 +887,32 @@ class DecodeLayers : public torch::CustomClassHolder {
 
   std::vector<Block> blocks_;
   c10::optional<Ends> ends_;
+  std::unique_ptr<GreedyHead> greedy_head_;
+  bool greedy_head_tried_ = false;
+  double screen_misses_ = 0.0;  // the share of recent screened steps left undecided
+  int64_t screen_skipped_ = 0;
 };
+
+// Each row's argmax of x [B, K] W^T as linear_rows would give it one row at a time, through a GreedyHead built from
+// W (float32 or bf16 [V, K], unscaled) for this call: -1 where the screen leaves a row undecided.
+at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& head_w, int64_t bf16_dot) {
+  check_float(x, "x", 2);
+  TORCH_CHECK(head_w.dim() == 2 && head_w.size(1) == x.size(1), "the head must be [V, ", x.size(1), "], got ",
+              head_w.sizes());
+  TORCH_CHECK(head_w.stride(0) == 1 || head_w.stride(1) == 1, "the head must be contiguous along one dimension");
+  at::Tensor out = at::full({x.size(0)}, -1, x.options().dtype(at::kLong));
+  const std::unique_ptr<GreedyHead> screen = GreedyHead::build(head_w);
+  if (screen == nullptr) return out;
+  for (int64_t r = 0; r < x.size(0); ++r) {
+    out.data_ptr<int64_t>()[r] = screen->argmax(x.data_ptr<float>() + r * x.stride(0), head_w, bf16_dot);
+  }
+  return out;
+}
 
 }  // namespace sgl_cpu
 
 TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
+  m.def("greedy_head_argmax(Tensor x, Tensor head_w, int bf16_dot) -> Tensor");
   m.class_<sgl_cpu::DecodeLayers>("DecodeLayers")
       .def(torch::init<>())
       .def("add_gdn", &sgl_cpu::DecodeLayers::add_gdn)
@@ -885,6 +961,7 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(sglang_lite_cpu, CPU, m) {
+  m.impl("greedy_head_argmax", &sgl_cpu::greedy_head_argmax);
   m.impl("gdn_decode_block", &sgl_cpu::gdn_decode_block);
   m.impl("gdn_prefill_block", &sgl_cpu::gdn_prefill_block);
   m.impl("attention_decode_block", &sgl_cpu::attention_decode_block);

@@ -1,0 +1,302 @@
+// The argmax of one row's logits x W^T through a float32 or bf16 LM head W [V, K] without reading all of W: an int8
+// copy of W (per-row absmax scales) against x rounded to int8 gives every logit to within a bound proven from
+// per-row norms of both rounding errors and of float32 summation; only the rows whose interval reaches the best
+// lower end can be the maximum, and those few are computed exactly (in double, from W and the row linear_core reads)
+// and separated by float32 summation's error bound. The token is then the one linear_core's logits would give,
+// bitwise: where the bound cannot separate the candidates (a near tie, two equal rows of W, a row of x with a
+// non-finite value, too many candidates), it answers "undecided" and the caller reads the whole head.
+//
+// Why: at batch 1 a decode step reads its whole LM head from memory (a bf16 head of 32000 x 256 is 16 MB, the step's
+// largest read: 38% of a mid-shape MXFP4 step); the int8 copy is half of that, and int8 products run 32 a vector
+// instruction.
+//
+// The bound. With W's row w = s q + e (q int8, |q| <= 127, s its scale) and x = t p + r (p int8):
+//   |x.w - s t (p.q)| <= s |q|_2 |r|_2 + |e|_2 |x|_2                                  (Cauchy-Schwarz, twice)
+// and linear_core's float32 sum of K products, in any order (FMA or not, split over K, vdpbf16ps' exact products),
+// is within gamma_{2K} sum |x_k w_k| <= gamma_{2K} |w|_2 |x|_2 of x.w (gamma_n = n u / (1 - n u), u = 2^-24). Where
+// linear_core rounds x to bf16 first (vdpbf16ps), x.w moves by at most |w|_2 |x - bf16(x)|_2 more. Every norm is
+// taken in double and rounded up; float32 arithmetic on the bounds is covered by a relative slack of 2^-18.
+#pragma once
+
+#include "common.h"
+#include "gemm.h"
+
+#include <memory>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace sgl_cpu {
+
+class GreedyHead {
+ public:
+  // More candidates than this and the head is read whole (an x that separates no logits).
+  static constexpr int64_t kMaxCandidates = 64;
+  // |p.q| <= 127 * 127 * K stays below 2^31
+  static constexpr int64_t kMaxK = 131072;
+
+  // The screen of head_w [V, K] (float32 or bf16, any strides), or null where its values are not all finite or K
+  // is too long for int32 sums of int8 products.
+  static std::unique_ptr<GreedyHead> build(const at::Tensor& head_w) {
+    TORCH_CHECK(head_w.dim() == 2 && (head_w.scalar_type() == at::kFloat || head_w.scalar_type() == at::kBFloat16),
+                "the greedy head takes a float32 or bf16 [V, K] weight, got ", head_w.scalar_type(), " ",
+                head_w.sizes());
+    if (head_w.size(1) > kMaxK || head_w.size(0) == 0) return nullptr;
+    std::unique_ptr<GreedyHead> screen(new GreedyHead(head_w.size(0), head_w.size(1)));
+    return screen->quantize(head_w) ? std::move(screen) : nullptr;
+  }
+
+  // The argmax of x [K] (float32) W^T as linear_core computes it for one row with `bf16_dot` (`head_w` the weight
+  // this screen was built from), or -1 where the bound cannot decide it.
+  int64_t argmax(const float* x, const at::Tensor& head_w, int64_t bf16_dot) const {
+    const int64_t V = V_, K = K_;
+    // where linear_core takes vdpbf16ps for this head (linear_in_out: a bf16 weight stored [in, out], one row), the
+    // first V / 32 * 32 columns see x rounded to bf16 and the rest x itself
+    const bool bf16 = head_w.scalar_type() == at::kBFloat16;
+    const bool dot = bf16 && head_w.stride(0) == 1 && V != 1 && bf16_dot_for(bf16_dot, 1);
+    const int64_t dot_columns = dot ? V / 32 * 32 : 0;
+
+    // x = t p + r, and the norms the bound takes
+    double absmax = 0.0, x2 = 0.0, d2 = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      if (!std::isfinite(x[k])) return -1;
+      absmax = std::max(absmax, std::fabs(static_cast<double>(x[k])));
+      x2 += static_cast<double>(x[k]) * x[k];
+      if (dot) {
+        const double d = static_cast<double>(x[k]) - bf16_to_float(float_to_bf16(x[k]));
+        d2 += d * d;
+      }
+    }
+    const float t = static_cast<float>(absmax / 127.0);
+    thread_local std::vector<int8_t> p_sign_buf, p_abs_buf;  // the calling thread's; the workers take pointers
+    p_sign_buf.assign(Kp_, 0);
+    p_abs_buf.assign(Kp_, 0);
+    int8_t* const p_sign = p_sign_buf.data();
+    int8_t* const p_abs = p_abs_buf.data();
+    double r2 = 0.0;
+    for (int64_t k = 0; k < K && t > 0.0f; ++k) {
+      const int p = static_cast<int>(std::clamp(std::nearbyint(x[k] / t), -127.0f, 127.0f));
+      p_sign[k] = static_cast<int8_t>(p);
+      p_abs[k] = static_cast<int8_t>(std::abs(p));
+      const double r = static_cast<double>(x[k]) - static_cast<double>(t) * p;
+      r2 += r * r;
+    }
+    const float R2 = up(std::sqrt(r2)), X2 = up(std::sqrt(x2)), D2 = up(std::sqrt(d2) * (1.0 + gamma_));
+    if (!(static_cast<double>(X2) * max_norm_ < 1e30)) return -1;  // logits that float32 may overflow
+
+    // every row's interval [lower, upper] (its logit's); the best lower end over all rows
+    thread_local std::vector<float> upper_buf;
+    upper_buf.resize(V);
+    float* const upper = upper_buf.data();
+    const int threads = at::get_num_threads();
+    std::vector<float> best(threads * kPad, -std::numeric_limits<float>::infinity());  // a cache line a thread
+    const int64_t groups = (V + 7) / 8;
+    at::parallel_for(0, groups, grain(8 * Kp_), [&](int64_t begin, int64_t end) {
+      f32x8 floor8 = {};
+      floor8 -= std::numeric_limits<float>::infinity();
+      float floor1 = -std::numeric_limits<float>::infinity();
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t i0 = g * 8;
+        if (i0 + 8 <= V) {
+          i32x8 dots;
+          dots8(i0, p_sign, p_abs, dots);
+          const f32x8 A = __builtin_convertvector(dots, f32x8) * load8(scale_.data() + i0) * t;
+          const f32x8 B = load8(a_.data() + i0) * R2 + load8(b_.data() + i0) * X2 + load8(norm_.data() + i0) * D2;
+          const f32x8 slack = B * (1.0f + kSlack) + kSlack * (A < 0 ? -A : A) + 1e-30f;
+          const f32x8 high = A + slack, low = A - slack;
+          std::memcpy(upper + i0, &high, sizeof(high));
+          floor8 = low > floor8 ? low : floor8;
+          continue;
+        }
+        for (int64_t i = i0; i < V; ++i) {
+          const float A = static_cast<float>(dot1(i, p_sign)) * scale_[i] * t;
+          const float B = a_[i] * R2 + b_[i] * X2 + norm_[i] * D2;
+          const float slack = B * (1.0f + kSlack) + kSlack * std::fabs(A) + 1e-30f;
+          upper[i] = A + slack;
+          floor1 = std::max(floor1, A - slack);
+        }
+      }
+      for (int j = 0; j < 8; ++j) floor1 = std::max(floor1, floor8[j]);
+      float& mine = best[at::get_thread_num() * kPad];
+      mine = std::max(mine, floor1);
+    });
+    float floor = -std::numeric_limits<float>::infinity();
+    for (int th = 0; th < threads; ++th) floor = std::max(floor, best[th * kPad]);
+
+    // the rows that can be the maximum
+    int64_t candidates[kMaxCandidates];
+    int64_t count = 0;
+    const f32x8 floors = f32x8{} + floor;
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) {
+      const i32x8 reach = load8(upper + i) >= floors;
+      if (!any(reach)) continue;
+      for (int j = 0; j < 8; ++j) {
+        if (!reach[j]) continue;
+        if (count == kMaxCandidates) return -1;
+        candidates[count++] = i + j;
+      }
+    }
+    for (; i < V; ++i) {
+      if (upper[i] < floor) continue;
+      if (count == kMaxCandidates) return -1;
+      candidates[count++] = i;
+    }
+
+    // their logits exactly: x.w in double (exact products) and sum |x_k w_k|, a weight row at a time; the columns
+    // below dot_columns from x rounded to bf16, as linear_core reads them
+    double sum[kMaxCandidates] = {}, magnitude[kMaxCandidates] = {};
+    const int64_t s0 = head_w.stride(0), s1 = head_w.stride(1);
+    const uint16_t* w16 = bf16 ? static_cast<const uint16_t*>(head_w.data_ptr()) : nullptr;
+    const float* w32 = bf16 ? nullptr : head_w.data_ptr<float>();
+    for (int64_t k = 0; k < K; ++k) {
+      const double xk = x[k], xr = bf16_to_float(float_to_bf16(x[k]));
+      for (int64_t c = 0; c < count; ++c) {
+        const int64_t offset = candidates[c] * s0 + k * s1;
+        const double product = (candidates[c] < dot_columns ? xr : xk) *
+                               (bf16 ? static_cast<double>(bf16_to_float(w16[offset])) : w32[offset]);
+        sum[c] += product;
+        magnitude[c] += std::fabs(product);
+      }
+    }
+    if (count == 0) return -1;
+    int64_t winner = 0;  // the first of equal values, as argmax_rows
+    for (int64_t c = 1; c < count; ++c) winner = sum[c] > sum[winner] ? c : winner;
+    const auto margin = [&](int64_t c) { return gamma_ * (1.0 + 1e-6) * magnitude[c] + 1e-30; };
+    for (int64_t c = 0; c < count; ++c) {
+      if (c != winner && !(sum[winner] - margin(winner) > sum[c] + margin(c))) return -1;
+    }
+    return candidates[winner];
+  }
+
+ private:
+  typedef float f32x8 __attribute__((vector_size(32)));
+  typedef int32_t i32x8 __attribute__((vector_size(32)));
+  static constexpr int kPad = 16;  // floats: 64 bytes
+
+  static f32x8 load8(const float* p) {
+    f32x8 v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+
+  static bool any(i32x8 m) {
+    int32_t acc = 0;
+    for (int j = 0; j < 8; ++j) acc |= m[j];
+    return acc != 0;
+  }
+
+  GreedyHead(int64_t V, int64_t K)
+      : V_(V), K_(K), Kp_((K + 31) / 32 * 32), gamma_(2.0 * K * kUnit / (1.0 - 2.0 * K * kUnit)) {}
+
+  static constexpr double kUnit = 1.0 / 16777216.0;  // float32's unit roundoff, 2^-24
+  static constexpr float kSlack = 1.0f / 262144.0f;  // 2^-18
+
+  // the float32 at or above v
+  static float up(double v) {
+    float f = static_cast<float>(v);
+    if (static_cast<double>(f) < v) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+    return f;
+  }
+
+  static double weight_at(const at::Tensor& w, bool bf16, int64_t offset) {
+    return bf16 ? bf16_to_float(static_cast<const uint16_t*>(w.data_ptr())[offset])
+                : static_cast<double>(w.data_ptr<float>()[offset]);
+  }
+
+  // q, its scales and each row's bound coefficients, from W in chunks of rows (as float32, contiguous)
+  bool quantize(const at::Tensor& head_w) {
+    q_.assign(V_ * Kp_, 0);
+    scale_.resize(V_);
+    a_.resize(V_);
+    b_.resize(V_);
+    norm_.resize(V_);
+    max_norm_ = 0.0;
+    constexpr int64_t kChunk = 4096;
+    for (int64_t i0 = 0; i0 < V_; i0 += kChunk) {
+      const at::Tensor rows = head_w.narrow(0, i0, std::min(kChunk, V_ - i0)).to(at::kFloat).contiguous();
+      const float* w = rows.data_ptr<float>();
+      std::atomic<bool> finite{true};
+      at::parallel_for(0, rows.size(0), 64, [&](int64_t begin, int64_t end) {
+        for (int64_t j = begin; j < end; ++j) {
+          const float* wr = w + j * K_;
+          const int64_t i = i0 + j;
+          float absmax = 0.0f;
+          for (int64_t k = 0; k < K_; ++k) {
+            if (!std::isfinite(wr[k])) finite = false;
+            absmax = std::max(absmax, std::fabs(wr[k]));
+          }
+          const float s = absmax / 127.0f;
+          double q2 = 0.0, e2 = 0.0, w2 = 0.0;
+          int8_t* qr = q_.data() + i * Kp_;
+          for (int64_t k = 0; k < K_ && s > 0.0f; ++k) {
+            const int q = static_cast<int>(std::clamp(std::nearbyint(wr[k] / s), -127.0f, 127.0f));
+            qr[k] = static_cast<int8_t>(q);
+            const double e = static_cast<double>(wr[k]) - static_cast<double>(s) * q;
+            q2 += static_cast<double>(q) * q;
+            e2 += e * e;
+            w2 += static_cast<double>(wr[k]) * wr[k];
+          }
+          scale_[i] = s;
+          a_[i] = up(static_cast<double>(s) * std::sqrt(q2) * (1.0 + 1e-9));
+          b_[i] = up((std::sqrt(e2) + gamma_ * std::sqrt(w2)) * (1.0 + 1e-9));
+          norm_[i] = up(std::sqrt(w2) * (1.0 + 1e-9));
+        }
+      });
+      if (!finite) return false;
+    }
+    max_norm_ = *std::max_element(norm_.begin(), norm_.end());
+    return true;
+  }
+
+  int32_t dot1(int64_t i, const int8_t* p) const {
+    const int8_t* q = q_.data() + i * Kp_;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < K_; ++k) sum += static_cast<int32_t>(q[k]) * p[k];
+    return sum;
+  }
+
+  // p.q of rows i0 .. i0 + 7 (p as its signs and magnitudes, zero past K)
+  void dots8(int64_t i0, const int8_t* p_sign, const int8_t* p_abs, i32x8& out) const {
+#if defined(__AVX2__)
+    const int8_t* q = q_.data() + i0 * Kp_;
+    // every line of this group and of the next asked for at once: from memory, the loads alone keep too few lines in
+    // flight (a 32000 x 256 screen read after a cache flush in 0.55-0.6 of the time it took without)
+    const char* lines = reinterpret_cast<const char*>(q);
+    const int64_t bytes = std::min<int64_t>(16, V_ - i0) * Kp_;
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(lines + b, _MM_HINT_T0);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < Kp_; k += 32) {
+      const __m256i sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p_sign + k));
+      const __m256i mag = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p_abs + k));
+      for (int j = 0; j < 8; ++j) {
+        // |p| (unsigned) times q with p's sign: pairs of products summed to int16 (at most 2 * 127 * 127), then int32
+        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * Kp_ + k));
+        const __m256i pairs = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(qv, sign));
+        acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+    const __m256i h01 = _mm256_hadd_epi32(acc[0], acc[1]), h23 = _mm256_hadd_epi32(acc[2], acc[3]);
+    const __m256i h45 = _mm256_hadd_epi32(acc[4], acc[5]), h67 = _mm256_hadd_epi32(acc[6], acc[7]);
+    const __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
+    const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
+                                          _mm256_permute2x128_si256(lo, hi, 0x31));
+    std::memcpy(&out, &sums, sizeof(out));
+#else
+    (void)p_abs;
+    for (int j = 0; j < 8; ++j) out[j] = dot1(i0 + j, p_sign);
+#endif
+  }
+
+  int64_t V_, K_, Kp_;
+  double gamma_;  // gamma_{2K}: float32 summation's relative bound
+  double max_norm_ = 0.0;
+  std::vector<int8_t> q_;  // [V, Kp], zero past K
+  std::vector<float> scale_, a_, b_, norm_;  // s; s |q|_2; |e|_2 + gamma |w|_2; |w|_2 (each rounded up)
+};
+
+}  // namespace sgl_cpu
