@@ -1,5 +1,5 @@
 // The argmax of one row's logits x W^T through a float32 or bf16 LM head W [V, K] without reading all of W: an int8
-// copy of W (per-row absmax scales) against x rounded to int8 gives every logit to within a bound proven from
+// copy of W (per-row absmax scales) against x rounded to int16 gives every logit to within a bound proven from
 // per-row norms of both rounding errors and of float32 summation; only the rows whose interval reaches the best
 // lower end can be the maximum, and those few are computed exactly (in double, from W and the row linear_core reads)
 // and separated by float32 summation's error bound. The token is then the one linear_core's logits would give,
@@ -7,10 +7,14 @@
 // non-finite value, too many candidates), it answers "undecided" and the caller reads the whole head.
 //
 // Why: at batch 1 a decode step reads its whole LM head from memory (a bf16 head of 32000 x 256 is 16 MB, the step's
-// largest read: 38% of a mid-shape MXFP4 step); the int8 copy is half of that, and int8 products run 32 a vector
-// instruction.
+// largest read: 38% of a mid-shape MXFP4 step); the int8 copy is half of that, and integer products run 16 a vector
+// instruction. The decode loop at mid, MXFP4, one process, alternating: 610 -> 766 tok/s by medians (AMD EPYC, 2
+// threads; docs/performance.md).
 //
-// The bound. With W's row w = s q + e (q int8, |q| <= 127, s its scale) and x = t p + r (p int8):
+// The bound. With W's row w = s q + e (q int8, |q| <= 127, s its scale) and x = t p + r (p int16, |p| <= P, the
+// largest for which 127 P K stays an int32: x's rounding error is then a small part of the bound; with x in int8 it
+// was more than half of it at K = 2048, and a random 248320 x 2048 head left 25x the candidates, most steps over
+// kMaxCandidates):
 //   |x.w - s t (p.q)| <= s |q|_2 |r|_2 + |e|_2 |x|_2                                  (Cauchy-Schwarz, twice)
 // and linear_core's float32 sum of K products, in any order (FMA or not, split over K, vdpbf16ps' exact products),
 // is within gamma_{2K} sum |x_k w_k| <= gamma_{2K} |w|_2 |x|_2 of x.w (gamma_n = n u / (1 - n u), u = 2^-24). Where
@@ -34,7 +38,7 @@ class GreedyHead {
  public:
   // More candidates than this and the head is read whole (an x that separates no logits).
   static constexpr int64_t kMaxCandidates = 64;
-  // |p.q| <= 127 * 127 * K stays below 2^31
+  // |p.q| <= 127 * 127 * K stays below 2^31 (P at least 127)
   static constexpr int64_t kMaxK = 131072;
 
   // The screen of head_w [V, K] (float32 or bf16, any strides), or null where its values are not all finite or K
@@ -69,18 +73,15 @@ class GreedyHead {
         d2 += d * d;
       }
     }
-    const float t = static_cast<float>(absmax / 127.0);
-    thread_local std::vector<int8_t> p_sign_buf, p_abs_buf;  // the calling thread's; the workers take pointers
-    p_sign_buf.assign(Kp_, 0);
-    p_abs_buf.assign(Kp_, 0);
-    int8_t* const p_sign = p_sign_buf.data();
-    int8_t* const p_abs = p_abs_buf.data();
+    const float t = static_cast<float>(absmax / x_max_);
+    thread_local std::vector<int16_t> p_buf;  // the calling thread's; the workers take its pointer
+    p_buf.assign(Kp_, 0);
+    int16_t* const p = p_buf.data();
     double r2 = 0.0;
     for (int64_t k = 0; k < K && t > 0.0f; ++k) {
-      const int p = static_cast<int>(std::clamp(std::nearbyint(x[k] / t), -127.0f, 127.0f));
-      p_sign[k] = static_cast<int8_t>(p);
-      p_abs[k] = static_cast<int8_t>(std::abs(p));
-      const double r = static_cast<double>(x[k]) - static_cast<double>(t) * p;
+      const float limit = static_cast<float>(x_max_);
+      p[k] = static_cast<int16_t>(std::clamp(std::nearbyint(x[k] / t), -limit, limit));
+      const double r = static_cast<double>(x[k]) - static_cast<double>(t) * p[k];
       r2 += r * r;
     }
     const float R2 = up(std::sqrt(r2)), X2 = up(std::sqrt(x2)), D2 = up(std::sqrt(d2) * (1.0 + gamma_));
@@ -101,7 +102,7 @@ class GreedyHead {
         const int64_t i0 = g * 8;
         if (i0 + 8 <= V) {
           i32x8 dots;
-          dots8(i0, p_sign, p_abs, dots);
+          dots8(i0, p, dots);
           const f32x8 A = __builtin_convertvector(dots, f32x8) * load8(scale_.data() + i0) * t;
           const f32x8 B = load8(a_.data() + i0) * R2 + load8(b_.data() + i0) * X2 + load8(norm_.data() + i0) * D2;
           const f32x8 slack = B * (1.0f + kSlack) + kSlack * (A < 0 ? -A : A) + 1e-30f;
@@ -111,7 +112,7 @@ class GreedyHead {
           continue;
         }
         for (int64_t i = i0; i < V; ++i) {
-          const float A = static_cast<float>(dot1(i, p_sign)) * scale_[i] * t;
+          const float A = static_cast<float>(dot1(i, p)) * scale_[i] * t;
           const float B = a_[i] * R2 + b_[i] * X2 + norm_[i] * D2;
           const float slack = B * (1.0f + kSlack) + kSlack * std::fabs(A) + 1e-30f;
           upper[i] = A + slack;
@@ -189,7 +190,11 @@ class GreedyHead {
   }
 
   GreedyHead(int64_t V, int64_t K)
-      : V_(V), K_(K), Kp_((K + 31) / 32 * 32), gamma_(2.0 * K * kUnit / (1.0 - 2.0 * K * kUnit)) {}
+      : V_(V),
+        K_(K),
+        Kp_((K + 31) / 32 * 32),
+        x_max_(std::min<int64_t>(32767, std::numeric_limits<int32_t>::max() / (127 * std::max<int64_t>(K, 1)))),
+        gamma_(2.0 * K * kUnit / (1.0 - 2.0 * K * kUnit)) {}
 
   static constexpr double kUnit = 1.0 / 16777216.0;  // float32's unit roundoff, 2^-24
   static constexpr float kSlack = 1.0f / 262144.0f;  // 2^-18
@@ -251,15 +256,15 @@ class GreedyHead {
     return true;
   }
 
-  int32_t dot1(int64_t i, const int8_t* p) const {
+  int32_t dot1(int64_t i, const int16_t* p) const {
     const int8_t* q = q_.data() + i * Kp_;
     int32_t sum = 0;
     for (int64_t k = 0; k < K_; ++k) sum += static_cast<int32_t>(q[k]) * p[k];
     return sum;
   }
 
-  // p.q of rows i0 .. i0 + 7 (p as its signs and magnitudes, zero past K)
-  void dots8(int64_t i0, const int8_t* p_sign, const int8_t* p_abs, i32x8& out) const {
+  // p.q of rows i0 .. i0 + 7 (p zero past K)
+  void dots8(int64_t i0, const int16_t* p, i32x8& out) const {
 #if defined(__AVX2__)
     const int8_t* q = q_.data() + i0 * Kp_;
     // every line of this group and of the next asked for at once: from memory, the loads alone keep too few lines in
@@ -267,17 +272,14 @@ class GreedyHead {
     const char* lines = reinterpret_cast<const char*>(q);
     const int64_t bytes = std::min<int64_t>(16, V_ - i0) * Kp_;
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(lines + b, _MM_HINT_T0);
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256i acc[8];
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
-    for (int64_t k = 0; k < Kp_; k += 32) {
-      const __m256i sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p_sign + k));
-      const __m256i mag = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p_abs + k));
+    for (int64_t k = 0; k < Kp_; k += 16) {
+      const __m256i pv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k));
       for (int j = 0; j < 8; ++j) {
-        // |p| (unsigned) times q with p's sign: pairs of products summed to int16 (at most 2 * 127 * 127), then int32
-        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * Kp_ + k));
-        const __m256i pairs = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(qv, sign));
-        acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(pairs, ones));
+        // 16 of q widened to int16, times p's, pairs summed to int32 (each at most 2 * 127 * 32767)
+        const __m256i qv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * Kp_ + k)));
+        acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(qv, pv));
       }
     }
     const __m256i h01 = _mm256_hadd_epi32(acc[0], acc[1]), h23 = _mm256_hadd_epi32(acc[2], acc[3]);
@@ -287,12 +289,12 @@ class GreedyHead {
                                           _mm256_permute2x128_si256(lo, hi, 0x31));
     std::memcpy(&out, &sums, sizeof(out));
 #else
-    (void)p_abs;
-    for (int j = 0; j < 8; ++j) out[j] = dot1(i0 + j, p_sign);
+    for (int j = 0; j < 8; ++j) out[j] = dot1(i0 + j, p);
 #endif
   }
 
   int64_t V_, K_, Kp_;
+  int64_t x_max_;  // P: x's int16 values lie in [-P, P]
   double gamma_;  // gamma_{2K}: float32 summation's relative bound
   double max_norm_ = 0.0;
   std::vector<int8_t> q_;  // [V, Kp], zero past K
