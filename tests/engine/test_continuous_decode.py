@@ -17,11 +17,16 @@ ARGS = dict(max_total_tokens=2048, max_running_requests=4, page_size=4)
 
 @pytest.fixture(scope="module")
 def schedulers():
-    """The built-in tiny model (with its tokenizer) one step at a time and up to 8 steps a run."""
-    return {
+    """The built-in tiny model (with its tokenizer) one step at a time and up to 8 steps a run; and the reference,
+    one step at a time through the logits and the sampler always (a step of one request otherwise takes the one
+    call too)."""
+    out = {
         steps: create_scheduler(ServerArgs(**ARGS, num_continuous_decode_steps=steps))
         for steps in (1, 8)
     }
+    out["reference"] = create_scheduler(ServerArgs(**ARGS, num_continuous_decode_steps=1))
+    out["reference"].runner.decode_greedy = lambda *args: None
+    return out
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +77,7 @@ def requests(vocab: int, stop_token: int | None = None, stop_text: str | None = 
 
 
 def test_greedy_runs_equal_single_steps_in_one_call_each(schedulers, monkeypatch):
-    single, runs = schedulers[1], schedulers[8]
+    single, runs = schedulers["reference"], schedulers[8]
     vocab = single.config.vocab_size
     want, single_steps = serve(single, requests(vocab))
     calls = []
@@ -89,8 +94,29 @@ def test_greedy_runs_equal_single_steps_in_one_call_each(schedulers, monkeypatch
     assert got["short"].meta_info["finish_reason"] == {"type": "stop", "matched": stop}
 
 
+def test_one_request_one_step_at_a_time_takes_the_one_call(schedulers, monkeypatch):
+    """A batch of one request takes the one call even at one step a run (its token through the LM head's greedy
+    screen): the reference's tokens, a call a step; a batch of several takes the logits."""
+    reference, single = schedulers["reference"], schedulers[1]
+    vocab = single.config.vocab_size
+    one = {"greedy": requests(vocab)["greedy"]}
+    want, _ = serve(reference, {rid: (p, dict(params)) for rid, (p, params) in one.items()})
+    calls = []
+    real = single.runner.decode_greedy
+    monkeypatch.setattr(single.runner, "decode_greedy", lambda *a: calls.append(1) or real(*a))
+    got, _ = serve(single, {rid: (p, dict(params)) for rid, (p, params) in one.items()})
+    same(got, want)
+    assert len(calls) == len(want["greedy"].new_token_ids) - 1  # every decode step (the first token: the prefill)
+    calls.clear()
+    two = {rid: requests(vocab)[rid] for rid in ("short", "odd")}  # 3 and 17 new tokens
+    want, _ = serve(reference, {rid: (p, dict(params)) for rid, (p, params) in two.items()})
+    got, _ = serve(single, {rid: (p, dict(params)) for rid, (p, params) in two.items()})
+    same(got, want)
+    assert len(calls) == 17 - 3  # the steps "odd" ran alone
+
+
 def test_stop_strings_sampling_logprobs_and_penalties_run_step_by_step_alike(schedulers):
-    single, runs = schedulers[1], schedulers[8]
+    single, runs = schedulers["reference"], schedulers[8]
     vocab = single.config.vocab_size
     text = serve(single, requests(vocab))[0]["odd"].new_text
     stop_text = text[len(text) // 2 : len(text) // 2 + 3]
@@ -106,7 +132,7 @@ def test_stop_strings_sampling_logprobs_and_penalties_run_step_by_step_alike(sch
 
 def test_a_detokeniser_failing_mid_run_fails_its_request_alone(schedulers):
     """Its later steps' KV is freed (the invariants hold after every step); the others take every step."""
-    single, runs = schedulers[1], schedulers[8]
+    single, runs = schedulers["reference"], schedulers[8]
     cases = requests(single.config.vocab_size)
     want, _ = serve(single, {rid: (p, dict(params)) for rid, (p, params) in cases.items()})
     for rid, (prompt, params) in cases.items():

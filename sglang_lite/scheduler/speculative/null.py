@@ -42,7 +42,9 @@ class NullSpeculation:
         pass
 
     def run_decode(self, batch: ScheduleBatch, kv_slots: list[int]) -> None:
-        if batch.steps > 1:
+        # one request takes the steps' path even for one step: where the runner has one call for greedy steps, its
+        # token then comes through the LM head's greedy screen (kernels/cpu/csrc/greedy_head.h)
+        if batch.steps > 1 or len(batch.reqs) == 1:
             self._run_steps(batch, kv_slots)
             return
         forward_batch = batch.forward_batch(self.pools, self.device, kv_slots)
