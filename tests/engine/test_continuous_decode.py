@@ -106,7 +106,8 @@ def test_one_request_one_step_at_a_time_takes_the_one_call(schedulers, monkeypat
     monkeypatch.setattr(single.runner, "decode_greedy", lambda *a: calls.append(1) or real(*a))
     got, _ = serve(single, {rid: (p, dict(params)) for rid, (p, params) in one.items()})
     same(got, want)
-    assert len(calls) == len(want["greedy"].new_token_ids) - 1  # every decode step (the first token: the prefill)
+    # every decode step (the first token is the prefill's)
+    assert len(calls) == len(want["greedy"].new_token_ids) - 1
     calls.clear()
     two = {rid: requests(vocab)[rid] for rid in ("short", "odd")}  # 3 and 17 new tokens
     want, _ = serve(reference, {rid: (p, dict(params)) for rid, (p, params) in two.items()})
