@@ -347,8 +347,9 @@ def greedy_head_argmax(
     x: torch.Tensor, weight: torch.Tensor, mode: int | None = None
 ) -> torch.Tensor:
     """Each row's argmax of ``linear(x, weight)`` (float32 or bf16 weight [V, K], unscaled) through a
-    ``csrc/greedy_head.h`` screen built for the call: int64 [B], -1 where the screen leaves a row undecided (the
-    whole head's logits then decide). ``mode``: how bf16 weights meet the row (``bf16_dot``'s values)."""
+    ``csrc/greedy_head.h`` screen built for the call, runs of up to 8 rows at a time (as ``linear`` of such a run
+    computes them): int64 [B], -1 where the screen leaves a row undecided (the whole head's logits then decide).
+    ``mode``: how bf16 weights meet the rows (``bf16_dot``'s values)."""
     return _ops().greedy_head_argmax(
         _last_dim_contiguous(_float(x)), weight, bf16_dot() if mode is None else mode
     )

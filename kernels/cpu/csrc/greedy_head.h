@@ -55,17 +55,108 @@ class GreedyHead {
   // The argmax of x [K] (float32) W^T as linear_core computes it for one row with `bf16_dot` (`head_w` the weight
   // this screen was built from), or -1 where the bound cannot decide it.
   int64_t argmax(const float* x, const at::Tensor& head_w, int64_t bf16_dot) const {
-    const int64_t V = V_, K = K_;
-    // where linear_core takes vdpbf16ps for this head (linear_in_out: a bf16 weight stored [in, out], one row), the
-    // first V / 32 * 32 columns see x rounded to bf16 and the rest x itself
-    const bool bf16 = head_w.scalar_type() == at::kBFloat16;
-    const bool dot = bf16 && head_w.stride(0) == 1 && V != 1 && bf16_dot_for(bf16_dot, 1);
-    const int64_t dot_columns = dot ? V / 32 * 32 : 0;
+    int64_t token = -1;
+    argmax_rows(x, K_, 1, head_w, bf16_dot, &token);
+    return token;
+  }
 
-    // x = t p + r, and the norms the bound takes
+  // Each row's argmax of xs [rows, K] (rows lda apart; at most kMaxRows) W^T as linear_core computes it for the
+  // rows together, into out[r]: -1 where the bound cannot decide it. One pass over the int8 copy serves every row.
+  void argmax_rows(const float* xs, int64_t lda, int64_t rows, const at::Tensor& head_w, int64_t bf16_dot,
+                   int64_t* out) const {
+    TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "the greedy head takes 1 to ", kMaxRows, " rows, got ", rows);
+    const int64_t V = V_;
+    // where linear_core takes vdpbf16ps for this head (linear_in_out: a bf16 weight stored [in, out]), the first
+    // V / 32 * 32 columns see the rows rounded to bf16 and the rest the rows themselves
+    const bool bf16 = head_w.scalar_type() == at::kBFloat16;
+    const bool dot = bf16 && head_w.stride(0) == 1 && V != 1 && bf16_dot_for(bf16_dot, rows);
+    thread_local std::vector<int16_t> p_buf;  // the calling thread's; the workers take its pointer
+    p_buf.assign(rows * Kp_, 0);
+    Row row[kMaxRows];
+    bool any_row = false;
+    for (int64_t r = 0; r < rows; ++r) {
+      row[r] = round_row(xs + r * lda, dot, p_buf.data() + r * Kp_);
+      any_row |= row[r].ok;
+    }
+    for (int64_t r = 0; r < rows; ++r) out[r] = -1;
+    if (!any_row) return;
+
+    // every row's interval [lower, upper] of every logit; each row's best lower end
+    thread_local std::vector<float> upper_buf;
+    upper_buf.resize(rows * V);
+    float* const upper = upper_buf.data();
+    const int16_t* const p = p_buf.data();
+    const int threads = at::get_num_threads();
+    std::vector<float> best(threads * kPad * rows, -std::numeric_limits<float>::infinity());  // a line a thread
+    const int64_t groups = (V + 7) / 8;
+    at::parallel_for(0, groups, grain(8 * Kp_ * rows), [&](int64_t begin, int64_t end) {
+      f32x8 floor8[kMaxRows];
+      float floor1[kMaxRows];
+      for (int64_t r = 0; r < rows; ++r) {
+        floor8[r] = f32x8{} - std::numeric_limits<float>::infinity();
+        floor1[r] = -std::numeric_limits<float>::infinity();
+      }
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t i0 = g * 8;
+        ask_for_group(i0);
+        for (int64_t r = 0; r < rows; ++r) {
+          if (!row[r].ok) continue;
+          const Row& x = row[r];
+          float* up = upper + r * V;
+          if (i0 + 8 <= V) {
+            i32x8 dots;
+            dots8(i0, p + r * Kp_, dots);
+            const f32x8 A = __builtin_convertvector(dots, f32x8) * load8(scale_.data() + i0) * x.t;
+            const f32x8 B =
+                load8(a_.data() + i0) * x.R2 + load8(b_.data() + i0) * x.X2 + load8(norm_.data() + i0) * x.D2;
+            const f32x8 slack = B * (1.0f + kSlack) + kSlack * (A < 0 ? -A : A) + 1e-30f;
+            const f32x8 high = A + slack, low = A - slack;
+            std::memcpy(up + i0, &high, sizeof(high));
+            floor8[r] = low > floor8[r] ? low : floor8[r];
+            continue;
+          }
+          for (int64_t i = i0; i < V; ++i) {
+            const float A = static_cast<float>(dot1(i, p + r * Kp_)) * scale_[i] * x.t;
+            const float B = a_[i] * x.R2 + b_[i] * x.X2 + norm_[i] * x.D2;
+            const float slack = B * (1.0f + kSlack) + kSlack * std::fabs(A) + 1e-30f;
+            up[i] = A + slack;
+            floor1[r] = std::max(floor1[r], A - slack);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int j = 0; j < 8; ++j) floor1[r] = std::max(floor1[r], floor8[r][j]);
+        float& mine = best[(at::get_thread_num() * rows + r) * kPad];
+        mine = std::max(mine, floor1[r]);
+      }
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!row[r].ok) continue;
+      float floor = -std::numeric_limits<float>::infinity();
+      for (int th = 0; th < threads; ++th) floor = std::max(floor, best[(th * rows + r) * kPad]);
+      out[r] = decide(xs + r * lda, upper + r * V, floor, head_w, dot ? V / 32 * 32 : 0);
+    }
+  }
+
+  static constexpr int64_t kMaxRows = 8;
+
+ private:
+  typedef float f32x8 __attribute__((vector_size(32)));
+  typedef int32_t i32x8 __attribute__((vector_size(32)));
+  static constexpr int kPad = 16;  // floats: 64 bytes
+
+  // A row x = t p + r (p written out, zero past K) and the norms its bound takes; not ok where x holds a non-finite
+  // value or its logits could overflow float32.
+  struct Row {
+    float t = 0.0f, R2 = 0.0f, X2 = 0.0f, D2 = 0.0f;
+    bool ok = false;
+  };
+
+  Row round_row(const float* x, bool dot, int16_t* p) const {
+    Row row;
     double absmax = 0.0, x2 = 0.0, d2 = 0.0;
-    for (int64_t k = 0; k < K; ++k) {
-      if (!std::isfinite(x[k])) return -1;
+    for (int64_t k = 0; k < K_; ++k) {
+      if (!std::isfinite(x[k])) return row;
       absmax = std::max(absmax, std::fabs(static_cast<double>(x[k])));
       x2 += static_cast<double>(x[k]) * x[k];
       if (dot) {
@@ -73,60 +164,27 @@ class GreedyHead {
         d2 += d * d;
       }
     }
-    const float t = static_cast<float>(absmax / x_max_);
-    thread_local std::vector<int16_t> p_buf;  // the calling thread's; the workers take its pointer
-    p_buf.assign(Kp_, 0);
-    int16_t* const p = p_buf.data();
+    row.t = static_cast<float>(absmax / x_max_);
     double r2 = 0.0;
-    for (int64_t k = 0; k < K && t > 0.0f; ++k) {
-      const float limit = static_cast<float>(x_max_);
-      p[k] = static_cast<int16_t>(std::clamp(std::nearbyint(x[k] / t), -limit, limit));
-      const double r = static_cast<double>(x[k]) - static_cast<double>(t) * p[k];
+    const float limit = static_cast<float>(x_max_);
+    for (int64_t k = 0; k < K_ && row.t > 0.0f; ++k) {
+      p[k] = static_cast<int16_t>(std::clamp(std::nearbyint(x[k] / row.t), -limit, limit));
+      const double r = static_cast<double>(x[k]) - static_cast<double>(row.t) * p[k];
       r2 += r * r;
     }
-    const float R2 = up(std::sqrt(r2)), X2 = up(std::sqrt(x2)), D2 = up(std::sqrt(d2) * (1.0 + gamma_));
-    if (!(static_cast<double>(X2) * max_norm_ < 1e30)) return -1;  // logits that float32 may overflow
+    row.R2 = up(std::sqrt(r2));
+    row.X2 = up(std::sqrt(x2));
+    row.D2 = up(std::sqrt(d2) * (1.0 + gamma_));
+    row.ok = static_cast<double>(row.X2) * max_norm_ < 1e30;  // else logits that float32 may overflow
+    return row;
+  }
 
-    // every row's interval [lower, upper] (its logit's); the best lower end over all rows
-    thread_local std::vector<float> upper_buf;
-    upper_buf.resize(V);
-    float* const upper = upper_buf.data();
-    const int threads = at::get_num_threads();
-    std::vector<float> best(threads * kPad, -std::numeric_limits<float>::infinity());  // a cache line a thread
-    const int64_t groups = (V + 7) / 8;
-    at::parallel_for(0, groups, grain(8 * Kp_), [&](int64_t begin, int64_t end) {
-      f32x8 floor8 = {};
-      floor8 -= std::numeric_limits<float>::infinity();
-      float floor1 = -std::numeric_limits<float>::infinity();
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t i0 = g * 8;
-        if (i0 + 8 <= V) {
-          i32x8 dots;
-          dots8(i0, p, dots);
-          const f32x8 A = __builtin_convertvector(dots, f32x8) * load8(scale_.data() + i0) * t;
-          const f32x8 B = load8(a_.data() + i0) * R2 + load8(b_.data() + i0) * X2 + load8(norm_.data() + i0) * D2;
-          const f32x8 slack = B * (1.0f + kSlack) + kSlack * (A < 0 ? -A : A) + 1e-30f;
-          const f32x8 high = A + slack, low = A - slack;
-          std::memcpy(upper + i0, &high, sizeof(high));
-          floor8 = low > floor8 ? low : floor8;
-          continue;
-        }
-        for (int64_t i = i0; i < V; ++i) {
-          const float A = static_cast<float>(dot1(i, p)) * scale_[i] * t;
-          const float B = a_[i] * R2 + b_[i] * X2 + norm_[i] * D2;
-          const float slack = B * (1.0f + kSlack) + kSlack * std::fabs(A) + 1e-30f;
-          upper[i] = A + slack;
-          floor1 = std::max(floor1, A - slack);
-        }
-      }
-      for (int j = 0; j < 8; ++j) floor1 = std::max(floor1, floor8[j]);
-      float& mine = best[at::get_thread_num() * kPad];
-      mine = std::max(mine, floor1);
-    });
-    float floor = -std::numeric_limits<float>::infinity();
-    for (int th = 0; th < threads; ++th) floor = std::max(floor, best[th * kPad]);
-
-    // the rows that can be the maximum
+  // The token of row x from its intervals' upper ends and the best lower end: the rows that reach it computed
+  // exactly, x.w in double (exact products) with sum |x_k w_k|, a weight row at a time (the columns below
+  // dot_columns from x rounded to bf16, as linear_core reads them); -1 where they do not separate.
+  int64_t decide(const float* x, const float* upper, float floor, const at::Tensor& head_w,
+                 int64_t dot_columns) const {
+    const int64_t V = V_, K = K_;
     int64_t candidates[kMaxCandidates];
     int64_t count = 0;
     const f32x8 floors = f32x8{} + floor;
@@ -145,9 +203,8 @@ class GreedyHead {
       if (count == kMaxCandidates) return -1;
       candidates[count++] = i;
     }
-
-    // their logits exactly: x.w in double (exact products) and sum |x_k w_k|, a weight row at a time; the columns
-    // below dot_columns from x rounded to bf16, as linear_core reads them
+    if (count == 0) return -1;
+    const bool bf16 = head_w.scalar_type() == at::kBFloat16;
     double sum[kMaxCandidates] = {}, magnitude[kMaxCandidates] = {};
     const int64_t s0 = head_w.stride(0), s1 = head_w.stride(1);
     const uint16_t* w16 = bf16 ? static_cast<const uint16_t*>(head_w.data_ptr()) : nullptr;
@@ -162,7 +219,6 @@ class GreedyHead {
         magnitude[c] += std::fabs(product);
       }
     }
-    if (count == 0) return -1;
     int64_t winner = 0;  // the first of equal values, as argmax_rows
     for (int64_t c = 1; c < count; ++c) winner = sum[c] > sum[winner] ? c : winner;
     const auto margin = [&](int64_t c) { return gamma_ * (1.0 + 1e-6) * magnitude[c] + 1e-30; };
@@ -171,11 +227,6 @@ class GreedyHead {
     }
     return candidates[winner];
   }
-
- private:
-  typedef float f32x8 __attribute__((vector_size(32)));
-  typedef int32_t i32x8 __attribute__((vector_size(32)));
-  static constexpr int kPad = 16;  // floats: 64 bytes
 
   static f32x8 load8(const float* p) {
     f32x8 v;
@@ -264,14 +315,17 @@ class GreedyHead {
   }
 
   // p.q of rows i0 .. i0 + 7 (p zero past K)
+  // Every line of rows i0 .. i0 + 15 asked for at once: from memory, the products' loads alone keep too few lines
+  // in flight (a 32000 x 256 screen read after a cache flush in 0.55-0.6 of the time it took without).
+  void ask_for_group(int64_t i0) const {
+    const char* lines = reinterpret_cast<const char*>(q_.data() + i0 * Kp_);
+    const int64_t bytes = std::min<int64_t>(16, V_ - i0) * Kp_;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(lines + b, 0, 3);
+  }
+
   void dots8(int64_t i0, const int16_t* p, i32x8& out) const {
 #if defined(__AVX2__)
     const int8_t* q = q_.data() + i0 * Kp_;
-    // every line of this group and of the next asked for at once: from memory, the loads alone keep too few lines in
-    // flight (a 32000 x 256 screen read after a cache flush in 0.55-0.6 of the time it took without)
-    const char* lines = reinterpret_cast<const char*>(q);
-    const int64_t bytes = std::min<int64_t>(16, V_ - i0) * Kp_;
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(lines + b, _MM_HINT_T0);
     __m256i acc[8];
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
     for (int64_t k = 0; k < Kp_; k += 16) {
