@@ -1,8 +1,8 @@
-// The argmax of one row's logits x W^T through a float32 or bf16 LM head W [V, K] without reading all of W: an int8
-// copy of W (per-row absmax scales) against x rounded to int16 gives every logit to within a bound proven from
-// per-row norms of both rounding errors and of float32 summation; only the rows whose interval reaches the best
-// lower end can be the maximum, and those few are computed exactly (in double, from W and the row linear_core reads)
-// and separated by float32 summation's error bound. The token is then the one linear_core's logits would give,
+// The argmax of a few rows' logits x W^T through a float32 or bf16 LM head W [V, K] without reading all of W: an
+// int8 copy of W (per-row absmax scales, one pass for all the rows) against each x rounded to int16 gives every
+// logit to within a bound proven from per-row norms of both rounding errors and of float32 summation; only the rows
+// of W whose interval reaches the best lower end can be the maximum, and those few are computed exactly (in double,
+// from W and the row linear_core reads) and separated by float32 summation's error bound. The token is then the one linear_core's logits would give,
 // bitwise: where the bound cannot separate the candidates (a near tie, two equal rows of W, a row of x with a
 // non-finite value, too many candidates), it answers "undecided" and the caller reads the whole head.
 //
@@ -52,16 +52,9 @@ class GreedyHead {
     return screen->quantize(head_w) ? std::move(screen) : nullptr;
   }
 
-  // The argmax of x [K] (float32) W^T as linear_core computes it for one row with `bf16_dot` (`head_w` the weight
-  // this screen was built from), or -1 where the bound cannot decide it.
-  int64_t argmax(const float* x, const at::Tensor& head_w, int64_t bf16_dot) const {
-    int64_t token = -1;
-    argmax_rows(x, K_, 1, head_w, bf16_dot, &token);
-    return token;
-  }
-
-  // Each row's argmax of xs [rows, K] (rows lda apart; at most kMaxRows) W^T as linear_core computes it for the
-  // rows together, into out[r]: -1 where the bound cannot decide it. One pass over the int8 copy serves every row.
+  // Each row's argmax of xs [rows, K] (float32, rows lda apart; at most kMaxRows) W^T as linear_core computes it for
+  // the rows together with `bf16_dot` (`head_w` the weight this screen was built from), into out[r]: -1 where the
+  // bound cannot decide it. One pass over the int8 copy serves every row.
   void argmax_rows(const float* xs, int64_t lda, int64_t rows, const at::Tensor& head_w, int64_t bf16_dot,
                    int64_t* out) const {
     TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "the greedy head takes 1 to ", kMaxRows, " rows, got ", rows);
