@@ -100,6 +100,24 @@ def test_linear_rows_are_batch_invariant_with_the_switch(
     assert not bad, f"row 0 alone differs from row 0 in batches of (rows, max diff) {bad}"
 
 
+@pytest.mark.parametrize("dtype, layout", LINEAR_CASES[:4])
+@pytest.mark.parametrize("columns", [1, 3, 8, 15, 24])
+@pytest.mark.parametrize("depth", [64, 131])
+def test_every_row_through_a_few_columns_is_that_row_alone(dtype, layout, columns, depth):
+    """A router's or a gate's few columns (and a wider weight's last few), with the switch: every row of a batch,
+    those in full register tiles of rows and those past them, has the bits it has alone, and the values are the
+    float64 product's."""
+    weight, _ = _weight(dtype, columns, depth, layout)
+    x = _randn(37, depth, seed=3)
+    with batch_invariant_mode():
+        batch = linear(x, weight, None, None)
+        alone = [linear(x[r : r + 1], weight, None, None)[0] for r in range(len(x))]
+    bad = [r for r in range(len(x)) if not torch.equal(batch[r], alone[r])]
+    assert not bad, f"rows {bad} differ from themselves alone"
+    want = (x.double() @ weight.double().T).float()
+    torch.testing.assert_close(batch, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "dtype, layout", [(F32, "input_major"), (BF16, "input_major"), (FP8, "input_major")]
 )

@@ -244,6 +244,25 @@ inline vreg load_reg(const float* p) {
   return v;
 }
 
+// Makes v opaque to the compiler at this point, as if computed here in a register: a value loaded once stays loaded
+// once (the compiler would make the load each FMA's memory operand again, and then loads, not FMAs, bound a tile),
+// and a product stays rounded before its add (GCC fuses a multiply and an add of vectors into an FMA).
+inline void in_register(vreg& v) {
+#if defined(__x86_64__)
+  asm("" : "+v"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#endif
+}
+
+inline void in_register(float& v) {
+#if defined(__x86_64__)
+  asm("" : "+x"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#endif
+}
+
 // 16 floats, the unit of the kernels' tiles: one AVX-512 register, or 16 / kLanes registers held as an array of them.
 // (GCC lowers a 64-byte vector type on a target without 64-byte registers through the stack: a tile of them spends
 // most of its instructions on loads and stores. An array of native vectors stays in registers.)

@@ -437,25 +437,112 @@ void all_rows_times_32_columns(const float* A, int64_t lda, int64_t M, const typ
   all_rows_times_columns<W, 2>(A, lda, M, Wp, ldw, K, C, ldc, s);
 }
 
-// One output column n of every row of A (the scalar tail of a weight whose width is not a multiple of 16).
-template <class W>
-void rows_times_one_column(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw, int64_t K,
-                           int64_t n, float* C, int64_t ldc, const KScales& s) {
-  for (int64_t t = 0; t < M; ++t) {
-    float acc = 0.0f;
-    for (int64_t k0 = 0; k0 < K;) {
-      const int64_t k1 = k_block_end<W>(s, k0, K);
-      const float scale = k_block_scale<W>(s, k0);
-      for (int64_t k = k0; k < k1; ++k) acc += (A[t * lda + k] * scale) * W::at(Wp + k * ldw + n);
-      k0 = k1;
+// Fewer than 16 columns [n, n1) of every row of A (a narrow weight: a router, a gate; or a wider one's last
+// columns), side by side in P vector registers, R rows at a time. Each output adds its products in k order, the
+// activation times the k block's scale times the weight and then the add, as one row alone would: the values do not
+// depend on the rows beside it. (One column a pass, scalar, left each row's adds waiting on the last: 128 rows of a
+// 128-wide router took ~130 us.) `panel` holds the columns widened, P kLanes a k.
+template <class W, int P, int R>
+void few_columns_tile(const float* A, int64_t lda, const float* panel, int64_t K, const KScales& s, float* out) {
+  vreg acc[R][P];
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < P; ++p) acc[r][p] = vreg{};
+  }
+  for (int64_t k0 = 0; k0 < K;) {
+    const int64_t k1 = k_block_end<W>(s, k0, K);
+    const float scale = k_block_scale<W>(s, k0);
+    for (int64_t k = k0; k < k1; ++k) {
+      vreg w[P];
+      for (int p = 0; p < P; ++p) w[p] = load_reg(panel + (k * P + p) * kLanes);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float a = A[r * lda + k] * scale;
+        for (int p = 0; p < P; ++p) {
+          vreg product = a * w[p];
+          in_register(product);  // rounded, then added, as one row alone is (GCC fuses vector forms)
+          acc[r][p] = acc[r][p] + product;
+        }
+      }
     }
-    C[t * ldc + n] = acc;
+    k0 = k1;
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < P; ++p) std::memcpy(out + (r * P + p) * kLanes, &acc[r][p], sizeof(vreg));
+  }
+}
+
+// y[0:CB] = x W[:, 0:CB] for one row x, each output's products added in k order, rounded first (as
+// few_columns_tile adds them).
+template <class W, int CB>
+void row_times_columns_in_k_order(const float* x, const typename W::T* Wp, int64_t ldw, int64_t K, const KScales& s,
+                                  float* y) {
+  float acc[CB] = {};
+  for (int64_t k0 = 0; k0 < K;) {
+    const int64_t k1 = k_block_end<W>(s, k0, K);
+    const float scale = k_block_scale<W>(s, k0);
+    for (int64_t k = k0; k < k1; ++k) {
+      const float a = x[k] * scale;
+      for (int c = 0; c < CB; ++c) {
+        float product = a * W::at(Wp + k * ldw + c);
+        in_register(product);
+        acc[c] += product;
+      }
+    }
+    k0 = k1;
+  }
+  std::copy_n(acc, CB, y);
+}
+
+// Rows of a few_columns_tile: R while there are, then one at a time.
+inline constexpr int kFewColumnRows = kVec16Registers >= 32 ? 8 : 4;
+
+template <class W, int P>
+void rows_times_few_columns_of(const float* A, int64_t lda, int64_t M, const float* panel, int64_t K, int64_t cols,
+                               const KScales& s, float* C, int64_t ldc) {
+  float out[kFewColumnRows * P * kLanes];
+  for (int64_t t = 0; t < M;) {
+    const int rows = M - t >= kFewColumnRows ? kFewColumnRows : 1;
+    if (rows == kFewColumnRows) {
+      few_columns_tile<W, P, kFewColumnRows>(A + t * lda, lda, panel, K, s, out);
+    } else {
+      few_columns_tile<W, P, 1>(A + t * lda, lda, panel, K, s, out);
+    }
+    for (int r = 0; r < rows; ++r) std::memcpy(C + (t + r) * ldc, out + r * P * kLanes, cols * sizeof(float));
+    t += rows;
+  }
+}
+
+// C[:, n:n1] = A W[:, n:n1] for n1 - n < 16 columns (inside one scale block of a scaled weight); the same values for
+// a row whatever M is.
+template <class W>
+void rows_times_few_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw, int64_t K,
+                            int64_t n, int64_t n1, float* C, int64_t ldc, const KScales& s) {
+  const int64_t cols = n1 - n;
+  if (M < kFewColumnRows) {  // a few rows (decode): CB columns' adds interleaved, each rounded as in the tile
+    for (int64_t t = 0; t < M; ++t) {
+      int64_t c = 0;
+      for (; c + 4 <= cols; c += 4) row_times_columns_in_k_order<W, 4>(A + t * lda, Wp + n + c, ldw, K, s, C + t * ldc + n + c);
+      for (; c < cols; ++c) row_times_columns_in_k_order<W, 1>(A + t * lda, Wp + n + c, ldw, K, s, C + t * ldc + n + c);
+    }
+    return;
+  }
+  const int P = static_cast<int>((cols + kLanes - 1) / kLanes);  // 1, or 2 where a register holds 8 or 4
+  thread_local std::vector<float> panel;
+  panel.assign(K * P * kLanes, 0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t c = 0; c < cols; ++c) panel[k * P * kLanes + c] = W::at(Wp + k * ldw + n + c);
+  }
+  switch (P) {
+    case 1: return rows_times_few_columns_of<W, 1>(A, lda, M, panel.data(), K, cols, s, C + n, ldc);
+    case 2: return rows_times_few_columns_of<W, 2>(A, lda, M, panel.data(), K, cols, s, C + n, ldc);
+    case 3: return rows_times_few_columns_of<W, 3>(A, lda, M, panel.data(), K, cols, s, C + n, ldc);
+    default: return rows_times_few_columns_of<W, 4>(A, lda, M, panel.data(), K, cols, s, C + n, ldc);
   }
 }
 
 // C[:, n0:n1] = A W[:, n0:n1] for every row of A (M rows): blocks of 16 NV columns (wide blocks read longer runs of
-// each weight row, for one or two rows of A; blocks of 32 widened once for many rows), then of 32 and 16, then
-// single columns. Scaled weights: n0 must start
+// each weight row, for one or two rows of A; blocks of 32 widened once for many rows), then of 32 and 16, then the
+// last few side by side. Scaled weights: n0 must start
 // a block of 16 NV columns inside one scale block (bn a multiple of 128).
 template <class W, int NV = 2>
 void rows_times_weight_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw, int64_t K,
@@ -476,7 +563,7 @@ void rows_times_weight_columns(const float* A, int64_t lda, int64_t M, const typ
     all_rows_times_columns<W, 1>(A, lda, M, Wp + n, ldw, K, C + n, ldc, sc.columns(n));
     n += 16;
   }
-  for (; n < n1; ++n) rows_times_one_column<W>(A, lda, M, Wp, ldw, K, n, C, ldc, sc.columns(n));
+  if (n < n1) rows_times_few_columns<W>(A, lda, M, Wp, ldw, K, n, n1, C, ldc, sc.columns(n));
 }
 
 // ---- vdpbf16ps: bf16 activations and weights, float32 accumulators ---------------------------------------------------

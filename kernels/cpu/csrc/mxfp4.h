@@ -319,16 +319,6 @@ inline constexpr int kDotColumns = kVec16Registers >= 32 ? 4 : (kVec16Registers 
 // 8192), kDotColumns of them at a time, each tile's partial sums in registers over the whole of K.
 inline constexpr int64_t kBlockColumns = 4 * kDotColumns;
 
-// Keeps v in a register, loaded once: the compiler would make the load each FMA's memory operand again, and then
-// loads, not FMAs, bound the tile.
-inline void in_register(vreg& v) {
-#if defined(__x86_64__)
-  asm("" : "+v"(v));
-#elif defined(__aarch64__)
-  asm("" : "+w"(v));
-#endif
-}
-
 // C[r, c] (ldc apart) = the products of RB rearranged rows (ldx apart) and NB widened weight rows (ldw apart), over
 // `len` k.
 template <int RB, int NB>
