@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_lite import assets
-from sglang_lite.utils import http_flags, schedule_flags, speculative_flags
+from sglang_lite.utils import cpu_flags, http_flags, schedule_flags, speculative_flags
 
 if TYPE_CHECKING:
     from sglang_lite.distributed.parallel_state import ParallelConfig
@@ -92,8 +92,6 @@ _HELP = {
     "log_level": "Log level of every process (the server, its ranks, the transfer engine); tracebacks of start-up "
     "failures only at debug.",
     "load_balance_method": "How the DP controller picks a rank for requests that name none.",
-    "cpu_threads_per_rank": "torch threads per scheduler process when the device is the CPU (default: CPUs / "
-    "scheduler processes on this node).",
     "rank_hang_timeout_s": "A DP rank that leaves a loads query unanswered this long is hung: killed and restarted.",
     "tool_call_parser": "Parse tool calls out of chat output into OpenAI tool_calls: qwen3_coder (Qwen3.5, "
     "Qwen3-Coder: <function=...><parameter=...>) or qwen25 (JSON in <tool_call>); unset: tools are rendered but not "
@@ -107,6 +105,7 @@ _HELP = {
 _HELP.update(http_flags.HELP)  # connections, timeouts and sizes at the HTTP edge
 _HELP.update(schedule_flags.HELP)  # batches and their steps
 _HELP.update(speculative_flags.HELP)  # speculative decoding (scheduler/speculative/)
+_HELP.update(cpu_flags.HELP)  # threads and their CPUs
 
 
 @dataclass(frozen=True)
@@ -174,6 +173,7 @@ class ServerArgs:
     max_connections: int = 8192
     allow_remote_images: bool = False
     cpu_threads_per_rank: int | None = None
+    cpu_omp_bind: str = "auto"
     rank_hang_timeout_s: float = 60.0
     rank_max_restarts: int = 5
     tool_call_parser: str | None = None
@@ -194,10 +194,6 @@ class ServerArgs:
         self._check_choice("load_balance_method", LOAD_BALANCE_METHODS)
         http_flags.check(self)
         schedule_flags.check(self)
-        if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank <= 0:
-            raise ValueError(
-                f"cpu_threads_per_rank must be positive, got {self.cpu_threads_per_rank}"
-            )
         self._check_positive("rank_hang_timeout_s", "grammar_mask_budget_ms")
         if self.rank_max_restarts < 0:
             raise ValueError(f"rank_max_restarts must be >= 0, got {self.rank_max_restarts}")
@@ -228,6 +224,7 @@ class ServerArgs:
         self._check_choice("disaggregation_transfer_backend", TRANSFER_BACKENDS)
         self._check_positive("disaggregation_transfer_timeout", "grammar_compile_timeout")
         speculative_flags.check(self)
+        cpu_flags.check(self)
 
     @property
     def speculative_steps(self) -> int:  # drafted per decode step; 0: off
@@ -347,11 +344,15 @@ class ServerArgs:
         return self.world_size // self.nnodes
 
     @property
+    def node_processes(self) -> int:
+        """Scheduler processes on this node: its ranks of every world."""
+        return self.num_worlds * self.ranks_per_node
+
+    @property
     def cpu_threads(self) -> int:
         """torch threads of one scheduler process on the CPU: by default the CPUs shared out over the scheduler
         processes of this node."""
-        processes = self.num_worlds * self.ranks_per_node
-        return self.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // processes)
+        return self.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // self.node_processes)
 
     @property
     def prefix_cache(self) -> bool:

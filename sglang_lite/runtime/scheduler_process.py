@@ -66,6 +66,7 @@ from sglang_lite.runtime.messages import (
 from sglang_lite.runtime.transport import pull_socket, push_socket, send
 from sglang_lite.scheduler.faults import breaks_the_device, describe
 from sglang_lite.server_args import ServerArgs, set_global_server_args
+from sglang_lite.utils import cpu_flags
 from sglang_lite.utils.process import keep_freed_heap_memory
 
 if TYPE_CHECKING:  # the front end imports this module without torch
@@ -143,9 +144,9 @@ def spawn_scheduler_process(args: ServerArgs, spec: RankSpec) -> subprocess.Pope
     """Starts a rank as ``python -m sglang_lite.runtime.scheduler_process``: a fresh interpreter that, unlike
     multiprocessing's spawn, never re-imports the caller's ``__main__`` (scripts need no main guard)."""
     payload = {"args": dataclasses.asdict(args), "rank": spec.to_json(), "parent_pid": os.getpid()}
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(sys.path)
-    )  # import what the caller imports, as spawn does
+    # import what the caller imports, as spawn does; its threads bound to CPUs as --cpu-omp-bind says
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.update(cpu_flags.omp_binding(args, spec.world, spec.world_rank))
     name = [f"--world={spec.world}", f"--rank={spec.world_rank}"]
     process = subprocess.Popen(
         [sys.executable, "-m", "sglang_lite.runtime.scheduler_process", *name],
@@ -428,6 +429,7 @@ def _create_scheduler(args: ServerArgs, dp_rank: int) -> Scheduler:
 
     if args.device == "cpu":
         torch.set_num_threads(args.cpu_threads)
+        logger.info("%d CPU threads, %s", args.cpu_threads, cpu_flags.describe_binding())
     set_global_server_args(args)  # the one setter: model code reads it lazily, at construction
     return create_scheduler(args, dp_rank=dp_rank)
 
