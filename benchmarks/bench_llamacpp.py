@@ -29,8 +29,11 @@ of 128), 64 experts top-8 of 256 plus a shared one of 512, vocab 32000 (776M).
 What is measured: llama.cpp's ``llama-bench -p N -n M`` (prompt processing of N tokens; generation of M tokens at
 batch 1 from an empty context); the Engine's prefill of one N-token prompt (a call with one new token) and its decode
 steps ((call with M new tokens - prefill) / (M - 1), context N to N + M: a little more attention work than
-llama.cpp's). ``--batch B`` (> 1) adds batched decoding: ``llama-batched-bench -npp N -ntg M -npl B`` (S_TG) against
-the Engine decoding B prompts of N tokens at once.
+llama.cpp's). Both sides are measured warm: llama-bench runs each test once unmeasured (a whole N-token prompt, one
+generated token) before its repetition, and each round of ours first prefills another N-token prompt unmeasured. The
+sides alternate, so without it our first call of a round would pay for the caches and the idle threads llama-bench
+left behind (at 9M parameters, ~20% of a 128-token prefill). ``--batch B`` (> 1) adds batched decoding:
+``llama-batched-bench -npp N -ntg M -npl B`` (S_TG) against the Engine decoding B prompts of N tokens at once.
 """
 
 from __future__ import annotations
@@ -135,6 +138,10 @@ def _seconds(engine, prompts: list[list[int]], new_tokens: int) -> float:
 
 def engine_round(engine, args: argparse.Namespace, vocab: int) -> dict[str, float]:
     """The Engine's prefill and decode tok/s (and batched decode with --batch)."""
+    warm = random_prompts(
+        1, args.input_len, vocab, seed=3
+    )  # unmeasured, as llama-bench's warm-up run
+    _seconds(engine, warm, 1)
     one = random_prompts(1, args.input_len, vocab, seed=1)
     prefill = _seconds(engine, one, 1)
     whole = _seconds(engine, one, args.output_len)
