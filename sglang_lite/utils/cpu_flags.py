@@ -39,7 +39,8 @@ def check(args: Any) -> None:
 
 def explicit_cpus(args: Any, check_allowed: bool = True) -> list[list[int]]:
     """The CPU list of each scheduler process of this node that ``--cpu-omp-bind`` names."""
-    text, processes, threads = args.cpu_omp_bind, args.node_processes, args.cpu_threads
+    text, processes = args.cpu_omp_bind, args.node_processes
+    threads = args.cpu_threads
     entries = text.split("|")
     if len(entries) != processes:
         raise ValueError(
