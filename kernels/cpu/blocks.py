@@ -342,6 +342,15 @@ class DecodeLayers:
             input_ids, state_slots, *requests, out_cache_loc, stop_ids, bf16_dot, greedy_head
         )
 
+    def head_argmax(
+        self, normed: torch.Tensor, bf16_dot: int, greedy_head: bool | None = None
+    ) -> torch.Tensor:
+        """Each row's argmax of the LM head's logits (``set_ends``) for float32 rows after the final norm [B, H] (a
+        prefill's last tokens): int64 [B], found as ``run_greedy`` finds a step's (``greedy_head`` likewise)."""
+        if greedy_head is None:
+            greedy_head = bool(envs.SGLANG_CPU_GREEDY_HEAD.get())
+        return self._layers.head_argmax(normed.contiguous(), bf16_dot, greedy_head)
+
     def run(
         self,
         hidden: torch.Tensor,

@@ -31,6 +31,12 @@ class Runner(Protocol):
         call (the caller steps the forwards itself)."""
         ...
 
+    def extend_greedy(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Each request's first token of the prefill ``batch`` when every request takes its row's argmax: tokens [B]
+        (int64) where the model finds them without the logits (the CPU's one decode call: the LM head's greedy
+        screen), the same as the argmax of ``forward_batch``'s logits; None where it does not (nothing ran)."""
+        ...
+
     def forward_idle(self) -> None:
         """An empty forward: under DP attention a rank with nothing to run joins the other ranks' MoE layers."""
         ...

@@ -89,6 +89,9 @@ class ModelRunner:
             return None
         return self.model.model.decode_greedy(batch, out_cache_loc, stop_ids)
 
+    def extend_greedy(self, batch: ForwardBatch) -> torch.Tensor | None:
+        return self.model.extend_greedy(batch)
+
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """The final hidden state [T, hidden] of every new token (eagerly): what speculation's MTP head takes."""
         return self.model.forward_hidden(batch)

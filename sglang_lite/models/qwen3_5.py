@@ -26,6 +26,7 @@ from sglang_lite.layers.rotary import RotaryEmbedding
 from sglang_lite.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.models.full_forward import full_forward
+from sglang_lite.models.one_call import OneCallLayers
 from sglang_lite.server_args import ServerArgs, server_args_or_default
 from sglang_lite.streams.model_streams import ModelStreams
 
@@ -121,38 +122,6 @@ class Qwen3_5DecoderLayer(nn.Module):
         return batch.dp_tokens.scatter(self.mlp(batch.dp_tokens.gather(hidden), batch.overlap))
 
 
-class OneCallLayers:
-    """Decoder layers' decode blocks as one C++ call (``cpu_kernels.DecodeLayers``) over some pools: built on
-    first use, again for other pools or after ``reset`` (the blocks gathered their weights again); None where
-    ranks reduce between the blocks (tensor parallelism)."""
-
-    def __init__(self, layers: nn.ModuleList) -> None:
-        self._layers = (layers,)  # a tuple keeps them out of the owning module's children
-        self.built: tuple[ModelPools, cpu_kernels.DecodeLayers] | None = None  # (pools, the call)
-        # (embedding, final norm, LM head) for ``run_logits``, when the model has them all
-        self.ends: tuple[nn.Module, GemmaRMSNorm, nn.Module] | None = None
-
-    def get(self, pools: ModelPools) -> cpu_kernels.DecodeLayers | None:
-        if get_parallel_state().world_size > 1:
-            return None
-        if self.built is None or self.built[0] is not pools:
-            layers = cpu_kernels.DecodeLayers()
-            for layer in self._layers[0]:
-                layer.add_decode_blocks(layers, pools)
-            if self.ends is not None:
-                embedding, norm, head = self.ends
-                layers.set_ends(
-                    embedding.weight,
-                    cpu_kernels.Norm(norm.weight, norm.eps),
-                    cpu_kernels.Weight.of(head),
-                )
-            self.built = (pools, layers)
-        return self.built[1]
-
-    def reset(self) -> None:
-        self.built = None
-
-
 class Qwen3_5Model(nn.Module):
     def __init__(self, config: ModelConfig, fuse_shared_expert: bool = False) -> None:
         super().__init__()
@@ -181,10 +150,11 @@ class Qwen3_5Model(nn.Module):
         self._decode_layers.ends = (self.embed_tokens, self.norm, lm_head)
         self._decode_layers.reset()
 
-    def _one_call(self, batch: ForwardBatch) -> cpu_kernels.DecodeLayers | None:
+    def one_call(self, batch: ForwardBatch, decode: bool = True) -> cpu_kernels.DecodeLayers | None:
         """The C++ decode layers where they run ``batch`` from token ids to logits in one call: the CPU's decode
-        blocks on one rank, a plain decode step (no verify rows), float32 activations, an LM head attached."""
-        if not (self.use_decode_blocks and batch.is_decode and batch.verify is None):
+        blocks on one rank, a plain decode step (no verify rows), float32 activations, an LM head attached.
+        ``decode=False``: where they hold the LM head for a prefill ``batch``'s last rows."""
+        if not (self.use_decode_blocks and batch.is_decode == decode and batch.verify is None):
             return None
         if batch.num_tokens == 0 or self.norm.weight.dtype != torch.float32:
             return None
@@ -193,8 +163,8 @@ class Qwen3_5Model(nn.Module):
 
     def decode_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
         """A decode batch's logits [B, vocab] in the one C++ call (``DecodeLayers.run_logits``: the embedding, every
-        layer, the final norm and the LM head) where that call serves the batch (``_one_call``); else None."""
-        layers = self._one_call(batch)
+        layer, the final norm and the LM head) where that call serves the batch (``one_call``); else None."""
+        layers = self.one_call(batch)
         if layers is None:
             return None
         requests = (batch.req_pool_indices, batch.seq_lens_t, batch.positions, batch.out_cache_loc)
@@ -206,8 +176,8 @@ class Qwen3_5Model(nn.Module):
         self, batch: ForwardBatch, out_cache_loc: torch.Tensor, stop_ids: torch.Tensor
     ) -> torch.Tensor | None:
         """Greedy decode steps back to back from ``batch`` (the first) in the one call (``DecodeLayers.run_greedy``:
-        ``out_cache_loc`` [steps, B], ``stop_ids`` [B, S]): tokens [steps run, B]; None where ``_one_call`` is."""
-        layers = self._one_call(batch)
+        ``out_cache_loc`` [steps, B], ``stop_ids`` [B, S]): tokens [steps run, B]; None where ``one_call`` is."""
+        layers = self.one_call(batch)
         if layers is None:
             return None
         requests = (batch.req_pool_indices, batch.seq_lens_t, batch.positions)
@@ -337,6 +307,16 @@ class Qwen3_5ForCausalLM(nn.Module):
         if not all_logits and not batch.is_decode:  # decode: one token a request, every one a last
             hidden = hidden[batch.last_token_indices]
         return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def extend_greedy(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Each request's argmax token after a prefill ``batch`` (its last new token's logits), where the CPU's one
+        decode call holds the LM head: through its greedy screen (``DecodeLayers.head_argmax``); else None."""
+        layers = self.model.one_call(batch, decode=False)
+        if layers is None or batch.num_tokens == 0:
+            return None
+        hidden = self.forward_hidden(batch)[batch.last_token_indices]
+        return layers.head_argmax(hidden, cpu_kernels.bf16_dot())
 
     @torch.no_grad()
     def forward_hidden(

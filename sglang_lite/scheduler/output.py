@@ -5,6 +5,7 @@ limit. A request whose sampling, detokenising or stop matching raises ends alone
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,17 @@ from sglang_lite.scheduler.load_report import ThroughputMeter
 from sglang_lite.scheduler.pd_side.base import DisaggSide
 from sglang_lite.scheduler.request import FinishReason, Req
 from sglang_lite.scheduler.sampling import StepSampler
+
+
+@dataclass
+class Argmaxes:
+    """A prefill's next tokens already found as each request's argmax (``Runner.extend_greedy``, for requests that
+    are all plain greedy): what sampling their logits would give. Indexed as the logits' rows are."""
+
+    tokens: torch.Tensor  # int64 [B]
+
+    def __getitem__(self, index: list[int]) -> Argmaxes:
+        return Argmaxes(self.tokens[index])
 
 
 class OutputProcessor:
@@ -35,10 +47,10 @@ class OutputProcessor:
         self.disagg = disagg
         self.throughput = ThroughputMeter(start=time.monotonic())
 
-    def process(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[bool]:
+    def process(self, batch: ScheduleBatch, logits: torch.Tensor | Argmaxes) -> list[bool]:
         """Samples the requests whose last uncomputed token ran (their logits are ``logits``' rows, in batch
-        order); returns which those were, for a request that prefilled for its prompt log-probabilities only
-        (``max_new_tokens`` 0) is finished here instead."""
+        order, or their tokens already); returns which those were, for a request that prefilled for its prompt
+        log-probabilities only (``max_new_tokens`` 0) is finished here instead."""
         completes = batch.completes
         for req, done in zip(batch.reqs, completes):
             if done and req.max_new_tokens == 0:  # prefilled for its prompt log-probabilities
@@ -65,9 +77,11 @@ class OutputProcessor:
         kept = [(r, t) for r, t in zip(reqs, self._sample(reqs, logits)) if t is not None]
         self.append_tokens([r for r, _ in kept], [t for _, t in kept])
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[int | None]:
+    def _sample(self, reqs: list[Req], logits: torch.Tensor | Argmaxes) -> list[int | None]:
         """Each request's next token; None for a request whose sampling failed (it is failed here). The batch is
         sampled at once; only when that raises is each row sampled alone, to find the culprits."""
+        if isinstance(logits, Argmaxes):
+            return logits.tokens.tolist()
         try:
             return self.sampler.sample(reqs, logits).tolist()
         except Exception as error:

@@ -52,7 +52,7 @@ from sglang_lite.scheduler.forks import ForkManager
 from sglang_lite.scheduler.images import RequestImages, extend_images
 from sglang_lite.scheduler.intake import RequestIntake
 from sglang_lite.scheduler.load_report import LoadInputs, report_loads
-from sglang_lite.scheduler.output import OutputProcessor
+from sglang_lite.scheduler.output import Argmaxes, OutputProcessor
 from sglang_lite.scheduler.pd_side import DisaggSide, NullSide
 from sglang_lite.scheduler.prefill import PrefillManager
 from sglang_lite.scheduler.queues import RequestQueues
@@ -272,8 +272,9 @@ class Scheduler:
         self.queues.drop_finished()
         self._memory_failures.on_step_ok()
 
-    def run(self, batch: ScheduleBatch, kv_slots: list[int]) -> torch.Tensor:
-        """A prefill forward over KV slots allocated for it; logits [B, vocab] of each request's last new token."""
+    def run(self, batch: ScheduleBatch, kv_slots: list[int]) -> torch.Tensor | Argmaxes:
+        """A prefill forward over KV slots allocated for it; logits [B, vocab] of each request's last new token, or
+        their argmaxes where every request takes its argmax and the runner finds those without the logits."""
         forward_batch = batch.forward_batch(self.pools, self.config.device, kv_slots)
         images = extend_images(batch.reqs, batch.extend_lens, self.runner.encode_images)
         if images is not None:
@@ -285,13 +286,17 @@ class Scheduler:
         self.num_prefill_tokens += forward_batch.num_tokens
         wants_input = any(r.logprob is not None and r.logprob.wants_input for r in batch.reqs)
         with torch.inference_mode():
+            if not wants_input and self.sampler.all_plain_greedy(batch.reqs):
+                tokens = self.speculation.extend_greedy(forward_batch)
+                if tokens is not None:
+                    return Argmaxes(tokens)
             logits = self.speculation.forward_extend(forward_batch, wants_input)
         if not wants_input:
             return logits
         self.sampler.record_prompt(batch.reqs, batch.extend_lens, batch.prefix_lens, logits)
         return logits[forward_batch.last_token_indices]
 
-    def process_results(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
+    def process_results(self, batch: ScheduleBatch, logits: torch.Tensor | Argmaxes) -> None:
         """A prefill forward's results: sampled where complete, the requests placed, then drafts for them."""
         completes = self.output.process(batch, logits)
         self.prefill.place_prefilled(batch.reqs, completes)

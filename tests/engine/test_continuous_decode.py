@@ -18,14 +18,15 @@ ARGS = dict(max_total_tokens=2048, max_running_requests=4, page_size=4)
 @pytest.fixture(scope="module")
 def schedulers():
     """The built-in tiny model (with its tokenizer) one step at a time and up to 8 steps a run; and the reference,
-    one step at a time through the logits and the sampler always (a step of one request otherwise takes the one
-    call too)."""
+    one step at a time through the logits and the sampler always, prefills too (a step of one request otherwise
+    takes the one call, and a greedy prefill's first tokens come without the logits)."""
     out = {
         steps: create_scheduler(ServerArgs(**ARGS, num_continuous_decode_steps=steps))
         for steps in (1, 8)
     }
     out["reference"] = create_scheduler(ServerArgs(**ARGS, num_continuous_decode_steps=1))
     out["reference"].runner.decode_greedy = lambda *args: None
+    out["reference"].runner.extend_greedy = lambda *args: None
     return out
 
 
@@ -114,6 +115,28 @@ def test_one_request_one_step_at_a_time_takes_the_one_call(schedulers, monkeypat
     got, _ = serve(single, {rid: (p, dict(params)) for rid, (p, params) in two.items()})
     same(got, want)
     assert len(calls) == 17 - 3  # the steps "odd" ran alone
+
+
+def test_greedy_prefills_take_their_first_tokens_without_the_logits(schedulers, monkeypatch):
+    """A prefill whose requests are all plain greedy takes their first tokens through the LM head's greedy screen
+    (``Runner.extend_greedy``): the reference's outputs; a sampled request's prefill reads the logits."""
+    reference, single = schedulers["reference"], schedulers[1]
+    cases = requests(single.config.vocab_size)
+    want, _ = serve(reference, {rid: (p, dict(params)) for rid, (p, params) in cases.items()})
+    found = []
+    real = single.runner.extend_greedy
+    monkeypatch.setattr(
+        single.runner, "extend_greedy", lambda *a: found.append(real(*a)) or found[-1]
+    )
+    got, _ = serve(single, {rid: (p, dict(params)) for rid, (p, params) in cases.items()})
+    same(got, want)
+    assert found and all(tokens is not None for tokens in found)
+    found.clear()
+    serve(
+        single,
+        {"sampled": (cases["greedy"][0], {"temperature": 0.9, "seed": 5, "max_new_tokens": 4})},
+    )
+    assert not found
 
 
 def test_stop_strings_sampling_logprobs_and_penalties_run_step_by_step_alike(schedulers):

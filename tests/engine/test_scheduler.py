@@ -413,6 +413,13 @@ def test_a_failing_forward_fails_its_batch_and_the_rank_goes_on(scheduler, monke
         return real_forward(forward_batch, all_logits)
 
     monkeypatch.setattr(scheduler.runner, "forward_batch", forward_failing_once)
+    # a greedy prefill's first token comes without the logits where the runner can: that path fails alike
+    real_greedy = scheduler.runner.extend_greedy
+    monkeypatch.setattr(
+        scheduler.runner,
+        "extend_greedy",
+        lambda batch: forward_failing_once(batch) if not calls else real_greedy(batch),
+    )
     scheduler.add_request("victim", second, {**GREEDY, "max_new_tokens": 6})
     drain_step(scheduler, outputs)
     assert_failed_with(outputs["victim"], "RuntimeError: a kernel raised")
@@ -437,14 +444,21 @@ def doomed_scheduler():
 
 
 def failing_forward(monkeypatch, scheduler, errors: list[BaseException]) -> None:
-    real_forward = scheduler.runner.forward_batch
+    """The next forwards raise ``errors`` in turn, a greedy prefill's first tokens (``extend_greedy``) too."""
+    real_forward, real_greedy = scheduler.runner.forward_batch, scheduler.runner.extend_greedy
 
     def forward(forward_batch, all_logits=False):
         if errors:
             raise errors.pop(0)
         return real_forward(forward_batch, all_logits)
 
+    def greedy(forward_batch):
+        if errors:
+            raise errors.pop(0)
+        return real_greedy(forward_batch)
+
     monkeypatch.setattr(scheduler.runner, "forward_batch", forward)
+    monkeypatch.setattr(scheduler.runner, "extend_greedy", greedy)
 
 
 def test_out_of_memory_fails_the_batch_until_it_keeps_happening(doomed_scheduler, monkeypatch):

@@ -5,6 +5,8 @@ of different lengths."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -367,3 +369,49 @@ def test_greedy_head_at_batch_1_gives_the_whole_heads_tokens(tmp_path, monkeypat
     tied = _greedy_one(model, steps, False, monkeypatch)
     assert int(tied[0]) == min(other, top)
     assert torch.equal(_greedy_one(model, steps, True, monkeypatch), tied)
+
+
+def _prefill(model: torch.nn.Module, lens: list[int]):
+    """A prefill batch of random prompts of ``lens`` tokens over pools of its own."""
+    config = model.config
+    pools = ModelPools.create(config, 256, 4, 64, model.compute_dtype, "cpu", page_size=16)
+    rows, slots = pools.req_to_token.allocator.alloc(len(lens)), pools.states.alloc(len(lens))
+    gen = torch.Generator().manual_seed(sum(lens))
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in lens]
+    zeros = [0] * len(lens)
+    return build_forward_batch(
+        pools,
+        ForwardMode.EXTEND,
+        prompts,
+        zeros,
+        rows,
+        slots,
+        "cpu",
+        pools.alloc_kv(rows, zeros, lens),
+    )
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_a_prefills_argmaxes_through_the_head_are_its_logits_argmaxes(
+    tmp_path, monkeypatch, weight_dtype
+):
+    """``extend_greedy``: each request's argmax after a prefill of one and of three prompts, through the one call's
+    LM head with its screen and without, is the argmax of ``forward_batch``'s logits; a decode batch, or a model
+    without the decode blocks, has no such path (None)."""
+    hf = make_hf_model(moe=True, seed=11)
+    path = save_checkpoint(hf, str(tmp_path))
+    model = _model(path, blocks=True, weight_dtype=weight_dtype)
+    for lens in ([7], PROMPT_LENS):
+        want = model.forward_batch(_prefill(model, lens)).argmax(-1)
+        for greedy_head in ("1", "0"):
+            monkeypatch.setenv("SGLANG_CPU_GREEDY_HEAD", greedy_head)
+            model.model.reset_decode_layers()
+            assert torch.equal(model.extend_greedy(_prefill(model, lens)), want)
+    assert (
+        model.extend_greedy(dataclasses.replace(_prefill(model, [1, 1]), mode=ForwardMode.DECODE))
+        is None
+    )
+    assert (
+        _model(path, blocks=False, weight_dtype=weight_dtype).extend_greedy(_prefill(model, [7]))
+        is None
+    )

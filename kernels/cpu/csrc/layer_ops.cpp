@@ -782,6 +782,21 @@ class DecodeLayers : public torch::CustomClassHolder {
     return tokens;
   }
 
+  // Each row's argmax of the LM head's logits for rows after the final norm [B, H] (a prefill's last tokens), as
+  // run_greedy finds a step's: through the screen where it would take it for B rows, else the whole head's logits.
+  at::Tensor head_argmax(at::Tensor normed, int64_t bf16_dot, bool greedy_head) {
+    TORCH_CHECK(ends_.has_value(), "DecodeLayers.head_argmax needs set_ends first");
+    check_float(normed, "normed rows", 2);
+    TORCH_CHECK(normed.is_contiguous() && normed.size(1) == ends_->norm_weight.size(0),
+                "head_argmax takes contiguous rows [B, ", ends_->norm_weight.size(0), "], got ", normed.sizes());
+    at::Tensor tokens = at::empty({normed.size(0)}, normed.options().dtype(at::kLong));
+    const GreedyHead* screen = greedy_head && screens_rows(normed.size(0)) ? screen_of_head() : nullptr;
+    if (screen == nullptr || !screen_this_step() || !screened(*screen, normed, bf16_dot, tokens.data_ptr<int64_t>())) {
+      argmax_rows_into(head_logits(normed, bf16_dot), tokens.data_ptr<int64_t>());
+    }
+    return tokens;
+  }
+
   // hidden [B, H] (the embeddings) through every block: (the last block's output, residual), for the final norm.
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, at::Tensor state_slots, at::Tensor req_pool_indices,
                                          at::Tensor seq_lens, at::Tensor positions, at::Tensor out_cache_loc,
@@ -936,6 +951,7 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
       .def("set_ends", &sgl_cpu::DecodeLayers::set_ends)
       .def("run_logits", &sgl_cpu::DecodeLayers::run_logits)
       .def("run_greedy", &sgl_cpu::DecodeLayers::run_greedy)
+      .def("head_argmax", &sgl_cpu::DecodeLayers::head_argmax)
       .def("run", &sgl_cpu::DecodeLayers::run)
       .def("run_verify", &sgl_cpu::DecodeLayers::run_verify)
       .def("size", &sgl_cpu::DecodeLayers::size);

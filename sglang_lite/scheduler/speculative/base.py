@@ -58,6 +58,11 @@ class Speculation(Protocol):
         """A prefill forward: logits of each request's last new token, or of every new token (``all_logits``)."""
         ...
 
+    def extend_greedy(self, forward_batch: ForwardBatch) -> torch.Tensor | None:
+        """A prefill forward's argmax token of each request (``Runner.extend_greedy``), where the speculation takes
+        no more from it than that; None: nothing ran, the caller takes ``forward_extend``'s logits."""
+        ...
+
     def after_extend(self, reqs: list[Req]) -> None:
         """After a prefill forward's tokens were sampled and placed: drafts for the requests now decoding."""
         ...

@@ -38,6 +38,9 @@ class NullSpeculation:
     def forward_extend(self, forward_batch: ForwardBatch, all_logits: bool) -> torch.Tensor:
         return self.runner.forward_batch(forward_batch, all_logits)
 
+    def extend_greedy(self, forward_batch: ForwardBatch) -> torch.Tensor | None:
+        return self.runner.extend_greedy(forward_batch)
+
     def after_extend(self, reqs: list[Req]) -> None:
         pass
 

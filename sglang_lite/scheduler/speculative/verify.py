@@ -106,6 +106,9 @@ class DraftVerify(NullSpeculation):
         return max(0, min(self.steps, self.drafter.num_drafts(req), req.remaining_new_tokens - 1))
 
     # ---- prefill ------------------------------------------------------------------------------------------------
+    def extend_greedy(self, forward_batch: ForwardBatch) -> torch.Tensor | None:
+        return None  # the drafter takes the prefill's hidden states or its batch (forward_extend keeps them)
+
     def forward_extend(self, forward_batch: ForwardBatch, all_logits: bool) -> torch.Tensor:
         """A prefill forward; its hidden states kept for the drafter when it takes them (``after_extend``)."""
         if not self.drafter.keeps_hidden:
