@@ -3,10 +3,10 @@ are bound to. ``server_args.py`` holds the fields; the front end applies the bin
 process (``runtime/scheduler_process.py``), through the OpenMP runtime's own environment (``OMP_PLACES``,
 ``OMP_PROC_BIND``), which torch's intra-op pool and the C++ kernels' read when they start.
 
-Why bind by default: two threads of one process that float over two CPUs are often woken onto one of them after the
-process idles, and a thread that spins at an OpenMP barrier then holds the CPU its partner waits for, until the
-kernel preempts it. On 2 vCPUs of an AMD EPYC, the Engine's one-token request after 100 ms of idling took 14 ms
-unbound against 3.4 ms bound (1.5-2 ms back to back either way; docs/performance.md). SGLang's and vLLM's CPU
+Why bind by default: on 2 vCPUs of an AMD EPYC, the Engine's one-token request after 100 ms of idling took 13.5-15.6
+ms with the threads unbound against 3.7-4.0 ms bound (back to back 1.2-2 ms either way; docs/performance.md). The
+likely cause: threads free to float are woken onto one CPU after an idle spell, and one that spins at an OpenMP
+barrier holds the CPU its partner waits for until the kernel preempts it. SGLang's and vLLM's CPU
 backends bind each rank's threads too (``SGLANG_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_OMP_THREADS_BIND``).
 """
 

@@ -247,17 +247,11 @@ inline vreg load_reg(const float* p) {
 // Makes v opaque to the compiler at this point, as if computed here in a register: a value loaded once stays loaded
 // once (the compiler would make the load each FMA's memory operand again, and then loads, not FMAs, bound a tile),
 // and a product stays rounded before its add (GCC fuses a multiply and an add of vectors into an FMA).
-inline void in_register(vreg& v) {
+// (A vreg or a float.)
+template <class T>
+inline void in_register(T& v) {
 #if defined(__x86_64__)
   asm("" : "+v"(v));
-#elif defined(__aarch64__)
-  asm("" : "+w"(v));
-#endif
-}
-
-inline void in_register(float& v) {
-#if defined(__x86_64__)
-  asm("" : "+x"(v));
 #elif defined(__aarch64__)
   asm("" : "+w"(v));
 #endif
