@@ -89,6 +89,8 @@ class RadixCache:
         self.num_locked_pages = 0  # of which in use by requests (not evictable)
         self.snapshots_evicted = 0  # snapshots freed to make room for newer ones, since start
         self._order = itertools.count()
+        # the nodes holding a snapshot, by its slot: evict_snapshot looks among them, not the whole tree
+        self._holders: dict[int, Node] = {}
 
     @property
     def num_tokens(self) -> int:
@@ -198,6 +200,7 @@ class RadixCache:
         target.last_access = now
         self.pools.states.copy_slot(state_slot, snapshot)
         target.snapshot = snapshot
+        self._holders[snapshot] = target
 
     def _new_tail(self, node: Node, tail: list[int], own: int) -> Node | None:
         """A tail below ``node`` with a copy of the request's KV of ``tail`` (the start of its page ``own``), or
@@ -266,15 +269,21 @@ class RadixCache:
     def evict_snapshot(self) -> bool:
         """Frees the least recently used snapshot of any node, which keeps its KV (a tail goes with its snapshot:
         nothing else can be read there); False if there is none."""
-        nodes = [n for n in self._nodes() if n.snapshot is not None]
-        if not nodes:
+        if not self._holders:
             return False
-        node = min(nodes, key=lambda n: n.last_access)
+        oldest = min(n.last_access for n in self._holders.values())
+        tied = [n for n in self._holders.values() if n.last_access == oldest]
+        if (
+            len(tied) > 1
+        ):  # one clock reading for several (a path matched at once): the first in the tree's walk
+            tied = [n for n in self._nodes() if n.snapshot is not None and n.last_access == oldest]
+        node = tied[0]
         self.snapshots_evicted += 1
         if node.is_tail:
             self._remove(node)
             return True
         self.snapshots.free([node.snapshot])
+        del self._holders[node.snapshot]
         node.snapshot = None
         return True
 
@@ -289,6 +298,7 @@ class RadixCache:
         self.num_pages -= len(node.pages)
         if node.snapshot is not None:
             self.snapshots.free([node.snapshot])
+            del self._holders[node.snapshot]
         parent = node.parent
         if node.is_tail:
             del parent.tails[tuple(node.tokens)]
@@ -305,6 +315,14 @@ class RadixCache:
             out.append(node)
             stack += [*node.children.values(), *node.tails.values()]
         return out
+
+    def check(self) -> None:
+        """The index of snapshot holders is the tree's, and holds every snapshot slot in use."""
+        held = {n.snapshot: n for n in self._nodes() if n.snapshot is not None}
+        assert held == self._holders, (
+            "the prefix cache's index of snapshots is out of step with its tree"
+        )
+        assert self.snapshots.num_used == len(held), "prefix-cache snapshot slots leaked"
 
     @property
     def num_snapshots(self) -> int:

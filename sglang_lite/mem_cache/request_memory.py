@@ -290,5 +290,6 @@ class RequestMemory:
             assert self.cache.num_locked_pages <= self.cache.num_pages, (
                 "prefix-cache locks out of step"
             )
+            self.cache.check()
         assert self.pools.req_to_token.allocator.num_used == len(holders), "request rows leaked"
         assert self.pools.states.allocator.num_used == len(holders), "state slots leaked"

@@ -126,3 +126,28 @@ def test_a_prefix_ending_inside_a_page_is_a_tail_with_a_copy_of_its_kv():
     assert cache.evict_snapshot() and not node.tails
     assert cache.num_tokens == 8 and pools.kv.allocator.num_used == 2
     assert cache.flush() == 8 and pools.kv.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_the_snapshot_freed_is_the_least_recently_used_in_the_trees_order(page_size):
+    """``evict_snapshot`` finds its victim among the nodes holding a snapshot (an index kept beside the tree): the
+    node a walk of the whole tree would pick (least recently used; of nodes read at one clock reading, the first
+    in the walk), over random turns that share prefixes, with tails, matches and evictions; the index stays the
+    tree's (``check``)."""
+    cache, pools = cache_with(6, page_size)
+    gen = torch.Generator().manual_seed(page_size)
+    stems = [torch.randint(0, 200, (12,), generator=gen).tolist() for _ in range(3)]
+    for turn in range(60):
+        stem = stems[turn % 3]
+        tokens = stem[: 4 + turn % 9] + torch.randint(0, 200, (turn % 5,), generator=gen).tolist()
+        if turn % 4 == 3:
+            cache.match(tokens, len(tokens))
+        elif turn % 7 == 6:
+            held = [n for n in cache._nodes() if n.snapshot is not None]
+            victim = min(held, key=lambda n: n.last_access)
+            assert cache.evict_snapshot()
+            assert victim.snapshot is None or victim not in cache._nodes()
+        else:
+            insert(cache, pools, tokens)
+        cache.check()
+    assert cache.snapshots_evicted > 5
