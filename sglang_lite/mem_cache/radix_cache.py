@@ -273,9 +273,8 @@ class RadixCache:
             return False
         oldest = min(n.last_access for n in self._holders.values())
         tied = [n for n in self._holders.values() if n.last_access == oldest]
-        if (
-            len(tied) > 1
-        ):  # one clock reading for several (a path matched at once): the first in the tree's walk
+        # one clock reading for several (a path matched at once): the first of them in the tree's walk
+        if len(tied) > 1:
             tied = [n for n in self._nodes() if n.snapshot is not None and n.last_access == oldest]
         node = tied[0]
         self.snapshots_evicted += 1

@@ -440,8 +440,8 @@ void all_rows_times_32_columns(const float* A, int64_t lda, int64_t M, const typ
 // Fewer than 16 columns [n, n1) of every row of A (a narrow weight: a router, a gate; or a wider one's last
 // columns), side by side in P vector registers, R rows at a time. Each output adds its products in k order, the
 // activation times the k block's scale times the weight and then the add, as one row alone would: the values do not
-// depend on the rows beside it. (One column a pass, scalar, left each row's adds waiting on the last: 128 rows of a
-// 128-wide router took ~130 us.) `panel` holds the columns widened, P kLanes a k.
+// depend on the rows beside it. (One column a pass, scalar, left each row's adds waiting on the last: 128 rows x 128
+// -> 8 columns took 91-103 us, this 6-8 us; docs/performance.md.) `panel` holds the columns widened, P kLanes a k.
 template <class W, int P, int R>
 void few_columns_tile(const float* A, int64_t lda, const float* panel, int64_t K, const KScales& s, float* out) {
   vreg acc[R][P];

@@ -766,9 +766,7 @@ class DecodeLayers : public torch::CustomClassHolder {
       const at::Tensor normed =
           run_normed(ids, state_slots, req_pool_indices, seq_lens, positions, out_cache_loc.select(0, j), bf16_dot);
       at::Tensor next = tokens.select(0, j);
-      if (screen == nullptr || !screen_this_step() || !screened(*screen, normed, bf16_dot, next.data_ptr<int64_t>())) {
-        argmax_rows_into(head_logits(normed, bf16_dot), next.data_ptr<int64_t>());
-      }
+      head_argmax_into(screen, normed, bf16_dot, next.data_ptr<int64_t>());
       const int64_t* picked = next.data_ptr<int64_t>();
       bool stopped = false;
       for (int64_t r = 0; r < rows && !stopped; ++r) {
@@ -791,9 +789,7 @@ class DecodeLayers : public torch::CustomClassHolder {
                 "head_argmax takes contiguous rows [B, ", ends_->norm_weight.size(0), "], got ", normed.sizes());
     at::Tensor tokens = at::empty({normed.size(0)}, normed.options().dtype(at::kLong));
     const GreedyHead* screen = greedy_head && screens_rows(normed.size(0)) ? screen_of_head() : nullptr;
-    if (screen == nullptr || !screen_this_step() || !screened(*screen, normed, bf16_dot, tokens.data_ptr<int64_t>())) {
-      argmax_rows_into(head_logits(normed, bf16_dot), tokens.data_ptr<int64_t>());
-    }
+    head_argmax_into(screen, normed, bf16_dot, tokens.data_ptr<int64_t>());
     return tokens;
   }
 
@@ -869,6 +865,14 @@ class DecodeLayers : public torch::CustomClassHolder {
   }
 
   bool screen_this_step() { return screen_misses_ <= kScreenMissRate || ++screen_skipped_ % kScreenRetry == 0; }
+
+  // Each row's argmax of the head's logits into out: through `screen` (null: none) where this step takes it and it
+  // decides every row, else from the whole head's logits.
+  void head_argmax_into(const GreedyHead* screen, const at::Tensor& normed, int64_t bf16_dot, int64_t* out) {
+    if (screen == nullptr || !screen_this_step() || !screened(*screen, normed, bf16_dot, out)) {
+      argmax_rows_into(head_logits(normed, bf16_dot), out);
+    }
+  }
 
   // Each row's token into out through the screen; false where it left one undecided.
   bool screened(const GreedyHead& screen, const at::Tensor& normed, int64_t bf16_dot, int64_t* out) {
