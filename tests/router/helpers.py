@@ -47,7 +47,9 @@ async def generate(
     text: str = "hello",
     timeout: float = 10.0,
     headers=None,
+    first_event: asyncio.Event | None = None,
 ) -> Result:
+    """``first_event``, if given, is set when a stream's first event arrives."""
     body = payload(route, stream, max_new_tokens, text)
     start = time.perf_counter()
     try:
@@ -60,7 +62,7 @@ async def generate(
                 retry_after=resp.headers.get("Retry-After"),
             )
             if stream and resp.status == 200:
-                await read_events(resp, result, start)
+                await read_events(resp, result, start, first_event)
             else:
                 result.body = json_or_none(await resp.read())
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -88,12 +90,19 @@ def chat_streams(
     ]
 
 
-async def read_events(resp: aiohttp.ClientResponse, result: Result, start: float) -> None:
+async def read_events(
+    resp: aiohttp.ClientResponse,
+    result: Result,
+    start: float,
+    first_event: asyncio.Event | None = None,
+) -> None:
     async for line in resp.content:
         if not line.startswith(b"data: "):
             continue
         if result.ttft is None:
             result.ttft = time.perf_counter() - start
+            if first_event is not None:
+                first_event.set()
         data = line[6:].strip()
         if data != b"[DONE]":
             result.body = json.loads(data)

@@ -180,13 +180,21 @@ def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(
             assert await wait_for(lambda: _all_idle(s, idle_pair), timeout=10, interval=0.2)
             aborted = [await _aborted(s, u) - n for u, n in zip(urls, aborts)]
 
-            # 3. fail: streams that outlive the router's request timeout end with an error event.
-            failed = await asyncio.gather(
-                *(
-                    generate(s, strict.url, stream=True, max_new_tokens=3000, timeout=10)
-                    for _ in range(4)
+            # 3. fail: streams that outlive the router's request timeout end with an error event. From the first
+            # stream's first event the schedulers stop until the router's timeout has cut all four, so none can
+            # finish its ~1000 tokens first however fast the host is.
+            firsts = [asyncio.Event() for _ in range(4)]
+            streams = [
+                asyncio.create_task(
+                    generate(
+                        s, strict.url, stream=True, max_new_tokens=3000, timeout=10, first_event=e
+                    )
                 )
-            )
+                for e in firsts
+            ]
+            assert await wait_for(lambda: _started(firsts, streams), timeout=10, interval=0.002)
+            with paused(pids):
+                failed = await asyncio.gather(*streams)
             released = await wait_for(lambda: _all_zero(s, strict.url), timeout=3)
             stopped = await wait_for(lambda: _all_idle(s, idle_pair), timeout=10, interval=0.2)
             return aborted, failed, released, stopped
@@ -198,6 +206,10 @@ def test_in_flight_returns_to_zero_after_streams_complete_fail_or_are_abandoned(
         (r.status == 504 or "mid-stream" in (r.error or "")) and r.elapsed < 5 for r in failed
     ), failed
     assert released and stopped
+
+
+async def _started(firsts: list[asyncio.Event], streams: list[asyncio.Task]) -> bool:
+    return any(e.is_set() or t.done() for e, t in zip(firsts, streams))
 
 
 async def _total(s: aiohttp.ClientSession, url: str, n: int, seen: list[dict[str, int]]) -> bool:
