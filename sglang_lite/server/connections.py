@@ -54,6 +54,12 @@ class ConnectionTable:
         self.waiting.pop(connection, None)
         self.serving.add(connection)
 
+    def linger(self, connection: Connection) -> None:
+        """The connection was answered and is closing: the first to close when room is needed."""
+        self.serving.discard(connection)
+        self.waiting[connection] = None
+        self.waiting.move_to_end(connection, last=False)
+
     def closed(self, connection: Connection) -> None:
         self.waiting.pop(connection, None)
         self.serving.discard(connection)

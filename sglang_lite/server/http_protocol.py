@@ -27,6 +27,7 @@ from sglang_lite.server.connections import ConnectionTable
 from sglang_lite.server.responses import error_body
 from sglang_lite.server_args import ServerArgs
 
+LINGER_S = 5.0  # the longest a connection answered with an error and half-closed stays open (see reply_and_close)
 READ_TIMEOUTS = {"headers": "http_header_timeout_s", "body": "http_body_timeout_s"}
 FRAMED_TWICE = (
     "the request has both Content-Length and Transfer-Encoding (RFC 9112 section 6.1: a request framed two ways "
@@ -74,10 +75,36 @@ class JsonErrorH11Protocol(H11Protocol):
         message = refusal or f"the HTTP request could not be parsed: {msg}"
         self.reply_and_close(400, message)
 
-    def reply_and_close(self, status: int, message: str, headers: tuple[str, ...] = ()) -> None:
-        if not self.transport.is_closing():
-            self.transport.write(error_bytes(status, message, headers))
+    lingering = False  # answered and half-closed: what the client still sends is read and dropped
+
+    def reply_and_close(
+        self, status: int, message: str, headers: tuple[str, ...] = (), linger: bool = True
+    ) -> None:
+        """Answers and closes. ``linger``: a staged close (RFC 9112 section 9.6), since closing a socket with the
+        client's bytes unread makes the kernel reset the connection, and a reset can discard the answer before the
+        client reads it. The answer and a FIN go out at once; the socket closes when the client closes its side
+        or LINGER_S after the answer, its late bytes dropped meanwhile."""
+        if self.transport.is_closing() or self.lingering:
+            return
+        self.transport.write(error_bytes(status, message, headers))
+        if not (linger and self.transport.can_write_eof()):
             self.transport.close()
+            return
+        self.lingering = True
+        self.transport.write_eof()
+        self.transport.resume_reading()  # uvicorn's flow control may have paused it
+        self.loop.call_later(LINGER_S, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.lingering:
+            super().data_received(data)
+
+    def shutdown(self) -> None:
+        """The server stops: a lingering connection just closes (h11 may be in its error state)."""
+        if self.lingering:
+            self.transport.close()
+        else:
+            super().shutdown()
 
 
 class EdgeH11Protocol(JsonErrorH11Protocol):
@@ -101,7 +128,7 @@ class EdgeH11Protocol(JsonErrorH11Protocol):
         super().connection_made(transport)
         if not self.table.opened(self):
             message = f"the server holds --max-connections ({self.args.max_connections}) connections, all busy"
-            self.reply_and_close(503, message, ("retry-after: 1",))
+            self.reply_and_close(503, message, ("retry-after: 1",), linger=False)
             return
         self._start_reading("headers")
 
@@ -111,6 +138,8 @@ class EdgeH11Protocol(JsonErrorH11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return
         if self.reading is None and self.conn.their_state is h11.IDLE:
             self._start_reading("headers")  # the first byte after a keep-alive wait
         super().data_received(data)
@@ -121,18 +150,30 @@ class EdgeH11Protocol(JsonErrorH11Protocol):
         self._follow_request()
 
     def close_idle(self) -> None:
-        """Closed to make room under --max-connections: a request begun gets a 503, an idle socket just closes."""
-        if self.conn.trailing_data[0]:
+        """Closed to make room under --max-connections: a request begun gets a 503, an idle or lingering socket
+        just closes. Neither lingers: the table no longer counts it."""
+        if self.conn.trailing_data[0] and not self.lingering:
             message = (
                 f"the server holds --max-connections ({self.args.max_connections}) connections"
             )
-            self.reply_and_close(503, message, ("retry-after: 1",))
+            self.reply_and_close(503, message, ("retry-after: 1",), linger=False)
         else:
             self.transport.close()
+
+    def reply_and_close(
+        self, status: int, message: str, headers: tuple[str, ...] = (), linger: bool = True
+    ) -> None:
+        super().reply_and_close(status, message, headers, linger)
+        if self.lingering:
+            self._stop_reading()
+            self.waiting = True
+            self.table.linger(self)
 
     # ---- the read timers ---------------------------------------------------------------------------------------
     def _follow_request(self) -> None:
         """Moves the timers and the table along with h11's view of the client's request."""
+        if self.lingering:
+            return
         state = self.conn.their_state
         if state is h11.SEND_BODY:
             if self.reading != "body":
@@ -165,7 +206,7 @@ class EdgeH11Protocol(JsonErrorH11Protocol):
         part = self.reading
         self.read_timer = None
         self.reading = None
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self.lingering:
             return
         if part == "headers" and not self.conn.trailing_data[0]:
             self.transport.close()  # it sent nothing: nothing to answer

@@ -130,6 +130,18 @@ def test_slowloris_headers_get_a_408_within_the_header_timeout(fast: ServerProce
     assert seconds < BOUND_S
 
 
+def test_an_answered_connection_reads_late_bytes_instead_of_resetting(fast: ServerProcess) -> None:
+    """The 408 and a FIN come first; bytes the client sends after them are read and dropped (a lingering close)
+    rather than answered with a reset, which can discard an answer the client has not read yet."""
+    with connect(fast) as conn:
+        conn.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")  # headers that never end
+        answer, _ = read_until_closed(conn)
+        for _ in range(20):  # a closed socket resets at the first; the second send would then fail
+            conn.sendall(b"x" * 64)
+        assert conn.recv(1) == b""
+    assert parse(answer)[0] == 408
+
+
 def test_a_stalled_body_gets_a_408_and_the_server_serves_on(fast: ServerProcess) -> None:
     with connect(fast) as conn:
         conn.sendall(generate_head(len(GENERATE)) + GENERATE[:10])
@@ -255,3 +267,7 @@ def test_the_table_closes_the_longest_waiting_and_never_one_being_served() -> No
     assert len(table) == 3 and not any(x.closed for x in (a, c, d, e))
     table.closed(a)
     assert table.opened(e) and len(table) == 3
+    table.linger(c)  # c was answered with an error and closes: it goes first, before any idle one
+    table.wait(d)
+    f = Idle()
+    assert table.opened(f) and c.closed and not d.closed
