@@ -367,13 +367,7 @@ void all_rows_times_columns(const float* A, int64_t lda, int64_t M, const typena
   }
 }
 
-// ---- many rows through a block of an unscaled weight: widened (or copied) once ---------------------------------
-
-// The weights whose blocks many rows take widened (or, float32, copied) once into contiguous rows: the unscaled ones.
-// A float32 weight's rows are as far apart as a bf16 one's, and its copied blocks ran many rows 1.9-2x as fast on
-// AVX2 and AVX-512 (bench_cpu_isa.py, docs/performance.md).
-template <class W>
-constexpr bool kWidenedOnce = !W::kScaled;
+// ---- many rows through a block of a weight: widened (or copied) once --------------------------------------------
 
 // Rows of K whose widened block of 32 columns (32 KB of float32) stays in L1 while every group of rows passes.
 constexpr int64_t kPackedDepth = 256;
@@ -399,41 +393,61 @@ const float* pack_widened(const typename W::T* Wp, int64_t ldw, int64_t K) {
   return out;
 }
 
-// C[:, 0:32] = A W[:, 0:32] for M (> kPackRows) rows of an unscaled weight: the block widened once, then K
-// in parts of kPackedDepth rows, each part through every group of 8 rows (the later parts adding to C); `next`: the
-// block this thread takes next, asked for while this one runs.
+// A's M rows times the scales of their k blocks, into a thread's buffer (rows K apart): each activation as the tiles
+// of a scaled weight multiply it before its product.
+inline const float* scaled_rows(const float* A, int64_t lda, int64_t M, int64_t K, const KScales& s) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < M * K) buffer.resize(M * K);
+  float* out = buffer.data();
+  for (int64_t k0 = 0; k0 < K; k0 += s.block) {
+    const int64_t k1 = std::min(K, k0 + s.block);
+    const float scale = s.at(k0 / s.block);
+    for (int64_t t = 0; t < M; ++t) {
+      for (int64_t k = k0; k < k1; ++k) out[t * K + k] = A[t * lda + k] * scale;
+    }
+  }
+  return out;
+}
+
+// C[:, 0:32] = A W[:, 0:32] for M (> kPackRows) rows: the block widened once (a scaled weight's values as W::load
+// gives them, its scales taken into the activations: the same products as the tiles of W make), then K in parts of
+// kPackedDepth rows, each part through every group of 8 rows (the later parts adding to C); `next`: the block this
+// thread takes next, asked for while this one runs.
 template <class W>
 void many_rows_times_32_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw,
-                                int64_t K, float* C, int64_t ldc, const typename W::T* next = nullptr) {
-  static_assert(kWidenedOnce<W>, "scaled weights widen with their block scales");
+                                int64_t K, float* C, int64_t ldc, const KScales& s,
+                                const typename W::T* next = nullptr) {
   const float* packed = pack_widened<W>(Wp, ldw, K);
+  if constexpr (W::kScaled) {
+    A = scaled_rows(A, lda, M, K, s);
+    lda = K;
+  }
+  constexpr int64_t part = kPackedDepth;
   BlockAhead ahead;
   if (next != nullptr) {  // spread over the full tiles of every part of K
     constexpr int RB1 = row_tile<1>(), RB2 = row_tile<2>();
     const int64_t per_part = kSplitColumns<2> && M > RB2 ? 2 * (M / RB1) : M / RB2;
-    const int64_t tiles = std::max<int64_t>(1, (K + kPackedDepth - 1) / kPackedDepth * per_part);
+    const int64_t tiles = std::max<int64_t>(1, (K + part - 1) / part * per_part);
     ahead.base = reinterpret_cast<const char*>(next);
     ahead.stride = ldw * static_cast<int64_t>(sizeof(typename W::T));
     ahead.row_lines = (32 * static_cast<int64_t>(sizeof(typename W::T)) + 63) / 64;
     ahead.lines = K * ahead.row_lines;
     ahead.per_tile = (ahead.lines + tiles - 1) / tiles;
   }
-  for (int64_t k0 = 0; k0 < K; k0 += kPackedDepth) {
-    const int64_t depth = std::min(kPackedDepth, K - k0);
+  for (int64_t k0 = 0; k0 < K; k0 += part) {
+    const int64_t depth = std::min(part, K - k0);
     all_rows_times_columns<F32Weight, 2>(A + k0, lda, M, packed + k0 * 32, 32, depth, C, ldc, KScales{}, k0 > 0,
                                          next != nullptr ? &ahead : nullptr);
   }
 }
 
-// C[:, 0:32] = A W[:, 0:32] for every row of A (M rows), widened: once per block for many rows of an unscaled
-// weight (`next`: as many_rows_times_32_columns takes it), else in registers for each group of rows.
+// C[:, 0:32] = A W[:, 0:32] for every row of A (M rows), widened: once per block for many rows (`next`: as
+// many_rows_times_32_columns takes it), else in registers for each group of rows.
 template <class W>
 void all_rows_times_32_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw,
                                int64_t K, float* C, int64_t ldc, const KScales& s,
                                const typename W::T* next = nullptr) {
-  if constexpr (kWidenedOnce<W>) {
-    if (M > kPackRows) return many_rows_times_32_columns<W>(A, lda, M, Wp, ldw, K, C, ldc, next);
-  }
+  if (M > kPackRows) return many_rows_times_32_columns<W>(A, lda, M, Wp, ldw, K, C, ldc, s, next);
   all_rows_times_columns<W, 2>(A, lda, M, Wp, ldw, K, C, ldc, s);
 }
 
@@ -548,11 +562,10 @@ template <class W, int NV = 2>
 void rows_times_weight_columns(const float* A, int64_t lda, int64_t M, const typename W::T* Wp, int64_t ldw, int64_t K,
                                int64_t n0, int64_t n1, float* C, int64_t ldc, const WeightScales& sc) {
   int64_t n = n0;
-  if constexpr (kWidenedOnce<W>) {  // many rows: blocks widened once
-    if (M > kPackRows) {
-      for (; n + 32 <= n1; n += 32) {
-        many_rows_times_32_columns<W>(A, lda, M, Wp + n, ldw, K, C + n, ldc, n + 64 <= n1 ? Wp + n + 32 : nullptr);
-      }
+  if (M > kPackRows) {  // many rows: blocks widened once
+    for (; n + 32 <= n1; n += 32) {
+      many_rows_times_32_columns<W>(A, lda, M, Wp + n, ldw, K, C + n, ldc, sc.columns(n),
+                                    n + 64 <= n1 ? Wp + n + 32 : nullptr);
     }
   }
   for (; n + 16 * NV <= n1; n += 16 * NV) {
