@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from sglang_lite.sampling import SamplingParams, make_generator, sample
-from sglang_lite.sampling.sampler import argmax_rows
+from sglang_lite.sampling.sampler import CANDIDATES, argmax_rows, filtered_probs
+from sglang_lite.sampling.sampler import draw as draw_index
 from sglang_lite.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 
 BAD_PARAMS = [
@@ -111,6 +112,46 @@ def test_seeded_request_draws_the_same_whatever_shares_its_batch():
     assert batched[0] == alone[0]
     again = [draw(logits[:1], params, 20, seed=7), draw(logits[:1], params, 20, seed=7)]
     assert again[0] == again[1] and len(set(again[0])) > 1
+
+
+def test_draw_follows_the_weights_and_never_takes_a_zero():
+    weights = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.25, 0.0])
+    gen = make_generator(3)
+    counts = torch.bincount(
+        torch.stack([draw_index(weights, gen) for _ in range(4000)]), minlength=6
+    )
+    assert counts[[0, 2, 5]].sum() == 0
+    assert torch.allclose(counts / 4000, weights, atol=0.03), counts / 4000
+
+
+def test_filters_among_the_likeliest_tokens_draw_as_the_whole_sort_does():
+    """Rows whose top-k, top-p or min-p end within the CANDIDATES likeliest tokens draw from those alone, the others
+    from the whole vocabulary sorted; in one batch, every row follows the distribution its filters define."""
+    vocab, n = 4 * CANDIDATES, 3000
+    gen = torch.Generator().manual_seed(5)
+    peaked = torch.randn(vocab, generator=gen)
+    peaked[:6] += torch.tensor([9.0, 8.5, 8.0, 7.5, 7.0, 6.5])  # nearly all the mass in six tokens
+    flat = torch.randn(vocab, generator=gen) * 0.1
+    logits = torch.stack([peaked, flat, flat, peaked])
+    params = [
+        SamplingParams(top_p=0.9),  # decided among the candidates
+        SamplingParams(top_p=0.9),  # the whole vocabulary needed
+        SamplingParams(top_k=CANDIDATES + 500),  # more candidates than the default
+        SamplingParams(temperature=0.5, min_p=0.2),
+    ]
+    gens = [make_generator(i) for i in range(4)]
+    draws = torch.stack([sample(logits, params, gens) for _ in range(n)])  # [n, 4]
+    for row, p in enumerate(params):
+        expected = filtered_probs(logits[row : row + 1], p)[0]
+        expected = expected / expected.sum()
+        counts = torch.bincount(draws[:, row], minlength=vocab).float() / n
+        assert (expected[draws[:, row]] > 0).all(), f"row {row} drew a filtered token"
+        if row in (0, 3):  # few tokens: each one's frequency
+            assert torch.allclose(counts, expected, atol=0.03), (row, counts[:8], expected[:8])
+        else:  # many tokens: as many distinct ones drawn as the distribution gives, on average
+            distinct = (1 - (1 - expected.double()) ** n).sum().item()
+            drawn = len(set(draws[:, row].tolist()))
+            assert drawn > 0.9 * distinct, (row, drawn, distinct)
 
 
 def test_banned_ids_are_never_produced():
