@@ -137,11 +137,20 @@ def small_queue_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
 
 @pytest.fixture(scope="session")
 def tools_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """dp 1 with the Qwen3.5 parsers: tool calls (qwen3_coder) and reasoning (qwen3)."""
+    """dp 1 with the Qwen3.5 parsers: tool calls (qwen3_coder) and reasoning (qwen3). A longer context than the
+    others: two tools' definitions in the chat template take ~470 tokens, which 512 would leave ~40 of for a call
+    that random weights may spell in more (a sampled call ended at the context once the sampler's draws changed)."""
     yield from start_server(
         tmp_path_factory,
         "tools",
-        ["--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3"],
+        [
+            "--tool-call-parser",
+            "qwen3_coder",
+            "--reasoning-parser",
+            "qwen3",
+            "--context-length",
+            "1024",
+        ],
     )
 
 
