@@ -8,6 +8,8 @@ cumulative weights), so a seeded request gives the same tokens whatever else sha
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sglang_lite.kernels import cpu
@@ -137,13 +139,15 @@ def draw(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     first whose cumulative weight passes a uniform draw of the generator (a zero weight is never chosen). What
     ``torch.multinomial(weights, 1)`` samples, about 10x faster over a 32000-token vocabulary on the CPU."""
     cdf = weights.double().cumsum(0)
-    point = (
-        torch.rand((), dtype=torch.float64, generator=generator, device=weights.device) * cdf[-1]
-    )
-    index = torch.searchsorted(cdf, point, right=True)
-    if (
-        index.item() == cdf.numel()
-    ):  # the draw rounded up to the total: the last token of any weight
+    total = cdf[-1].item()
+    if not (math.isfinite(total) and total > 0.0):  # as torch.multinomial refuses such weights
+        raise ValueError(
+            f"no token to sample: the probabilities sum to {total} (NaN or infinite logits?)"
+        )
+    uniform = torch.rand((), dtype=torch.float64, generator=generator, device=weights.device)
+    index = torch.searchsorted(cdf, uniform * total, right=True)
+    if index.item() == cdf.numel():
+        # the draw rounded up to the total: the last token of any weight
         index = weights.nonzero()[-1, 0]
     return index
 

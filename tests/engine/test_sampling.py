@@ -124,6 +124,12 @@ def test_draw_follows_the_weights_and_never_takes_a_zero():
     assert torch.allclose(counts / 4000, weights, atol=0.03), counts / 4000
 
 
+def test_a_distribution_of_nan_is_refused_not_drawn_from():
+    logits = rows([0.0, float("nan"), 1.0])
+    with pytest.raises(ValueError, match="no token to sample"):
+        sample(logits, [SamplingParams(temperature=1.0)], [make_generator(0)])
+
+
 def test_filters_among_the_likeliest_tokens_draw_as_the_whole_sort_does():
     """Rows whose top-k, top-p or min-p end within the CANDIDATES likeliest tokens draw from those alone, the others
     from the whole vocabulary sorted; in one batch, every row follows the distribution its filters define."""
