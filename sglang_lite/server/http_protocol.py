@@ -163,8 +163,9 @@ class EdgeH11Protocol(JsonErrorH11Protocol):
     def reply_and_close(
         self, status: int, message: str, headers: tuple[str, ...] = (), linger: bool = True
     ) -> None:
+        was_lingering = self.lingering
         super().reply_and_close(status, message, headers, linger)
-        if self.lingering:
+        if self.lingering and not was_lingering:
             self._stop_reading()
             self.waiting = True
             self.table.linger(self)
