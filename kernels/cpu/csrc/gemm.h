@@ -422,20 +422,19 @@ void many_rows_times_32_columns(const float* A, int64_t lda, int64_t M, const ty
     A = scaled_rows(A, lda, M, K, s);
     lda = K;
   }
-  constexpr int64_t part = kPackedDepth;
   BlockAhead ahead;
   if (next != nullptr) {  // spread over the full tiles of every part of K
     constexpr int RB1 = row_tile<1>(), RB2 = row_tile<2>();
     const int64_t per_part = kSplitColumns<2> && M > RB2 ? 2 * (M / RB1) : M / RB2;
-    const int64_t tiles = std::max<int64_t>(1, (K + part - 1) / part * per_part);
+    const int64_t tiles = std::max<int64_t>(1, (K + kPackedDepth - 1) / kPackedDepth * per_part);
     ahead.base = reinterpret_cast<const char*>(next);
     ahead.stride = ldw * static_cast<int64_t>(sizeof(typename W::T));
     ahead.row_lines = (32 * static_cast<int64_t>(sizeof(typename W::T)) + 63) / 64;
     ahead.lines = K * ahead.row_lines;
     ahead.per_tile = (ahead.lines + tiles - 1) / tiles;
   }
-  for (int64_t k0 = 0; k0 < K; k0 += part) {
-    const int64_t depth = std::min(part, K - k0);
+  for (int64_t k0 = 0; k0 < K; k0 += kPackedDepth) {
+    const int64_t depth = std::min(kPackedDepth, K - k0);
     all_rows_times_columns<F32Weight, 2>(A + k0, lda, M, packed + k0 * 32, 32, depth, C, ldc, KScales{}, k0 > 0,
                                          next != nullptr ? &ahead : nullptr);
   }
@@ -1046,7 +1045,6 @@ template <class W, int TB>
 void matmul_block(const float* A, int64_t lda, const typename W::T* Wp, int64_t wn, int64_t wk, int64_t N, int64_t K,
                   float* C, int64_t ldc) {
   if (wn == 1) return matmul_rows_contiguous_n<W, TB>(A, lda, Wp, wk, N, K, C, ldc);
-  if (wk == 1) return matmul_rows_contiguous_k<W, TB>(A, lda, Wp, wn, N, K, C, ldc);
   for (int t = 0; t < TB; ++t) {
     for (int64_t n = 0; n < N; ++n) {
       float acc = 0.0f;
