@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .. import dispatch
 from ..dispatch import dot_precision, triton_interpreting
-from ..triton_utils import dot_accumulate
+from ..triton_utils import row_dot_accumulate
 
 
 class Tiles(NamedTuple):
@@ -111,7 +111,7 @@ def mxfp4_dot(
     values = tl.join(_e2m1_value(packed & 15), _e2m1_value(packed >> 4))
     grouped = tl.reshape(values, (w_rows.shape[0], BLOCK_K // 32, 32)) * scales[:, :, None]
     w = tl.reshape(grouped, (w_rows.shape[0], BLOCK_K)).to(a.dtype)
-    return dot_accumulate(a, tl.trans(w), acc, UPCAST, PRECISION)
+    return row_dot_accumulate(a, tl.trans(w), acc, UPCAST, PRECISION)
 
 
 @triton.jit
@@ -168,7 +168,7 @@ def _linear_kernel(
                     other=0.0,
                 )
                 w = w.to(tl.float32) * block_scale
-            acc = dot_accumulate(x, w.to(x.dtype), acc, UPCAST, PRECISION)
+            acc = row_dot_accumulate(x, w.to(x.dtype), acc, UPCAST, PRECISION)
     tl.store(
         out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
         acc.to(out_ptr.dtype.element_ty),

@@ -34,7 +34,7 @@ from .. import batch_invariant
 from ..dispatch import dot_precision, triton_interpreting
 from ..linear.triton_linear import mxfp4_dot, mxfp4_dot_scaled
 from ..quant.triton_quant import per_token_group_quant
-from ..triton_utils import dot_accumulate
+from ..triton_utils import interpreted_dot, row_dot_accumulate
 
 # Rows per block of the grouped GEMM; every expert's row list is padded to a multiple of it.
 BLOCK_M = 16
@@ -154,9 +154,10 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
 
 @triton.jit
 def _scaled_dot(a, b, a_s, b_s, acc, UPCAST: tl.constexpr):
-    """``acc + (a @ b) * a_s[:, None] * b_s[None, :]`` in fp32 (``UPCAST``: the interpreter's FP8 as fp32)."""
+    """``acc + (a @ b) * a_s[:, None] * b_s[None, :]`` in fp32 (``UPCAST``: the interpreter's FP8 as fp32, through
+    ``interpreted_dot``)."""
     if UPCAST:
-        partial = tl.dot(a.to(tl.float32), b.to(tl.float32))
+        partial = interpreted_dot(a, b)
     else:
         partial = tl.dot(a, b)
     return acc + partial * a_s[:, None] * b_s[None, :]
@@ -244,7 +245,7 @@ def _grouped_gemm_kernel(
                 w_s = tl.load(s_rows + kb, mask=n_ok, other=0.0)
                 acc = _scaled_dot(a, w, a_s, w_s, acc, UPCAST)
             else:
-                acc = dot_accumulate(a, w, acc, UPCAST, PRECISION)
+                acc = row_dot_accumulate(a, w, acc, UPCAST, PRECISION)
     if GATE_UP:
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         out = gate * tl.sigmoid(gate) * up

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from .. import batch_invariant
 from ..dispatch import triton_interpreting
+from ..triton_utils import interpreted_dot
 from .naive import MIN_AMAX, fp8_max
 
 
@@ -112,7 +113,7 @@ def _w8a8_block_fp8_matmul_kernel(
         a_s = tl.load(a_scales + kb, mask=row_ok, other=0.0)
         b_s = tl.load(b_scales + kb, mask=col_ok, other=0.0)
         if UPCAST:  # the interpreter multiplies FP8 tiles as raw bits
-            partial = tl.dot(a.to(tl.float32), b.to(tl.float32))
+            partial = interpreted_dot(a, b)
         else:
             partial = tl.dot(a, b)
         acc += partial * a_s[:, None] * b_s[None, :]
