@@ -174,8 +174,9 @@ inline void widen(const uint8_t* p, const Table& t, vreg* w) {
   w[3] = (vreg)_mm256_castsi256_ps(_mm256_and_si256(second, odd_words));
 }
 
-// The k (of a group's 32) at position p of its widened registers: in each half (p / 8 % 2) of register p / 8, byte
-// 8 (p / 16) + 2 (p % 4) + p / 8 % 2's nibble (p / 4 % 2: low or high).
+// The k (of a group's 32) at position p of its widened registers: position p is dword p % 4 of half p / 4 % 2 of
+// register p / 8, and holds byte 8 (p / 16) + 2 (p % 4) + p / 8 % 2's low nibble in the first half, its high one in
+// the second (k = twice the byte, plus the half).
 constexpr int64_t k_at(int64_t p) { return 16 * (p / 16) + 2 * (p / 8 % 2) + 4 * (p % 4) + p / 4 % 2; }
 
 inline vreg fma(vreg a, vreg b, vreg c) { return (vreg)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
