@@ -22,11 +22,11 @@ def dot_accumulate(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 @triton.jit
 def interpreted_dot(a, b):
     """``a @ b`` in fp32 for Triton's interpreter, each output's products added in the same order whatever its row's
-    place in the tile. The interpreter's ``tl.dot`` is ``numpy.matmul``, whose BLAS kernel need not do that:
-    OpenBLAS's Haswell kernels on a Zen 3 add rows 6-11 of every 12 in another order than rows 0-5, so a row alone
-    (the first of its tile) and the same row in a batch of 9 differed in the last bits there (2e-7), where AVX-512
-    hosts gave the same bits. The batch-invariant products (``row_dot_accumulate``) take it, so that their tests
-    check the kernels' own order on any host."""
+    place in the tile. The interpreter's ``tl.dot`` is ``numpy.matmul``, whose BLAS need not do that: on a Zen 3
+    (AVX2), a row of a 64 x 32 by 32 x 64 product placed at row 0 gave other bits than at rows 6-11 of every 12, so
+    a row alone (the first of its tile) and the same row in a batch of 9 differed in the last bits (2e-7) and the
+    batch-invariance tests failed there; on the earlier sessions' AVX-512 hosts they passed. The batch-invariant
+    products (``row_dot_accumulate``) take it, so that their tests check the kernels' own order on any host."""
     return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
 
 

@@ -80,15 +80,6 @@ inline Table scaled_table(float scale) {
   return Table{_mm512_mul_ps(_mm512_loadu_ps(kValues), _mm512_set1_ps(scale))};
 }
 
-using ScaleEntry = float;  // the scale
-
-inline ScaleEntry scale_entry(uint8_t s) { return e8m0_to_float(s); }
-
-inline Table table_of(ScaleEntry scale) { return scaled_table(scale); }
-
-// The k (of a group's 32) at position p of its widened registers: the even k, then the odd.
-constexpr int64_t k_at(int64_t p) { return p < kGroupBytes ? 2 * p : 2 * (p - kGroupBytes) + 1; }
-
 // w[0]: the low nibbles (even k), w[1]: the high ones (odd k); vpermps reads the low 4 bits of each index.
 inline void widen(const uint8_t* p, const Table& t, vreg* w) {
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -212,15 +203,6 @@ inline Table scaled_table(float scale) {
   return t;
 }
 
-using ScaleEntry = float;  // the scale
-
-inline ScaleEntry scale_entry(uint8_t s) { return e8m0_to_float(s); }
-
-inline Table table_of(ScaleEntry scale) { return scaled_table(scale); }
-
-// The k (of a group's 32) at position p of its widened registers: the even k, then the odd.
-constexpr int64_t k_at(int64_t p) { return p < kGroupBytes ? 2 * p : 2 * (p - kGroupBytes) + 1; }
-
 inline void widen(const uint8_t* p, const Table& t, vreg* w) {
   float wide[kGroup];
   for (int j = 0; j < kGroupBytes; ++j) {
@@ -244,6 +226,18 @@ inline void lane_sums4(vreg a, vreg b, vreg c, vreg d, float* out) {
   out[2] = lane_sum(c);
   out[3] = lane_sum(d);
 }
+#endif
+
+#if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
+// The float tables (AVX-512, scalar): a group's entry is its scale, and the registers hold [even k | odd k].
+using ScaleEntry = float;
+
+inline ScaleEntry scale_entry(uint8_t s) { return e8m0_to_float(s); }
+
+inline Table table_of(ScaleEntry scale) { return scaled_table(scale); }
+
+// The k (of a group's 32) at position p of its widened registers: the even k, then the odd.
+constexpr int64_t k_at(int64_t p) { return p < kGroupBytes ? 2 * p : 2 * (p - kGroupBytes) + 1; }
 #endif
 
 // out[c] = lane_sum(v[c]) for N registers, four at a time.
