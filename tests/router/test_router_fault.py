@@ -46,6 +46,10 @@ DETECTION_SECS = (
     0.2 * 2 + 0.5
 )  # failure threshold x interval, plus slack (a refused probe fails at once)
 TOTAL, CONCURRENCY, TIMEOUT = 300, 12, 5.0
+# The stream the victim is killed under generates as many tokens as the servers' context (1024) leaves room for:
+# ~0.35 s alone on a 2-core Zen 3 (200 tokens took 0.08 s, and once every request on the victim had finished
+# before the client read the first chunk and killed it, so no request failed).
+VICTIM_STREAM_TOKENS = 960
 RESTART_SECS = 120.0  # a cold server start on a loaded 2-core host
 
 
@@ -162,7 +166,7 @@ async def _stream_until_killed(
     """Completion streams through the router until one lands on the victim (each chunk names its server); the
     victim is killed (SIGKILL to its process group) once that stream has started, so it fails mid-stream however
     fast the servers generate. Streams that land elsewhere are closed at their first chunk."""
-    body = payload("/v1/completions", True, 200, "hello")
+    body = payload("/v1/completions", True, VICTIM_STREAM_TOKENS, "hello")
     for _ in range(30):
         start, result = time.monotonic(), Result(0)
         try:
