@@ -183,7 +183,8 @@ def test_a_client_abort_reaches_both_tp_sides(servers) -> None:
     p, d = procs["P2"], procs["D2"]
     router = pd_router(p.url, ports["P2"], d.url)
     try:
-        ok, aborted = run(leave_after_first_event(router.url, PROMPTS[1], 500, p.url, d.url))
+        # as many tokens as the context (2048) leaves after the 700-token prompt, so the abort arrives first
+        ok, aborted = run(leave_after_first_event(router.url, PROMPTS[1], 1340, p.url, d.url))
     finally:
         router.kill()
-    assert ok and aborted == 1  # ended by the abort, not by running its 500 tokens out
+    assert ok and aborted == 1  # ended by the abort, not by running its 1340 tokens out
