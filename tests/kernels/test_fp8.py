@@ -25,7 +25,8 @@ def _fp8_weight(shape: tuple[int, ...], block: tuple[int, int], dtype: torch.dty
     return quantize_blocks(_randn(*shape, seed=seed) * 0.05, block, dtype)
 
 
-@pytest.mark.parametrize("num_rows", [1, 65, 500])
+# one program per (row, group): 130 rows reach no case that 500 did, at a quarter of the interpreter's time
+@pytest.mark.parametrize("num_rows", [1, 65, 130])
 @pytest.mark.parametrize("num_cols,group", [(48, 128), (257, 128), (200, 32)])
 @pytest.mark.parametrize("fp8", FORMATS)
 def test_per_token_group_quant_matches_reference(nan_allocations, num_rows, num_cols, group, fp8):
@@ -39,7 +40,7 @@ def test_per_token_group_quant_matches_reference(nan_allocations, num_rows, num_
     assert rel_err(naive.dequantize_groups(q, s, group), x) < 0.07
 
 
-@pytest.mark.parametrize("num_rows", [1, 63, 65, 500])
+@pytest.mark.parametrize("num_rows", [1, 63, 65, 130])  # 16-row tiles; 64-row ones, the last one partial
 @pytest.mark.parametrize(
     "shape,block", [((130, 200), (128, 128)), ((96, 48), (128, 128)), ((72, 80), (8, 16))]
 )
@@ -92,7 +93,7 @@ def test_quantize_blocks_round_trip_within_fp8_rounding(block):
     ).all()  # half an FP8 ulp
 
 
-@pytest.mark.parametrize("num_tokens", [1, 65, 300])
+@pytest.mark.parametrize("num_tokens", [1, 65, 150])  # 150: several 16-row blocks of every expert
 @pytest.mark.parametrize(
     "hidden,inter,block", [(64, 32, (128, 128)), (200, 136, (128, 128)), (64, 48, (16, 32))]
 )
