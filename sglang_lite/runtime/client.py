@@ -44,20 +44,14 @@ from sglang_lite.runtime.messages import (
     Stop,
     decode,
 )
-from sglang_lite.runtime.scheduler_process import (
+from sglang_lite.runtime.spawn import (
     RankSpec,
-    spawn_scheduler_process,
-    spawn_world,
-    world_init_address,
-)
-from sglang_lite.runtime.transport import (
-    COMMAND_QUEUE_LIMIT,
-    ipc_addresses,
-    pull_socket,
-    push_socket,
+    SpawnedRanks,
     remove_ipc_files,
-    send,
+    spawn_ranks,
+    spawn_scheduler_process,
 )
+from sglang_lite.runtime.transport import COMMAND_QUEUE_LIMIT, pull_socket, push_socket, send
 from sglang_lite.server_args import ServerArgs
 from sglang_lite.utils.process import stop_processes
 
@@ -83,12 +77,14 @@ class ReplyHandler(Protocol):
 
 
 class SchedulerClient:
-    """Spawns the ranks on construction (from the calling thread: a rank dies with the thread that started it)."""
+    """Spawns the ranks on construction (from the calling thread: a rank dies with the thread that started it), or
+    takes those ``spawn.spawn_ranks`` started (``spawned``, from the same thread) and owns them from then on."""
 
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: ServerArgs, spawned: SpawnedRanks | None = None) -> None:
         self.args = args
         self.dp_size = args.dp_size
-        command_addresses, reply_address = ipc_addresses(args.dp_size)
+        spawned = spawned or spawn_ranks(args)
+        command_addresses, reply_address = spawned.command_addresses, spawned.reply_address
         self._command_addresses, self._reply_address = command_addresses, reply_address
         self._addresses = [*command_addresses, reply_address]
         self._context = zmq.Context()
@@ -105,16 +101,8 @@ class SchedulerClient:
         self._send_lock = threading.Lock()
         self._query_ids = itertools.count()
         self._closed = False
-        self.worlds = [
-            self._spawn_world(world) for world in range(args.num_worlds)
-        ]  # this node's processes
+        self.worlds = spawned.worlds  # this node's processes
         self.ready: list[Ready] = []
-
-    def _spawn_world(self, world: int) -> list[subprocess.Popen]:
-        commands = {dp: self._command_addresses[dp] for dp in self.args.world_dp_ranks(world)}
-        return spawn_world(
-            self.args, world, world_init_address(self.args, world), commands, self._reply_address
-        )
 
     @property
     def processes(self) -> list[subprocess.Popen]:

@@ -24,11 +24,8 @@ import json
 import logging
 import os
 import signal
-import socket
-import subprocess
 import sys
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -63,6 +60,7 @@ from sglang_lite.runtime.messages import (
     TransferTarget,
     decode,
 )
+from sglang_lite.runtime.spawn import RankSpec
 from sglang_lite.runtime.transport import pull_socket, push_socket, send
 from sglang_lite.scheduler.faults import breaks_the_device, describe
 from sglang_lite.server_args import ServerArgs, set_global_server_args
@@ -82,87 +80,9 @@ PD_POLL_MS = 2  # a PD rank waiting only on transfers checks its metadata rows t
 _CLIENT = "aborted by the client"  # the message of a client's abort
 
 
-@dataclass(frozen=True)
-class RankSpec:
-    """One process of a world: which world, its rank there, the world's rendezvous, and (world rank 0 on node 0
-    only) the command address of each DP rank the world hosts and the front end's reply address."""
-
-    world: int
-    world_rank: int = 0
-    init_address: str | None = None  # HOST:PORT; None: a world of one
-    command_addresses: dict[int, str] = field(default_factory=dict)
-    reply_address: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **dataclasses.asdict(self),
-            "command_addresses": list(self.command_addresses.items()),
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RankSpec:
-        return cls(
-            **{**data, "command_addresses": {int(dp): a for dp, a in data["command_addresses"]}}
-        )
-
-
-def world_init_address(args: ServerArgs, world: int) -> str | None:
-    """The rendezvous of a world: ``--dist-init-addr`` (port + world for replica worlds), else a free local port."""
-    if args.world_size == 1:
-        return None
-    if args.dist_init_addr is not None:
-        host, _, port = args.dist_init_addr.rpartition(":")
-        return f"{host}:{int(port) + world}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
-def spawn_world(
-    args: ServerArgs,
-    world: int,
-    init_address: str | None,
-    command_addresses: dict[int, str],
-    reply_address: str | None,
-) -> list[subprocess.Popen]:
-    """Starts the processes of one world that live on this node (``--node-rank``); world rank 0 gets the sockets."""
-    first = args.node_rank * args.ranks_per_node
-    specs = [
-        RankSpec(
-            world,
-            rank,
-            init_address,
-            command_addresses if rank == 0 else {},
-            reply_address if rank == 0 else None,
-        )
-        for rank in range(first, first + args.ranks_per_node)
-    ]
-    return [spawn_scheduler_process(args, spec) for spec in specs]
-
-
-def spawn_scheduler_process(args: ServerArgs, spec: RankSpec) -> subprocess.Popen:
-    """Starts a rank as ``python -m sglang_lite.runtime.scheduler_process``: a fresh interpreter that, unlike
-    multiprocessing's spawn, never re-imports the caller's ``__main__`` (scripts need no main guard)."""
-    payload = {"args": dataclasses.asdict(args), "rank": spec.to_json(), "parent_pid": os.getpid()}
-    # import what the caller imports, as spawn does; its threads bound to CPUs as --cpu-omp-bind says
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    env.update(cpu_flags.omp_binding(args, spec.world, spec.world_rank))
-    name = [f"--world={spec.world}", f"--rank={spec.world_rank}"]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sglang_lite.runtime.scheduler_process", *name],
-        env=env,
-        stdin=subprocess.PIPE,
-    )
-    try:
-        process.stdin.write(json.dumps(payload).encode())
-        process.stdin.close()  # the child reads to the end: one spec, then EOF
-    except BrokenPipeError:  # the child died at once; the front end sees it exit
-        pass
-    return process
-
-
 def main() -> None:
-    """Reads the spec from stdin (see ``spawn_scheduler_process``); the arguments only name the process in ``ps``."""
+    """Reads the spec from stdin (see ``spawn.spawn_scheduler_process``); the arguments only name the process in
+    ``ps``."""
     payload = json.loads(sys.stdin.buffer.read())
     args = ServerArgs(**payload["args"])
     run_scheduler_process(args, RankSpec.from_json(payload["rank"]), payload["parent_pid"])

@@ -22,6 +22,7 @@ from sglang_lite.protocol.outputs import ReqOutput, join_outputs
 from sglang_lite.protocol.requests import fork_rids
 from sglang_lite.runtime.client import SchedulerClient
 from sglang_lite.runtime.messages import UNAVAILABLE, Ack, AddRequest, QueryReply
+from sglang_lite.runtime.spawn import SpawnedRanks
 from sglang_lite.server.dp_controller import DPController, InvalidRank
 from sglang_lite.server.images import ImageIntake
 from sglang_lite.server.input_processor import InputProcessor
@@ -60,8 +61,10 @@ logger = logging.getLogger(__name__)
 class TokenizerManager:
     """Dispatches requests to the ranks over its parts (inputs, registry, supervisor, PD), which it wires."""
 
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: ServerArgs, spawned: SpawnedRanks | None = None) -> None:
+        """``spawned``: ranks launch_server started before importing this module (start() then takes them)."""
         self.args = args
+        self._spawned = spawned
         self.dp = DPController(args.dp_size, args.load_balance_method)
         self.metrics = ServerMetrics()
         self.ranks = [RankHealth(state=STARTING) for _ in range(args.dp_size)]
@@ -95,12 +98,13 @@ class TokenizerManager:
 
     # ---- lifetime ----------------------------------------------------------------------------------------------
     async def start(self) -> None:
+        # The ranks first (spawned from the event loop's thread, which outlives them, unless launch_server spawned
+        # them already): they import and load while this process loads the tokenizer (~1 s) and a grammar worker
+        # imports xgrammar. A failure after this stops them (shutdown).
+        self.client = SchedulerClient(self.args, self._spawned)
         if not self.args.skip_tokenizer_init:  # grammars need a tokenizer
-            self.inputs.grammars.prestart()  # imports xgrammar while the ranks load
+            self.inputs.grammars.prestart()
         self.tokenizer = load_server_tokenizer(self.args)
-        self.client = SchedulerClient(
-            self.args
-        )  # spawned from the event loop's thread, which outlives the ranks
         await asyncio.to_thread(self.client.wait_ready)
         self.inputs.set_config(self.client.config)
         self.supervisor.all_up()

@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-from sglang_lite.runtime import transport
+from sglang_lite.runtime import spawn
 
 
 def _socket_file(path: str) -> socket.socket:
@@ -30,7 +30,7 @@ def test_files_of_front_ends_that_no_longer_run_are_removed(tmp_path):
     not_a_socket = tmp_path / f"sglang_lite_{dead.pid}_fedcba98_rank0"
     not_a_socket.write_text("a user's file")
     try:
-        removed = transport.remove_stale_ipc_files(str(tmp_path))
+        removed = spawn.remove_stale_ipc_files(str(tmp_path))
     finally:
         for sock in sockets:
             sock.close()
@@ -42,12 +42,12 @@ def test_files_of_front_ends_that_no_longer_run_are_removed(tmp_path):
 
 
 def test_a_new_front_end_clears_them_first(tmp_path, monkeypatch):
-    monkeypatch.setattr(transport.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(spawn.tempfile, "gettempdir", lambda: str(tmp_path))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
     stale = _socket_file(str(tmp_path / f"sglang_lite_{dead.pid}_0123abcd_replies"))
     stale.close()
-    commands, reply = transport.ipc_addresses(2)
+    commands, reply = spawn.ipc_addresses(2)
     assert [p.name for p in tmp_path.iterdir()] == []
     assert reply.startswith(f"ipc://{tmp_path}/sglang_lite_{os.getpid()}_")
     assert [c.rsplit("_", 1)[1] for c in commands] == ["rank0", "rank1"]
