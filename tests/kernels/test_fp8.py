@@ -40,7 +40,8 @@ def test_per_token_group_quant_matches_reference(nan_allocations, num_rows, num_
     assert rel_err(naive.dequantize_groups(q, s, group), x) < 0.07
 
 
-@pytest.mark.parametrize("num_rows", [1, 63, 65, 130])  # 16-row tiles; 64-row ones, the last one partial
+# a decode batch's 16-row tile; 64-row tiles, the last one partial
+@pytest.mark.parametrize("num_rows", [1, 63, 65, 130])
 @pytest.mark.parametrize(
     "shape,block", [((130, 200), (128, 128)), ((96, 48), (128, 128)), ((72, 80), (8, 16))]
 )

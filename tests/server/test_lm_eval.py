@@ -64,8 +64,8 @@ def _task_dir(root: Path) -> Path:
     return root
 
 
-def _lm_eval(args: list[str], tasks: Path, output: Path) -> dict[tuple[str, int], list]:
-    """Runs the lm_eval command from the repository root; each sample's responses by (task, doc id)."""
+def _lm_eval(args: list[str], tasks: Path, output: Path) -> subprocess.Popen:
+    """Starts the lm_eval command from the repository root (``_samples`` waits for it)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable,
@@ -80,10 +80,24 @@ def _lm_eval(args: list[str], tasks: Path, output: Path) -> dict[tuple[str, int]
         "--output_path",
         str(output),
     ]
-    done = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=LM_EVAL_TIMEOUT_S
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    # its log in a file, not a pipe: two runs at once never wait on a reader
+    with open(_log(output), "w") as log:
+        return subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log
+        )
+
+
+def _log(output: Path) -> Path:
+    return output.with_name(output.name + ".log")
+
+
+def _samples(run: subprocess.Popen, output: Path) -> dict[tuple[str, int], list]:
+    """Each sample's responses by (task, doc id), once the run has ended well."""
+    try:
+        run.wait(timeout=LM_EVAL_TIMEOUT_S)
+    finally:
+        run.kill()
+    assert run.returncode == 0, _log(output).read_text()[-4000:]
     samples = {}
     for path in glob.glob(str(output / "*" / "samples_*.jsonl")):
         task = "choices" if "sglang_lite_choices" in path else "prompts"
@@ -95,19 +109,13 @@ def _lm_eval(args: list[str], tasks: Path, output: Path) -> dict[tuple[str, int]
 
 def test_lm_eval_against_the_server_matches_its_transformers_backend(trained_server, tmp_path):
     tasks = _task_dir(tmp_path)
-    served = _lm_eval(
-        [
-            "--model",
-            "local-completions",
-            "--model_args",
-            f"model=tiny_qwen3_5_moe,base_url={trained_server.url}/v1/completions,num_concurrent=2,"
-            "max_retries=1",
-        ],
-        tasks,
-        tmp_path / "served",
+    served_args = (
+        f"model=tiny_qwen3_5_moe,base_url={trained_server.url}/v1/completions,num_concurrent=2,"
+        "max_retries=1"
     )
-    reference = _lm_eval(
-        [
+    backends = {
+        "served": ["--model", "local-completions", "--model_args", served_args],
+        "hf": [
             "--model",
             "hf",
             "--model_args",
@@ -117,9 +125,15 @@ def test_lm_eval_against_the_server_matches_its_transformers_backend(trained_ser
             "--batch_size",
             "1",
         ],
-        tasks,
-        tmp_path / "hf",
-    )
+    }
+    # both at once (each imports lm_eval, datasets and transformers for seconds)
+    runs = {name: _lm_eval(args, tasks, tmp_path / name) for name, args in backends.items()}
+    try:
+        samples = {name: _samples(run, tmp_path / name) for name, run in runs.items()}
+    finally:  # the other run too, when one failed
+        for run in runs.values():
+            run.kill()
+    served, reference = samples["served"], samples["hf"]
     assert sorted(served) == sorted(reference) and len(served) == len(CHOICES) + len(PROMPTS)
     for key in [k for k in served if k[0] == "choices"]:
         for ours, theirs in zip(served[key], reference[key], strict=True):
