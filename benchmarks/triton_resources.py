@@ -193,11 +193,10 @@ def compile_one(name: str, launch: Launch) -> dict | str:
 _PENDING: dict[str, list[Launch]] = {}
 
 
-def _compile_share(job: tuple[str, int, int]) -> list[tuple[int, dict | str]]:
+def _compile_share(job: tuple[str, int, int]) -> list[dict | str]:
+    """Launches first, first + step, ... of the target's."""
     name, first, step = job
-    return [
-        (i, compile_one(name, _PENDING[name][i])) for i in range(first, len(_PENDING[name]), step)
-    ]
+    return [compile_one(name, launch) for launch in _PENDING[name][first::step]]
 
 
 def compile_targets(per_target: dict[str, list[Launch]], workers: int) -> dict[str, dict]:
@@ -212,10 +211,10 @@ def compile_targets(per_target: dict[str, list[Launch]], workers: int) -> dict[s
             shares = pool.map(_compile_share, jobs, chunksize=1)
     else:
         shares = [_compile_share(job) for job in jobs]
-    out: dict[str, dict] = {name: {} for name in _PENDING}
-    for (name, _, _), share in zip(jobs, shares):
-        out[name].update({_PENDING[name][i]: r for i, r in share})
-    return {name: {la: out[name][la] for la in _PENDING[name]} for name in _PENDING}
+    out: dict[str, list] = {name: [None] * len(launches) for name, launches in _PENDING.items()}
+    for (name, first, step), share in zip(jobs, shares):
+        out[name][first::step] = share
+    return {name: dict(zip(launches, out[name])) for name, launches in _PENDING.items()}
 
 
 def verdict(name: str, r: dict | str) -> str:

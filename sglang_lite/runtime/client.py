@@ -47,6 +47,7 @@ from sglang_lite.runtime.messages import (
 from sglang_lite.runtime.spawn import (
     RankSpec,
     SpawnedRanks,
+    ipc_addresses,
     remove_ipc_files,
     spawn_ranks,
     spawn_scheduler_process,
@@ -83,8 +84,10 @@ class SchedulerClient:
     def __init__(self, args: ServerArgs, spawned: SpawnedRanks | None = None) -> None:
         self.args = args
         self.dp_size = args.dp_size
-        spawned = spawned or spawn_ranks(args)
-        command_addresses, reply_address = spawned.command_addresses, spawned.reply_address
+        if spawned is None:
+            command_addresses, reply_address = ipc_addresses(args.dp_size)
+        else:
+            command_addresses, reply_address = spawned.command_addresses, spawned.reply_address
         self._command_addresses, self._reply_address = command_addresses, reply_address
         self._addresses = [*command_addresses, reply_address]
         self._context = zmq.Context()
@@ -101,7 +104,9 @@ class SchedulerClient:
         self._send_lock = threading.Lock()
         self._query_ids = itertools.count()
         self._closed = False
-        self.worlds = spawned.worlds  # this node's processes
+        # this node's processes, spawned once the sockets exist (unless launch_server spawned them earlier)
+        spawned = spawned or spawn_ranks(args, (command_addresses, reply_address))
+        self.worlds = spawned.worlds
         self.ready: list[Ready] = []
 
     @property

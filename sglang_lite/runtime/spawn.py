@@ -170,9 +170,10 @@ class SpawnedRanks:
         return [process for world in self.worlds for process in world]
 
 
-def spawn_ranks(args: ServerArgs) -> SpawnedRanks:
-    """Starts every world of this node (node 0: the one with the front end) with fresh socket addresses."""
-    command_addresses, reply_address = ipc_addresses(args.dp_size)
+def spawn_ranks(args: ServerArgs, addresses: tuple[list[str], str] | None = None) -> SpawnedRanks:
+    """Starts every world of this node (node 0: the one with the front end) with the given socket addresses
+    (``ipc_addresses``'s pair), else fresh ones."""
+    command_addresses, reply_address = addresses or ipc_addresses(args.dp_size)
     worlds = []
     for world in range(args.num_worlds):
         commands = {dp: command_addresses[dp] for dp in args.world_dp_ranks(world)}
