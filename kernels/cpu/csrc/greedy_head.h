@@ -38,6 +38,8 @@ class GreedyHead {
  public:
   // More candidates than this and the head is read whole (an x that separates no logits).
   static constexpr int64_t kMaxCandidates = 64;
+  // Weight rows decide() asks for ahead of the one it reads.
+  static constexpr int64_t kAheadRows = 8;
   // |p.q| <= 127 * 127 * K stays below 2^31 (P at least 127)
   static constexpr int64_t kMaxK = 131072;
 
@@ -202,8 +204,22 @@ class GreedyHead {
     const int64_t s0 = head_w.stride(0), s1 = head_w.stride(1);
     const uint16_t* w16 = bf16 ? static_cast<const uint16_t*>(head_w.data_ptr()) : nullptr;
     const float* w32 = bf16 ? nullptr : head_w.data_ptr<float>();
+    // a head stored [in, out] has each candidate's weights a whole row apart: a cache line from memory for each
+    // product, each waited for in turn unless asked for ahead. The big shape's 32000 x 1024 bf16 head, MXFP4 decode
+    // on 2 Zen 3 threads (perf, 25 kHz): this loop, on the calling thread with the other idle, held 1.2% of its samples
+    // in stretches of up to a few ms (~40 stretches over 1 ms in 2 s, ~130 steps); asked for 8 rows ahead, 0.5%.
+    const auto address = [&](int64_t c, int64_t k) -> const void* {
+      const int64_t offset = candidates[c] * s0 + k * s1;
+      return bf16 ? static_cast<const void*>(w16 + offset) : static_cast<const void*>(w32 + offset);
+    };
+    for (int64_t k = 0; k < std::min(K, kAheadRows); ++k) {
+      for (int64_t c = 0; c < count; ++c) __builtin_prefetch(address(c, k), 0, 0);
+    }
     for (int64_t k = 0; k < K; ++k) {
       const double xk = x[k], xr = bf16_to_float(float_to_bf16(x[k]));
+      if (k + kAheadRows < K) {
+        for (int64_t c = 0; c < count; ++c) __builtin_prefetch(address(c, k + kAheadRows), 0, 0);
+      }
       for (int64_t c = 0; c < count; ++c) {
         const int64_t offset = candidates[c] * s0 + k * s1;
         const double product = (candidates[c] < dot_columns ? xr : xk) *
