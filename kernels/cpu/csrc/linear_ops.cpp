@@ -63,6 +63,12 @@ constexpr int64_t kSplitKRows = 64;
 
 int64_t split_k_parts(int64_t K) { return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), K / 64)); }
 
+// Weights of fewer elements than this run one row's parts of K on the calling thread, one after another (the same
+// sums): split over two Zen 3 threads, a bf16 256 x 512 weight (a mid shape's out_proj) took 14.9 us against 9.7 on
+// one, and 768 x 256 17.0 against 15.8; 2048 x 256 31.8 against 39.6 (through the op, less its ~6 us dispatch;
+// docs/performance.md).
+constexpr int64_t kSplitKSerialElements = 256 * 1024;
+
 template <class W>
 void one_row_split_k(const float* x, int64_t K, const typename W::T* w, int64_t ldw, int64_t N, float* o) {
   const int64_t parts = split_k_parts(K);
@@ -70,13 +76,14 @@ void one_row_split_k(const float* x, int64_t K, const typename W::T* w, int64_t 
   thread_local std::vector<float> sums;
   sums.assign(parts * n16, 0.0f);
   float* partial = sums.data();
-  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+  const bool serial = N * K < kSplitKSerialElements;
+  at::parallel_for(0, parts, serial ? parts : 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t k0 = K * p / parts, k1 = K * (p + 1) / parts;
       one_row_add_long_run<W>(x + k0, w + k0 * ldw, ldw, k1 - k0, n16, partial + p * n16);
     }
   });
-  at::parallel_for(0, n16 / 16, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n16 / 16, serial ? n16 / 16 : 64, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin * 16; j < end * 16; j += 16) {
       vec16 total = load16(partial + j);
       for (int64_t p = 1; p < parts; ++p) total += load16(partial + p * n16 + j);
