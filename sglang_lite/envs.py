@@ -169,6 +169,14 @@ SGLANG_CPU_GREEDY_HEAD = EnvBool(
     "the maximum: the tokens of the whole head, bitwise, reading about half of a bf16 head (kernels/cpu/csrc/"
     "greedy_head.h). false: every step reads the whole head.",
 )
+SGLANG_CPU_BF16_PLANES = EnvBool(
+    "SGLANG_CPU_BF16_PLANES",
+    True,
+    "The one-call CPU decode keeps a second copy of each bf16 Gated DeltaNet projection in 12 bits a weight, "
+    "without loss (a table of each weight row's high bytes and a 4-bit index a weight; kernels/cpu/csrc/"
+    "bf16_planes.h), and a step at batch 1 reads it instead of the bf16 weight: the same values, ~0.75x the bytes. "
+    "It costs ~0.75x those weights' bytes of memory. false: none.",
+)
 TRITON_INTERPRET = EnvBool(
     "TRITON_INTERPRET",
     False,

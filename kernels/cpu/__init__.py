@@ -343,6 +343,19 @@ def linear(
     return _ops().linear_rows(_last_dim_contiguous(x), weight, scale, block or [], bf16_dot())
 
 
+def bf16_planes_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``linear(x, weight)`` for a bf16 weight stored [in, out], with one row's products reading the weight's 12-bit
+    planes (``csrc/bf16_planes.h``: the same values, bitwise), built for the call; through the weight alone where
+    they cannot be built (``bf16_planes_bytes`` -1). The decode blocks keep them (``DecodeLayers``)."""
+    return _ops().bf16_planes_linear(_last_dim_contiguous(_float(x)), weight, bf16_dot())
+
+
+def bf16_planes_bytes(weight: torch.Tensor) -> int:
+    """The bytes of a bf16 [in, out] weight's 12-bit planes, or -1 where they are not built for it (fewer than 64
+    output columns, not bf16 stored [in, out], or high bytes too varied for the rows' tables)."""
+    return _ops().bf16_planes_bytes(weight)
+
+
 def greedy_head_argmax(
     x: torch.Tensor, weight: torch.Tensor, mode: int | None = None
 ) -> torch.Tensor:

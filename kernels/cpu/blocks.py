@@ -221,6 +221,12 @@ class DecodeLayers:
 
     def __init__(self) -> None:
         self._layers = torch.classes.sglang_lite_cpu.DecodeLayers()
+        self._layers.set_bf16_planes(bool(envs.SGLANG_CPU_BF16_PLANES.get()))
+
+    @property
+    def bf16_planes_bytes(self) -> int:
+        """The bytes of the 12-bit copies kept of the blocks' bf16 projections (``SGLANG_CPU_BF16_PLANES``)."""
+        return self._layers.bf16_planes_bytes()
 
     def __len__(self) -> int:
         return self._layers.size()

@@ -293,3 +293,65 @@ def test_experts_of_one_or_two_rows_read_whole_beside_an_expert_of_more(dtype, m
         alone = fused_moe(x[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1])
         assert torch.equal(got[t : t + 1], alone), f"token {t}"
     assert_rel_close(got, moe_ref.fused_moe(x, w13.float(), w2.float(), weights, ids), F32)
+
+
+def _planes_weight(columns: int, depth: int, seed: int) -> torch.Tensor:
+    """A bf16 [in, out] weight whose rows hold values their tables miss: zeros of both signs, values far below the
+    row's others, an infinity and a NaN (each put back bit for bit)."""
+    w = (_randn(columns, depth, seed=seed) * 0.02).to(BF16)
+    w[: min(columns, 5), 0] = 0.0
+    w[1 % columns, 1 % depth] = -0.0
+    w[3 % columns, 2 % depth] = 1e-30
+    w[(columns - 1), 3 % depth] = -3e-8
+    w[2 % columns, (depth - 1)] = float("inf")
+    w[4 % columns, (depth - 1)] = float("nan")
+    return _input_major(w)
+
+
+@pytest.mark.parametrize(
+    "columns, depth", [(64, 7), (100, 300), (768, 256), (1100, 129), (3088, 300), (6144, 64)]
+)
+def test_one_row_through_bf16_planes_equals_the_bf16_weight(columns, depth, bf16_dot):
+    """A bf16 weight's 12-bit planes (a table of each weight row's high bytes, a 4-bit index a weight, the rest kept
+    apart; csrc/bf16_planes.h) give one row's product bit for bit as the bf16 weight does, the columns past a
+    multiple of 64 read from the bf16 weight, NaN where the weight holds one; a quarter fewer bytes."""
+    w = _planes_weight(columns, depth, seed=7)
+    for seed in (8, 9):
+        x = _randn(1, depth, seed=seed)
+        got, want = cpu.bf16_planes_linear(x, w), linear(x, w)
+        assert torch.equal(got.isnan(), want.isnan())
+        finite = ~want.isnan()
+        assert torch.equal(got[finite], want[finite])
+    kept = cpu.bf16_planes_bytes(w)
+    assert kept > 0
+    if columns * depth >= 16384:  # (a small weight's tables and alignment weigh more)
+        assert kept < 0.8 * 2 * columns * depth
+
+
+def test_bf16_planes_are_not_kept_where_they_would_not_pay():
+    """No planes for a weight narrower than a chunk of 64 columns, one stored [out, in], a float32 one, or one whose
+    high bytes take too many values for the rows' tables (values over 50 binades): its product reads the weight."""
+    narrow = _input_major((_randn(48, 128, seed=1) * 0.02).to(BF16))
+    out_in = (_randn(128, 128, seed=2) * 0.02).to(BF16)
+    binades = torch.randint(-40, 10, (256, 128), generator=torch.Generator().manual_seed(5))
+    noise = _input_major((_randn(256, 128, seed=6) * torch.pow(2.0, binades.float())).to(BF16))
+    for w in (narrow, out_in, _input_major(_randn(128, 128, seed=3)), noise):
+        assert cpu.bf16_planes_bytes(w) == -1
+    x = _randn(1, 128, seed=4)
+    assert torch.equal(cpu.bf16_planes_linear(x, noise), linear(x, noise))
+
+
+@pytest.mark.parametrize("rows", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_a_few_rows_through_a_narrow_large_weight_compute_what_one_row_does(
+    rows, dtype, monkeypatch
+):
+    """A router's weight of few columns but many elements (64 x 1100) is read as whole weight rows over the parts
+    of K, as the wider ones are: a few rows through it equal each row alone, bit for bit, and the float32 product."""
+    monkeypatch.setenv("SGLANG_CPU_BF16_DOT", "auto")
+    x = _bf16_exact(_randn(rows, 1100, seed=5))
+    w = _input_major(_randn(64, 1100, seed=6).to(dtype))
+    got = linear(x, w)
+    for r in range(rows):
+        assert torch.equal(got[r : r + 1], linear(x[r : r + 1], w)), f"row {r}"
+    assert_rel_close(got, F.linear(x, w.float()), F32)

@@ -415,3 +415,47 @@ def test_a_prefills_argmaxes_through_the_head_are_its_logits_argmaxes(
         _model(path, blocks=False, weight_dtype=weight_dtype).extend_greedy(_prefill(model, [7]))
         is None
     )
+
+
+def _one_request_steps(
+    model: torch.nn.Module, planes: bool, monkeypatch
+) -> tuple[list[torch.Tensor], int]:
+    """One request's prefill and STEPS decode steps at batch 1 through the one call, with the bf16 projections'
+    12-bit planes kept or not (``SGLANG_CPU_BF16_PLANES``): every step's logits, and the planes' bytes."""
+    monkeypatch.setenv("SGLANG_CPU_BF16_PLANES", "1" if planes else "0")
+    model.model.reset_decode_layers()
+    config = model.config
+    pools = ModelPools.create(config, 256, 2, 64, model.compute_dtype, "cpu", page_size=16)
+    rows, slots = pools.req_to_token.allocator.alloc(1), pools.states.alloc(1)
+    tokens = [
+        torch.randint(
+            0, config.vocab_size, (9,), generator=torch.Generator().manual_seed(4)
+        ).tolist()
+    ]
+    lens, mode, steps = [0], ForwardMode.EXTEND, []
+    for _ in range(STEPS + 1):
+        counts = [len(t) for t in tokens]
+        batch = build_forward_batch(
+            pools, mode, tokens, lens, rows, slots, "cpu", pools.alloc_kv(rows, lens, counts)
+        )
+        logits = model.forward_batch(batch)
+        steps.append(logits)
+        lens = [n + c for n, c in zip(lens, counts)]
+        tokens, mode = [[int(t)] for t in logits.argmax(-1)], ForwardMode.DECODE
+    return steps, model.model.decode_layers(pools).bf16_planes_bytes
+
+
+def test_bf16_planes_give_the_bf16_weights_logits(tmp_path, monkeypatch):
+    """Decode steps at batch 1 reading the Gated DeltaNet projections' 12-bit planes (csrc/bf16_planes.h) give the
+    logits of the bf16 weights themselves, bit for bit; the planes are kept only where asked for."""
+    monkeypatch.setenv("SGLANG_CPU_BF16_DOT", "widen")
+    hf = make_hf_model(
+        moe=True, seed=12, hidden_size=128, linear_key_head_dim=32, linear_value_head_dim=32
+    )  # projections of 128 columns and more, read split over K
+    path = save_checkpoint(hf, str(tmp_path))
+    model = _model(path, blocks=True, weight_dtype=torch.bfloat16)
+    with_planes, kept = _one_request_steps(model, True, monkeypatch)
+    without, none = _one_request_steps(model, False, monkeypatch)
+    assert kept > 0 and none == 0
+    for step, (a, b) in enumerate(zip(with_planes, without)):
+        assert torch.equal(a, b), f"step {step}"

@@ -340,8 +340,8 @@ class GreedyHead {
 
   // p.q of rows i0 .. i0 + 7 (p zero past K). The sums are exact int32s in any order: every instruction set gives the
   // same. AVX-512 takes 32 of K a step (with VNNI's vpdpwssd, the products and their sum in one instruction): a
-  // 32000 x 256 screen in cache 146 -> 99 us, a 32000 x 1024 one from memory 1.27 -> 1.07 ms (2 Zen 4 threads, a
-  // loop of this function alone; docs/performance.md).
+  // bf16 32000 x 1024 head from memory, through DecodeLayers.head_argmax on 2 Zen 4 threads, 1088 -> 887 us at best
+  // (six processes of each, alternating); a 32000 x 256 one in cache gained nothing (149 against 154 us: the L3).
   void dots8(int64_t i0, const int16_t* p, i32x8& out) const {
 #if defined(__AVX512BW__)
     const int8_t* q = q_.data() + i0 * Kp_;

@@ -8,6 +8,7 @@
 // weight is whatever linear_core takes: float32, bf16, block FP8 with its scales, or MXFP4 with its e8m0 scales;
 // MXFP4 experts go to fused_moe_core the same way. A prefill's layers take the same blocks (gdn_prefill_block,
 // attention_prefill_block, and the MLP blocks over any rows): its mixers then run the prefill kernels.
+#include "bf16_planes.h"
 #include "common.h"
 #include "gemm.h"
 #include "greedy_head.h"
@@ -36,8 +37,8 @@ struct Projections {
   at::IntArrayRef block;
   int64_t bf16_dot;
   void operator()(const float* x, int64_t lda, int64_t rows, int64_t K, const at::Tensor& weight,
-                  const OptTensor& scale, float* out) const {
-    linear_core(x, lda, rows, K, weight, scale, block, bf16_dot, out);
+                  const OptTensor& scale, float* out, const Bf16Planes* planes = nullptr) const {
+    linear_core(x, lda, rows, K, weight, scale, block, bf16_dot, out, planes);
   }
 };
 
@@ -244,7 +245,8 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
     double gated_norm_eps, const at::Tensor& out_w, const OptTensor& out_s, const at::Tensor& conv_states,
     const at::Tensor& ssm_states, const at::Tensor& state_slots, int64_t key_heads, int64_t value_heads,
     int64_t key_dim, int64_t value_dim, at::IntArrayRef block, int64_t bf16_dot, const Verify* verify,
-    const at::Tensor* cu_seqlens = nullptr) {
+    const at::Tensor* cu_seqlens = nullptr, const Bf16Planes* qkvz_planes = nullptr,
+    const Bf16Planes* out_planes = nullptr) {
   const Projections project{block, bf16_dot};
   const int64_t batch = hidden.size(0), width = hidden.size(1);
   const int64_t keys = key_heads * key_dim, values = value_heads * value_dim, conv_dim = 2 * keys + values;
@@ -268,7 +270,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
   float* o = gates + batch * 2 * value_heads;
   float* o_normed = o + batch * values;
   at::Tensor res = pre_norm(hidden, residual, norm_weight, eps, normed);
-  project(normed, width, batch, width, qkvz_w, qkvz_s, qkvz);
+  project(normed, width, batch, width, qkvz_w, qkvz_s, qkvz, qkvz_planes);
   project(normed, width, batch, width, ba_w, ba_s, ba);
   const int64_t requests = cu_seqlens != nullptr ? state_slots.numel() : batch;  // a prefill's: one slot each
   const std::vector<int64_t> bounds =
@@ -358,7 +360,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_block(
                   batch * value_heads, value_dim, gated_norm_w.data_ptr<float>(), static_cast<float>(gated_norm_eps),
                   o_normed);
   at::Tensor out = at::empty({batch, width}, hidden.options());
-  project(o_normed, values, batch, values, out_w, out_s, out.data_ptr<float>());
+  project(o_normed, values, batch, values, out_w, out_s, out.data_ptr<float>(), out_planes);
   return {out, res};
 }
 
@@ -671,6 +673,7 @@ class DecodeLayers : public torch::CustomClassHolder {
                double gated_norm_eps, at::Tensor out_w, OptTensor out_s, at::Tensor conv_states,
                at::Tensor ssm_states, int64_t key_heads, int64_t value_heads, int64_t key_dim, int64_t value_dim,
                std::vector<int64_t> block, int64_t state_layer) {
+    const std::shared_ptr<const Bf16Planes> qkvz_planes = planes_of(qkvz_w), out_planes = planes_of(out_w);
     blocks_.push_back([=](const at::Tensor& hidden, const OptTensor& residual, const Step& step) {
       Verify verify;
       if (step.verify != nullptr) {  // this layer's place in the verify buffers
@@ -680,7 +683,7 @@ class DecodeLayers : public torch::CustomClassHolder {
       return gdn_block(hidden, residual, norm_weight, eps, qkvz_w, qkvz_s, ba_w, ba_s, conv_weight, A_log, dt_bias,
                        gated_norm_w, gated_norm_eps, out_w, out_s, conv_states, ssm_states, step.state_slots,
                        key_heads, value_heads, key_dim, value_dim, block, step.bf16_dot,
-                       step.verify != nullptr ? &verify : nullptr);
+                       step.verify != nullptr ? &verify : nullptr, nullptr, qkvz_planes.get(), out_planes.get());
     });
   }
 
@@ -820,7 +823,22 @@ class DecodeLayers : public torch::CustomClassHolder {
 
   int64_t size() const { return static_cast<int64_t>(blocks_.size()); }
 
+  // Whether blocks added from now on keep 12-bit planes of their bf16 projections (bf16_planes.h) for one-row
+  // products: ~0.75x the bytes a decode step at batch 1 reads of them, the same values, kept beside the bf16 weights
+  // (which every other row count reads). Off: none.
+  void set_bf16_planes(bool on) { bf16_planes_ = on; }
+
+  // The bytes the blocks' planes keep.
+  int64_t bf16_planes_bytes() const { return planes_bytes_; }
+
  private:
+  std::shared_ptr<const Bf16Planes> planes_of(const at::Tensor& weight) {
+    if (!bf16_planes_) return nullptr;
+    std::shared_ptr<const Bf16Planes> planes = Bf16Planes::of_weight(weight);
+    if (planes != nullptr) planes_bytes_ += planes->bytes();
+    return planes;
+  }
+
   // A decode step's rows after the final norm [B, H]: run_logits without the LM head.
   at::Tensor run_normed(const at::Tensor& input_ids, const at::Tensor& state_slots, const at::Tensor& req_pool_indices,
                         const at::Tensor& seq_lens, const at::Tensor& positions, const at::Tensor& out_cache_loc,
@@ -916,6 +934,8 @@ class DecodeLayers : public torch::CustomClassHolder {
   };
 
   std::vector<Block> blocks_;
+  bool bf16_planes_ = false;
+  int64_t planes_bytes_ = 0;
   c10::optional<Ends> ends_;
   std::unique_ptr<GreedyHead> greedy_head_;
   bool greedy_head_tried_ = false;
@@ -949,6 +969,8 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
   m.class_<sgl_cpu::DecodeLayers>("DecodeLayers")
       .def(torch::init<>())
       .def("add_gdn", &sgl_cpu::DecodeLayers::add_gdn)
+      .def("set_bf16_planes", &sgl_cpu::DecodeLayers::set_bf16_planes)
+      .def("bf16_planes_bytes", &sgl_cpu::DecodeLayers::bf16_planes_bytes)
       .def("add_attention", &sgl_cpu::DecodeLayers::add_attention)
       .def("add_moe", &sgl_cpu::DecodeLayers::add_moe)
       .def("add_mlp", &sgl_cpu::DecodeLayers::add_mlp)

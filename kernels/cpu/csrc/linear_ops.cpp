@@ -1,5 +1,6 @@
 // Linear layers of float32 rows on the CPU, with float32, bf16 or block-FP8 weights (gemm.h widens each in
 // registers): every projection and the LM head of a decode step, and a prefill's when its weights are 16- or 8-bit.
+#include "bf16_planes.h"
 #include "common.h"
 #include "gemm.h"
 #include "mxfp4.h"
@@ -60,6 +61,10 @@ void one_row_bf16_dp(const float*, int64_t, const uint16_t*, int64_t, int64_t, f
 constexpr int64_t kSplitKColumns = 128;
 constexpr int64_t kWideSplitKColumns = 3072;
 constexpr int64_t kSplitKRows = 64;
+// A narrower weight (a router's: 16 to 127 columns) of this many elements or more takes the same path (at the big
+// bench shape's float32 64 x 1024 router, from memory, through the op on 2 Zen 4 threads: 27-35 -> 16-18 us, its
+// weight rows read whole; a 64 x 512 one read in cache, below this, took 4.0-4.3 us as column blocks and 5.1-7.5 so).
+constexpr int64_t kNarrowSplitKElements = 64 * 1024;
 
 int64_t split_k_parts(int64_t K) { return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), K / 64)); }
 
@@ -69,8 +74,11 @@ int64_t split_k_parts(int64_t K) { return std::max<int64_t>(1, std::min<int64_t>
 // docs/performance.md).
 constexpr int64_t kSplitKSerialElements = 256 * 1024;
 
+// `planes`: the weight's 12-bit copy (bf16_planes.h; bf16 weights only), read for the columns it holds in place of the
+// bf16 weight: the same sums.
 template <class W>
-void one_row_split_k(const float* x, int64_t K, const typename W::T* w, int64_t ldw, int64_t N, float* o) {
+void one_row_split_k(const float* x, int64_t K, const typename W::T* w, int64_t ldw, int64_t N, float* o,
+                     const Bf16Planes* planes = nullptr) {
   const int64_t parts = split_k_parts(K);
   const int64_t n16 = N - N % 16;
   thread_local std::vector<float> sums;
@@ -80,7 +88,11 @@ void one_row_split_k(const float* x, int64_t K, const typename W::T* w, int64_t 
   at::parallel_for(0, parts, serial ? parts : 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t k0 = K * p / parts, k1 = K * (p + 1) / parts;
-      one_row_add_long_run<W>(x + k0, w + k0 * ldw, ldw, k1 - k0, n16, partial + p * n16);
+      const int64_t packed = planes != nullptr ? planes->columns() : 0;  // at most n16
+      if (packed > 0) planes->add_rows(x + k0, k0, k1, partial + p * n16);
+      if (packed < n16) {
+        one_row_add_long_run<W>(x + k0, w + k0 * ldw + packed, ldw, k1 - k0, n16 - packed, partial + p * n16 + packed);
+      }
     }
   });
   at::parallel_for(0, n16 / 16, serial ? n16 / 16 : 64, [&](int64_t begin, int64_t end) {
@@ -206,7 +218,7 @@ void few_rows_split_k(const float* xs, int64_t lda, int64_t M, int64_t K, const 
 // y = x W^T for W [N, K] stored [in, out] (row k of W^T contiguous, ldw apart).
 template <class W>
 void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typename W::T* w, int64_t ldw, int64_t N,
-                   const WeightScales& sc, int64_t bf16_dot, float* o) {
+                   const WeightScales& sc, int64_t bf16_dot, float* o, const Bf16Planes* planes = nullptr) {
   int64_t n = 0;
   // One row of a narrower or scaled weight (or batch invariant) reads each weight once, from memory: blocks of 512
   // columns (128 where that leaves too few blocks for the threads, or the weight has 128-column scale blocks) stream
@@ -214,9 +226,10 @@ void linear_in_out(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
   // (docs/performance.md).
   const bool dot = std::is_same_v<W, Bf16Weight> && bf16_dot_for(bf16_dot, M);
   if constexpr (!W::kScaled) {
-    if ((N >= kWideSplitKColumns || (N >= kSplitKColumns && M <= kSplitKRows)) && K >= 128 && !dot &&
+    if ((N >= kWideSplitKColumns || (N >= kSplitKColumns && M <= kSplitKRows) ||
+         (N >= 16 && N * K >= kNarrowSplitKElements && M <= kSplitKRows)) && K >= 128 && !dot &&
         !batch_invariant()) {
-      if (M == 1) return one_row_split_k<W>(xs, K, w, ldw, N, o);
+      if (M == 1) return one_row_split_k<W>(xs, K, w, ldw, N, o, planes);
       if (N > kRowRunColumns ? M <= kFewRows : M == 2) return few_rows_split_k<W>(xs, lda, M, K, w, ldw, N, o);
       return rows_split_k<W>(xs, lda, M, K, w, ldw, N, o);
     }
@@ -301,7 +314,8 @@ void linear_out_in(const float* xs, int64_t lda, int64_t M, int64_t K, const typ
 
 // y = x W^T into out [M, N] (contiguous) for x's rows (lda apart) and W as linear_rows takes it.
 void linear_core(const float* xs, int64_t lda, int64_t M, int64_t K, const at::Tensor& weight,
-                 const c10::optional<at::Tensor>& scale, at::IntArrayRef block, int64_t bf16_dot, float* o) {
+                 const c10::optional<at::Tensor>& scale, at::IntArrayRef block, int64_t bf16_dot, float* o,
+                 const Bf16Planes* planes) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "weight must be a CPU matrix, got ", weight.sizes());
   const int64_t N = weight.size(0);
   if (weight.scalar_type() == at::kByte) {  // MXFP4 [N, K / 2], its scale the e8m0 scales
@@ -323,7 +337,10 @@ void linear_core(const float* xs, int64_t lda, int64_t M, int64_t K, const at::T
       }
       return;
     }
-    linear_in_out<W>(xs, lda, M, K, weight_data<W>(weight), weight.stride(1), N, scales, bf16_dot, o);
+    const bool planes_fit = std::is_same_v<W, Bf16Weight> && planes != nullptr && planes->rows() == K &&
+                            planes->columns() <= N / 16 * 16;
+    linear_in_out<W>(xs, lda, M, K, weight_data<W>(weight), weight.stride(1), N, scales, bf16_dot, o,
+                     planes_fit ? planes : nullptr);
   });
 }
 
@@ -341,10 +358,29 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
   return out;
 }
 
+// linear_rows of a bf16 weight stored [in, out] through its 12-bit planes (bf16_planes.h), built for the call: the
+// same values, bitwise (where they cannot be built, through the weight alone).
+at::Tensor bf16_planes_linear(const at::Tensor& x, const at::Tensor& weight, int64_t bf16_dot) {
+  check_float(x, "x", 2);
+  const std::shared_ptr<const Bf16Planes> planes = Bf16Planes::of_weight(weight);
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  linear_core(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), weight, c10::nullopt, {}, bf16_dot,
+              out.data_ptr<float>(), planes.get());
+  return out;
+}
+
+// The bytes a weight's planes keep, or -1 where they are not built for it.
+int64_t bf16_planes_bytes(const at::Tensor& weight) {
+  const std::shared_ptr<const Bf16Planes> planes = Bf16Planes::of_weight(weight);
+  return planes != nullptr ? planes->bytes() : -1;
+}
+
 }  // namespace sgl_cpu
 
 TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? scale, int[] block, int bf16_dot) -> Tensor");
+  m.def("bf16_planes_linear(Tensor x, Tensor weight, int bf16_dot) -> Tensor", &sgl_cpu::bf16_planes_linear);
+  m.def("bf16_planes_bytes(Tensor weight) -> int", &sgl_cpu::bf16_planes_bytes);
   m.def("has_dpbf16() -> bool", []() { return sgl_cpu::kHaveDpbf16; });
   m.def("isa() -> str", []() { return std::string(sgl_cpu::kIsa); });
   m.def("bf16_dot_speed() -> float", []() { return sgl_cpu::bf16_dot_speed(); });

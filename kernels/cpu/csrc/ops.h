@@ -12,6 +12,7 @@ namespace sgl_cpu {
 struct Rows;
 class Index;
 struct GdnShapes;
+class Bf16Planes;
 void conv_update_core(const float* xs, int64_t x_row, int64_t batch, int64_t dim, const float* w, int64_t taps,
                       float* states, const Index& slots, int64_t s_slot, int64_t s_chan, bool silu, float* o);
 void check_conv_update(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& conv_states,
@@ -52,7 +53,8 @@ void decode_attention_core(const Rows& qs, int64_t batch, int64_t heads, int64_t
 void moe_route_core(const float* logits, int64_t row, int64_t tokens, int64_t experts, const float* shared_p,
                     int64_t shared_row, int64_t top_k, bool renormalize, int64_t shared_id, float* wp, int32_t* ip);
 void linear_core(const float* xs, int64_t lda, int64_t M, int64_t K, const at::Tensor& weight,
-                 const c10::optional<at::Tensor>& scale, at::IntArrayRef block, int64_t bf16_dot, float* o);
+                 const c10::optional<at::Tensor>& scale, at::IntArrayRef block, int64_t bf16_dot, float* o,
+                 const Bf16Planes* planes = nullptr);
 void check_experts(const at::Tensor& w13, const at::Tensor& w2, int64_t hidden);
 void fused_moe_core(const float* x, int64_t x_row, int64_t tokens, int64_t hidden, const at::Tensor& w13,
                     const at::Tensor& w2, const c10::optional<at::Tensor>& w13_scale,
