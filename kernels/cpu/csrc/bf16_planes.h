@@ -28,9 +28,11 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -189,38 +191,57 @@ class Bf16Planes {
     data_ = buffer_.data() + (64 - at % 64) % 64;  // chunks from a cache line's start
   }
 
+  // Each row's table, indices and low bytes (rows in parallel, each its own exceptions, joined in row order after);
+  // false where the exceptions are too many.
   bool fill(const uint16_t* w, int64_t ldw) {
     const int64_t most = static_cast<int64_t>(kMostExceptions * static_cast<double>(K_ * n_));
-    for (int64_t k = 0; k < K_; ++k) {
-      const uint16_t* row = w + k * ldw;
-      std::array<int64_t, 256> count{};
-      for (int64_t j = 0; j < n_; ++j) ++count[row[j] >> 8];
-      std::array<int, 256> order;
-      for (int i = 0; i < 256; ++i) order[i] = i;
-      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return count[a] > count[b]; });
-      std::array<int, 256> slot;
-      slot.fill(-1);
-      uint8_t* table = table_.data() + k * 16;
-      for (int i = 0; i < 16 && count[order[i]] > 0; ++i) {
-        table[i] = static_cast<uint8_t>(order[i]);
-        slot[order[i]] = i;
+    std::vector<std::vector<std::pair<int32_t, float>>> apart(K_);
+    std::atomic<int64_t> total{0};
+    at::parallel_for(0, K_, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t k = begin; k < end && total.load(std::memory_order_relaxed) <= most; ++k) {
+        fill_row(w + k * ldw, k, apart[k]);
+        total += static_cast<int64_t>(apart[k].size());
       }
-      const int64_t g = k / kGroupRows, r = k % kGroupRows;
-      for (int64_t j = 0; j < n_; ++j) {  // in column order: the exceptions come out sorted
-        const int64_t c = j / kChunk * kChunk, p = position_of(j % kChunk);
-        chunk_low(g, r, c)[p] = static_cast<uint8_t>(row[j] & 0xff);
-        int i = slot[row[j] >> 8];
-        if (i < 0) {
-          exception_column_.push_back(static_cast<int32_t>(j));
-          exception_value_.push_back(bf16_to_float(row[j]));
-          if (static_cast<int64_t>(exception_column_.size()) > most) return false;
-          i = 0;
-        }
-        chunk_index(g, r, c)[p / 2] |= static_cast<uint8_t>(i << (4 * (p % 2)));
+    });
+    if (total.load() > most) return false;
+    exception_column_.reserve(total.load());
+    exception_value_.reserve(total.load());
+    for (int64_t k = 0; k < K_; ++k) {
+      for (const auto& [column, value] : apart[k]) {
+        exception_column_.push_back(column);
+        exception_value_.push_back(value);
       }
       row_start_[k + 1] = static_cast<int64_t>(exception_column_.size());
     }
     return true;
+  }
+
+  // Row k from its bf16 values: its table (the 16 commonest high bytes), each weight's index and low byte, and the
+  // weights whose high byte the table lacks, in column order.
+  void fill_row(const uint16_t* row, int64_t k, std::vector<std::pair<int32_t, float>>& apart) {
+    std::array<int64_t, 256> count{};
+    for (int64_t j = 0; j < n_; ++j) ++count[row[j] >> 8];
+    std::array<int, 256> order;
+    for (int i = 0; i < 256; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return count[a] > count[b]; });
+    std::array<int, 256> slot;
+    slot.fill(-1);
+    uint8_t* table = table_.data() + k * 16;
+    for (int i = 0; i < 16 && count[order[i]] > 0; ++i) {
+      table[i] = static_cast<uint8_t>(order[i]);
+      slot[order[i]] = i;
+    }
+    const int64_t g = k / kGroupRows, r = k % kGroupRows;
+    for (int64_t j = 0; j < n_; ++j) {
+      const int64_t c = j / kChunk * kChunk, p = position_of(j % kChunk);
+      chunk_low(g, r, c)[p] = static_cast<uint8_t>(row[j] & 0xff);
+      int i = slot[row[j] >> 8];
+      if (i < 0) {
+        apart.emplace_back(static_cast<int32_t>(j), bf16_to_float(row[j]));
+        i = 0;
+      }
+      chunk_index(g, r, c)[p / 2] |= static_cast<uint8_t>(i << (4 * (p % 2)));
+    }
   }
 
   // The chunk's exceptions from e on put in place in its 64 values (in column order); the next one's index.

@@ -82,12 +82,13 @@ void one_row_split_k(const float* x, int64_t K, const typename W::T* w, int64_t 
   const int64_t parts = split_k_parts(K);
   const int64_t n16 = N - N % 16;
   thread_local std::vector<float> sums;
-  sums.assign(parts * n16, 0.0f);
+  if (static_cast<int64_t>(sums.size()) < parts * n16) sums.resize(parts * n16);
   float* partial = sums.data();
   const bool serial = N * K < kSplitKSerialElements;
   at::parallel_for(0, parts, serial ? parts : 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t k0 = K * p / parts, k1 = K * (p + 1) / parts;
+      std::fill_n(partial + p * n16, n16, 0.0f);  // by the thread that sums into them
       const int64_t packed = planes != nullptr ? planes->columns() : 0;  // at most n16
       if (packed > 0) planes->add_rows(x + k0, k0, k1, partial + p * n16);
       if (packed < n16) {
