@@ -51,16 +51,20 @@ def _model(path: str, blocks: bool, **load) -> torch.nn.Module:
     return model
 
 
-def _run(model: torch.nn.Module, page_size: int) -> tuple[list[torch.Tensor], ModelPools]:
-    """Prefill of three prompts, then STEPS decode steps of the three (greedy); every step's logits."""
+def _run(
+    model: torch.nn.Module, page_size: int, prompt_lens: list[int] = PROMPT_LENS
+) -> tuple[list[torch.Tensor], ModelPools]:
+    """Prefill of three prompts (or of ``prompt_lens``), then STEPS decode steps of them (greedy); every step's
+    logits."""
     config = model.config
+    requests = len(prompt_lens)
     pools = ModelPools.create(config, 256, 4, 64, model.compute_dtype, "cpu", page_size=page_size)
-    rows, slots = pools.req_to_token.allocator.alloc(3), pools.states.alloc(3)
+    rows, slots = pools.req_to_token.allocator.alloc(requests), pools.states.alloc(requests)
     gen = torch.Generator().manual_seed(0)
     tokens = [
-        torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS
+        torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in prompt_lens
     ]
-    lens, mode = [0, 0, 0], ForwardMode.EXTEND
+    lens, mode = [0] * requests, ForwardMode.EXTEND
     steps = []
     for _ in range(STEPS + 1):
         counts = [len(t) for t in tokens]
@@ -424,24 +428,7 @@ def _one_request_steps(
     12-bit planes kept or not (``SGLANG_CPU_BF16_PLANES``): every step's logits, and the planes' bytes."""
     monkeypatch.setenv("SGLANG_CPU_BF16_PLANES", "1" if planes else "0")
     model.model.reset_decode_layers()
-    config = model.config
-    pools = ModelPools.create(config, 256, 2, 64, model.compute_dtype, "cpu", page_size=16)
-    rows, slots = pools.req_to_token.allocator.alloc(1), pools.states.alloc(1)
-    tokens = [
-        torch.randint(
-            0, config.vocab_size, (9,), generator=torch.Generator().manual_seed(4)
-        ).tolist()
-    ]
-    lens, mode, steps = [0], ForwardMode.EXTEND, []
-    for _ in range(STEPS + 1):
-        counts = [len(t) for t in tokens]
-        batch = build_forward_batch(
-            pools, mode, tokens, lens, rows, slots, "cpu", pools.alloc_kv(rows, lens, counts)
-        )
-        logits = model.forward_batch(batch)
-        steps.append(logits)
-        lens = [n + c for n, c in zip(lens, counts)]
-        tokens, mode = [[int(t)] for t in logits.argmax(-1)], ForwardMode.DECODE
+    steps, pools = _run(model, 16, prompt_lens=[9])
     return steps, model.model.decode_layers(pools).bf16_planes_bytes
 
 
