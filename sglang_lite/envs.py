@@ -171,11 +171,12 @@ SGLANG_CPU_GREEDY_HEAD = EnvBool(
 )
 SGLANG_CPU_BF16_PLANES = EnvBool(
     "SGLANG_CPU_BF16_PLANES",
-    True,
+    None,
     "The one-call CPU decode keeps a second copy of each bf16 Gated DeltaNet projection in 12 bits a weight, "
     "without loss (a table of each weight row's high bytes and a 4-bit index a weight; kernels/cpu/csrc/"
     "bf16_planes.h), and a step at batch 1 reads it instead of the bf16 weight: the same values, ~0.75x the bytes. "
-    "It costs ~0.75x those weights' bytes of memory. false: none.",
+    "It costs ~0.75x those weights' bytes of memory. Unset: where the kernels' build decodes them faster than it "
+    "reads bf16 (AVX-512); true: on every CPU; false: none.",
 )
 TRITON_INTERPRET = EnvBool(
     "TRITON_INTERPRET",

@@ -221,7 +221,8 @@ class DecodeLayers:
 
     def __init__(self) -> None:
         self._layers = torch.classes.sglang_lite_cpu.DecodeLayers()
-        self._layers.set_bf16_planes(bool(envs.SGLANG_CPU_BF16_PLANES.get()))
+        planes = envs.SGLANG_CPU_BF16_PLANES.get()
+        self._layers.set_bf16_planes(_ops().bf16_planes_pay() if planes is None else planes)
 
     @property
     def bf16_planes_bytes(self) -> int:

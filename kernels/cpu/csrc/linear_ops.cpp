@@ -382,6 +382,7 @@ TORCH_LIBRARY_FRAGMENT(sglang_lite_cpu, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? scale, int[] block, int bf16_dot) -> Tensor");
   m.def("bf16_planes_linear(Tensor x, Tensor weight, int bf16_dot) -> Tensor", &sgl_cpu::bf16_planes_linear);
   m.def("bf16_planes_bytes(Tensor weight) -> int", &sgl_cpu::bf16_planes_bytes);
+  m.def("bf16_planes_pay() -> bool", []() { return sgl_cpu::Bf16Planes::kPays; });
   m.def("has_dpbf16() -> bool", []() { return sgl_cpu::kHaveDpbf16; });
   m.def("isa() -> str", []() { return std::string(sgl_cpu::kIsa); });
   m.def("bf16_dot_speed() -> float", []() { return sgl_cpu::bf16_dot_speed(); });
