@@ -15,9 +15,10 @@
 // a product through the planes is bitwise the product through the bf16 weight.
 //
 // Layout: columns in chunks of 64 (the last N % 64 columns are left to the bf16 weight). Within a chunk, the byte at
-// position p holds column column_at(p): the order in which the x86 unpacks below put 16 columns into each of 4
-// vectors (AVX-512: one register each; AVX2: two halves of 8) in natural order. A chunk's 64 indices take 32 bytes
-// (position p's in the low nibble of byte p for p < 32, else in the high nibble of byte p - 32), its low bytes 64.
+// position p holds column column_at(p): the order in which the x86 decode below (byte unpacks, then a shift for the
+// even words and a mask for the odd ones) puts 16 columns into each of 4 vectors (AVX-512: one register each; AVX2:
+// two halves of 8) in natural order. A chunk's 64 indices take 32 bytes (position p's in byte p / 2, the low nibble
+// for even p), its low bytes 64.
 // Rows go in groups of kGroupRows (the rows a pass adds to the sums together), and a group's bytes chunk by chunk:
 // chunk c of every row of the group (all indices, then all low bytes), then chunk c + 1, so that a pass reads one
 // stream in address order. Each row's table [16] apart.
