@@ -350,12 +350,6 @@ def bf16_planes_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _ops().bf16_planes_linear(_last_dim_contiguous(_float(x)), weight, bf16_dot())
 
 
-def bf16_planes_pay() -> bool:
-    """Whether this build of the kernels decodes 12-bit planes faster than it reads bf16 weights (the AVX-512 one;
-    ``SGLANG_CPU_BF16_PLANES`` unset keeps them there only)."""
-    return _ops().bf16_planes_pay()
-
-
 def bf16_planes_bytes(weight: torch.Tensor) -> int:
     """The bytes of a bf16 [in, out] weight's 12-bit planes, or -1 where they are not built for it (fewer than 64
     output columns, not bf16 stored [in, out], or high bytes too varied for the rows' tables)."""

@@ -221,6 +221,7 @@ class DecodeLayers:
 
     def __init__(self) -> None:
         self._layers = torch.classes.sglang_lite_cpu.DecodeLayers()
+        # SGLANG_CPU_BF16_PLANES unset: where this build's decode of the planes pays (AVX-512)
         planes = envs.SGLANG_CPU_BF16_PLANES.get()
         self._layers.set_bf16_planes(_ops().bf16_planes_pay() if planes is None else planes)
 
