@@ -238,13 +238,14 @@ void experts_input_major(const float* xs, int64_t x_row, const Experts<W>& w13, 
                          const Routing& routing, int64_t hidden, int64_t inter, int64_t bf16_dot, float* rows) {
   const int64_t pairs = static_cast<int64_t>(routing.order.size());
   const int64_t experts = static_cast<int64_t>(routing.starts.size()) - 1;
-  const auto buffer = [](int64_t floats) { return std::unique_ptr<float[]>(new float[floats]); };  // not zeroed
-  const auto gathered = buffer(pairs * hidden), gate_up = buffer(pairs * 2 * inter);
-  const auto expert_out = buffer(pairs * hidden);
+  thread_local std::vector<float> gathered_buffer, gate_up_buffer, out_buffer;  // the calling thread's, reused
+  float* gathered = mxfp4::aligned(gathered_buffer, pairs * hidden);
+  float* gate_up = mxfp4::aligned(gate_up_buffer, pairs * 2 * inter);
+  float* expert_out = mxfp4::aligned(out_buffer, pairs * hidden);
   at::parallel_for(0, pairs, grain(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* src = xs + (routing.order[i] / routing.top_k) * x_row;
-      std::copy(src, src + hidden, gathered.get() + i * hidden);
+      std::copy(src, src + hidden, gathered + i * hidden);
     }
   });
   std::vector<int64_t> hit, big;
@@ -261,24 +262,24 @@ void experts_input_major(const float* xs, int64_t x_row, const Experts<W>& w13, 
   if constexpr (std::is_same_v<W, Bf16Weight>) {
     for (int64_t e : hit) dp = dp || bf16_dot_for(bf16_dot, routing.rows(e));
   }
-  if (dp) to_bf16_pairs(gathered.get(), hidden, pairs, hidden, in_pairs);
+  if (dp) to_bf16_pairs(gathered, hidden, pairs, hidden, in_pairs);
   if constexpr (std::is_same_v<W, F32Weight>) {
-    experts_through_mkl(big, routing, gathered.get(), hidden, hidden, w13, 2 * inter, gate_up.get());
+    experts_through_mkl(big, routing, gathered, hidden, hidden, w13, 2 * inter, gate_up);
   }
-  project_experts<W>(hit, routing, gathered.get(), hidden, hidden, w13, 2 * inter, gate_up.get(),
+  project_experts<W>(hit, routing, gathered, hidden, hidden, w13, 2 * inter, gate_up,
                      dp ? &in_pairs : nullptr, bf16_dot);
   at::parallel_for(0, pairs, grain(inter), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) silu_and_mul(gate_up.get() + i * 2 * inter, inter);
+    for (int64_t i = begin; i < end; ++i) silu_and_mul(gate_up + i * 2 * inter, inter);
   });
-  if (dp) to_bf16_pairs(gate_up.get(), 2 * inter, pairs, inter, mid_pairs);
+  if (dp) to_bf16_pairs(gate_up, 2 * inter, pairs, inter, mid_pairs);
   if constexpr (std::is_same_v<W, F32Weight>) {  // the gate half
-    experts_through_mkl(big, routing, gate_up.get(), 2 * inter, inter, w2, hidden, expert_out.get());
+    experts_through_mkl(big, routing, gate_up, 2 * inter, inter, w2, hidden, expert_out);
   }
-  project_experts<W>(hit, routing, gate_up.get(), 2 * inter, inter, w2, hidden, expert_out.get(),
+  project_experts<W>(hit, routing, gate_up, 2 * inter, inter, w2, hidden, expert_out,
                      dp ? &mid_pairs : nullptr, bf16_dot);
   at::parallel_for(0, pairs, grain(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      std::copy(expert_out.get() + i * hidden, expert_out.get() + (i + 1) * hidden,
+      std::copy(expert_out + i * hidden, expert_out + (i + 1) * hidden,
                 rows + routing.order[i] * hidden);
     }
   });
@@ -317,9 +318,11 @@ void experts_mxfp4(const float* xs, int64_t x_row, const at::Tensor& w13, const 
   const int64_t experts = static_cast<int64_t>(routing.starts.size()) - 1;
   const int64_t h_pad = (hidden + mxfp4::kGroup - 1) / mxfp4::kGroup * mxfp4::kGroup;
   const int64_t i_pad = (inter + mxfp4::kGroup - 1) / mxfp4::kGroup * mxfp4::kGroup;
-  const auto buffer = [](int64_t floats) { return std::unique_ptr<float[]>(new float[floats]); };  // not zeroed
-  const auto gate_up = buffer(pairs * 2 * inter), expert_out = buffer(pairs * hidden);
-  std::vector<float> gathered_buffer, mid_buffer;  // rearranged rows, from cache line boundaries
+  // the calling thread's scratch, reused from call to call (allocated afresh, with their page faults, the four took
+  // 2-7 us of a ~330 us big-shape decode layer)
+  thread_local std::vector<float> gate_up_buffer, out_buffer, gathered_buffer, mid_buffer;
+  float* gate_up = mxfp4::aligned(gate_up_buffer, pairs * 2 * inter);
+  float* expert_out = mxfp4::aligned(out_buffer, pairs * hidden);
   float* gathered = mxfp4::aligned(gathered_buffer, pairs * h_pad);
   float* mid = mxfp4::aligned(mid_buffer, pairs * i_pad);
   at::parallel_for(0, pairs, grain(hidden), [&](int64_t begin, int64_t end) {
@@ -332,17 +335,17 @@ void experts_mxfp4(const float* xs, int64_t x_row, const at::Tensor& w13, const 
   for (int64_t e = 0; e < experts; ++e) {
     if (routing.rows(e) > 0) hit.push_back(e);
   }
-  project_mxfp4_experts(hit, routing, gathered, h_pad, w13, w13_s, 2 * inter, gate_up.get());
+  project_mxfp4_experts(hit, routing, gathered, h_pad, w13, w13_s, 2 * inter, gate_up);
   at::parallel_for(0, pairs, grain(inter), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      silu_and_mul(gate_up.get() + i * 2 * inter, inter);
-      mxfp4::rearrange_row(gate_up.get() + i * 2 * inter, inter, mid + i * i_pad);
+      silu_and_mul(gate_up + i * 2 * inter, inter);
+      mxfp4::rearrange_row(gate_up + i * 2 * inter, inter, mid + i * i_pad);
     }
   });
-  project_mxfp4_experts(hit, routing, mid, i_pad, w2, w2_s, hidden, expert_out.get());
+  project_mxfp4_experts(hit, routing, mid, i_pad, w2, w2_s, hidden, expert_out);
   at::parallel_for(0, pairs, grain(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      std::copy(expert_out.get() + i * hidden, expert_out.get() + (i + 1) * hidden,
+      std::copy(expert_out + i * hidden, expert_out + (i + 1) * hidden,
                 rows + routing.order[i] * hidden);
     }
   });
@@ -402,26 +405,28 @@ void fused_moe_core(const float* x, int64_t x_row, int64_t tokens, int64_t hidde
   const int64_t experts = w13.size(0), inter = w13.size(1) / 2;
   const Routing routing = group_by_expert(ids, tokens * top_k, top_k, experts);
   // each pair's expert output, at token * top_k + slot (every row written before it is read: not zeroed)
-  const std::unique_ptr<float[]> pair_rows(new float[tokens * top_k * hidden]);
+  thread_local std::vector<float> pair_buffer;  // the calling thread's, reused
+  if (static_cast<int64_t>(pair_buffer.size()) < tokens * top_k * hidden) pair_buffer.resize(tokens * top_k * hidden);
+  float* const pair_rows = pair_buffer.data();
   if (w13.scalar_type() == at::kByte) {
     mxfp4::check_pair(w13, w13_scale, "w13");
     mxfp4::check_pair(w2, w2_scale, "w2");
-    experts_mxfp4(x, x_row, w13, *w13_scale, w2, *w2_scale, routing, hidden, inter, pair_rows.get());
-    return weighted_sum(pair_rows.get(), tokens, weights, w_row, w_col, top_k, hidden, out);
+    experts_mxfp4(x, x_row, w13, *w13_scale, w2, *w2_scale, routing, hidden, inter, pair_rows);
+    return weighted_sum(pair_rows, tokens, weights, w_row, w_col, top_k, hidden, out);
   }
   const bool input_major = w13.stride(1) == 1 && w2.stride(1) == 1;
   visit_weight_type(w13, "w13", [&](auto type) {
     using W = decltype(type);
     if (input_major) {
       experts_input_major<W>(x, x_row, experts_of<W>(w13, w13_scale, block), experts_of<W>(w2, w2_scale, block),
-                             routing, hidden, inter, bf16_dot, pair_rows.get());
+                             routing, hidden, inter, bf16_dot, pair_rows);
     } else if constexpr (W::kScaled) {
       TORCH_CHECK(false, "FP8 experts must be stored [in, out] (model_executor/weight_layout.py)");
     } else {
-      experts_by_row_chunks<W>(x, x_row, w13, w2, routing, hidden, inter, pair_rows.get());
+      experts_by_row_chunks<W>(x, x_row, w13, w2, routing, hidden, inter, pair_rows);
     }
   });
-  weighted_sum(pair_rows.get(), tokens, weights, w_row, w_col, top_k, hidden, out);
+  weighted_sum(pair_rows, tokens, weights, w_row, w_col, top_k, hidden, out);
 }
 
 // x [T, H] float32; w13 [E, 2I, H] and w2 [E, H, I] float32, bf16 or FP8 (with w13_scale, w2_scale for `block`),
