@@ -335,19 +335,28 @@ class DecodeLayers:
         stop_ids: torch.Tensor,
         bf16_dot: int,
         greedy_head: bool | None = None,
+        wake_fd: int = -1,
     ) -> torch.Tensor:
         """Greedy decode steps back to back in the one call, each ``run_logits`` then the argmax of each row
         (``argmax_rows``): input_ids [B] -> tokens [steps run, B]. ``requests``: req_pool_indices, seq_lens and
         positions of the first step (each later step one further); ``out_cache_loc`` [steps, B]: each step's KV
         slots. The run ends after a step in which a row's token is one of its ``stop_ids`` [B, S] (int64, -1 where
-        a row has fewer). ``greedy_head``: at batch 1, each step's argmax through an int8 copy of a float32 or bf16
-        LM head and the exact logits of the rows that can be the maximum (``csrc/greedy_head.h``: the same tokens),
-        the whole head where that cannot decide; False: the whole head every step; None: ``SGLANG_CPU_GREEDY_HEAD``
-        (read every call)."""
+        a row has fewer), or after a step at whose end the file descriptor ``wake_fd`` (-1: none) is readable (the
+        scheduler's command inbox: a request arrived). ``greedy_head``: at batch 1, each step's argmax through an
+        int8 copy of a float32 or bf16 LM head and the exact logits of the rows that can be the maximum
+        (``csrc/greedy_head.h``: the same tokens), the whole head where that cannot decide; False: the whole head
+        every step; None: ``SGLANG_CPU_GREEDY_HEAD`` (read every call)."""
         if greedy_head is None:
             greedy_head = bool(envs.SGLANG_CPU_GREEDY_HEAD.get())
         return self._layers.run_greedy(
-            input_ids, state_slots, *requests, out_cache_loc, stop_ids, bf16_dot, greedy_head
+            input_ids,
+            state_slots,
+            *requests,
+            out_cache_loc,
+            stop_ids,
+            bf16_dot,
+            greedy_head,
+            wake_fd,
         )
 
     def head_argmax(

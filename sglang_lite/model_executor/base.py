@@ -22,13 +22,18 @@ class Runner(Protocol):
         ...
 
     def decode_greedy(
-        self, batch: ForwardBatch, out_cache_loc: torch.Tensor, stop_ids: torch.Tensor
+        self,
+        batch: ForwardBatch,
+        out_cache_loc: torch.Tensor,
+        stop_ids: torch.Tensor,
+        wake_fd: int = -1,
     ) -> torch.Tensor | None:
         """Greedy decode steps back to back from the decode ``batch`` (its first step) in one call, where the model
         has one (the CPU's C++ decode layers): each step's argmax the next step's input, one position further, its
         KV into the next row of ``out_cache_loc`` [steps, B]; the run ends after the step in which a row's token is
-        one of its ``stop_ids`` [B, S] (int64, -1 padding). Tokens [steps run, B]; None where there is no such
-        call (the caller steps the forwards itself)."""
+        one of its ``stop_ids`` [B, S] (int64, -1 padding), or after a step at whose end the file descriptor
+        ``wake_fd`` (-1: none; the scheduler's command inbox) is readable. Tokens [steps run, B]; None where there
+        is no such call (the caller steps the forwards itself)."""
         ...
 
     def extend_greedy(self, batch: ForwardBatch) -> torch.Tensor | None:

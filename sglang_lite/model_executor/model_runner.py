@@ -83,11 +83,15 @@ class ModelRunner:
         return self.model.forward_batch(batch, all_logits, body)
 
     def decode_greedy(
-        self, batch: ForwardBatch, out_cache_loc: torch.Tensor, stop_ids: torch.Tensor
+        self,
+        batch: ForwardBatch,
+        out_cache_loc: torch.Tensor,
+        stop_ids: torch.Tensor,
+        wake_fd: int = -1,
     ) -> torch.Tensor | None:
         if self.graph_runner is not None or self.compiled_body is not None:
             return None
-        return self.model.model.decode_greedy(batch, out_cache_loc, stop_ids)
+        return self.model.model.decode_greedy(batch, out_cache_loc, stop_ids, wake_fd)
 
     def extend_greedy(self, batch: ForwardBatch) -> torch.Tensor | None:
         return self.model.extend_greedy(batch)

@@ -173,16 +173,22 @@ class Qwen3_5Model(nn.Module):
         )
 
     def decode_greedy(
-        self, batch: ForwardBatch, out_cache_loc: torch.Tensor, stop_ids: torch.Tensor
+        self,
+        batch: ForwardBatch,
+        out_cache_loc: torch.Tensor,
+        stop_ids: torch.Tensor,
+        wake_fd: int = -1,
     ) -> torch.Tensor | None:
         """Greedy decode steps back to back from ``batch`` (the first) in the one call (``DecodeLayers.run_greedy``:
-        ``out_cache_loc`` [steps, B], ``stop_ids`` [B, S]): tokens [steps run, B]; None where ``one_call`` is."""
+        ``out_cache_loc`` [steps, B], ``stop_ids`` [B, S], ``wake_fd``): tokens [steps run, B]; None where
+        ``one_call`` is."""
         layers = self.one_call(batch)
         if layers is None:
             return None
         requests = (batch.req_pool_indices, batch.seq_lens_t, batch.positions)
         ids = (batch.input_ids, batch.state_slots)
-        return layers.run_greedy(*ids, requests, out_cache_loc, stop_ids, cpu_kernels.bf16_dot())
+        bf16_dot = cpu_kernels.bf16_dot()
+        return layers.run_greedy(*ids, requests, out_cache_loc, stop_ids, bf16_dot, wake_fd=wake_fd)
 
     def reset_decode_layers(self) -> None:
         """Forgets the built ``decode_layers`` (the blocks gathered their weights again)."""

@@ -23,6 +23,7 @@ import gc
 import json
 import logging
 import os
+import select
 import signal
 import sys
 from typing import TYPE_CHECKING
@@ -158,6 +159,22 @@ class FrontEnd:
             self.send(Fatal(dp, message))
 
 
+class InboxArrivals:
+    """Commands arriving at a rank's one inbox, as a run of decode steps watches for them (``scheduler/decode.py``'s
+    ``Arrivals``): ZMQ's file descriptor of the socket turns readable when a message arrives after the socket's
+    events were last read (edge-triggered: reading ``ZMQ_EVENTS`` re-arms it)."""
+
+    def __init__(self, inbox: zmq.Socket) -> None:
+        self.inbox = inbox
+        self.fd: int = inbox.getsockopt(zmq.FD)
+
+    def waiting(self) -> bool:
+        return bool(self.inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    def arrived(self) -> bool:
+        return bool(select.select([self.fd], [], [], 0)[0])
+
+
 class WorldLoop:
     """One process of a world: its DP rank's scheduler, stepped in step with the rest of the world."""
 
@@ -175,6 +192,9 @@ class WorldLoop:
         self.lockstep = self.state.config.attn_dp_size > 1
         self.idle_poll_ms = IDLE_POLL_MS if self.state.world_size == 1 else WORLD_POLL_MS
         self.scheduler = _create_scheduler(args, self.dp_rank)
+        if front_end is not None and self.state.world_size == 1 and len(front_end.inboxes) == 1:
+            # a rank alone: a command arriving ends its run of decode steps
+            self.scheduler.watch_arrivals(InboxArrivals(*front_end.inboxes.values()))
         self.outbox: list[Message] = []
         self.busy = False  # any rank of the world had work last round
         self.forwarding = False  # of which forwards to run

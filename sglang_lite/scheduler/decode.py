@@ -6,6 +6,7 @@ they wait again, their output so far kept for re-prefill). ``new_token_ratio`` f
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.protocol.config import SchedulerConfig
@@ -30,6 +31,21 @@ class AdmissionOrder:
         pass
 
 
+class Arrivals(Protocol):
+    """Commands arriving at the rank, as a run of decode steps watches for them (``runtime/scheduler_process.py``'s
+    inbox): a run ends at the end of the step in which one arrives, so a new request waits one step at most."""
+
+    fd: int  # a file descriptor that turns readable once a command arrives after ``waiting`` was last asked
+
+    def waiting(self) -> bool:
+        """Whether a command waits now (from then on ``fd`` turns readable when another arrives)."""
+        ...
+
+    def arrived(self) -> bool:
+        """Whether ``fd`` is readable now."""
+        ...
+
+
 class DecodeManager:
     def __init__(
         self,
@@ -48,6 +64,9 @@ class DecodeManager:
         )
         self.new_token_ratio = NewTokenRatio.from_conservativeness(config.schedule_conservativeness)
         self.num_retractions = 0
+        # the rank's arrivals (set by its loop where it has them): a run then ends at the step a command arrives,
+        # and only a run with a streaming request keeps to the time budget
+        self.arrivals: Arrivals | None = None
 
     def schedule(self, back_to_back: bool = False) -> ScheduleBatch | None:
         """The next decode batch: every running request, retracting the newest while the KV pool cannot hold the
@@ -67,14 +86,19 @@ class DecodeManager:
         return ScheduleBatch.decode(self.queues.running, steps)
 
     def _steps(self) -> int:
-        """Decode steps the running requests may run back to back: up to ``--num-continuous-decode-steps``, within
-        ``schedule_flags.RUN_BUDGET_S`` at the recent step time, none past a request's length limit, and only into
-        KV pages free now (never evicting or retracting for them)."""
+        """Decode steps the running requests may run back to back: up to ``--num-continuous-decode-steps``, none
+        past a request's length limit, and only into KV pages free now (never evicting or retracting for them);
+        one while a command waits. Within ``schedule_flags.RUN_BUDGET_S`` at the recent step time where a request
+        streams (its tokens leave after the run) or the rank has no ``arrivals`` (a request arriving meanwhile
+        waits for the run)."""
         running = self.queues.running
         if not self.step_seconds:  # the first steps: how long one takes is not known yet
             return 1
-        budget = int(schedule_flags.RUN_BUDGET_S / self.step_seconds)
-        steps = min(self.max_steps, budget, *(r.remaining_new_tokens for r in running))
+        if self.arrivals is not None and self.arrivals.waiting():
+            return 1  # taken after this step
+        steps = min(self.max_steps, *(r.remaining_new_tokens for r in running))
+        if self.arrivals is None or any(r.stream for r in running):
+            steps = min(steps, int(schedule_flags.RUN_BUDGET_S / self.step_seconds))
         if (
             steps > 1
             and self.memory.pages_needed(running, [steps] * len(running)) > self.memory.free_pages

@@ -39,7 +39,7 @@ from sglang_lite.sampling.grammar import GrammarCache, GrammarQueue, grammar_key
 from sglang_lite.sampling.logprobs import LogprobParams
 from sglang_lite.sampling.params import SamplingParams
 from sglang_lite.scheduler.batch import ScheduleBatch
-from sglang_lite.scheduler.decode import AdmissionOrder, DecodeManager
+from sglang_lite.scheduler.decode import AdmissionOrder, Arrivals, DecodeManager
 from sglang_lite.scheduler.faults import (
     MemoryFailures,
     RankBroken,
@@ -59,6 +59,7 @@ from sglang_lite.scheduler.queues import RequestQueues
 from sglang_lite.scheduler.request import FinishReason, Req, ReqStatus
 from sglang_lite.scheduler.sampling import StepSampler
 from sglang_lite.scheduler.speculative import create_speculation
+from sglang_lite.scheduler.speculative.null import NullSpeculation
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,13 @@ class Scheduler:
                 self.ender.fail(req, error)
         self.queues.drop_finished()
         return True
+
+    def watch_arrivals(self, arrivals: Arrivals) -> None:
+        """Commands arriving at the rank (its loop's inbox) end a run of decode steps at the step they arrive in, and
+        runs without a streaming request go on past the time budget (``DecodeManager._steps``)."""
+        self.decode.arrivals = arrivals
+        if isinstance(self.speculation, NullSpeculation):
+            self.speculation.arrivals = arrivals
 
     # ---- the loop -----------------------------------------------------------------------------------------------
     def poll(self) -> None:

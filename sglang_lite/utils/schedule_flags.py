@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 CPU_DECODE_STEPS = 8
-# a run of steps ends before its expected time passes this (a request arriving meanwhile waits for the run)
+# a run of steps in which a request streams (its tokens leave after the run) ends before its expected time passes
+# this; so does every run where the rank cannot watch for arriving requests (one arriving meanwhile waits for it)
 RUN_BUDGET_S = 0.02
 HELP = {
     "chunked_prefill_size": "Longest prefill chunk of one request in tokens; <= 0 disables chunking. With "
@@ -17,8 +18,9 @@ HELP = {
     "stream_interval": "Stream outputs every this many decode tokens.",
     "num_continuous_decode_steps": "Decode steps run back to back without scheduling between them while no "
     "request waits (SGLang's flag): each step samples and appends as alone, a run ends early when a request "
-    "finishes or would pass ~20 ms, and its outputs leave after it. Spares each step's scheduling and batch "
-    "building, and on the CPU runs greedy steps in one C++ call; a request arriving meanwhile waits for the run. "
+    "finishes or a command arrives (a new request waits one step), and, while a request streams, before ~20 ms "
+    "pass; its outputs leave after it. Spares each step's scheduling and batch building, and on the CPU runs "
+    "greedy steps in one C++ call. "
     "Used on a rank that runs a whole model without speculation or PD; 1: off; default: "
     f"{CPU_DECODE_STEPS} on the CPU, 1 on GPUs.",
 }

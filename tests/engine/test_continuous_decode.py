@@ -4,6 +4,9 @@ on the CPU run greedy batches in one C++ call (``Runner.decode_greedy``)."""
 
 from __future__ import annotations
 
+import os
+import select
+
 import pytest
 
 from sglang_lite.protocol.outputs import join_outputs
@@ -202,3 +205,61 @@ def test_where_steps_run_back_to_back(overrides, steps):
 def test_a_bad_step_count_is_refused():
     with pytest.raises(ValueError, match="num_continuous_decode_steps"):
         ServerArgs(num_continuous_decode_steps=0)
+
+
+class PipeArrivals:
+    """``Arrivals`` (scheduler/decode.py) over a pipe: a command waits while the pipe holds a byte."""
+
+    def __init__(self) -> None:
+        self.fd, self.write_end = os.pipe()
+
+    def waiting(self) -> bool:
+        return self.arrived()
+
+    def arrived(self) -> bool:
+        return bool(select.select([self.fd], [], [], 0)[0])
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.close(self.write_end)
+
+
+def test_runs_watching_arrivals_keep_the_budget_only_while_a_request_streams(
+    schedulers, monkeypatch
+):
+    """Where the rank watches for arriving commands, a run without a streaming request goes past the time budget
+    (up to the flag's steps), one with a streaming request keeps to it, and every run is one step while a command
+    waits; each gives the reference's tokens."""
+    reference = schedulers["reference"]
+    runs = create_scheduler(ServerArgs(**ARGS, num_continuous_decode_steps=8))
+    arrivals = PipeArrivals()
+    runs.watch_arrivals(arrivals)
+    monkeypatch.setattr(
+        schedule_flags, "RUN_BUDGET_S", 1e-9
+    )  # a budget of no steps: one a run where it applies
+    steps = []
+    real = runs.runner.decode_greedy
+
+    def counted(*args):
+        tokens = real(*args)
+        steps.append(len(tokens))
+        return tokens
+
+    monkeypatch.setattr(runs.runner, "decode_greedy", counted)
+    try:
+        cases = {"long": requests(runs.config.vocab_size)["long"]}  # 30 new tokens
+        want, _ = serve(reference, {rid: (p, dict(params)) for rid, (p, params) in cases.items()})
+        for stream, waiting, longest in ((False, False, 8), (True, False, 1), (False, True, 1)):
+            if waiting:
+                os.write(arrivals.write_end, b"x")
+            steps.clear()
+            for rid, (prompt, params) in cases.items():
+                runs.add_request(rid, prompt, dict(params), stream=stream)
+            outputs = {}
+            while runs.has_work:
+                for out in runs.step():
+                    outputs.setdefault(out.rid, []).append(out)
+            same({rid: join_outputs(outs) for rid, outs in outputs.items()}, want)
+            assert max(steps) == longest, (stream, waiting, steps)
+    finally:
+        arrivals.close()

@@ -6,6 +6,7 @@ of different lengths."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -272,7 +273,7 @@ def test_one_call_names_a_token_outside_the_vocabulary(dtype):
         layers.run_logits(torch.tensor([3, 9]), torch.zeros(2, dtype=torch.int64), requests, 1)
 
 
-def _greedy_run(model: torch.nn.Module, stop_at: tuple[int, int] | None = None):
+def _greedy_run(model: torch.nn.Module, stop_at: tuple[int, int] | None = None, wake_fd: int = -1):
     """``_run``'s prefill, then its STEPS greedy decode steps in one ``decode_greedy`` call (KV slots for every step
     allocated first); with ``stop_at`` (step, request), that request's token of that step is its stop id. The
     tokens [steps run, 3], the pools, and each request's keys of the first attention layer in position order."""
@@ -298,7 +299,7 @@ def _greedy_run(model: torch.nn.Module, stop_at: tuple[int, int] | None = None):
     if stop_at is not None:
         step, request = stop_at
         stop_ids[request, 0] = _greedy_run(model)[0][step, request]
-    got = model.model.decode_greedy(batch, out_cache_loc, stop_ids)
+    got = model.model.decode_greedy(batch, out_cache_loc, stop_ids, wake_fd)
     keys = [
         pools.kv.k_buffers[0][pools.req_to_token.slots(row, 0, n + len(got))]
         for row, n in zip(rows, PROMPT_LENS)
@@ -326,6 +327,18 @@ def test_greedy_steps_in_one_call_equal_a_call_a_step(tmp_path, kind):
     assert all(torch.equal(g, w) for g, w in zip(keys, want_keys))
     stopped, _, _ = _greedy_run(model, stop_at=(1, 2))
     assert torch.equal(stopped, want[:2])
+    # the scheduler's inbox as a pipe: while it has nothing to read the run goes on; once it has (a command
+    # arrived), the run ends after the step in which it is found
+    read_end, write_end = os.pipe()
+    try:
+        quiet, _, _ = _greedy_run(model, wake_fd=read_end)
+        assert torch.equal(quiet, want)
+        os.write(write_end, b"x")
+        woken, _, _ = _greedy_run(model, wake_fd=read_end)
+        assert torch.equal(woken, want[:1])
+    finally:
+        os.close(read_end)
+        os.close(write_end)
     ids = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="stop_ids"):  # [S], not [B, S]
         cpu.DecodeLayers().run_greedy(ids, ids, (ids,) * 3, ids.view(1, 1), ids, 1)

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <functional>
 #include <numeric>
+#include <poll.h>
 #include <tuple>
 #include <vector>
 
@@ -638,6 +639,13 @@ at::Tensor embedded_rows(const at::Tensor& embedding, const at::Tensor& ids) {
   return out;
 }
 
+// Whether `fd` (-1: none) can be read now, without waiting: one poll(2), ~1 us.
+bool readable(int64_t fd) {
+  if (fd < 0) return false;
+  pollfd watched{static_cast<int>(fd), POLLIN, 0};
+  return ::poll(&watched, 1, 0) > 0 && (watched.revents & (POLLIN | POLLHUP | POLLERR)) != 0;
+}
+
 // t + 1 in place, for a decode loop's own copy of its lengths or positions (int64 or int32, contiguous): the
 // dispatched add took a few microseconds a step.
 void add_one(at::Tensor& t) {
@@ -745,14 +753,15 @@ class DecodeLayers : public torch::CustomClassHolder {
 
   // Greedy decode steps back to back, each as run_logits followed by argmax_rows: a step's tokens are the next
   // step's input, one position further, their KV into the next row of out_cache_loc [steps, B]. Ends after the
-  // step in which a row's token is one of its stop ids (stop_ids [B, S], -1 where a row has fewer), or after
-  // every row of out_cache_loc. Returns the tokens [steps run, B]. `greedy_head`: a few rows' argmax
+  // step in which a row's token is one of its stop ids (stop_ids [B, S], -1 where a row has fewer), after a step
+  // at whose end `wake_fd` (a file descriptor, -1: none) is readable (the scheduler's inbox: a command arrived),
+  // or after every row of out_cache_loc. Returns the tokens [steps run, B]. `greedy_head`: a few rows' argmax
   // found through GreedyHead (greedy_head.h: the same tokens, reading an int8 copy of a float32 or bf16 head, built
   // on first use, and the few rows that can be the maximum) where it decides every row; the whole head's logits
   // where it does not.
   at::Tensor run_greedy(at::Tensor input_ids, at::Tensor state_slots, at::Tensor req_pool_indices,
                         at::Tensor seq_lens, at::Tensor positions, at::Tensor out_cache_loc, at::Tensor stop_ids,
-                        int64_t bf16_dot, bool greedy_head) {
+                        int64_t bf16_dot, bool greedy_head, int64_t wake_fd) {
     const int64_t steps = out_cache_loc.size(0), rows = input_ids.size(0);
     TORCH_CHECK(out_cache_loc.dim() == 2 && out_cache_loc.size(1) == rows && stop_ids.dim() == 2 &&
                     stop_ids.size(0) == rows && stop_ids.scalar_type() == at::kLong && stop_ids.is_contiguous(),
@@ -775,7 +784,7 @@ class DecodeLayers : public torch::CustomClassHolder {
       for (int64_t r = 0; r < rows && !stopped; ++r) {
         for (int64_t s = 0; s < width; ++s) stopped |= stops[r * width + s] == picked[r];
       }
-      if (stopped) return tokens.narrow(0, 0, j + 1);
+      if (stopped || (j + 1 < steps && readable(wake_fd))) return tokens.narrow(0, 0, j + 1);
       ids = next;
       add_one(seq_lens);
       add_one(positions);

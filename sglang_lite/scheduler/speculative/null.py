@@ -9,6 +9,7 @@ from sglang_lite.mem_cache.pools import ModelPools
 from sglang_lite.mem_cache.request_memory import RequestMemory
 from sglang_lite.model_executor import Runner
 from sglang_lite.scheduler.batch import ScheduleBatch
+from sglang_lite.scheduler.decode import Arrivals
 from sglang_lite.scheduler.output import OutputProcessor
 from sglang_lite.scheduler.request import Req
 from sglang_lite.scheduler.speculative.base import SpecStats
@@ -31,6 +32,8 @@ class NullSpeculation:
         self.output = output
         self.device = device
         self.stats = SpecStats()
+        # the rank's arrivals (scheduler/decode.py), set with the decode manager's: a run ends at the step one comes
+        self.arrivals: Arrivals | None = None
 
     def tokens_per_step(self, req: Req) -> int:
         return 1
@@ -63,7 +66,8 @@ class NullSpeculation:
     def _run_steps(self, batch: ScheduleBatch, kv_slots: list[int]) -> None:
         """``batch.steps`` decode steps back to back (``--num-continuous-decode-steps``), the forward batch carried
         from step to step: each step samples and appends as a step alone, and the run ends after a step in which a
-        request finished (or failed), so that no request computes past its end. ``kv_slots``: each request's slots
+        request finished (or failed), so that no request computes past its end, or in which a command arrived
+        (``arrivals``). ``kv_slots``: each request's slots
         of every step, request after request; those of the steps not run are freed. ``batch.steps`` becomes the
         steps that ran."""
         reqs, steps = batch.reqs, batch.steps
@@ -87,7 +91,9 @@ class NullSpeculation:
                 ran = j + 1
                 batch.advance()
                 self.output.process(batch, logits)
-                if any(r.finished for r in reqs):
+                if any(r.finished for r in reqs) or (
+                    self.arrivals is not None and self.arrivals.arrived()
+                ):
                     break
         finally:
             self.memory.free_kv([slot for slots in per_step[ran:] for slot in slots])
@@ -106,11 +112,13 @@ class NullSpeculation:
         width = max(1, *(len(ids) for ids in stops))
         padded = [i for ids in stops for i in ids + [-1] * (width - len(ids))]
         slots = [slot for step in per_step for slot in step]
+        wake_fd = self.arrivals.fd if self.arrivals is not None else -1
         with torch.inference_mode():
             tokens = self.runner.decode_greedy(
                 forward_batch,
                 host_ints(slots, torch.int64, self.device).view(len(per_step), len(reqs)),
                 host_ints(padded, torch.int64, self.device).view(len(reqs), width),
+                wake_fd,
             )
         if tokens is None:
             return 0
