@@ -639,7 +639,7 @@ at::Tensor embedded_rows(const at::Tensor& embedding, const at::Tensor& ids) {
   return out;
 }
 
-// Whether `fd` (-1: none) can be read now, without waiting: one poll(2), ~1 us.
+// Whether `fd` (-1: none) can be read now, without waiting: one poll(2) (~0.4 us on a pipe, a Zen 4 host).
 bool readable(int64_t fd) {
   if (fd < 0) return false;
   pollfd watched{static_cast<int>(fd), POLLIN, 0};

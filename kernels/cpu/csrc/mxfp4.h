@@ -290,11 +290,12 @@ inline void scale_entries(const Matrix& w, int64_t n, ScaleEntry* out) {
 // eight).
 template <int R, size_t... J>
 inline vreg rearranged_register(const float* x, std::index_sequence<J...>) {
-  constexpr int64_t first = std::min({k_at(kLanes * R + static_cast<int64_t>(J))...}) / kLanes;
-  static_assert(std::max({k_at(kLanes * R + static_cast<int64_t>(J))...}) < (first + 2) * kLanes,
+  constexpr int64_t ks[] = {k_at(kLanes * R + static_cast<int64_t>(J))...};  // the register's positions' k
+  constexpr int64_t first = *std::min_element(ks, ks + kLanes) / kLanes;
+  static_assert(*std::max_element(ks, ks + kLanes) < (first + 2) * kLanes,
                 "a register's positions span at most two registers of x");
   const vreg a = load_reg(x + first * kLanes), b = load_reg(x + (first + 1) * kLanes);
-  return __builtin_shufflevector(a, b, static_cast<int>(k_at(kLanes * R + static_cast<int64_t>(J)) - first * kLanes)...);
+  return __builtin_shufflevector(a, b, static_cast<int>(ks[J] - first * kLanes)...);
 }
 
 template <size_t... R>

@@ -67,9 +67,8 @@ class NullSpeculation:
         """``batch.steps`` decode steps back to back (``--num-continuous-decode-steps``), the forward batch carried
         from step to step: each step samples and appends as a step alone, and the run ends after a step in which a
         request finished (or failed), so that no request computes past its end, or in which a command arrived
-        (``arrivals``). ``kv_slots``: each request's slots
-        of every step, request after request; those of the steps not run are freed. ``batch.steps`` becomes the
-        steps that ran."""
+        (``arrivals``). ``kv_slots``: each request's slots of every step, request after request; those of the steps
+        not run are freed. ``batch.steps`` becomes the steps that ran."""
         reqs, steps = batch.reqs, batch.steps
         per_step = [kv_slots[j::steps] for j in range(steps)]
         forward_batch = batch.forward_batch(self.pools, self.device, per_step[0])
