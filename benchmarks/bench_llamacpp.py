@@ -53,7 +53,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_offline import MID, _model_config, random_prompts  # noqa: E402
-from llamacpp_build import ISAS, BuildError, LlamaCpp, ensure_llamacpp, host_cpu  # noqa: E402
+from llamacpp_build import (  # noqa: E402
+    ISAS,
+    BuildError,
+    LlamaCpp,
+    ensure_llamacpp,
+    host_cpu,
+    host_has_amx,
+)
 from llamacpp_quant import PRE_TOKENIZER, WEIGHTS, Sides, prepare  # noqa: E402
 
 from sglang_lite.kernels import cpu as cpu_kernels  # noqa: E402
@@ -277,8 +284,13 @@ def main() -> None:
     print(f"GGUF types compared: {', '.join(sides.ggufs)}")
     for line in sides.contents:
         print(f"  {line}")
+    amx = (
+        " without AMX (its AMX path crashes at 0.3.36)"
+        if args.isa == "native" and host_has_amx()
+        else ""
+    )
     print(
-        f"ISAs compared: sglang_lite {cpu_kernels.describe_isa()}, llama.cpp {args.isa} build; {host_cpu()}"
+        f"ISAs compared: sglang_lite {cpu_kernels.describe_isa()}, llama.cpp {args.isa} build{amx}; {host_cpu()}"
     )
 
 

@@ -5,7 +5,10 @@ its GGUF converter and ``gguf-py``), cached under the user's cache folder, and t
 
 One build per ISA: ``native`` (``-DGGML_NATIVE=ON``: every extension of this CPU), ``avx2`` (x86-64-v3: AVX2, FMA,
 F16C, BMI2, no AVX-512, so that an AVX-512 host measures what an AVX2-only CPU runs) and ``avx512`` (x86-64-v4
-plus what this CPU has of AVX512-BF16/VNNI), the same targets as ``SGLANG_CPU_ISA`` forces on our kernels.
+plus what this CPU has of AVX512-BF16/VNNI), the same targets as ``SGLANG_CPU_ISA`` forces on our kernels. On a CPU
+with AMX the native build leaves AMX out (``-mno-amx-*``, folder ``build-noamx``): llama.cpp 0.3.36's AMX matrix
+product (``ggml_backend_amx_mul_mat``) dies with SIGSEGV on these models' Q8_0 and Q4_0 tensors (a Xeon with
+amx_int8, 2026-12-08), while the build without it keeps its repacked AVX-512 paths and runs.
 
 The build needs cmake and a C++ compiler; without them it stops with a message saying which is missing. The sdist
 is fetched with pip (``pip download --no-binary :all:``) the first time, into the same cache folder.
@@ -25,6 +28,8 @@ DEFAULT_VERSION = "0.3.36"
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
 ISAS = ("native", "avx2", "avx512")
 _X86_V3 = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON"]
+# GCC keeps an explicit -mno-X over what -march=native implies, wherever ggml puts the -march
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 _ISA_OPTIONS = {
     "native": ["-DGGML_NATIVE=ON"],
     "avx2": ["-DGGML_NATIVE=OFF", *_X86_V3, "-DGGML_AVX512=OFF"],
@@ -71,7 +76,7 @@ def ensure_llamacpp(version: str = DEFAULT_VERSION, jobs: int = 2, isa: str = "n
     if isa not in ISAS:
         raise BuildError(f"isa must be one of {ISAS}, got {isa!r}")
     root = cache_dir(version)
-    build = os.path.join(root, "build" if isa == "native" else f"build-{isa}")
+    build = os.path.join(root, _build_folder(isa))
     built = LlamaCpp(
         os.path.join(root, "src", "vendor", "llama.cpp"), os.path.join(build, "bin"), version
     )
@@ -100,10 +105,28 @@ def _build(built: LlamaCpp, build: str, isa: str, targets: list[str], jobs: int)
         raise BuildError(f"the llama.cpp build finished without {missing} in {built.bin_dir}")
 
 
+def host_has_amx() -> bool:
+    """Whether /proc/cpuinfo lists AMX (the native build then leaves it out: see the module docstring)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_tile" in flags
+
+
+def _build_folder(isa: str) -> str:
+    if isa != "native":
+        return f"build-{isa}"
+    return "build-noamx" if host_has_amx() else "build"
+
+
 def _cmake_options(isa: str) -> list[str]:
+    no_amx = [f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"]
     return [
         "-DCMAKE_BUILD_TYPE=Release",
         *_ISA_OPTIONS[isa],
+        *(no_amx if isa == "native" and host_has_amx() else []),
         "-DLLAMA_CURL=OFF",
         "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -175,7 +198,10 @@ def main() -> None:
         built = ensure_llamacpp(args.version, args.jobs, args.isa)
     except BuildError as exc:
         raise SystemExit(f"llama.cpp: {exc}") from None
-    print(f"llama.cpp {built.version} ({args.isa}): {built.bin_dir} (converter {built.converter})")
+    amx = " without AMX" if args.isa == "native" and host_has_amx() else ""
+    print(
+        f"llama.cpp {built.version} ({args.isa}{amx}): {built.bin_dir} (converter {built.converter})"
+    )
 
 
 if __name__ == "__main__":
