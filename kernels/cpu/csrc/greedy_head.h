@@ -38,8 +38,9 @@ class GreedyHead {
  public:
   // More candidates than this and the head is read whole (an x that separates no logits).
   static constexpr int64_t kMaxCandidates = 64;
-  // Weight rows decide() asks for ahead of the one it reads.
-  static constexpr int64_t kAheadRows = 8;
+  // Weight rows decide() asks for ahead of the one it reads, and the parts of K it reads in parallel at most.
+  static constexpr int64_t kAheadRows = 16;
+  static constexpr int64_t kMaxParts = 8;
   // |p.q| <= 127 * 127 * K stays below 2^31 (P at least 127)
   static constexpr int64_t kMaxK = 131072;
 
@@ -200,32 +201,51 @@ class GreedyHead {
     }
     if (count == 0) return -1;
     const bool bf16 = head_w.scalar_type() == at::kBFloat16;
-    double sum[kMaxCandidates] = {}, magnitude[kMaxCandidates] = {};
     const int64_t s0 = head_w.stride(0), s1 = head_w.stride(1);
     const uint16_t* w16 = bf16 ? static_cast<const uint16_t*>(head_w.data_ptr()) : nullptr;
     const float* w32 = bf16 ? nullptr : head_w.data_ptr<float>();
     // a head stored [in, out] has each candidate's weights a whole row apart: a cache line from memory for each
-    // product, each waited for in turn unless asked for ahead. The big shape's 32000 x 1024 bf16 head, MXFP4 decode
-    // on 2 Zen 3 threads (perf, 25 kHz): this loop, on the calling thread with the other idle, held 1.2% of its samples
-    // in stretches, ~40 of them over 1 ms in 2 s (~115 steps at 17.6 ms under perf); asked for 8 rows ahead, 0.5%.
+    // product, each waited for in turn unless asked for ahead (into L2: the lines are many and each read once). The
+    // products are exact in double and their sums far inside the margins, so K is cut into fixed parts, one a
+    // thread, their sums added in part order: every thread's misses in flight, the same token.
     const auto address = [&](int64_t c, int64_t k) -> const void* {
       const int64_t offset = candidates[c] * s0 + k * s1;
       return bf16 ? static_cast<const void*>(w16 + offset) : static_cast<const void*>(w32 + offset);
     };
-    for (int64_t k = 0; k < std::min(K, kAheadRows); ++k) {
-      for (int64_t c = 0; c < count; ++c) __builtin_prefetch(address(c, k), 0, 0);
-    }
-    for (int64_t k = 0; k < K; ++k) {
-      const double xk = x[k], xr = bf16_to_float(float_to_bf16(x[k]));
-      if (k + kAheadRows < K) {
-        for (int64_t c = 0; c < count; ++c) __builtin_prefetch(address(c, k + kAheadRows), 0, 0);
+    const int64_t parts = std::clamp<int64_t>(at::get_num_threads(), 1, kMaxParts);
+    double part_sum[kMaxParts][kMaxCandidates], part_magnitude[kMaxParts][kMaxCandidates];
+    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t part = begin; part < end; ++part) {
+        const int64_t k0 = K * part / parts, k1 = K * (part + 1) / parts;
+        double* sum = part_sum[part];
+        double* magnitude = part_magnitude[part];
+        std::fill_n(sum, count, 0.0);
+        std::fill_n(magnitude, count, 0.0);
+        for (int64_t k = k0; k < std::min(k1, k0 + kAheadRows); ++k) {
+          for (int64_t c = 0; c < count; ++c) __builtin_prefetch(address(c, k), 0, 2);
+        }
+        for (int64_t k = k0; k < k1; ++k) {
+          const double xk = x[k], xr = bf16_to_float(float_to_bf16(x[k]));
+          if (k + kAheadRows < k1) {
+            for (int64_t c = 0; c < count; ++c) __builtin_prefetch(address(c, k + kAheadRows), 0, 2);
+          }
+          for (int64_t c = 0; c < count; ++c) {
+            const int64_t offset = candidates[c] * s0 + k * s1;
+            const double product = (candidates[c] < dot_columns ? xr : xk) *
+                                   (bf16 ? static_cast<double>(bf16_to_float(w16[offset])) : w32[offset]);
+            sum[c] += product;
+            magnitude[c] += std::fabs(product);
+          }
+        }
       }
-      for (int64_t c = 0; c < count; ++c) {
-        const int64_t offset = candidates[c] * s0 + k * s1;
-        const double product = (candidates[c] < dot_columns ? xr : xk) *
-                               (bf16 ? static_cast<double>(bf16_to_float(w16[offset])) : w32[offset]);
-        sum[c] += product;
-        magnitude[c] += std::fabs(product);
+    });
+    double sum[kMaxCandidates], magnitude[kMaxCandidates];
+    for (int64_t c = 0; c < count; ++c) {
+      sum[c] = part_sum[0][c];
+      magnitude[c] = part_magnitude[0][c];
+      for (int64_t part = 1; part < parts; ++part) {
+        sum[c] += part_sum[part][c];
+        magnitude[c] += part_magnitude[part][c];
       }
     }
     int64_t winner = 0;  // the first of equal values, as argmax_rows
