@@ -71,7 +71,9 @@ int64_t split_k_parts(int64_t K) { return std::max<int64_t>(1, std::min<int64_t>
 // Weights of fewer elements than this run one row's parts of K on the calling thread, one after another (the same
 // sums): split over two Zen 3 threads, a bf16 256 x 512 weight (a mid shape's out_proj) took 14.9 us against 9.7 on
 // one, and 768 x 256 17.0 against 15.8; 2048 x 256 31.8 against 39.6 (through the op, less its ~6 us dispatch;
-// docs/performance.md).
+// docs/performance.md). Not a router (narrower than kSplitKColumns, here from kNarrowSplitKElements on): read once a
+// step, after the rest of its layer, it comes from memory, where one thread reads at half the pair's speed (a Xeon,
+// the big shape's float32 64 x 1024 router cold: 31.7 us on one thread, 21-24 on two; in cache 9 against 8-11).
 constexpr int64_t kSplitKSerialElements = 256 * 1024;
 
 // `planes`: the weight's 12-bit copy (bf16_planes.h; bf16 weights only), read for the columns it holds in place of the
@@ -84,7 +86,7 @@ void one_row_split_k(const float* x, int64_t K, const typename W::T* w, int64_t 
   thread_local std::vector<float> sums;
   if (static_cast<int64_t>(sums.size()) < parts * n16) sums.resize(parts * n16);
   float* partial = sums.data();
-  const bool serial = N * K < kSplitKSerialElements;
+  const bool serial = N >= kSplitKColumns && N * K < kSplitKSerialElements;
   at::parallel_for(0, parts, serial ? parts : 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t k0 = K * p / parts, k1 = K * (p + 1) / parts;
