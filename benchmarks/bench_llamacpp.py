@@ -59,7 +59,7 @@ from llamacpp_build import (  # noqa: E402
     LlamaCpp,
     ensure_llamacpp,
     host_cpu,
-    host_has_amx,
+    leaves_out_amx,
 )
 from llamacpp_quant import PRE_TOKENIZER, WEIGHTS, Sides, prepare  # noqa: E402
 
@@ -284,11 +284,7 @@ def main() -> None:
     print(f"GGUF types compared: {', '.join(sides.ggufs)}")
     for line in sides.contents:
         print(f"  {line}")
-    amx = (
-        " without AMX (its AMX path crashes at 0.3.36)"
-        if args.isa == "native" and host_has_amx()
-        else ""
-    )
+    amx = " without AMX (its AMX path crashes at 0.3.36)" if leaves_out_amx(args.isa) else ""
     print(
         f"ISAs compared: sglang_lite {cpu_kernels.describe_isa()}, llama.cpp {args.isa} build{amx}; {host_cpu()}"
     )

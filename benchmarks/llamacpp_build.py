@@ -24,6 +24,8 @@ import sys
 import tarfile
 from dataclasses import dataclass
 
+from sglang_lite.kernels.cpu import cpu_flags
+
 DEFAULT_VERSION = "0.3.36"
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
 ISAS = ("native", "avx2", "avx512")
@@ -105,20 +107,15 @@ def _build(built: LlamaCpp, build: str, isa: str, targets: list[str], jobs: int)
         raise BuildError(f"the llama.cpp build finished without {missing} in {built.bin_dir}")
 
 
-def host_has_amx() -> bool:
-    """Whether /proc/cpuinfo lists AMX (the native build then leaves it out: see the module docstring)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_tile" in flags
+def leaves_out_amx(isa: str) -> bool:
+    """Whether the build for ``isa`` leaves AMX out: the native one on a CPU with AMX (see the module docstring)."""
+    return isa == "native" and "amx_tile" in cpu_flags()
 
 
 def _build_folder(isa: str) -> str:
     if isa != "native":
         return f"build-{isa}"
-    return "build-noamx" if host_has_amx() else "build"
+    return "build-noamx" if leaves_out_amx(isa) else "build"
 
 
 def _cmake_options(isa: str) -> list[str]:
@@ -126,7 +123,7 @@ def _cmake_options(isa: str) -> list[str]:
     return [
         "-DCMAKE_BUILD_TYPE=Release",
         *_ISA_OPTIONS[isa],
-        *(no_amx if isa == "native" and host_has_amx() else []),
+        *(no_amx if leaves_out_amx(isa) else []),
         "-DLLAMA_CURL=OFF",
         "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -198,7 +195,7 @@ def main() -> None:
         built = ensure_llamacpp(args.version, args.jobs, args.isa)
     except BuildError as exc:
         raise SystemExit(f"llama.cpp: {exc}") from None
-    amx = " without AMX" if args.isa == "native" and host_has_amx() else ""
+    amx = " without AMX" if leaves_out_amx(args.isa) else ""
     print(
         f"llama.cpp {built.version} ({args.isa}{amx}): {built.bin_dir} (converter {built.converter})"
     )

@@ -43,6 +43,7 @@ from .build import (  # noqa: F401 - the package's build interface
     _build_and_load,
     available,
     build_directory,
+    cpu_flags,
     describe_isa,
     enabled,
     isa,

@@ -58,7 +58,7 @@ def isa() -> str:
     if chosen == "native":
         return chosen
     march, needed = ISA_TARGETS[chosen]
-    flags = set(_cpu_features().partition(":")[2].split())
+    flags = cpu_flags()
     missing = [f for f in needed if f not in flags]
     if missing:
         raise ValueError(
@@ -72,7 +72,7 @@ def describe_isa() -> str:
     chosen = isa()
     if chosen != "native":
         return f"{chosen} (-march={ISA_TARGETS[chosen][0]}, SGLANG_CPU_ISA)"
-    flags = set(_cpu_features().partition(":")[2].split())
+    flags = cpu_flags()
     reached = [name for name in ("avx512_bf16", "avx512f", "avx2", "asimd") if name in flags]
     return f"native (-march=native: {reached[0] if reached else 'no vector extension known to the kernels'})"
 
@@ -200,6 +200,12 @@ def _build_key(source_dir: str) -> str:
     )
     digest.update(_cpu_features().encode())
     return digest.hexdigest()[:16]
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (x86 ``flags``, aarch64 ``Features``); empty where it
+    cannot be read."""
+    return set(_cpu_features().partition(":")[2].split())
 
 
 def _cpu_features() -> str:

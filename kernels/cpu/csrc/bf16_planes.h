@@ -66,7 +66,7 @@ class Bf16Planes {
   static constexpr bool kPays = SGL_PLANES_AVX512;
   // How many chunks ahead of the one it decodes a group's bytes are asked for, into L2 (locality 2). The
   // non-temporal hint (locality 0) this took before cost an Intel Xeon (AVX-512, AMX; 2 threads) a quarter of its
-  // big-shape MXFP4 decode: 19.3 against 14.7 ms a token by medians, 8 alternating pairs in one process (the planes
+  // big-shape MXFP4 decode: 19.3 against 14.7 ms a token by medians, 8 alternating rounds in one process (the planes
   // were then slower than the bf16 weights: 18.5 against 15-16 ms); 16 chunks ahead read 15.0 ms, 4 15.5, locality
   // 3 15.9. Zen 4, where the hint was chosen, not measured again.
   static constexpr int64_t kAheadChunks = 8;

@@ -73,7 +73,7 @@ int64_t split_k_parts(int64_t K) { return std::max<int64_t>(1, std::min<int64_t>
 // one, and 768 x 256 17.0 against 15.8; 2048 x 256 31.8 against 39.6 (through the op, less its ~6 us dispatch;
 // docs/performance.md). Not a router (narrower than kSplitKColumns, here from kNarrowSplitKElements on): read once a
 // step, after the rest of its layer, it comes from memory, where one thread reads at half the pair's speed (a Xeon,
-// the big shape's float32 64 x 1024 router cold: 31.7 us on one thread, 21-24 on two; in cache 9 against 8-11).
+// the big shape's float32 64 x 1024 router cold: 31.7 us on one thread, 21-25 on two; in cache 9 against 8-11).
 constexpr int64_t kSplitKSerialElements = 256 * 1024;
 
 // `planes`: the weight's 12-bit copy (bf16_planes.h; bf16 weights only), read for the columns it holds in place of the
